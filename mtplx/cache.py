@@ -1,0 +1,325 @@
+"""A batch cache where every row has its own length, so rows can commit different token counts.
+
+mlx-lm's caches share one write position across the batch (left padding). Speculative rounds
+accept a different number of tokens per row, so here each row keeps its own length: a forward
+writes its L new entries at each row's own offset, attention masks out everything past a
+row's length, and `commit(counts)` moves each row's length forward by what it accepted.
+Rejected entries are simply left past the row's length and overwritten later: rollback of
+attention KV is free and nothing is copied.
+
+Recurrent (Gated DeltaNet) layers cannot be rolled back by moving an index, so during a
+verify forward they capture their state after every position (`capture_backend="gdn"`), and
+`commit` picks each row's state at its accepted position.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+CAPACITY_STEP = 256
+
+
+def round_up(n: int, step: int) -> int:
+    return max(step, -(-n // step) * step)
+
+
+class RowLengths:
+    """Per-row committed lengths, kept on the host (for scheduling) and on the device (for rope)."""
+
+    def __init__(self, lengths: Sequence[int]):
+        self.host = np.asarray(lengths, dtype=np.int64)
+        self.device = mx.array(self.host, dtype=mx.int32)
+
+    def set(self, lengths):
+        self.host = np.asarray(lengths, dtype=np.int64)
+        self.device = mx.array(self.host, dtype=mx.int32)
+
+    @property
+    def max(self) -> int:
+        return int(self.host.max()) if self.host.size else 0
+
+
+class RowKVCache:
+    """Attention KV for a batch of rows of different lengths (one layer)."""
+
+    def __init__(self, lengths: RowLengths):
+        self.rows = lengths
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        # Set by the caller for one forward: how many key positions attention reads.
+        self.attend_len: Optional[int] = None
+
+    # -- what mlx-lm model code calls ---------------------------------------------------------
+    @property
+    def offset(self) -> mx.array:
+        return self.rows.device
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        B, H, L, _ = keys.shape
+        if self.attend_len is None:
+            self._ensure_capacity(B, keys, values, self.rows.max + L)
+        pos = (self.rows.device[:, None] + mx.arange(L, dtype=mx.int32))[:, None, :, None]
+        self.keys = mx.put_along_axis(
+            self.keys, mx.broadcast_to(pos, keys.shape), keys, axis=2
+        )
+        self.values = mx.put_along_axis(
+            self.values, mx.broadcast_to(pos, values.shape), values, axis=2
+        )
+        n = self.attend_len or (self.rows.max + L)
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        n = self.attend_len or (self.rows.max + N)
+        query_pos = self.rows.device[:, None] + mx.arange(N, dtype=mx.int32)  # [B, N]
+        key_pos = mx.arange(n, dtype=mx.int32)
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]
+        if window_size is not None:
+            mask = mask & (key_pos[None, None, :] > query_pos[:, :, None] - window_size)
+        return mask[:, None]  # [B, 1, N, n]
+
+    def is_trimmable(self):
+        return True
+
+    # -- batch bookkeeping ----------------------------------------------------------------------
+    def _ensure_capacity(self, B, keys, values, need):
+        if self.keys is None:
+            cap = round_up(need, CAPACITY_STEP)
+            self.keys = mx.zeros((B, keys.shape[1], cap, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((B, values.shape[1], cap, values.shape[3]), values.dtype)
+        elif need > self.keys.shape[2]:
+            grow = round_up(need - self.keys.shape[2], CAPACITY_STEP)
+            self.keys = mx.concatenate([self.keys, mx.zeros(self.keys.shape[:2] + (grow,) + self.keys.shape[3:], self.keys.dtype)], axis=2)
+            self.values = mx.concatenate([self.values, mx.zeros(self.values.shape[:2] + (grow,) + self.values.shape[3:], self.values.dtype)], axis=2)
+
+    def state_arrays(self):
+        return [self.keys, self.values]
+
+    def take_rows(self, idx: mx.array):
+        if self.keys is not None:
+            self.keys, self.values = self.keys[idx], self.values[idx]
+
+    def row_slice(self, row: int, length: int):
+        """A copy of one row's first `length` entries (for prefix snapshots)."""
+        if self.keys is None:
+            return None
+        return (mx.array(self.keys[row : row + 1, :, :length]), mx.array(self.values[row : row + 1, :, :length]))
+
+    def write_row(self, row: int, kv, batch: int):
+        """Place one row's entries (from `row_slice` of another cache) at row `row`."""
+        if kv is None:
+            return
+        k, v = kv
+        self._ensure_capacity(batch, k, v, k.shape[2])
+        self.keys[row : row + 1, :, : k.shape[2]] = k
+        self.values[row : row + 1, :, : v.shape[2]] = v
+
+    def stack_rows(self, caches: List["RowKVCache"], lengths: Sequence[int]):
+        parts = [c.row_slice(0, n) for c, n in zip(caches, lengths)]
+        real = [p for p in parts if p is not None]
+        if not real:
+            return
+        cap = round_up(max(lengths) + 1, CAPACITY_STEP)
+        ks, vs = [], []
+        for p, n in zip(parts, lengths):
+            k, v = p if p is not None else (mx.zeros_like(real[0][0][..., :0, :]), mx.zeros_like(real[0][1][..., :0, :]))
+            ks.append(mx.pad(k, [(0, 0), (0, 0), (0, cap - k.shape[2]), (0, 0)]))
+            vs.append(mx.pad(v, [(0, 0), (0, 0), (0, cap - v.shape[2]), (0, 0)]))
+        self.keys, self.values = mx.concatenate(ks), mx.concatenate(vs)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class RowStateCache:
+    """Recurrent state (conv window + Gated DeltaNet state) for a batch of rows (one layer).
+
+    Looks like mlx-lm's ArraysCache to the model (`cache[0]`, `cache[1]`, `advance`).
+    While `capturing`, the capture-backend layer records the state after every position;
+    `commit(counts)` then keeps, per row, the state after its last accepted position.
+    """
+
+    def __init__(self, lengths: RowLengths):
+        self.rows = lengths
+        self.cache: List[Optional[mx.array]] = [None, None]
+        self.lengths = None  # mlx-lm's right-padding hook; unused here
+        self.capturing = False
+        self._conv_input: Optional[mx.array] = None  # [B, k-1+L, C]
+        self._states: Optional[mx.array] = None  # [B, L, ...] state after each position
+
+    def __getitem__(self, i):
+        return self.cache[i]
+
+    def __setitem__(self, i, v):
+        self.cache[i] = v
+
+    def __bool__(self):
+        return True
+
+    def advance(self, n):
+        pass  # lengths live in RowLengths and move on commit
+
+    def make_mask(self, N: int, **kwargs):
+        return None
+
+    def record(self, conv_input: mx.array, states: mx.array):
+        self._conv_input, self._states = conv_input, states
+
+    def commit(self, counts: mx.array):
+        """Keep each row's state after `counts[b]` positions of the captured forward."""
+        if self._states is None:
+            return
+        B = self._states.shape[0]
+        n_keep = self._conv_input.shape[1] - self._states.shape[1]
+        conv_idx = (counts[:, None] + mx.arange(n_keep, dtype=mx.int32))[:, :, None]
+        self.cache[0] = mx.take_along_axis(self._conv_input, conv_idx, axis=1)
+        prev = self.cache[1]
+        at = mx.maximum(counts - 1, 0).reshape((B,) + (1,) * (self._states.ndim - 1))
+        chosen = mx.take_along_axis(self._states, at, axis=1).squeeze(1)
+        if prev is not None:
+            keep_prev = (counts == 0).reshape((B,) + (1,) * (chosen.ndim - 1))
+            chosen = mx.where(keep_prev, prev, chosen)
+        self.cache[1] = chosen
+        self._conv_input = self._states = None
+
+    def state_arrays(self):
+        return list(self.cache)
+
+    def take_rows(self, idx: mx.array):
+        self.cache = [c[idx] if c is not None else None for c in self.cache]
+
+    def row_slice(self, row: int, length: int):
+        return [mx.array(c[row : row + 1]) if c is not None else None for c in self.cache]
+
+    def write_row(self, row: int, arrays, batch: int):
+        for i, a in enumerate(arrays):
+            if a is None:
+                continue
+            if self.cache[i] is None:
+                self.cache[i] = mx.zeros((batch,) + a.shape[1:], a.dtype)
+            self.cache[i][row : row + 1] = a
+
+    def stack_rows(self, caches: List["RowStateCache"], lengths: Sequence[int]):
+        for i in range(len(self.cache)):
+            parts = [c.cache[i] for c in caches]
+            real = next((p for p in parts if p is not None), None)
+            if real is None:
+                continue
+            self.cache[i] = mx.concatenate([p if p is not None else mx.zeros_like(real) for p in parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cache if c is not None)
+
+
+class BatchCache:
+    """All layers' caches for a batch of rows, plus their shared per-row lengths."""
+
+    def __init__(self, layer_kinds: Sequence[str], lengths: Sequence[int]):
+        self.rows = RowLengths(lengths)
+        self.kinds = list(layer_kinds)
+        self.layers = [RowKVCache(self.rows) if k == "kv" else RowStateCache(self.rows) for k in self.kinds]
+
+    @classmethod
+    def for_model(cls, model, batch: int = 1) -> "BatchCache":
+        return cls(layer_kinds(model), [0] * batch)
+
+    @property
+    def batch(self) -> int:
+        return int(self.rows.host.size)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.rows.host
+
+    def set_attend_len(self, n: Optional[int]):
+        for c in self.layers:
+            if isinstance(c, RowKVCache):
+                c.attend_len = n
+
+    def set_capturing(self, on: bool):
+        for c in self.layers:
+            if isinstance(c, RowStateCache):
+                c.capturing = on
+
+    def commit(self, counts: np.ndarray):
+        """Advance each row by counts[b] tokens of the last forward."""
+        counts = np.asarray(counts, dtype=np.int64)
+        dev = mx.array(counts, dtype=mx.int32)
+        for c in self.layers:
+            if isinstance(c, RowStateCache):
+                c.commit(dev)
+        self.rows.set(self.rows.host + counts)
+
+    def rewind_to(self, lengths: np.ndarray):
+        """Forget entries past `lengths` (attention layers only; used after speculative drafting)."""
+        self.rows.set(lengths)
+
+    def take_rows(self, keep: Sequence[int]):
+        idx = mx.array(np.asarray(keep, dtype=np.int32))
+        for c in self.layers:
+            c.take_rows(idx)
+        self.rows.set(self.rows.host[np.asarray(keep, dtype=np.int64)])
+
+    def snapshot_row(self, row: int, length: Optional[int] = None):
+        """A copy of one row's state (its first `length` entries): a prefix to reuse later."""
+        n = int(self.rows.host[row]) if length is None else length
+        return n, [c.row_slice(row, n) for c in self.layers]
+
+    def write_row(self, row: int, snapshot):
+        n, parts = snapshot
+        for c, p in zip(self.layers, parts):
+            c.write_row(row, p, self.batch)
+        host = self.rows.host.copy()
+        host[row] = n
+        self.rows.set(host)
+
+    @classmethod
+    def stack(cls, caches: List["BatchCache"]) -> "BatchCache":
+        """One batch cache from single-row caches."""
+        lengths = [int(c.lengths[0]) for c in caches]
+        out = cls(caches[0].kinds, lengths)
+        for i, layer in enumerate(out.layers):
+            layer.stack_rows([c.layers[i] for c in caches], lengths)
+        return out
+
+    def extend(self, other: "BatchCache"):
+        """Append the rows of `other` (copies both caches: used only while a batch ramps up)."""
+        merged = BatchCache.stack([self.single(i) for i in range(self.batch)] + [other.single(i) for i in range(other.batch)])
+        self.rows, self.layers = merged.rows, merged.layers
+
+    def single(self, row: int) -> "BatchCache":
+        n, parts = self.snapshot_row(row)
+        out = BatchCache(self.kinds, [0])
+        out.write_row(0, (n, parts))
+        return out
+
+    def eval(self):
+        mx.eval([a for c in self.layers for a in c.state_arrays() if a is not None])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers)
+
+
+def layer_kinds(model) -> List[str]:
+    """'kv' or 'state' per layer, from the model's own cache layout."""
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    if hasattr(model, "make_cache"):
+        kinds = []
+        for c in model.make_cache():
+            if isinstance(c, KVCache):
+                kinds.append("kv")
+            elif isinstance(c, ArraysCache):
+                kinds.append("state")
+            else:
+                raise ValueError(
+                    f"cache type {type(c).__name__} is not supported by the batched engine "
+                    "(sliding-window and quantized KV caches are not yet handled)"
+                )
+        return kinds
+    return ["kv"] * len(model.layers)

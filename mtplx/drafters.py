@@ -1,0 +1,266 @@
+"""Draft sources behind one small interface: prompt lookup, a draft model, MTP heads.
+
+A drafter keeps per-slot state that mirrors the engine's batch slots:
+- `prefill_row(tokens, hidden, first_token, prefix)` builds one row's state after its prompt;
+- `place(states)` / `write(slot, state)` / `take(keep)` move rows in and out of the batch;
+- `propose(K, pending, sampler, u)` returns drafts [W, K] and their proposal distribution q
+  ([W, K, V], or None when drafts are deterministic, i.e. a point mass);
+- `commit(...)` tells it how many drafts each row kept and the token that followed.
+Everything stays on the device: one round is one lazy graph and one host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import BatchCache
+from .mtp import MTPHead, project_logits
+from .sampling import SamplerBatch, sample_from, shaped_probs
+
+
+def _fit_vocab(x: mx.array, vocab: int) -> mx.array:
+    V = x.shape[-1]
+    if V == vocab:
+        return x
+    if V > vocab:
+        return x[..., :vocab]
+    pad = [(0, 0)] * (x.ndim - 1) + [(0, vocab - V)]
+    return mx.pad(x, pad)
+
+
+def _draw(probs: mx.array, sampler: SamplerBatch, u: mx.array) -> mx.array:
+    if sampler.all_greedy:
+        return mx.argmax(probs, axis=-1).astype(mx.int32)
+    return sample_from(probs, u)
+
+
+class NgramDrafter:
+    """Prompt lookup: match the last n tokens earlier in prompt + output, propose what followed."""
+
+    name = "ngram"
+    needs_hidden = False
+
+    def __init__(self, ngram_size: int = 3):
+        self.n = ngram_size
+        self.rows: List[Optional[Tuple[list, Dict[tuple, int]]]] = []
+
+    def _index(self, tokens: list) -> Dict[tuple, int]:
+        index: Dict[tuple, int] = {}
+        for size in range(1, self.n + 1):
+            for end in range(size, len(tokens)):
+                index[(size,) + tuple(tokens[end - size : end])] = end
+        return index
+
+    def prefill_row(self, tokens, hidden, first_token, prefix=None):
+        history = list(tokens) + [int(first_token)]
+        return history, self._index(history)
+
+    def snapshot(self, state, length):
+        return None
+
+    def place(self, states):
+        self.rows = list(states)
+
+    def write(self, slot, state):
+        self.rows[slot] = state
+
+    def take(self, keep):
+        self.rows = [self.rows[i] for i in keep]
+
+    def _lookup(self, history: list, index: Dict[tuple, int], K: int) -> list:
+        for size in range(min(self.n, len(history)), 0, -1):
+            start = index.get((size,) + tuple(history[-size:]))
+            if start is not None:
+                cont = history[start : start + K]
+                if cont:
+                    return cont + [cont[-1]] * (K - len(cont))
+        return [history[-1]] * K
+
+    def propose(self, K, pending, sampler, u):
+        drafts = np.zeros((len(self.rows), K), dtype=np.int32)
+        for i, row in enumerate(self.rows):
+            if row is not None:
+                drafts[i] = self._lookup(row[0], row[1], K)
+        return mx.array(drafts), None
+
+    def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
+        for i, row in enumerate(self.rows):
+            if row is None or not active[i]:
+                continue
+            history, index = row
+            new = list(drafts[i, : n_accept[i]]) + [int(next_tokens[i])]
+            for tok in new:
+                # index every n-gram that now ends just before the newest token
+                for size in range(1, self.n + 1):
+                    end = len(history)
+                    if end - size >= 0:
+                        index[(size,) + tuple(history[end - size : end])] = end
+                history.append(int(tok))
+
+
+class _CachedDrafter:
+    """Shared slot bookkeeping for drafters that keep a BatchCache plus per-row arrays."""
+
+    def place(self, states):
+        caches = [s[0] for s in states]
+        self.cache = BatchCache.stack(caches)
+        self.extra = [mx.concatenate([s[1][j] for s in states]) for j in range(len(states[0][1]))]
+
+    def write(self, slot, state):
+        cache, extra = state
+        self.cache.write_row(slot, cache.snapshot_row(0))
+        for j, a in enumerate(extra):
+            self.extra[j][slot : slot + 1] = a
+
+    def take(self, keep):
+        self.cache.take_rows(keep)
+        idx = mx.array(np.asarray(keep, dtype=np.int32))
+        self.extra = [a[idx] for a in self.extra]
+
+
+class DraftModelDrafter(_CachedDrafter):
+    """A smaller model with the same tokenizer drafts K tokens autoregressively."""
+
+    name = "draft"
+    needs_hidden = False
+
+    def __init__(self, draft_model, vocab_size: int, chunk_size: int = 512):
+        self.model = draft_model
+        self.vocab = vocab_size
+        self.chunk = chunk_size
+        self.cache: Optional[BatchCache] = None
+        self.extra: List[mx.array] = []
+
+    def prefill_row(self, tokens, hidden, first_token, prefix=None):
+        cache = BatchCache.for_model(self.model, 1)
+        start = 0
+        if prefix is not None:
+            cache.write_row(0, prefix)
+            start = prefix[0]
+        for s in range(start, len(tokens), self.chunk):
+            chunk = mx.array(tokens[s : s + self.chunk], dtype=mx.int32)[None]
+            self.model(chunk, cache=cache.layers)
+            cache.commit([chunk.shape[1]])
+            cache.eval()
+        return cache, []
+
+    def snapshot(self, state, length):
+        return state[0].snapshot_row(0, length)
+
+    def propose(self, K, pending, sampler, u):
+        self.start_lengths = self.cache.lengths.copy()
+        W = self.cache.batch
+        tok = pending
+        drafts, qs = [], []
+        ones = np.ones(W, dtype=np.int64)
+        for j in range(K + 1):
+            logits = self.model(tok[:, None], cache=self.cache.layers)
+            self.cache.commit(ones)
+            if j == K:
+                break  # the last feed only keeps the draft cache level with the target
+            q = shaped_probs(_fit_vocab(logits, self.vocab), sampler)[:, 0]
+            tok = _draw(q, sampler, u[:, j])
+            drafts.append(tok)
+            qs.append(q)
+        return mx.stack(drafts, axis=1), mx.stack(qs, axis=1)
+
+    def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
+        keep = np.where(active, n_accept + 1, 0)
+        self.cache.rewind_to(self.start_lengths + keep)
+
+
+class MtpDrafter(_CachedDrafter):
+    """The model's multi-token-prediction head drafts from the trunk's hidden state, recursively."""
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, head: MTPHead, chunk_size: int = 512):
+        self.head = head
+        self.chunk = chunk_size
+        self.cache: Optional[BatchCache] = None
+        self.extra: List[mx.array] = []  # [first-draft logits [W, V], head hidden [W, D]]
+
+    def _new_cache(self):
+        return BatchCache(["kv"] * len(self.head.layers), [0])
+
+    def prefill_row(self, tokens, hidden, first_token, prefix=None):
+        """`hidden` holds the trunk's hidden states for positions start..n-1 of `tokens`."""
+        cache = self._new_cache()
+        start = 0
+        if prefix is not None:
+            snap, h_edge = prefix
+            cache.write_row(0, snap)
+            start = snap[0]
+            hidden = mx.concatenate([h_edge, hidden], axis=1)
+        nxt = list(tokens[start + 1 :]) + [int(first_token)]
+        h_out = logits = None
+        for s in range(0, len(nxt), self.chunk):
+            toks = mx.array(nxt[s : s + self.chunk], dtype=mx.int32)[None]
+            h_out, logits = self.head(hidden[:, s : s + self.chunk], toks, cache.layers)
+            cache.commit([toks.shape[1]])
+            cache.eval()
+        return cache, [logits[:, -1], h_out[:, -1]]
+
+    def snapshot(self, state, length, hidden_at_edge):
+        """A prefix of `length` trunk positions: the head has length-1 entries plus h[length-1]."""
+        return state[0].snapshot_row(0, length - 1), hidden_at_edge
+
+    def propose(self, K, pending, sampler, u):
+        first_logits, h = self.extra
+        start = self.cache.lengths.copy()
+        ones = np.ones(self.cache.batch, dtype=np.int64)
+        q = shaped_probs(first_logits[:, None], sampler)[:, 0]
+        tok = _draw(q, sampler, u[:, 0])
+        drafts, qs = [tok], [q]
+        for j in range(1, K):
+            h, logits = self.head(h[:, None], tok[:, None], self.cache.layers)
+            h = h[:, 0]
+            self.cache.commit(ones)
+            q = shaped_probs(logits, sampler)[:, 0]
+            tok = _draw(q, sampler, u[:, j])
+            drafts.append(tok)
+            qs.append(q)
+        self.cache.rewind_to(start)
+        return mx.stack(drafts, axis=1), mx.stack(qs, axis=1)
+
+    def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
+        W, K1 = verify_in.shape
+        n = mx.array(n_accept.astype(np.int32))
+        following = mx.concatenate([verify_in[:, 1:], verify_in[:, :1]], axis=1)
+        tok = mx.where(mx.arange(K1)[None] == n[:, None], mx.array(next_tokens.astype(np.int32))[:, None], following)
+        self.cache.set_attend_len(None)
+        h_out, logits = self.head(hidden, tok, self.cache.layers)
+        self.cache.commit(np.where(active, n_accept + 1, 0))
+        at = n[:, None, None]
+        self.extra = [
+            mx.take_along_axis(logits, at, axis=1)[:, 0],
+            mx.take_along_axis(h_out, at, axis=1)[:, 0],
+        ]
+
+
+def make_drafter(method: str, engine) -> Optional[object]:
+    if method == "none":
+        return None
+    if method == "ngram":
+        return NgramDrafter(engine.spec.ngram_size)
+    if method == "draft":
+        from .loading import load
+
+        draft = load(engine.spec.draft_model)
+        if draft.tokenizer.vocab_size != engine.tokenizer.vocab_size and abs(
+            draft.config.get("vocab_size", 0) - engine.bundle.config.get("vocab_size", 0)
+        ) > 1024:
+            raise ValueError(
+                f"draft model {engine.spec.draft_model} has a different tokenizer "
+                f"(vocab {draft.config.get('vocab_size')} vs {engine.bundle.config.get('vocab_size')})"
+            )
+        return DraftModelDrafter(draft.model, engine.vocab_size)
+    if method == "mtp":
+        from .mtp import load_head
+
+        return MtpDrafter(load_head(engine.bundle, engine.spec.mtp_head))
+    raise ValueError(f"unknown speculative method {method!r}")

@@ -1,0 +1,73 @@
+"""The "gdn" capture backend: Gated DeltaNet layers that record their state after every position.
+
+A verify forward runs [last, d1..dk] through the hybrid model before we know how many drafts
+each row keeps. Attention KV rolls back by moving an index; the recurrent state does not. This
+layer computes exactly what mlx-lm's Qwen3-Next layer computes, step by step, and hands the
+conv window and the state after each position to the RowStateCache, which keeps the one at
+each row's accepted position. No padding, no re-forward.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
+
+from .cache import RowStateCache
+
+
+def _capturing_call(self, inputs, mask=None, cache=None):
+    if not (isinstance(cache, RowStateCache) and cache.capturing):
+        return type(self).__mro__[1].__call__(self, inputs, mask, cache)
+    B, S, _ = inputs.shape
+    q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
+    conv_state = cache[0]
+    if conv_state is None:
+        conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
+    mixed_qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+    conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)
+    conv_out = nn.silu(self.conv1d(conv_input))
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+            [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+            [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+    beta = mx.sigmoid(b)
+    g = compute_g(self.A_log, a, self.dt_bias)
+    state = cache[1]
+    if state is None:
+        state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
+    if (repeat := self.num_v_heads // self.num_k_heads) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+    ys, states = [], []
+    for t in range(S):
+        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None)
+        ys.append(y)
+        states.append(state)
+    cache.record(conv_input, mx.stack(states, axis=1))
+    out = self.norm(mx.stack(ys, axis=1), z)
+    return self.out_proj(out.reshape(B, S, -1))
+
+
+_capture_classes = {}
+
+
+def install_capture(model) -> int:
+    """Give every Gated DeltaNet layer of `model` the capture backend. Returns how many."""
+    count = 0
+    for layer in getattr(model, "layers", []):
+        gdn = getattr(layer, "linear_attn", None)
+        if gdn is None or type(gdn).__name__.startswith("Capturing"):
+            continue
+        if not hasattr(gdn, "fix_query_key_value_ordering"):
+            raise ValueError(f"no capture backend for linear-attention layer {type(gdn).__name__}")
+        base = type(gdn)
+        if base not in _capture_classes:
+            _capture_classes[base] = type(f"Capturing{base.__name__}", (base,), {"__call__": _capturing_call})
+        gdn.__class__ = _capture_classes[base]
+        count += 1
+    return count

@@ -1,0 +1,456 @@
+"""The generation engine: chunked prefill, prefix reuse, and continuous speculative batching.
+
+One round, for every row in flight at once:
+  draft K tokens (drafters.py) -> verify [pending, d1..dK] in one forward (graphbank.py)
+  -> accept per row (sampling.py) -> commit each row's own count (cache.py) -> emit.
+K = 0 is plain decoding through the same loop, so speculation changes nothing around it.
+Rows join as others finish (continuous batching); each new row is prefilled in chunk spans
+split at its stable-prefix edge, and a prefix shared with earlier rows is copied, not recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import BatchCache, RowKVCache
+from .config import ScheduleConfig, SpeculativeConfig
+from .drafters import MtpDrafter, make_drafter
+from .gdn import install_capture
+from .graphbank import CompiledVerifyBank
+from .loading import ModelBundle, load
+from .mtp import has_trunk_split, project_logits, trunk_hidden
+from .request import Request, Result, RowStats
+from .sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs
+
+MIN_PREFIX_TOKENS = 8  # shorter shared prefixes are not worth a snapshot
+PREFIX_STORE_SIZE = 4  # rows arrive grouped by prefix, so a few recent prefixes suffice
+
+
+# -- prefill spans ---------------------------------------------------------------------------------
+def _prefill_chunk_size(config: Optional[dict] = None, memory_budget: Optional[int] = None) -> int:
+    """Tokens per prefill span. `MTPLX_PREFILL_CHUNK_SIZE` wins (0 turns chunking off).
+
+    Otherwise: the activations of one span (about 4 bytes x (8 x hidden + 3 x intermediate) per
+    token, plus attention scores) should stay under ~2% of the memory budget, clamped to
+    [128, 2048] and rounded to a multiple of 128. Larger spans stop paying once the matmuls
+    are full; smaller ones waste launches.
+    """
+    raw = os.environ.get("MTPLX_PREFILL_CHUNK_SIZE")
+    if raw is not None:
+        try:
+            return max(0, int(raw))
+        except ValueError:
+            raise ValueError(f"MTPLX_PREFILL_CHUNK_SIZE must be an integer, got {raw!r}")
+    if not config or not memory_budget:
+        return 512
+    hidden = int(config.get("hidden_size", 1024))
+    inter = int(config.get("intermediate_size", 4 * hidden) or 4 * hidden)
+    per_token = 4 * (8 * hidden + 3 * inter)
+    chunk = int(0.02 * memory_budget) // max(per_token, 1)
+    return int(min(2048, max(128, chunk // 128 * 128)))
+
+
+def _split_spans_at(spans: Iterable[Tuple[int, int]], edges: Sequence[int]) -> List[Tuple[int, int]]:
+    """Split spans at every edge strictly inside one of them."""
+    out = []
+    cuts = sorted(set(edges))
+    for start, end in spans:
+        for e in cuts:
+            if start < e < end:
+                out.append((start, e))
+                start = e
+        out.append((start, end))
+    return out
+
+
+def _iter_prefill_chunk_spans(token_count: int, chunk_size: Optional[int], mandatory_edges: Sequence[int] = ()):
+    """Half-open (start, end) spans covering [0, token_count), `chunk_size` tokens each (one
+    span when chunking is off), split at every mandatory edge (stable-prefix ends)."""
+    if token_count <= 0:
+        return
+    if not chunk_size or chunk_size <= 0:
+        spans = [(0, token_count)]
+    else:
+        spans = [(s, min(s + chunk_size, token_count)) for s in range(0, token_count, chunk_size)]
+    yield from _split_spans_at(spans, [e for e in mandatory_edges if 0 < e < token_count])
+
+
+# -- memory ----------------------------------------------------------------------------------------
+def device_memory_bytes() -> int:
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    for key in ("memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _tree_bytes(tree) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(tree))
+
+
+# -- the engine ------------------------------------------------------------------------------------
+class _Runtime:
+    """What a verify forward needs: the model, and whether hidden states are wanted (MTP)."""
+
+    def __init__(self, model, want_hidden: bool):
+        self.model = model
+        self.want_hidden = want_hidden and has_trunk_split(model)
+        self.split = has_trunk_split(model)
+
+    def forward(self, tokens, cache: BatchCache):
+        if self.want_hidden:
+            h = trunk_hidden(self.model, tokens, cache.layers)
+            return project_logits(self.model, h), h
+        return self.model(tokens, cache=cache.layers), None
+
+
+@dataclass
+class _Row:
+    req: Request
+    rng: np.random.Generator
+    max_tokens: int
+    stats: RowStats
+    started: float
+    tokens: List[int]
+    pending: int = 0
+    width_sum: int = 0
+    depth_sum: int = 0
+    rounds: int = 0
+
+
+class Engine:
+    def __init__(self, bundle: ModelBundle, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None):
+        self.bundle = bundle
+        self.model = bundle.model
+        self.tokenizer = bundle.tokenizer
+        self.spec = spec or SpeculativeConfig()
+        self.schedule = schedule or ScheduleConfig()
+        cfg = bundle.config
+        self.vocab_size = int(cfg.get("vocab_size") or self.model.model.embed_tokens.weight.shape[0])
+        self.max_context = int(cfg.get("max_position_embeddings") or 32768)
+        self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        self.hybrid = install_capture(self.model) > 0
+        self.drafter = make_drafter(self.spec.method, self)
+        self.runtime = _Runtime(self.model, want_hidden=isinstance(self.drafter, MtpDrafter))
+        self.weight_bytes = _tree_bytes(self.model.parameters())
+        budget = self.schedule.memory_budget
+        self.memory_budget = (
+            int(budget) if str(budget) != "auto" else int(0.6 * device_memory_bytes()) - self.weight_bytes
+        )
+        chunk = self.schedule.prefill_chunk
+        self.prefill_chunk = _prefill_chunk_size(cfg, self.memory_budget) if str(chunk) == "auto" or "MTPLX_PREFILL_CHUNK_SIZE" in os.environ else int(chunk)
+        self.bank = None
+        if self.spec.compiled_verify != "off":
+            self.bank = CompiledVerifyBank(
+                self.runtime,
+                max_verify_len=self.spec.depth + 1,
+                capture_backend="gdn" if self.hybrid else None,
+                parity={"on": False, "parity": "parity", "parity2": "parity2"}[self.spec.compiled_verify],
+            )
+        self._prefixes: "OrderedDict[str, tuple]" = OrderedDict()
+        self._bytes_per_token, self._bytes_per_row = self._measure_cache()
+        self._accept_ema = 0.7
+        self.counters = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "rounds": 0}
+
+    @classmethod
+    def load(cls, model_path, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None, trust_remote_code: bool = False):
+        return cls(load(model_path, trust_remote_code=trust_remote_code), spec, schedule)
+
+    # -- memory admission --------------------------------------------------------------------------
+    def _measure_cache(self) -> Tuple[float, int]:
+        """Cache bytes per token (attention) and per row (recurrent state), from a 1-token probe."""
+        probe = BatchCache.for_model(self.model, 1)
+        self.model(mx.array([[0]], dtype=mx.int32), cache=probe.layers)
+        probe.eval()
+        per_token = sum(c.nbytes / c.keys.shape[2] for c in probe.layers if isinstance(c, RowKVCache) and c.keys is not None)
+        per_row = sum(c.nbytes for c in probe.layers if not isinstance(c, RowKVCache))
+        return per_token, per_row
+
+    def row_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+        depth = self.spec.depth + 1 if self.drafter else 1
+        return int((prompt_tokens + max_tokens + depth) * self._bytes_per_token + (1 + depth) * self._bytes_per_row)
+
+    # -- prefill -------------------------------------------------------------------------------------
+    def _hidden_chunk(self, tokens: mx.array, cache: BatchCache):
+        if self.runtime.split:
+            return trunk_hidden(self.model, tokens, cache.layers)
+        return self.model(tokens, cache=cache.layers)  # logits stand in; only the last is used
+
+    def _prefill(self, row: _Row):
+        toks = row.req.prompt_tokens
+        n = len(toks)
+        edge = min(max(int(row.req.stable_prefix_len or 0), 0), n - 1)
+        key = hashlib.sha1(np.asarray(toks[:edge], dtype=np.int64).tobytes()).hexdigest() if edge >= MIN_PREFIX_TOKENS else None
+        hit = self._prefixes.get(key) if key else None
+        cache = BatchCache.for_model(self.model, 1)
+        start = 0
+        if hit is not None:
+            self._prefixes.move_to_end(key)
+            cache.write_row(0, hit[0])
+            start = edge
+            row.stats.cached_prompt_tokens = edge
+        target_snap = None
+        hiddens = []
+        h = None
+        for s, e in _iter_prefill_chunk_spans(n, self.prefill_chunk, (edge,) if key else ()):
+            if e <= start:
+                continue
+            s = max(s, start)
+            h = self._hidden_chunk(mx.array(toks[s:e], dtype=mx.int32)[None], cache)
+            cache.commit([e - s])
+            if self.runtime.want_hidden:
+                hiddens.append(h)
+            mx.eval(h, [a for c in cache.layers for a in c.state_arrays() if a is not None])
+            row.stats.prefill_chunks += 1
+            if key and hit is None and e == edge:
+                target_snap = cache.snapshot_row(0)
+        self.counters["prefill_tokens"] += n - start
+        self.counters["cached_prompt_tokens"] += start
+        last = h[:, -1:]
+        logits = project_logits(self.model, last) if self.runtime.split else last
+        sampler = SamplerBatch.from_params([row.req.params])
+        first = int(sample_from(shaped_probs(logits, sampler)[:, 0], mx.array([row.rng.random()], mx.float32)).item())
+        state = None
+        if self.drafter is not None:
+            hidden = mx.concatenate(hiddens, axis=1) if hiddens else None
+            prefix = None
+            if hit is not None and hit[1] is not None:
+                prefix = hit[1]
+            state = self.drafter.prefill_row(toks, hidden, first, prefix)
+            if target_snap is not None:
+                if isinstance(self.drafter, MtpDrafter):
+                    edge_h = hidden[:, edge - 1 : edge]
+                    drafter_snap = self.drafter.snapshot(state, edge, edge_h)
+                else:
+                    drafter_snap = self.drafter.snapshot(state, edge)
+                target_snap = (target_snap, drafter_snap)
+        elif target_snap is not None:
+            target_snap = (target_snap, None)
+        if target_snap is not None:
+            self._prefixes[key] = target_snap
+            while len(self._prefixes) > PREFIX_STORE_SIZE:
+                self._prefixes.popitem(last=False)
+        row.stats.prompt_tokens = n
+        return cache, state, first
+
+    # -- generation ----------------------------------------------------------------------------------
+    def _new_row(self, req: Request) -> Tuple[Optional[_Row], Optional[Result]]:
+        n = len(req.prompt_tokens)
+        stats = RowStats(prompt_tokens=n)
+        if n == 0:
+            return None, Result(req.key, [], "", "error", "empty prompt: the row has no tokens", stats, req.seed)
+        if n >= self.max_context:
+            return None, Result(
+                req.key, [], "", "error",
+                f"prompt has {n} tokens but the model's context is {self.max_context}: shorten the prompt",
+                stats, req.seed,
+            )
+        max_tokens = min(req.params.max_tokens, self.max_context - n)
+        need = self.row_bytes(n, max_tokens)
+        if need > self.memory_budget:
+            return None, Result(
+                req.key, [], "", "error",
+                f"row needs ~{need / 2**20:.0f} MiB of cache ({n} prompt + {max_tokens} new tokens) but "
+                f"schedule.memory_budget is {self.memory_budget / 2**20:.0f} MiB: raise the budget or lower max_tokens",
+                stats, req.seed,
+            )
+        rng = np.random.default_rng(req.seed)
+        return _Row(req, rng, max_tokens, stats, time.perf_counter(), []), None
+
+    def _depth(self, width: int) -> int:
+        if self.drafter is None:
+            return 0
+        D = self.spec.depth
+        if not self.spec.adaptive_depth:
+            return D
+        # Expected tokens per verify at depth k is (1 - a^(k+1)) / (1 - a) for per-token
+        # acceptance a; a verify of k+1 tokens costs about 1 + k * width / saturation forwards.
+        a = min(max(self._accept_ema, 0.01), 0.99)
+        saturation = 64.0 if mx.default_device() == mx.gpu else 8.0
+        best, best_gain = 1, 0.0
+        for k in range(1, D + 1):
+            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + k * width / saturation)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+    def _finish(self, row: _Row, reason: str) -> Result:
+        text = self.tokenizer.decode(row.tokens)
+        for stop in row.req.params.stop:
+            i = text.find(stop) if stop else -1
+            if i >= 0:
+                text, reason = text[:i], "stop"
+        st = row.stats
+        st.completion_tokens = len(row.tokens)
+        st.decode_seconds = time.perf_counter() - row.started
+        if row.rounds:
+            st.batch_width = int(round(row.width_sum / row.rounds))
+            st.draft_depth = int(round(row.depth_sum / row.rounds))
+        return Result(row.req.key, list(row.tokens), text, reason, None, st, row.req.seed)
+
+    def _emit(self, row: _Row, new_tokens: Sequence[int]) -> Optional[str]:
+        """Append tokens; return a finish reason if the row is done."""
+        for tok in new_tokens:
+            if tok in self.eos:
+                return "stop"
+            row.tokens.append(int(tok))
+            if len(row.tokens) >= row.max_tokens:
+                return "length"
+        if row.req.params.stop:
+            tail = self.tokenizer.decode(row.tokens[-64:])
+            if any(s and s in tail for s in row.req.params.stop):
+                return "stop"
+        return None
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
+        source = iter(requests)
+        waiting: List[Request] = []
+        exhausted = False
+        slots: List[Optional[_Row]] = []
+        cache: Optional[BatchCache] = None
+        max_batch = int(self.schedule.max_batch)
+
+        def next_request():
+            nonlocal exhausted
+            if waiting:
+                return waiting.pop(0)
+            req = None if exhausted else next(source, None)
+            exhausted = req is None
+            return req
+
+        while True:
+            # Admit rows into free slots (the first wave sets the batch width).
+            free = [i for i, s in enumerate(slots) if s is None] if slots else list(range(max_batch))
+            in_use = sum(1 for s in slots if s is not None)
+            used_bytes = sum(self.row_bytes(len(s.req.prompt_tokens), s.max_tokens) for s in slots if s is not None)
+            fresh = []
+            while free and not (exhausted and not waiting):
+                req = next_request()
+                if req is None:
+                    break
+                row, err = self._new_row(req)
+                if err is not None:
+                    yield err
+                    continue
+                need = self.row_bytes(len(req.prompt_tokens), row.max_tokens)
+                if in_use + len(fresh) > 0 and used_bytes + need > self.memory_budget:
+                    waiting.insert(0, req)  # fits alone, not now: wait for a slot to free up
+                    break
+                used_bytes += need
+                row_cache, state, first = self._prefill(row)
+                fresh.append((free.pop(0), row, row_cache, state))
+                reason = self._emit(row, [first])
+                if reason is not None:
+                    free.insert(0, fresh.pop()[0])
+                    yield self._finish(row, reason)
+            if fresh:
+                if cache is None:
+                    slots = [r for _, r, _, _ in fresh]
+                    for _, r, _, _ in fresh:
+                        r.pending = r.tokens[-1]
+                    cache = BatchCache.stack([c for _, _, c, _ in fresh])
+                    if self.drafter is not None:
+                        self.drafter.place([s for _, _, _, s in fresh])
+                else:
+                    for slot, r, c, s in fresh:
+                        r.pending = r.tokens[-1]
+                        slots[slot] = r
+                        cache.write_row(slot, c.snapshot_row(0))
+                        if self.drafter is not None:
+                            self.drafter.write(slot, s)
+            active = np.array([s is not None for s in slots], dtype=bool)
+            if not active.any():
+                if exhausted and not waiting:
+                    return
+                continue
+            if exhausted and not waiting and active.sum() <= len(slots) // 2 and len(slots) > 1:
+                keep = self._compact_keep(active)
+                cache.take_rows(keep)
+                if self.drafter is not None:
+                    self.drafter.take(keep)
+                slots = [slots[i] for i in keep]
+                active = active[keep]
+            yield from self._round(slots, active, cache)
+
+    @staticmethod
+    def _compact_keep(active: np.ndarray) -> List[int]:
+        live = [int(i) for i in np.nonzero(active)[0]]
+        width = 1 << (len(live) - 1).bit_length()  # widths in powers of two: few compiled programs
+        spare = [int(i) for i in np.nonzero(~active)[0]][: width - len(live)]
+        return sorted(live + spare)
+
+    def _round(self, slots: List[Optional[_Row]], active: np.ndarray, cache: BatchCache):
+        W = len(slots)
+        n_active = int(active.sum())
+        remaining = max(s.max_tokens - len(s.tokens) for s in slots if s is not None)
+        K = min(self._depth(n_active), max(remaining - 1, 0))
+        sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
+        draws = np.zeros((W, 2 * K + 1), dtype=np.float32)
+        for i, s in enumerate(slots):
+            if s is not None:
+                draws[i] = s.rng.random(2 * K + 1)
+        u = mx.array(draws)
+        pending = mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32))
+        if K > 0:
+            drafts, q = self.drafter.propose(K, pending, sampler, u[:, :K])
+        else:
+            drafts, q = mx.zeros((W, 0), mx.int32), None
+        verify_in = mx.concatenate([pending[:, None], drafts.astype(mx.int32)], axis=1)
+        failures = None
+        if self.bank is not None:
+            logits, hidden, compiled, failures = self.bank.verify(verify_in, cache)
+        else:
+            cache.set_capturing(True)
+            logits, hidden = self.runtime.forward(verify_in, cache)
+            cache.set_capturing(False)
+            compiled = False
+        if sampler.all_greedy:
+            n, nxt = accept_greedy(logits, drafts)
+        else:
+            n, nxt = accept_sampled(shaped_probs(logits, sampler), drafts, q, u[:, K : 2 * K], u[:, 2 * K])
+        mx.eval(n, nxt, drafts)
+        n_h, nxt_h, drafts_h = np.array(n), np.array(nxt), np.array(drafts)
+        cache.commit(np.where(active, n_h + 1, 0))
+        if self.drafter is not None:
+            self.drafter.commit(n_h, nxt_h, drafts_h, active, verify_in, hidden)
+        cache.eval()
+        self.counters["rounds"] += 1
+        if K > 0:
+            tried = np.minimum(n_h + 1, K)[active].sum()
+            self._accept_ema = 0.8 * self._accept_ema + 0.2 * (n_h[active].sum() / max(tried, 1))
+        for i, row in enumerate(slots):
+            if row is None:
+                continue
+            st = row.stats
+            row.rounds += 1
+            row.width_sum += n_active
+            row.depth_sum += K
+            if K > 0:
+                st.verify_calls += 1
+                st.drafted_tokens += K
+                st.accepted_tokens += int(n_h[i])
+                if len(st.accepted_by_depth) < self.spec.depth:
+                    st.accepted_by_depth += [0] * (self.spec.depth - len(st.accepted_by_depth))
+                for j in range(int(n_h[i])):
+                    st.accepted_by_depth[j] += 1
+                if compiled:
+                    st.compiled_verify_calls += 1
+                else:
+                    st.eager_verify_calls += 1
+                if failures is not None:
+                    st.parity_failures += int(failures[i])
+            reason = self._emit(row, list(drafts_h[i, : n_h[i]]) + [int(nxt_h[i])])
+            row.pending = int(nxt_h[i])
+            if reason is not None:
+                slots[i] = None
+                yield self._finish(row, reason)

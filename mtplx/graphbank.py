@@ -1,0 +1,227 @@
+"""CompiledVerifyBank: the verify forward as compiled MLX programs, one per shape bucket.
+
+A verify forward reads [last, d1..dk] for every row of the batch. Compiling it with
+`mx.compile` removes per-op host work, but mlx-lm's caches keep their offset as a Python int,
+which a compiled program would freeze at trace time. So the bank runs the model over a
+*shadow cache*: the real cache's arrays and the per-row lengths enter the program as inputs,
+the updated arrays come out, and the bank mirrors them back into the real cache. Everything
+a program depends on is an input or derives from input shapes, so one program per
+(batch width, verify length, capacity bucket) serves every step of that shape.
+
+Modes: `on` (compiled, eager fallback with a recorded reason), `parity` (run both and raise
+`CompiledVerifyParityError` on any difference), `parity2` (compiled is authoritative; an eager
+replay counts divergences in `stats["parity_failures"]`). Models with quantization widths the
+bank does not compile (6-bit) run eager for their whole life (`permanent_eager`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .cache import BatchCache, RowKVCache, RowLengths, RowStateCache
+
+UNSUPPORTED_BITS = (6,)
+
+
+class CompiledVerifyParityError(RuntimeError):
+    pass
+
+
+def _max_len_budget(default: int) -> int:
+    raw = os.environ.get("MTPLX_COMPILED_VERIFY_MAX_LEN")
+    if raw is None:
+        return default
+    try:
+        return max(1, int(raw))
+    except ValueError:
+        raise ValueError(f"MTPLX_COMPILED_VERIFY_MAX_LEN must be an integer, got {raw!r}")
+
+
+def unsupported_quantization(model) -> Optional[str]:
+    for name, module in model.named_modules():
+        bits = getattr(module, "bits", None)
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and bits in UNSUPPORTED_BITS:
+            return f"{bits}-bit quantized weights ({name}) are verified eagerly"
+    return None
+
+
+class _ShadowRows(RowLengths):
+    def __init__(self, device_lengths: mx.array):
+        self.device = device_lengths
+        self.host = None
+
+
+def _shadow_cache(kinds, lengths: mx.array, arrays) -> BatchCache:
+    cache = BatchCache.__new__(BatchCache)
+    cache.kinds = list(kinds)
+    cache.rows = _ShadowRows(lengths)
+    cache.layers = []
+    it = iter(arrays)
+    for kind in kinds:
+        a, b = next(it), next(it)
+        if kind == "kv":
+            layer = RowKVCache(cache.rows)
+            layer.keys, layer.values = a, b
+            layer.attend_len = a.shape[2]  # the whole capacity bucket, masked: shape-derived
+        else:
+            layer = RowStateCache(cache.rows)
+            layer.cache = [a, b]
+            layer.capturing = True
+        cache.layers.append(layer)
+    return cache
+
+
+def _shadow_outputs(cache: BatchCache):
+    out = []
+    for layer in cache.layers:
+        if isinstance(layer, RowKVCache):
+            out += [layer.keys, layer.values]
+        else:
+            out += [layer._conv_input, layer._states]
+    return out
+
+
+class CompiledVerifyBank:
+    def __init__(
+        self,
+        runtime,
+        max_verify_len: int = 4,
+        request_max_tokens: int = 8192,
+        capture_backend: Optional[str] = None,
+        parity=False,
+        restored_tokens: int = 0,
+        tolerance: Optional[float] = None,
+    ):
+        """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`."""
+        self.runtime = runtime
+        self.max_verify_len = max_verify_len
+        self.growth_limit = _max_len_budget(max(8, max_verify_len))
+        self.request_max_tokens = request_max_tokens
+        self.restored_tokens = restored_tokens
+        self.capture_backend = capture_backend
+        self.mode = {True: "parity", False: "on", None: "on"}.get(parity, parity)
+        if self.mode not in ("on", "parity", "parity2"):
+            raise ValueError(f"parity must be False, True, 'parity' or 'parity2', got {parity!r}")
+        reason = unsupported_quantization(runtime.model)
+        self.permanent_eager = reason is not None
+        self.tolerance = tolerance
+        self.stats: Dict[str, object] = {
+            "compiled_calls": 0,
+            "fallback_calls": 0,
+            "parity_failures": 0,
+            "programs": 0,
+            "fallback_reasons": {} if reason is None else {reason: 0},
+        }
+        self._eager_reason = reason
+        self._programs: Dict[Tuple, Callable] = {}
+        self._broken: Dict[Tuple, str] = {}
+
+    # -- the program ------------------------------------------------------------------------------
+    def _run_shadow(self, kinds, tokens, lengths, *arrays):
+        shadow = _shadow_cache(kinds, lengths, arrays)
+        logits, hidden = self.runtime.forward(tokens, shadow)
+        return (logits, hidden if hidden is not None else mx.zeros((0,))) + tuple(_shadow_outputs(shadow))
+
+    def _program(self, key, kinds):
+        fn = self._programs.get(key)
+        if fn is None:
+            fn = mx.compile(lambda tokens, lengths, *arrays: self._run_shadow(kinds, tokens, lengths, *arrays))
+            self._programs[key] = fn
+            self.stats["programs"] = len(self._programs)
+        return fn
+
+    def _fallback(self, reason: str):
+        self.stats["fallback_calls"] += 1
+        reasons = self.stats["fallback_reasons"]
+        reasons[reason] = reasons.get(reason, 0) + 1
+
+    # -- the call -----------------------------------------------------------------------------------
+    def verify(self, tokens: mx.array, cache: BatchCache):
+        """Forward `tokens` [W, L] over `cache`. Returns (logits, hidden, compiled?, parity failures per row)."""
+        W, L = tokens.shape
+        reason = self._eager_reason
+        if reason is None and L > self.max_verify_len:
+            if L <= self.growth_limit:
+                self.max_verify_len = L
+            else:
+                reason = f"verify length {L} over MTPLX_COMPILED_VERIFY_MAX_LEN={self.growth_limit}"
+        if reason is None and any(isinstance(c, RowKVCache) and c.keys is None for c in cache.layers):
+            reason = "empty cache"
+        if reason is not None:
+            self._fallback(reason)
+            logits, hidden = self.eager(tokens, cache)
+            return logits, hidden, False, None
+        for c in cache.layers:  # room for L more entries, in capacity buckets
+            if isinstance(c, RowKVCache):
+                c._ensure_capacity(W, c.keys, c.values, cache.rows.max + L)
+        arrays = [a for c in cache.layers for a in c.state_arrays()]
+        key = (W, L, max((a.shape[2] for a, k in zip(arrays[::2], cache.kinds) if k == "kv"), default=0))
+        if key in self._broken:
+            self._fallback(self._broken[key])
+            logits, hidden = self.eager(tokens, cache)
+            return logits, hidden, False, None
+        lengths = cache.rows.device
+        try:
+            out = self._program(key, cache.kinds)(tokens, lengths, *arrays)
+        except Exception as e:  # a program that cannot compile: verify eagerly, say why
+            self._broken[key] = f"compile failed: {type(e).__name__}: {e}"
+            self._fallback(self._broken[key])
+            logits, hidden = self.eager(tokens, cache)
+            return logits, hidden, False, None
+        failures = None
+        if self.mode != "on":
+            ref = self._run_shadow(cache.kinds, tokens, lengths, *arrays)
+            failures = self._compare(out[0], ref[0])
+            if self.mode == "parity" and failures.any():
+                raise CompiledVerifyParityError(self._describe(out[0], ref[0], failures))
+            self.stats["parity_failures"] += int(failures.sum())
+        self._mirror(cache, out[2:])
+        self.stats["compiled_calls"] += 1
+        hidden = out[1] if out[1].size else None
+        return out[0], hidden, True, failures
+
+    def eager(self, tokens, cache: BatchCache):
+        cache.set_attend_len(None)
+        cache.set_capturing(True)
+        try:
+            return self.runtime.forward(tokens, cache)
+        finally:
+            cache.set_capturing(False)
+
+    @staticmethod
+    def _mirror(cache: BatchCache, arrays):
+        it = iter(arrays)
+        for layer in cache.layers:
+            a, b = next(it), next(it)
+            if isinstance(layer, RowKVCache):
+                layer.keys, layer.values = a, b
+            else:
+                layer.record(a, b)
+
+    def _tol(self, logits) -> float:
+        if self.tolerance is not None:
+            return self.tolerance
+        return 1e-4 if logits.dtype == mx.float32 else 3e-2
+
+    def _compare(self, got: mx.array, ref: mx.array) -> np.ndarray:
+        """Per row: does the compiled verify differ from eager (argmax anywhere, or beyond tolerance)?"""
+        scale = mx.maximum(mx.abs(ref).max(axis=-1), 1.0)
+        diff = (mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max(axis=-1) / scale).max(axis=-1)
+        argmax_differs = (mx.argmax(got, axis=-1) != mx.argmax(ref, axis=-1)).any(axis=-1)
+        bad = argmax_differs | (diff > self._tol(got))
+        return np.array(bad)
+
+    def _describe(self, got, ref, failures) -> str:
+        row = int(np.argmax(failures))
+        d = mx.abs(got[row].astype(mx.float32) - ref[row].astype(mx.float32)).max(axis=-1)
+        pos = int(mx.argmax(d).item())
+        return (
+            f"compiled verify differs from eager at row {row}, verify position {pos}: "
+            f"max |logit diff| {d[pos].item():.3g}, argmax {int(mx.argmax(got[row, pos]).item())} vs "
+            f"{int(mx.argmax(ref[row, pos]).item())} (tolerance {self._tol(got):g}; use compiled_verify: parity2 to count instead of raise)"
+        )

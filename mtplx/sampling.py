@@ -1,0 +1,119 @@
+"""Sampling and speculative acceptance, vectorized over a batch of rows with their own settings.
+
+Every row's target distribution is its *sampler-shaped* distribution (temperature, top-k,
+top-p); greedy rows are the one-hot of the argmax. Acceptance is the standard lossless rule:
+keep draft d with probability min(1, p(d)/q(d)); at the first rejection sample from the
+residual max(0, p - q) (renormalized); if every draft passes, sample a bonus token from p.
+Greedy rows are the same rule with one-hot p and q, which reduces to "keep while draft equals
+argmax". All randomness comes from per-row uniforms drawn on the host from the row's own seed,
+so a row's text does not depend on which other rows share its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .request import SamplingParams
+
+
+@dataclass
+class SamplerBatch:
+    temps: mx.array  # [B] float32; 0 for greedy rows
+    top_p: mx.array  # [B]
+    top_k: mx.array  # [B] int32; 0 means off
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def from_params(cls, params: Sequence[Optional[SamplingParams]]) -> "SamplerBatch":
+        ps = [p or SamplingParams() for p in params]
+        temps = np.array([max(p.temperature, 0.0) for p in ps], dtype=np.float32)
+        top_p = np.array([p.top_p if 0 < p.top_p < 1 else 1.0 for p in ps], dtype=np.float32)
+        top_k = np.array([max(int(p.top_k), 0) for p in ps], dtype=np.int32)
+        sampled = temps > 0
+        return cls(
+            temps=mx.array(temps),
+            top_p=mx.array(top_p),
+            top_k=mx.array(top_k),
+            all_greedy=not sampled.any(),
+            any_top_k=bool((top_k[sampled] > 0).any()),
+            any_top_p=bool((top_p[sampled] < 1).any()),
+        )
+
+
+def shaped_probs(logits: mx.array, s: SamplerBatch) -> mx.array:
+    """[B, L, V] logits -> [B, L, V] probabilities each row actually samples from."""
+    logits = logits.astype(mx.float32)
+    V = logits.shape[-1]
+    greedy = (s.temps <= 0)[:, None, None]
+    one_hot = (mx.arange(V)[None, None, :] == mx.argmax(logits, axis=-1)[..., None]).astype(mx.float32)
+    if s.all_greedy:
+        return one_hot
+    x = logits / mx.where(s.temps > 0, s.temps, 1.0)[:, None, None]
+    if s.any_top_k:
+        k = mx.where(s.top_k > 0, mx.minimum(s.top_k, V), V)
+        kth = mx.take_along_axis(-mx.sort(-x, axis=-1), (k - 1)[:, None, None].astype(mx.int32) * mx.ones(x.shape[:-1] + (1,), mx.int32), axis=-1)
+        x = mx.where(x >= kth, x, -mx.inf)
+    p = mx.softmax(x, axis=-1)
+    if s.any_top_p:
+        p_sorted = -mx.sort(-p, axis=-1)
+        before = mx.cumsum(p_sorted, axis=-1) - p_sorted
+        kept = (before < s.top_p[:, None, None]).sum(axis=-1, keepdims=True)
+        threshold = mx.take_along_axis(p_sorted, mx.maximum(kept - 1, 0).astype(mx.int32), axis=-1)
+        p = mx.where(p >= threshold, p, 0.0)
+        p = p / p.sum(axis=-1, keepdims=True)
+    return mx.where(greedy, one_hot, p)
+
+
+def sample_from(probs: mx.array, u: mx.array) -> mx.array:
+    """Inverse-CDF sampling: [..., V] probabilities and [...] uniforms in [0, 1) -> token ids."""
+    cdf = mx.cumsum(probs, axis=-1)
+    target = u * cdf[..., -1]
+    idx = (cdf <= target[..., None]).sum(axis=-1)
+    return mx.minimum(idx, probs.shape[-1] - 1).astype(mx.int32)
+
+
+def accept_greedy(target_logits: mx.array, drafts: mx.array):
+    """Greedy verify: [B, K+1, V] logits, [B, K] drafts -> (accepted count [B], next token [B])."""
+    best = mx.argmax(target_logits, axis=-1).astype(mx.int32)  # [B, K+1]
+    K = drafts.shape[1]
+    if K == 0:
+        return mx.zeros((best.shape[0],), mx.int32), best[:, 0]
+    matches = (drafts == best[:, :K]).astype(mx.int32)
+    n = mx.cumprod(matches, axis=1).sum(axis=1)
+    nxt = mx.take_along_axis(best, n[:, None], axis=1)[:, 0]
+    return n, nxt
+
+
+def accept_sampled(p: mx.array, drafts: mx.array, q: Optional[mx.array], u_accept: mx.array, u_next: mx.array):
+    """Lossless speculative acceptance.
+
+    p: [B, K+1, V] target probabilities; drafts: [B, K]; q: [B, K, V] draft probabilities, or
+    None when each draft was proposed deterministically (prompt lookup: q is a point mass);
+    u_accept: [B, K] and u_next: [B] uniforms. Returns (accepted count [B], next token [B]).
+    """
+    B, K1, V = p.shape
+    K = K1 - 1
+    if K == 0:
+        return mx.zeros((B,), mx.int32), sample_from(p[:, 0], u_next)
+    p_d = mx.take_along_axis(p[:, :K], drafts[..., None], axis=-1)[..., 0]
+    if q is None:
+        q = (mx.arange(V)[None, None, :] == drafts[..., None]).astype(mx.float32)
+        q_d = mx.ones(p_d.shape, mx.float32)
+    else:
+        q_d = mx.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    ok = (u_accept * q_d < p_d).astype(mx.int32)
+    n = mx.cumprod(ok, axis=1).sum(axis=1)
+    q_pad = mx.concatenate([q, mx.zeros((B, 1, V), q.dtype)], axis=1)
+    at = n[:, None, None]
+    p_at = mx.take_along_axis(p, at, axis=1)[:, 0]
+    q_at = mx.take_along_axis(q_pad, at, axis=1)[:, 0]
+    residual = mx.maximum(p_at - q_at, 0.0)
+    mass = residual.sum(axis=-1, keepdims=True)
+    residual = mx.where(mass > 0, residual, p_at)
+    return n, sample_from(residual, u_next)
