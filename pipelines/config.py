@@ -1,0 +1,253 @@
+"""The job file: YAML read with a safe loader, checked key by key, loaded into dataclasses.
+
+Every refusal names the key path, the value it got and the form it expected, so a user can fix
+the file without reading this code. `--set a.b=value` overrides are applied to the raw mapping
+before checking, so they get exactly the same checks as the file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import yaml
+
+from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.request import SamplingParams
+
+from .errors import JobError
+from .jobschema import SHORTHAND, check_job_dict
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    revision: Optional[str] = None
+    trust_remote_code: bool = False
+
+
+@dataclass
+class InputConfig:
+    path: str
+    format: str = "parquet"
+    split: str = "train"
+    id_column: Optional[str] = None  # None: a stable hash of the row content
+    prompt_column: Optional[str] = None  # None: "prompt" unless a template or messages are used
+    messages_column: Optional[str] = None
+    template: Optional[str] = None
+    chat_template: str = "auto"  # auto | on | off
+
+    @property
+    def prompt_mode(self) -> str:
+        if self.messages_column:
+            return "messages"
+        return "template" if self.template is not None else "column"
+
+    @property
+    def prompt_field(self) -> str:
+        return self.prompt_column or "prompt"
+
+
+@dataclass
+class GenerationConfig:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: List[str] = field(default_factory=list)
+    n: int = 1
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=tuple(self.stop),
+        )
+
+
+@dataclass
+class OutputConfig:
+    dir: str
+    shard_rows: int = 1000
+    keep_columns: List[str] = field(default_factory=list)
+
+
+@dataclass
+class OrderingConfig:
+    """Pipeline-side scheduling knobs; they live under `schedule:` in the job file."""
+
+    window_rows: int = 4096  # rows ordered together; bounds memory, see ordering.py
+    min_prefix_tokens: int = 16  # shorter shared prefixes are not worth a prefill edge
+
+
+@dataclass
+class ExecutorConfig:
+    type: str = "local"  # local | ray
+    address: Optional[str] = None
+    concurrency: int = 1
+    num_gpus: float = 0
+
+
+@dataclass
+class JobConfig:
+    name: str
+    model: ModelConfig
+    input: InputConfig
+    output: OutputConfig
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    ordering: OrderingConfig = field(default_factory=OrderingConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The job as a plain mapping in the job file's own shape (what `job.yaml` stores)."""
+        out = {
+            "name": self.name,
+            "model": asdict(self.model),
+            "speculative": asdict(self.speculative),
+            "input": asdict(self.input),
+            "generation": asdict(self.generation),
+            "schedule": {**asdict(self.schedule), **asdict(self.ordering)},
+            "output": asdict(self.output),
+            "executor": asdict(self.executor),
+        }
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _abspath_if_local(p: str) -> str:
+    # Keeps known model names and hub ids as they are; a local path is pinned so that
+    # `resume RUN_DIR` works from any working directory.
+    if any(ch in p for ch in "*?["):
+        return os.path.abspath(os.path.expanduser(p))
+    expanded = os.path.expanduser(p)
+    return os.path.abspath(expanded) if os.path.exists(expanded) else p
+
+
+def build_job(raw: Any, default_name: str = "job") -> JobConfig:
+    s = check_job_dict(raw, default_name)
+    name = s["name"]
+    inp = InputConfig(**s["input"])
+    problems = []
+    if inp.messages_column and (inp.template is not None or inp.prompt_column):
+        problems.append("input.messages_column: give only one of messages_column, template, prompt_column")
+    if inp.template is not None and inp.prompt_column:
+        problems.append("input.template: give only one of template and prompt_column "
+                        "(a template reads any columns by name: '{question}')")
+    if inp.template is not None:
+        from .prompts import parse_template  # the template's own checks, refused as invalid job
+
+        try:
+            parse_template(inp.template)
+        except ValueError as e:
+            problems.append(f"input.template: {e}, got {inp.template!r}")
+    inp.path = _abspath_if_local(inp.path)
+    sched = dict(s["schedule"])
+    ordering = OrderingConfig(**{k: sched.pop(k) for k in ("window_rows", "min_prefix_tokens") if k in sched})
+    output = OutputConfig(**{"dir": f"runs/{name}", **s["output"]})
+    output.dir = os.path.abspath(os.path.expanduser(output.dir))
+    reserved = set(OUTPUT_COLUMN_NAMES)
+    for col in output.keep_columns:
+        if col in reserved:
+            problems.append(f"output.keep_columns: {col!r} clashes with an output column; rename it in the input")
+    try:
+        spec = SpeculativeConfig(**s["speculative"])
+    except ValueError as e:
+        problems.append(str(e))
+        spec = None
+    try:
+        schedule = ScheduleConfig(**sched)
+    except ValueError as e:
+        problems.append(str(e))
+        schedule = None
+    if problems:
+        raise JobError("invalid job:\n  " + "\n  ".join(problems))
+    model = ModelConfig(**s["model"])
+    model.path = _abspath_if_local(model.path)
+    return JobConfig(
+        name=name,
+        model=model,
+        input=inp,
+        output=output,
+        speculative=spec,
+        generation=GenerationConfig(**s["generation"]),
+        schedule=schedule,
+        ordering=ordering,
+        executor=ExecutorConfig(**s["executor"]),
+    )
+
+
+def parse_override(text: str) -> tuple:
+    """`a.b.c=value` into (["a", "b", "c"], value), the value read as a YAML scalar or list."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise JobError(f"--set {text!r}: expected key.path=value, e.g. generation.max_tokens=64")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as e:
+        raise JobError(f"--set {text!r}: the value is not valid YAML ({e.problem})")
+    return key.strip().split("."), parsed
+
+
+def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for depth, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            elif not isinstance(child, dict):
+                if depth == 0 and key in SHORTHAND:
+                    child = node[key] = {SHORTHAND[key]: child}
+                else:
+                    where = ".".join(keys[: depth + 1])
+                    raise JobError(f"--set {text!r}: {where} is {child!r}, not a mapping")
+            node = child
+        node[keys[-1]] = value
+    return raw
+
+
+def read_job_file(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise JobError(f"job file {str(p)!r}: cannot read it ({e.strerror})")
+    except UnicodeDecodeError:
+        raise JobError(f"job file {str(p)!r}: not UTF-8 text")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise JobError(f"job file {str(p)!r}: not valid YAML{where}: {getattr(e, 'problem', e)}")
+    return raw if raw is not None else {}
+
+
+def load_job(path: Union[str, os.PathLike], overrides: Sequence[str] = ()) -> JobConfig:
+    raw = read_job_file(path)
+    if isinstance(raw, dict):
+        raw = apply_overrides(raw, overrides)
+    try:
+        return build_job(raw, default_name=Path(path).stem)
+    except JobError as e:
+        raise JobError(f"{path}: {e}") from None
+
+
+# The output columns a keep_column may not shadow (kept here so config has no pyarrow import).
+OUTPUT_COLUMN_NAMES = (
+    "id", "row", "sample", "completion", "finish_reason", "error", "prompt_tokens",
+    "completion_tokens", "cached_prompt_tokens", "prefill_chunks", "verify_calls",
+    "drafted_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_verify",
+    "accepted_by_depth", "compiled_verify_calls", "eager_verify_calls", "parity_failures",
+    "seed", "batch_width", "decode_seconds",
+)

@@ -1,0 +1,73 @@
+"""The job fingerprint: what must not change between a run and its resume.
+
+It covers everything that decides *which rows exist and what text each one gets*:
+- the model: resolved path, a hash of config.json and of the tokenizer files (weights are not
+  hashed: too large to read on every start; the path and config pin them well enough);
+- generation settings (max_tokens, temperature, top_p, top_k, seed, stop, n);
+- prompt rendering (prompt/messages column, template, chat template mode, id column);
+- the input: format, path, split, and each file's path, size and content hash;
+- output.keep_columns (they change the shard schema).
+Speed-only settings (speculative, schedule, shard size, executor) are left out: greedy output
+is the same under all of them, and sampled output follows the same distribution, so a resume may
+change them. Each part is kept by name in the manifest so a refusal can say what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Dict, List, Sequence
+
+from .config import JobConfig
+from .fsutil import sha256_file
+
+SCHEMA_VERSION = "1"  # bump when the output columns change
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+)
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def model_parts(model_dir: str) -> Dict[str, str]:
+    parts = {"model.path": os.path.abspath(model_dir)}
+    cfg = os.path.join(model_dir, "config.json")
+    parts["model.config_sha256"] = sha256_file(cfg) if os.path.exists(cfg) else "missing"
+    tok = {name: sha256_file(os.path.join(model_dir, name))
+           for name in TOKENIZER_FILES if os.path.exists(os.path.join(model_dir, name))}
+    parts["model.tokenizer_sha256"] = _digest(tok)
+    return parts
+
+
+def input_files_digest(files: Sequence[str]) -> str:
+    return _digest([(os.path.abspath(f), os.path.getsize(f), sha256_file(f)) for f in files])
+
+
+def fingerprint_parts(job: JobConfig, model_dir: str, input_files: Sequence[str]) -> Dict[str, str]:
+    """Named parts, each a short string, in a stable order."""
+    parts = {"schema_version": SCHEMA_VERSION}
+    parts.update(model_parts(model_dir))
+    parts["model.revision"] = str(job.model.revision)
+    gen = job.generation
+    for key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n"):
+        parts[f"generation.{key}"] = json.dumps(getattr(gen, key))
+    inp = job.input
+    for key in ("format", "path", "split", "id_column", "prompt_column", "messages_column",
+                "template", "chat_template"):
+        parts[f"input.{key}"] = json.dumps(getattr(inp, key))
+    parts["input.files"] = input_files_digest(input_files)
+    parts["output.keep_columns"] = json.dumps(job.output.keep_columns)
+    return parts
+
+
+def fingerprint(parts: Dict[str, str]) -> str:
+    return _digest(parts)
+
+
+def diff_fingerprint_parts(old: Dict[str, str], new: Dict[str, str]) -> List[str]:
+    """Names of the parts that differ (added, removed or changed), sorted."""
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))

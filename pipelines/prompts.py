@@ -1,0 +1,197 @@
+"""Turning an input row into prompt tokens: a column, a safe template, or chat messages.
+
+Templates are parsed here by a tiny parser rather than `str.format`, because `str.format`
+evaluates attribute and index lookups (`{x.__class__}`, `{x[0]}`) on user data. Only `{name}`
+fields and `{{` / `}}` escapes exist; anything else is an invalid job, refused before any work.
+
+Anything wrong with one row raises `RowError`; the runner turns it into an error row.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from .config import InputConfig
+from .errors import JobError
+
+
+class RowError(Exception):
+    """A problem with one input row; `reason` goes into that row's `error` column."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+
+
+# Column names may hold spaces or dashes, but never the characters str.format would interpret.
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_ \-]*")
+
+
+def parse_template(text: str) -> List[Union[str, Field]]:
+    """Literal text and `Field`s; raises ValueError naming the offending piece."""
+    parts: List[Union[str, Field]] = []
+    literal: List[str] = []
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "{" and text.startswith("{{", i):
+            literal.append("{")
+            i += 2
+        elif ch == "}" and text.startswith("}}", i):
+            literal.append("}")
+            i += 2
+        elif ch == "{":
+            end = text.find("}", i)
+            if end < 0:
+                raise ValueError(f"unclosed '{{' at character {i}; write '{{{{' for a literal brace")
+            name = text[i + 1 : end]
+            if not _NAME.fullmatch(name) or name.startswith("_") or name != name.strip():
+                raise ValueError(
+                    f"field {{{name}}} is not allowed: only plain column names such as {{question}} "
+                    "(no attributes, indexes, conversions or format specs)"
+                )
+            if literal:
+                parts.append("".join(literal))
+                literal = []
+            parts.append(Field(name))
+            i = end + 1
+        elif ch == "}":
+            raise ValueError(f"single '}}' at character {i}; write '}}}}' for a literal brace")
+        else:
+            literal.append(ch)
+            i += 1
+    if literal:
+        parts.append("".join(literal))
+    return parts
+
+
+def check_text(value: Any, what: str) -> str:
+    """A usable piece of prompt text from a cell, or RowError."""
+    if value is None:
+        raise RowError(f"{what} is null")
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RowError(f"{what} holds bytes that are not UTF-8 (at byte {e.start}); re-encode the input as UTF-8")
+    if not isinstance(value, str):
+        raise RowError(f"{what} is a {type(value).__name__}, not a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RowError(f"{what} holds undecodable bytes or lone surrogates; re-encode the input as UTF-8")
+    return value
+
+
+def _template_value(row: Dict[str, Any], name: str) -> str:
+    if name not in row:
+        raise RowError(f"template field {{{name}}}: this row has no column {name!r}")
+    v = row[name]
+    what = f"template field {{{name}}}"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise RowError(f"{what} is {v}; fill or drop non-finite values in the input")
+        return repr(v)
+    if isinstance(v, (list, dict, tuple)):
+        raise RowError(f"{what} is a {type(v).__name__}; templates take scalar columns only")
+    return check_text(v, what)
+
+
+class PromptRenderer:
+    """Renders rows to token lists the way mlx-lm would for the same text."""
+
+    def __init__(self, inp: InputConfig, tokenizer):
+        self.inp = inp
+        self.tokenizer = tokenizer
+        self.template = parse_template(inp.template) if inp.template is not None else None
+        has_template = bool(getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None))
+        if inp.chat_template == "on" and not has_template:
+            raise JobError("input.chat_template: on, but the model's tokenizer has no chat template; "
+                           "set chat_template: off or auto")
+        if inp.prompt_mode == "messages" and (inp.chat_template == "off" or not has_template):
+            raise JobError(
+                f"input.messages_column: {inp.messages_column!r} needs a chat template, but "
+                + ("chat_template is off" if has_template else "the model's tokenizer has none")
+                + "; use prompt_column or template instead"
+            )
+        self.use_chat = has_template and inp.chat_template != "off"
+        bos = getattr(tokenizer, "bos_token", None)
+        self._bos = bos if isinstance(bos, str) and bos else None
+
+    @property
+    def columns(self) -> List[str]:
+        """Input columns a prompt reads (checked against the input schema up front)."""
+        if self.inp.prompt_mode == "messages":
+            return [self.inp.messages_column]
+        if self.template is not None:
+            return list(dict.fromkeys(p.name for p in self.template if isinstance(p, Field)))
+        return [self.inp.prompt_field]
+
+    def text(self, row: Dict[str, Any]) -> Union[str, List[Dict[str, str]]]:
+        """The prompt string, or the chat turns when the chat template will apply."""
+        mode = self.inp.prompt_mode
+        if mode == "messages":
+            return self._messages(row)
+        if mode == "template":
+            text = "".join(p if isinstance(p, str) else _template_value(row, p.name) for p in self.template)
+        else:
+            col = self.inp.prompt_field
+            if col not in row:
+                raise RowError(f"this row has no column {col!r} (input.prompt_column)")
+            text = check_text(row[col], f"prompt column {col!r}")
+        if not text.strip():
+            raise RowError("the prompt is empty; drop the row or fill the prompt column")
+        return [{"role": "user", "content": text}] if self.use_chat else text
+
+    def tokens(self, row: Dict[str, Any]) -> List[int]:
+        prompt = self.text(row)
+        tok = self.tokenizer
+        if isinstance(prompt, list):
+            try:
+                prompt = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # jinja's raise_exception and friends: the row's fault
+                raise RowError(f"chat template refused the messages: {e}")
+        # Same rule as mlx_lm.generate: no second BOS when the text already starts with one.
+        add_special = self._bos is None or not prompt.startswith(self._bos)
+        ids = tok.encode(prompt, add_special_tokens=add_special)
+        if not ids:
+            raise RowError("the prompt tokenizes to nothing")
+        return list(ids)
+
+    def _messages(self, row: Dict[str, Any]) -> List[Dict[str, str]]:
+        col = self.inp.messages_column
+        if col not in row:
+            raise RowError(f"this row has no column {col!r} (input.messages_column)")
+        msgs = row[col]
+        if msgs is None:
+            raise RowError(f"messages column {col!r} is null")
+        if isinstance(msgs, str):
+            raise RowError(f"messages column {col!r} is a string; it must be a list of {{role, content}} turns")
+        if not isinstance(msgs, (list, tuple)) or not msgs:
+            raise RowError(f"messages column {col!r} must be a non-empty list of {{role, content}} turns")
+        out = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m.get("role"):
+                raise RowError(f"messages[{i}] is not a {{role, content}} mapping with a string role")
+            out.append({"role": m["role"], "content": check_text(m.get("content"), f"messages[{i}].content")})
+        if not any(m["content"].strip() for m in out):
+            raise RowError("all messages are empty")
+        return out
+
+
+def row_text_columns(renderer: PromptRenderer, id_column: Optional[str], keep: Sequence[str]) -> List[str]:
+    """Every column a job reads from the input, in a stable order."""
+    cols = list(renderer.columns) + ([id_column] if id_column else []) + list(keep)
+    return list(dict.fromkeys(cols))

@@ -1,0 +1,242 @@
+"""Running a job: read -> prepare -> order -> engine -> shards, resumable at any point.
+
+The pipeline is a chain of generators, so rows stream through and only one ordering window
+plus the engine's in-flight requests are held in memory:
+
+    source.rows()          SourceRow per input row, running index
+    rows.prepare()         Item: id, prompt tokens, or the reason the row cannot run
+    ordering.ordered()     scheduling order within a window, stable prefix lengths
+    _requests()            one Request per (row, sample) not yet committed; error rows go
+                           straight to the sink from here
+    engine.generate()      Results, in completion order
+    ShardWriter            output rows, committed shard by shard through the manifest
+
+Exactly-once: an output row is keyed by (row index, sample). Keys in committed shards are
+skipped; everything else is (re)generated. Row indices are stable because the fingerprint pins
+the input files.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
+
+from mtplx.request import Request, Result, RowStats, derive_seed
+
+from .checkpoint import RunDir
+from .config import JobConfig
+from .errors import JobError, RunError
+from .fingerprint import fingerprint_parts
+from .ordering import ordered
+from .prompts import PromptRenderer
+from .rows import Item, keep_checker, prepare
+from .sink import ShardWriter, output_schema
+from .sources import Source, open_source
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    outputs: int = 0  # output rows committed by this session
+    errors: int = 0  # of those, error rows
+    skipped: int = 0  # (row, sample) pairs already committed by an earlier session
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    shards: int = 0  # shards committed by this session
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds else 0.0
+
+
+def load_engine(job: JobConfig):
+    try:
+        from mtplx.generation import Engine
+    except ImportError as e:
+        raise RunError(f"the generation engine is not available ({e})")
+    return Engine.load(job.model.path, job.speculative, job.schedule,
+                       trust_remote_code=job.model.trust_remote_code)
+
+
+def load_tokenizer(job: JobConfig):
+    from mtplx.loading import load_tokenizer_only
+
+    try:
+        return load_tokenizer_only(job.model.path)
+    except Exception as e:  # missing dir, bad tokenizer files: all mean the job cannot run
+        raise JobError(f"model.path: cannot load a tokenizer from {job.model.path!r}: {e}")
+
+
+def resolve_model_dir(job: JobConfig) -> str:
+    from mtplx.loading import resolve_model_path
+
+    try:
+        return str(resolve_model_path(job.model.path))
+    except Exception as e:
+        raise JobError(f"model.path: {e}")
+
+
+@dataclass
+class Prepared:
+    """Everything checked and opened before any weights load."""
+
+    source: Source
+    renderer: PromptRenderer
+    keep_types: list
+    check_keep: Optional[Callable]
+
+
+def open_job(job: JobConfig, tokenizer) -> Prepared:
+    """Open the input and prompt rendering; any problem here is a JobError (exit 2)."""
+    renderer = PromptRenderer(job.input, tokenizer)
+    keep = job.output.keep_columns
+    # The row id hashes the whole row when there is no id column, so then every column is read.
+    if job.input.id_column is None:
+        columns = None
+    else:
+        columns = list(dict.fromkeys(renderer.columns + [job.input.id_column] + list(keep)))
+    source = open_source(job.input, columns)
+    schema = source.schema()
+    if schema is not None:
+        missing = [c for c in keep if c not in schema.names]
+        if missing:
+            raise JobError(f"output.keep_columns: the input has no column {missing[0]!r} "
+                           f"(has: {', '.join(schema.names)})")
+    keep_types = [(c, source.column_type(c)) for c in keep]
+    check_keep = keep_checker(keep_types) if schema is None and keep_types else None
+    return Prepared(source, renderer, keep_types, check_keep)
+
+
+def _output_row(item: Item, sample: int, seed: int, result: Optional[Result] = None,
+                error: Optional[str] = None, stable_prefix_len: int = 0) -> Dict[str, Any]:
+    st = result.stats if result is not None else RowStats()
+    failed = error is not None or (result is not None and result.finish_reason == "error")
+    row = {
+        "id": item.id,
+        "row": item.index,
+        "sample": sample,
+        "completion": None if failed else result.text,
+        "finish_reason": "error" if failed else result.finish_reason,
+        "error": error if error is not None else ((result.error or "engine error") if failed else None),
+        "prompt_tokens": st.prompt_tokens or len(item.tokens or ()),
+        "completion_tokens": st.completion_tokens or (len(result.tokens) if result and not failed else 0),
+        "cached_prompt_tokens": st.cached_prompt_tokens,
+        "prefill_chunks": st.prefill_chunks,
+        "verify_calls": st.verify_calls,
+        "drafted_tokens": st.drafted_tokens,
+        "accepted_tokens": st.accepted_tokens,
+        "acceptance_rate": st.acceptance_rate,
+        "tokens_per_verify": st.tokens_per_verify,
+        "accepted_by_depth": list(st.accepted_by_depth),
+        "compiled_verify_calls": st.compiled_verify_calls,
+        "eager_verify_calls": st.eager_verify_calls,
+        "parity_failures": st.parity_failures,
+        "seed": result.seed if result is not None and result.seed else seed,
+        "batch_width": st.batch_width,
+        "decode_seconds": st.decode_seconds,
+    }
+    row.update(item.keep)
+    return row
+
+
+class _Progress:
+    def __init__(self, total: Optional[int], initial: int, quiet: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="row", dynamic_ncols=True, smoothing=0.05,
+                        disable=quiet or not sys.stderr.isatty(), file=sys.stderr)
+        self.start = time.monotonic()
+        self.tokens = 0
+
+    def update(self, row: Dict[str, Any]) -> None:
+        self.tokens += row["completion_tokens"] or 0
+        elapsed = time.monotonic() - self.start
+        self.bar.set_postfix_str(f"{self.tokens / elapsed if elapsed else 0:.1f} tok/s", refresh=False)
+        self.bar.update(1)
+
+    def close(self):
+        self.bar.close()
+
+
+def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, engine=None,
+            quiet: bool = True, log: Optional[Callable[[str], None]] = None) -> RunSummary:
+    """Run (or resume) `job`. Raises JobError before any weights load when the job is invalid."""
+    log = log or ((lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr)))
+    tokenizer = engine.tokenizer if engine is not None else load_tokenizer(job)
+    prep = open_job(job, tokenizer)
+    parts = fingerprint_parts(job, resolve_model_dir(job), prep.source.files)
+    n = job.generation.n
+    with RunDir.prepare(job.output.dir, job.to_yaml(), parts, restart=restart, log=log) as run:
+        committed = run.committed_keys()
+        total_rows = prep.source.count_rows()
+        run.update(input_rows=total_rows, samples=n)
+        if engine is None:
+            log(f"loading {job.model.path}")
+            engine = load_engine(job)
+        wanted = None if total_rows is None else min(total_rows, limit if limit is not None else total_rows) * n
+        summary = RunSummary(run_dir=run.path, skipped=len(committed))
+        progress = _Progress(wanted, min(len(committed), wanted or len(committed)), quiet)
+        schema = output_schema(prep.keep_types)
+
+        def on_commit(entry):
+            summary.shards += 1
+            summary.outputs += entry["rows"]
+            summary.errors += entry["errors"]
+            summary.completion_tokens += entry["completion_tokens"]
+
+        sink = ShardWriter(run, schema, job.output.shard_rows, on_commit)
+        started = time.monotonic()
+        try:
+            _generate(job, prep, engine, sink, committed, limit, progress)
+        finally:
+            try:
+                sink.flush()  # finished rows are committed even when the run stops early
+            finally:
+                progress.close()
+                summary.seconds = time.monotonic() - started
+    return summary
+
+
+def _generate(job: JobConfig, prep: Prepared, engine, sink: ShardWriter, committed: Set[Tuple[int, int]],
+              limit: Optional[int], progress: _Progress) -> None:
+    gen = job.generation
+    params = gen.sampling_params()
+    inflight: Dict[Tuple[int, int], Tuple[Item, int]] = {}
+    items = prepare(prep.source.rows(), prep.renderer, job.input.id_column, job.output.keep_columns,
+                    engine.max_context, prep.check_keep, limit)
+    # Skip fully committed rows before ordering, so a resume does not re-tokenize them twice over.
+    pending = (it for it in items if any((it.index, s) not in committed for s in range(gen.n)))
+    order = ordered(pending, job.schedule.order, lambda it: it.tokens, job.ordering.window_rows,
+                    job.ordering.min_prefix_tokens, gen.n)
+
+    def emit(row):
+        sink.add(row)
+        progress.update(row)
+
+    def requests() -> Iterator[Request]:
+        for item, plen in order:
+            for s in range(gen.n):
+                if (item.index, s) in committed:
+                    continue
+                seed = derive_seed(gen.seed, item.id, s) if item.id is not None else 0
+                if item.tokens is None:
+                    emit(_output_row(item, s, seed, error=item.error))
+                    continue
+                inflight[(item.index, s)] = (item, seed)
+                yield Request(key=(item.index, s), prompt_tokens=item.tokens, params=params,
+                              seed=seed, stable_prefix_len=plen)
+
+    feed = requests()
+    for result in engine.generate(feed):
+        key = tuple(result.key) if isinstance(result.key, list) else result.key
+        if key not in inflight:
+            raise RunError(f"the engine returned a result for an unknown request {result.key!r}")
+        item, seed = inflight.pop(key)
+        emit(_output_row(item, key[1], seed, result=result))
+    for _ in feed:  # trailing error rows still get written; a real request left here is a bug
+        pass
+    if inflight:
+        raise RunError(f"the engine stopped with {len(inflight)} requests unanswered; "
+                       "they were not committed and a resume will generate them")

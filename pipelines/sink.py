@@ -1,0 +1,100 @@
+"""Parquet shards with a schema fixed before the first row, committed through the manifest.
+
+The schema is built once from DESIGN.md's columns plus the keep_columns (typed from the input
+schema), and every shard is written with it, so a shard of successes and a shard of errors are
+interchangeable to pyarrow.dataset, datasets, pandas and DuckDB.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, List, Sequence, Tuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .checkpoint import RunDir
+from .fsutil import publish, sha256_file
+
+I64, F64, STR = pa.int64(), pa.float64(), pa.string()
+OUTPUT_COLUMNS: List[Tuple[str, pa.DataType]] = [
+    ("id", STR),
+    ("row", I64),  # index of the input row (0-based, in input order): join key back to the input
+    ("sample", I64),
+    ("completion", STR),  # null for error rows
+    ("finish_reason", STR),  # stop | length | error
+    ("error", STR),
+    ("prompt_tokens", I64),
+    ("completion_tokens", I64),
+    ("cached_prompt_tokens", I64),
+    ("prefill_chunks", I64),
+    ("verify_calls", I64),
+    ("drafted_tokens", I64),
+    ("accepted_tokens", I64),
+    ("acceptance_rate", F64),
+    ("tokens_per_verify", F64),
+    ("accepted_by_depth", pa.list_(I64)),
+    ("compiled_verify_calls", I64),
+    ("eager_verify_calls", I64),
+    ("parity_failures", I64),
+    ("seed", I64),
+    ("batch_width", I64),
+    ("decode_seconds", F64),
+]
+STAT_FIELDS = [name for name, _ in OUTPUT_COLUMNS[6:] if name != "seed"]
+
+
+def output_schema(keep: Sequence[Tuple[str, pa.DataType]] = ()) -> pa.Schema:
+    return pa.schema([pa.field(n, t) for n, t in OUTPUT_COLUMNS] + [pa.field(n, t) for n, t in keep])
+
+
+def empty_row(schema: pa.Schema) -> Dict[str, Any]:
+    return {name: None for name in schema.names}
+
+
+class ShardWriter:
+    """Buffers output rows; every `shard_rows` rows (and at `flush`) commits one shard."""
+
+    def __init__(self, run: RunDir, schema: pa.Schema, shard_rows: int, on_commit=None):
+        self.run = run
+        self.schema = schema
+        self.shard_rows = shard_rows
+        self.on_commit = on_commit
+        self.buffer: List[Dict[str, Any]] = []
+        self._since = time.monotonic()
+        self.rows_written = 0
+
+    def add(self, row: Dict[str, Any]) -> None:
+        self.buffer.append(row)
+        if len(self.buffer) >= self.shard_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        rows, self.buffer = self.buffer, []
+        table = pa.Table.from_pylist(rows, schema=self.schema)
+        rel = self.run.next_shard_file()
+        final = os.path.join(self.run.path, rel)
+        tmp = os.path.join(os.path.dirname(final), "." + os.path.basename(final) + ".tmp")
+        pq.write_table(table, tmp)
+        publish(tmp, final)
+        now = time.monotonic()
+        entry = {
+            "file": rel,
+            "rows": len(rows),
+            "bytes": os.path.getsize(final),
+            "sha256": sha256_file(final),
+            "errors": sum(r["finish_reason"] == "error" for r in rows),
+            "elapsed": now - self._since,  # active time this shard took; status sums these
+            "committed": time.time(),
+        }
+        for key in ("prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens",
+                    "verify_calls", "decode_seconds"):
+            entry[key] = sum(r[key] or 0 for r in rows)
+        self.run.record_shard(entry)
+        self._since = now
+        self.rows_written += len(rows)
+        if self.on_commit:
+            self.on_commit(entry)

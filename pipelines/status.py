@@ -1,0 +1,56 @@
+"""`status`: progress of a run from its manifest alone (no shard is opened)."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from .checkpoint import read_manifest, totals
+
+
+def run_status(run_dir: str) -> Dict:
+    m = read_manifest(run_dir)
+    t = totals(m)
+    expected: Optional[int] = None
+    if m.get("input_rows") is not None:
+        expected = m["input_rows"] * (m.get("samples") or 1)
+    left = None if expected is None else max(expected - t["rows"], 0)
+    rate = t["rows"] / t["elapsed"] if t["elapsed"] else 0.0
+    return {
+        "run_dir": run_dir,
+        "shards": len(m.get("shards", [])),
+        "rows_done": t["rows"] - t["errors"],
+        "rows_errored": t["errors"],
+        "rows_left": left,
+        "rows_expected": expected,
+        "prompt_tokens": t["prompt_tokens"],
+        "completion_tokens": t["completion_tokens"],
+        "acceptance_rate": t["accepted_tokens"] / t["drafted_tokens"] if t["drafted_tokens"] else None,
+        "tokens_per_verify": t["completion_tokens"] / t["verify_calls"] if t["verify_calls"] else None,
+        "tokens_per_second": t["completion_tokens"] / t["elapsed"] if t["elapsed"] else 0.0,
+        "rows_per_second": rate,
+        "active_seconds": t["elapsed"],
+        "eta_seconds": (left / rate) if (left is not None and rate) else None,
+        "complete": left == 0,
+    }
+
+
+def _duration(s: Optional[float]) -> str:
+    if s is None:
+        return "unknown"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def format_status(st: Dict) -> str:
+    left = "unknown" if st["rows_left"] is None else st["rows_left"]
+    acc = "n/a (no drafting)" if st["acceptance_rate"] is None else f"{st['acceptance_rate']:.1%}"
+    tpv = "" if st["tokens_per_verify"] is None else f", {st['tokens_per_verify']:.2f} tokens/verify"
+    return "\n".join([
+        f"run: {st['run_dir']} ({st['shards']} shards){'  COMPLETE' if st['complete'] else ''}",
+        f"rows: {st['rows_done']} done, {st['rows_errored']} errored, {left} left",
+        f"tokens: {st['prompt_tokens']} prompt, {st['completion_tokens']} generated",
+        f"acceptance: {acc}{tpv}",
+        f"throughput: {st['tokens_per_second']:.1f} tok/s, {st['rows_per_second']:.2f} rows/s "
+        f"over {_duration(st['active_seconds'])} active",
+        f"ETA: {'done' if st['complete'] else _duration(st['eta_seconds'])}",
+    ])
