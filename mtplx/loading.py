@@ -89,13 +89,22 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
                 "a .gguf file, or a known name (see `mtplx-batch fetch --list`)"
             )
         return p
-    from .gguf import convert_gguf
+    from .gguf import convert_gguf, default_dequantize, default_dtype
 
+    # MTPLX_GGUF_MODE: auto (fastest here: CPU -> float, GPU -> keep Q4_0/Q4_1/Q8_0 packed),
+    # dequantize, or quantized.
+    mode = os.environ.get("MTPLX_GGUF_MODE", "auto").strip().lower()
+    if mode not in ("auto", "dequantize", "quantized"):
+        raise ValueError(f"MTPLX_GGUF_MODE must be auto, dequantize or quantized, not {mode!r}")
+    dequantize = default_dequantize() if mode == "auto" else mode == "dequantize"
+    dtype = default_dtype()
     st = gguf_file.stat()
-    tag = hashlib.sha256(f"{gguf_file.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_dir() / "converted" / f"{gguf_file.stem}-{tag}"
+    key = f"{gguf_file.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
+    flavour = f"{dtype}" if dequantize else f"q-{dtype}"
+    out = cache_dir() / "converted" / f"{gguf_file.stem}-{flavour}-{tag}"
     if not (out / "config.json").exists():
-        convert_gguf(gguf_file, out)
+        convert_gguf(gguf_file, out, dequantize=dequantize, dtype=dtype)
     return out
 
 

@@ -1,0 +1,536 @@
+"""Turn a GGUF file (llama.cpp's format) into a directory that mlx-lm loads.
+
+    convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "models/smollm2")
+
+The directory holds `config.json`, `model*.safetensors`, `tokenizer.json`, `tokenizer_config.json`
+(special tokens, eos, the chat template) and `mtplx_gguf.json` (what was converted and how).
+
+Weights: Q4_0, Q4_1 and Q8_0 blocks are exactly MLX affine quantization with group size 32
+(w = scale * q + bias), so they can be kept packed (`dequantize=False`); every other type (K-quants,
+Q5_x, IQ*, F16, ...) is dequantized with the `gguf` package to `dtype`. On the CPU fp32 matmuls are
+the fast ones, so the default there is to dequantize everything; on a GPU the default keeps what can
+be kept quantized.
+
+Architectures: llama (SmolLM2, TinyLlama, ...), qwen2 (Qwen2.5, Qwen2.5-Coder) and gemma3 (text).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+# GGML tensor types MLX represents exactly as affine quantization (bits, group size).
+_EXACT_QUANT = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+_GROUP = 32
+_SHARD_BYTES = 2 << 30
+
+# llama.cpp token types (tokenizer.ggml.token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
+
+# llama.cpp block tensor names -> HF names, per architecture (suffix .weight / .bias is kept).
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GEMMA3_BLOCK_NAMES = dict(
+    _BLOCK_NAMES,
+    ffn_norm="pre_feedforward_layernorm",
+    post_attention_norm="post_attention_layernorm",
+    post_ffw_norm="post_feedforward_layernorm",
+    attn_q_norm="self_attn.q_norm",
+    attn_k_norm="self_attn.k_norm",
+)
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+class GGUFConversionError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+
+def default_dequantize() -> bool:
+    """True where float weights generate faster than quantized ones: on the CPU."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
+
+
+def default_dtype() -> str:
+    import mlx.core as mx
+
+    return "float32" if mx.default_device() == mx.cpu else "float16"
+
+
+def convert_gguf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dequantize: Optional[bool] = None,
+    dtype: Optional[str] = None,
+) -> Path:
+    """Write an mlx-lm model directory for `gguf_path` into `out_dir` and return it.
+
+    dequantize: None picks what is fastest on the current device (CPU: True, GPU: False).
+        False keeps Q4_0/Q4_1/Q8_0 tensors packed as MLX quantized weights.
+    dtype: the float type for dequantized and float tensors (default float32 on CPU, float16 on GPU).
+    """
+    import gguf
+
+    gguf_path = Path(gguf_path)
+    out_dir = Path(out_dir)
+    if dequantize is None:
+        dequantize = default_dequantize()
+    dtype = dtype or default_dtype()
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise GGUFConversionError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    meta = _read_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in _MODEL_TYPES:
+        raise GGUFConversionError(
+            f"{gguf_path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(sorted(_MODEL_TYPES))})"
+        )
+    config = _config(meta, arch, reader)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    try:
+        quant, types = _write_weights(reader, arch, config, tmp, dequantize, dtype)
+        if quant:
+            config["quantization"] = quant
+            config["quantization_config"] = quant
+        _write_tokenizer(meta, config, tmp)
+        (tmp / "mtplx_gguf.json").write_text(
+            json.dumps(
+                {
+                    "source": str(gguf_path.resolve()),
+                    "source_bytes": gguf_path.stat().st_size,
+                    "architecture": arch,
+                    "name": meta.get("general.name"),
+                    "dequantize": dequantize,
+                    "dtype": dtype,
+                    "tensor_types": types,
+                },
+                indent=1,
+            )
+        )
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        _publish(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def gguf_metadata(gguf_path: str | os.PathLike) -> dict:
+    """The GGUF key/value metadata, without the large tokenizer arrays."""
+    import gguf
+
+    meta = _read_metadata(gguf.GGUFReader(str(gguf_path)))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                "tokenizer.ggml.token_type"):
+        if key in meta:
+            meta[key] = f"<{len(meta[key])} entries>"
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata and config
+
+
+def _read_metadata(reader) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # an odd field we don't use
+            continue
+    return meta
+
+
+def _config(meta: dict, arch: str, reader) -> dict:
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    names = {t.name for t in reader.tensors}
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    vocab_size = int(embd.shape[1])  # GGUF shapes are innermost-first: [hidden, vocab]
+    config = {
+        "model_type": _MODEL_TYPES[arch],
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}[arch]],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "vocab_size": vocab_size,
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+    head_dim = get("attention.key_length")
+    if head_dim is not None:
+        config["head_dim"] = int(head_dim)
+    scaling = get("rope.scaling.type")
+    if scaling in ("linear", "yarn") and get("rope.scaling.factor"):
+        config["rope_scaling"] = {"type": scaling, "rope_type": scaling,
+                                  "factor": float(get("rope.scaling.factor"))}
+        if scaling == "yarn":
+            config["rope_scaling"]["original_max_position_embeddings"] = int(
+                get("rope.scaling.original_context_length", config["max_position_embeddings"]))
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in names
+    if arch == "gemma3":
+        config["head_dim"] = int(head_dim or 256)
+        config["query_pre_attn_scalar"] = config["head_dim"]
+        config["sliding_window"] = int(get("attention.sliding_window", 512))
+        config["sliding_window_pattern"] = 6
+        config["rope_local_base_freq"] = 10000.0
+        config["rope_theta"] = float(get("rope.freq_base", 1000000.0))
+    for key, token_key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
+        if f"tokenizer.ggml.{token_key}" in meta:
+            config[key] = int(meta[f"tokenizer.ggml.{token_key}"])
+    eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                  "tokenizer.ggml.eom_token_id") if k in meta]
+    eos = list(dict.fromkeys(eos))
+    if eos:
+        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+
+
+def _hf_name(name: str, arch: str) -> Optional[str]:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (None: drop it)."""
+    stem, _, suffix = name.rpartition(".")
+    if stem in _TOP_NAMES:
+        return f"{_TOP_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk":
+        table = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
+        if parts[2] in table:
+            return f"model.layers.{parts[1]}.{table[parts[2]]}.{suffix}"
+    if stem == "rope_freqs":  # precomputed llama3 rope factors; not used by mlx-lm's llama
+        return None
+    raise GGUFConversionError(f"unknown GGUF tensor {name!r} for architecture {arch}")
+
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of q/k rows (interleaved rope -> HF's rotate-half layout).
+
+    llama.cpp stores each head's rows as pairs (x0, x_half, x1, x_half+1, ...); HF keeps the two
+    halves apart. Works on weights, biases, and the packed weight/scales/biases of quantized rows.
+    """
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def _pack_exact(raw: np.ndarray, qtype: str, rows: int, cols: int):
+    """GGUF Q4_0/Q4_1/Q8_0 blocks -> MLX affine (packed uint32 weight, fp16 scales, fp16 biases).
+
+    Each block of 32 values is w = d * q + m in both formats; only the encoding of q differs.
+    """
+    nblocks = cols // _GROUP
+    blocks = np.ascontiguousarray(raw).reshape(rows, nblocks, -1)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if qtype == "Q8_0":  # d: f16, q: int8[32];  w = d * q  ->  q' = q + 128, bias = -128 d
+        q = blocks[..., 2:34].copy().view(np.int8).astype(np.int16) + 128
+        bias = (-128.0 * d.astype(np.float32)).astype(np.float16)
+    else:
+        if qtype == "Q4_0":  # d: f16, 16 bytes of nibbles; w = d * (q - 8)
+            packed = blocks[..., 2:18]
+            bias = (-8.0 * d.astype(np.float32)).astype(np.float16)
+        else:  # Q4_1: d, m: f16, 16 bytes of nibbles; w = d * q + m
+            packed = blocks[..., 4:20]
+            bias = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        # byte j holds value j (low nibble) and value j + 16 (high nibble)
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+    bits = _EXACT_QUANT[qtype]
+    q = q.astype(np.uint32).reshape(rows, cols // (32 // bits), 32 // bits)
+    shifts = (np.arange(32 // bits, dtype=np.uint32) * bits)[None, None, :]
+    weight = np.bitwise_or.reduce(q << shifts, axis=-1).astype(np.uint32)
+    return weight, d.astype(np.float16), bias.astype(np.float16)
+
+
+def _is_quantizable(hf: str, rows: int, cols: int) -> bool:
+    leaf = hf.rsplit(".", 2)[-2]
+    is_linear = hf.endswith(".weight") and (
+        leaf.endswith("_proj") or hf.startswith(("lm_head.", "model.embed_tokens."))
+    )
+    return is_linear and cols % _GROUP == 0
+
+
+def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str):
+    import gguf
+    import mlx.core as mx
+
+    mx_dtype = getattr(mx, dtype)
+    n_heads = config["num_attention_heads"]
+    n_kv = config["num_key_value_heads"]
+    quant: Dict[str, object] = {}
+    bits_seen: Dict[int, int] = {}
+    types: Dict[str, int] = {}
+    shards: List[Dict[str, mx.array]] = [{}]
+    size = 0
+
+    def add(name, array: np.ndarray, as_float: bool):
+        nonlocal size
+        a = mx.array(array)
+        if as_float:
+            a = a.astype(mx_dtype)
+        if size and size + a.nbytes > _SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = a
+        size += a.nbytes
+
+    for t in reader.tensors:
+        hf = _hf_name(t.name, arch)
+        qtype = t.tensor_type.name
+        types[qtype] = types.get(qtype, 0) + 1
+        if hf is None:
+            continue
+        shape = tuple(int(s) for s in reversed(t.shape))  # numpy order: (out, in)
+        permute_heads = None
+        if arch == "llama" and ".self_attn.q_proj." in hf:
+            permute_heads = n_heads
+        elif arch == "llama" and ".self_attn.k_proj." in hf:
+            permute_heads = n_kv
+
+        module = hf.rsplit(".", 1)[0]
+        if (not dequantize and qtype in _EXACT_QUANT and len(shape) == 2
+                and _is_quantizable(hf, *shape)):
+            w, s, b = _pack_exact(t.data, qtype, *shape)
+            if permute_heads:
+                w, s, b = (_unpermute_rows(x, permute_heads) for x in (w, s, b))
+            add(f"{module}.weight", w, False)
+            add(f"{module}.scales", s, True)  # fp16 values, exact in fp32: w = d * q + m
+            add(f"{module}.biases", b, True)
+            bits = _EXACT_QUANT[qtype]
+            quant[module] = {"group_size": _GROUP, "bits": bits, "mode": "affine"}
+            bits_seen[bits] = bits_seen.get(bits, 0) + 1
+            continue
+
+        if qtype in ("F32", "F16"):
+            w = np.asarray(t.data).reshape(shape).astype(np.float32)
+        else:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        if permute_heads:
+            w = _unpermute_rows(w, permute_heads)
+        if arch == "gemma3" and hf.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; mlx-lm adds the 1 itself
+        add(hf, w, True)
+        if not dequantize and len(shape) == 2 and _is_quantizable(hf, *shape):
+            quant[module] = False
+
+    n = len(shards)
+    for i, shard in enumerate(shards):
+        name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
+    if n > 1:
+        index = {"metadata": {}, "weight_map": {}}
+        for i, shard in enumerate(shards):
+            for k in shard:
+                index["weight_map"][k] = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+    if not any(v for v in quant.values()):
+        return None, types
+    top_bits = max(bits_seen, key=bits_seen.get)
+    return {"group_size": _GROUP, "bits": top_bits, "mode": "affine", **quant}, types
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+
+# How text is split before BPE, by `tokenizer.ggml.pre` (the regexes of the original tokenizers).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+def build_tokenizer(meta: dict):
+    """A `tokenizers.Tokenizer` from the `tokenizer.ggml.*` metadata of a GGUF file."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    from tokenizers import pre_tokenizers, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: List[str] = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+    vocab: Dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)  # a few files repeat a token; the first id wins
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None else None
+
+    if kind == "gpt2":  # byte-level BPE: GPT-2, Llama 3, Qwen2, SmolLM
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama3")))
+        if pre in _SPLITS:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])
+        elif pre == "smollm":  # GPT-2 split, each digit on its own
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ])
+        else:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if pre in ("qwen2", "deepseek-r1-qwen"):
+            tok.normalizer = normalizers.NFC()
+        tok.decoder = decoders.ByteLevel()
+    elif kind == "llama":  # sentencepiece BPE with byte fallback: Llama 2, TinyLlama, Gemma
+        merges = meta.get("tokenizer.ggml.merges")
+        if merges:
+            merges = [tuple(m.split(" ", 1)) for m in merges]
+        else:
+            merges = _merges_from_scores(tokens, types, meta.get("tokenizer.ggml.scores"))
+        tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
+        prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        norm = [normalizers.Replace(" ", "\u2581")]
+        dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if prefix:
+            norm.insert(0, normalizers.Prepend("\u2581"))
+            dec.append(decoders.Strip(" ", 1, 0))
+        tok.normalizer = normalizers.Sequence(norm)
+        tok.decoder = decoders.Sequence(dec)
+    else:
+        raise GGUFConversionError(
+            f"tokenizer model {kind!r} in GGUF metadata is not supported (gpt2 and llama are)")
+
+    special = [AddedToken(t, special=True, normalized=False)
+               for t, ty in zip(tokens, types) if ty == _CONTROL and vocab.get(t) is not None]
+    user = [AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+    tok.add_special_tokens(special)
+    tok.add_tokens(user)
+
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    single, pair, specials = "$A:0", "$A:0 $B:1", []
+    if add_bos and bos_id is not None:
+        bos = tokens[int(bos_id)]
+        single, pair = f"{bos}:0 {single}", f"{bos}:0 $A:0 {bos}:1 $B:1"
+        specials.append((bos, int(bos_id)))
+    if add_eos and eos_id is not None:
+        eos = tokens[int(eos_id)]
+        single, pair = f"{single} {eos}:0", f"{pair} {eos}:1"
+        specials.append((eos, int(eos_id)))
+    if specials:
+        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                           special_tokens=specials)
+    elif kind == "gpt2":
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def _merges_from_scores(tokens, types, scores) -> List[Tuple[str, str]]:
+    """Sentencepiece files list no merges: every split of a token into two known tokens is a merge,
+    ranked by the merged token's score (higher first)."""
+    if scores is None:
+        scores = [-float(i) for i in range(len(tokens))]
+    ids = {t: i for i, t in enumerate(tokens) if types[i] in (_NORMAL, _USER_DEFINED)}
+    ranked = []
+    for tok, i in ids.items():
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in ids and right in ids:
+                ranked.append((-float(scores[i]), ids[left], ids[right], left, right))
+    ranked.sort()
+    return [(left, right) for _, _, _, left, right in ranked]
+
+
+def _write_tokenizer(meta: dict, config: dict, out: Path) -> None:
+    tok = build_tokenizer(meta)
+    tok.save(str(out / "tokenizer.json"))
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token(key):
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None and int(i) < len(tokens) else None
+
+    kind = meta.get("tokenizer.ggml.model")
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+    if meta.get("tokenizer.chat_template"):
+        tok_config["chat_template"] = meta["tokenizer.chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    special_map = {k: v for k, v in tok_config.items()
+                   if k in ("bos_token", "eos_token", "unk_token", "pad_token") and v is not None}
+    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
+    if "eos_token_id" in config:
+        gen = {"eos_token_id": config["eos_token_id"]}
+        if "bos_token_id" in config:
+            gen["bos_token_id"] = config["bos_token_id"]
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Move the finished files into place; config.json goes last, so a directory with a
+    config.json is always complete."""
+    try:
+        os.rename(tmp, out_dir)  # the common case: out_dir does not exist yet
+        return
+    except OSError:
+        pass
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("model*.safetensors"):
+        old.unlink()
+    files = sorted(tmp.iterdir(), key=lambda p: p.name == "config.json")
+    for f in files:
+        os.replace(f, out_dir / f.name)
