@@ -106,7 +106,11 @@ class RunDir:
         fd = cls._lock(path)
         manifest_path = os.path.join(path, MANIFEST)
         if os.path.exists(manifest_path):
-            manifest = read_manifest(path)
+            try:
+                manifest = read_manifest(path)
+            except JobError:
+                os.close(fd)
+                raise
         else:
             manifest = {
                 "format": MANIFEST_FORMAT,
@@ -118,11 +122,15 @@ class RunDir:
                 "shards": [],
             }
         run = cls(path, manifest, fd)
-        run._verify(log)
-        manifest["versions"] = versions()
-        manifest.setdefault("sessions", []).append({"started": time.time(), "pid": os.getpid()})
-        atomic_write(os.path.join(path, JOB_FILE), job_yaml.encode("utf-8"))
-        run._save()
+        try:
+            run._verify(log)
+            manifest["versions"] = versions()
+            manifest.setdefault("sessions", []).append({"started": time.time(), "pid": os.getpid()})
+            atomic_write(os.path.join(path, JOB_FILE), job_yaml.encode("utf-8"))
+            run._save()
+        except BaseException:
+            run.close()
+            raise
         return run
 
     @staticmethod

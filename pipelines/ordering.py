@@ -105,6 +105,10 @@ def ordered(stream: Iterable[T], mode: str, tokens_of: Callable[[T], Optional[Se
             window_rows: int = 4096, min_prefix: int = 16, samples: int = 1) -> Iterator[Tuple[T, int]]:
     """(item, stable_prefix_len) in scheduling order. Items whose `tokens_of` is None (error
     rows) are yielded as soon as they are read; only the rest are windowed and ordered."""
+    if mode == "input":  # nothing to reorder: no reason to hold a window back
+        for item in stream:
+            yield item, 0
+        return
     window: List[T] = []
 
     def flush():

@@ -1,0 +1,183 @@
+"""The CLI: exit codes, refusals before weights load, status, resume, and SIGKILL-then-resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from jobkit import job_dict, read_output, sample_rows, write_job, write_parquet
+from pipelines.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def job_file(tmp_path, llama):
+    data = write_parquet(tmp_path / "in.parquet", sample_rows())
+    return write_job(tmp_path / "job.yaml", job_dict(llama, data, tmp_path / "run"))
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fails the test if anything loads model weights."""
+    import mtplx.loading
+    import pipelines.runner
+
+    def boom(*a, **k):
+        raise AssertionError("model weights were loaded")
+
+    monkeypatch.setattr(mtplx.loading, "load", boom)
+    monkeypatch.setattr(pipelines.runner, "load_engine", boom)
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_help_teaches_with_examples():
+    for args in ([], ["run"], ["validate"], ["status"], ["resume"]):
+        out = cli(*args, "--help")
+        assert out.exit_code == 0 and "Example" in out.output, args
+    assert "--set" in cli("run", "--help").output and "Exit codes" in cli("--help").output
+
+
+def test_malformed_job_refused_before_model_load(tmp_path, job_file, no_weights):
+    text = job_file.read_text().replace("max_tokens: 8", "max_tokens: lots")
+    job_file.write_text(text)
+    out = cli("run", job_file)
+    assert out.exit_code == 2
+    assert "generation.max_tokens: expected an integer >= 1, got 'lots'" in out.output
+    assert not (tmp_path / "run").exists()
+    out = cli("run", tmp_path / "missing.yaml")
+    assert out.exit_code == 2 and "cannot read" in out.output
+
+
+def test_unreadable_input_refused_before_model_load(tmp_path, job_file, no_weights):
+    out = cli("run", job_file, "--set", f"input.path={tmp_path}/nothing-*.parquet")
+    assert out.exit_code == 2 and "matched no parquet files" in out.output
+
+
+def test_validate_exit_codes(tmp_path, job_file, no_weights):
+    out = cli("validate", job_file)
+    assert out.exit_code == 0, out.output
+    assert "12 ready, 0 would be error rows" in out.output and "at most 96 tokens to generate" in out.output
+    rows = sample_rows(3) + [{"id": "q0", "prompt": "again", "topic": "x", "weight": 1.0},
+                             {"id": "z", "prompt": "", "topic": "x", "weight": 1.0}]
+    write_parquet(tmp_path / "in.parquet", rows)
+    out = cli("validate", job_file)
+    assert out.exit_code == 1
+    assert "duplicate id 'q0'" in out.output and "prompt is empty" in out.output and "PROBLEMS" in out.output
+    out = cli("validate", job_file, "--set", "schedule.order=fastest")
+    assert out.exit_code == 2 and "schedule.order" in out.output
+
+
+def test_run_status_resume_and_refusals(tmp_path, job_file):
+    out = cli("run", job_file)
+    assert out.exit_code == 0, out.output
+    assert "12 rows written" in out.output
+    out = cli("status", tmp_path / "run")
+    assert out.exit_code == 0 and "12 done, 0 errored, 0 left" in out.output and "COMPLETE" in out.output
+    st = json.loads(cli("status", tmp_path / "run", "--json").output)
+    assert st["rows_done"] == 12 and st["completion_tokens"] > 0 and st["eta_seconds"] == 0
+    # same job again: nothing to do
+    assert "0 rows written" in cli("run", job_file).output
+    # an output-changing setting is refused, naming the key; --restart starts over
+    out = cli("run", job_file, "--set", "generation.max_tokens=4")
+    assert out.exit_code == 2 and "changed: generation.max_tokens" in out.output
+    out = cli("run", job_file, "--set", "generation.max_tokens=4", "--restart")
+    assert out.exit_code == 0 and "moved the previous run" in out.output
+    assert all(r["completion_tokens"] <= 4 for r in read_output(tmp_path / "run"))
+    # a speed-only setting may change between resumes
+    assert cli("run", job_file, "--set", "generation.max_tokens=4", "--set", "schedule.order=input").exit_code == 0
+    # resume uses the stored job, from any directory
+    os.chdir(tmp_path / "run" / "shards")
+    out = cli("resume", tmp_path / "run")
+    assert out.exit_code == 0 and "0 rows written" in out.output
+    assert cli("status", tmp_path).exit_code == 2
+    assert cli("resume", tmp_path).exit_code == 2
+
+
+def test_partial_run_status_shows_rows_left(tmp_path, job_file):
+    assert cli("run", job_file, "--limit", "5", "-q").exit_code == 0
+    st = json.loads(cli("status", tmp_path / "run", "--json").output)
+    assert st["rows_done"] == 5 and st["rows_left"] == 7 and st["eta_seconds"] is not None
+
+
+# ------------------------------------------------------------------ kill -9, then resume
+
+
+def _start(job_file):
+    return subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(job_file), "-q"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _shards(run_dir):
+    try:
+        return len(json.loads((run_dir / "manifest.json").read_text())["shards"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _kill_when(proc, condition, timeout=60.0):
+    """SIGKILL `proc` as soon as `condition()` holds; False if it finished first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        if condition():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.002)
+    proc.kill()
+    raise AssertionError("condition never held")
+
+
+KEY_COLUMNS = ("id", "row", "sample", "completion", "finish_reason", "error", "seed")
+
+
+def test_sigkill_at_several_points_then_resume_matches_uninterrupted(tmp_path, llama):
+    rows = sample_rows(30)
+    rows[7]["prompt"] = None  # an error row must also come out exactly once
+    data = write_parquet(tmp_path / "in.parquet", rows)
+    settings = dict(generation={"max_tokens": 12, "n": 2, "temperature": 0.7, "seed": 3},
+                    output={"shard_rows": 3, "keep_columns": ["topic"]})
+    ref_job = write_job(tmp_path / "ref.yaml", job_dict(llama, data, tmp_path / "ref", **settings))
+    job = write_job(tmp_path / "job.yaml", job_dict(llama, data, tmp_path / "run", **settings))
+    assert cli("run", ref_job, "-q").exit_code == 0  # the uninterrupted reference, in-process
+    expected = [{k: r[k] for k in KEY_COLUMNS + ("topic",)} for r in read_output(tmp_path / "ref")]
+    assert len(expected) == 60
+
+    run_dir = tmp_path / "run"
+    shard_dir = run_dir / "shards"
+    points = [
+        lambda: (run_dir / "manifest.json").exists(),  # started, nothing generated yet
+        lambda: _shards(run_dir) >= 1,  # right after a commit
+        lambda: shard_dir.exists() and any(p.name.endswith(".tmp") for p in shard_dir.iterdir()),  # mid-write
+        lambda: _shards(run_dir) >= 8,
+    ]
+    kills = 0
+    for point in points:
+        if _kill_when(_start(job), point):
+            kills += 1
+            print("killed at", _shards(run_dir), "shards")
+    assert kills >= 3  # the run is slow enough that most kill points land
+    final = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(job), "-q"], cwd=REPO,
+                           capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr
+    got = [{k: r[k] for k in KEY_COLUMNS + ("topic",)} for r in read_output(run_dir)]
+    assert got == expected
+    assert not any(p.name.endswith(".tmp") for p in shard_dir.iterdir())
+    recorded = {Path(e["file"]).name for e in json.loads((run_dir / "manifest.json").read_text())["shards"]}
+    assert recorded == {p.name for p in shard_dir.iterdir()}
