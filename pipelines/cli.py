@@ -69,7 +69,14 @@ def _run(job, restart: bool, limit: Optional[int], quiet: bool) -> None:
         _fail(e)
     except KeyboardInterrupt:
         click.echo("interrupted: finished rows are committed; run the same command again to continue", err=True)
-        sys.exit(130)
+        sys.exit(1)
+    except Exception as e:  # an engine or I/O failure: say so plainly, keep the traceback for a bug report
+        import traceback
+
+        traceback.print_exc()
+        click.echo(f"error: the run failed: {type(e).__name__}: {e}. Committed shards are kept; "
+                   "run the same command again to continue", err=True)
+        sys.exit(1)
     if not quiet:
         click.echo(
             f"done: {summary.outputs} rows written ({summary.errors} errors), {summary.skipped} already done, "
@@ -165,8 +172,9 @@ def validate(job_file: str, overrides: Sequence[str], limit: Optional[int]):
 
     Checks the job's keys and values, that the input is readable and has the columns the job
     reads, id uniqueness, every prompt (rendered and tokenized) against the model's context,
-    and estimates the work. Exit 0 when every row can run, 1 when some rows would become
-    error rows (they are listed), 2 when the job itself is invalid.
+    whether output.dir can be started or resumed, and estimates the work. Exit 0 when every
+    row can run, 1 when some rows would become error rows (they are listed), 2 when the job
+    is invalid or its output directory would be refused.
 
     \b
     Example:
@@ -181,7 +189,7 @@ def validate(job_file: str, overrides: Sequence[str], limit: Optional[int]):
     except (JobError, RunError) as e:
         _fail(e)
     click.echo(format_report(report))
-    sys.exit(0 if report.ok else 1)
+    sys.exit(2 if report.refused else 0 if report.ok else 1)
 
 
 if __name__ == "__main__":

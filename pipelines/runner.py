@@ -162,8 +162,20 @@ class _Progress:
 
 def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, engine=None,
             quiet: bool = True, log: Optional[Callable[[str], None]] = None) -> RunSummary:
-    """Run (or resume) `job`. Raises JobError before any weights load when the job is invalid."""
+    """Run (or resume) `job`; returns what this session did.
+
+    Raises JobError (nothing ran, no weights loaded) when the job, its input or its run
+    directory is refused, and RunError when the run breaks; committed shards stay valid either
+    way. `engine` (anything with `tokenizer`, `max_context` and `generate(requests)`) replaces
+    the one `job.model`/`speculative`/`schedule` would load; `limit` takes the first N rows.
+    """
     log = log or ((lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr)))
+    if job.executor.type == "ray" and engine is None:
+        try:
+            from .ray_executor import run_job as run_on_ray
+        except ImportError as e:
+            raise JobError(f"executor: ray is not available here ({e}); use executor: local")
+        return run_on_ray(job, restart=restart, limit=limit, quiet=quiet, log=log)
     tokenizer = engine.tokenizer if engine is not None else load_tokenizer(job)
     prep = open_job(job, tokenizer)
     parts = fingerprint_parts(job, resolve_model_dir(job), prep.source.files)

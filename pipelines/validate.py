@@ -9,7 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+import os
+
+from .checkpoint import MANIFEST, read_manifest, totals
 from .config import JobConfig
+from .errors import JobError
+from .fingerprint import diff_fingerprint_parts, fingerprint, fingerprint_parts
 from .rows import context_from_config, prepare
 from .runner import load_tokenizer, open_job, resolve_model_dir
 
@@ -29,10 +34,12 @@ class ValidationReport:
     max_prompt: int = 0
     samples: int = 1
     max_tokens: int = 0
+    run_dir: str = ""  # what `run` would do with output.dir
+    refused: bool = False  # `run` would refuse the output dir (exit 2)
 
     @property
     def ok(self) -> bool:
-        return self.bad_rows == 0
+        return self.bad_rows == 0 and not self.refused
 
     @property
     def requests(self) -> int:
@@ -44,10 +51,11 @@ def validate_job(job: JobConfig, limit: Optional[int] = None) -> ValidationRepor
 
     tokenizer = load_tokenizer(job)
     prep = open_job(job, tokenizer)
-    resolve_model_dir(job)
+    model_dir = resolve_model_dir(job)
     max_context = context_from_config(model_config(job.model.path))
     rep = ValidationReport(job=job.name, files=len(prep.source.files), max_context=max_context,
                            samples=job.generation.n, max_tokens=job.generation.max_tokens)
+    rep.run_dir, rep.refused = _run_dir_state(job, fingerprint_parts(job, model_dir, prep.source.files))
     for item in prepare(prep.source.rows(), prep.renderer, job.input.id_column, job.output.keep_columns,
                         max_context, prep.check_keep, limit):
         rep.rows += 1
@@ -63,6 +71,23 @@ def validate_job(job: JobConfig, limit: Optional[int] = None) -> ValidationRepor
     return rep
 
 
+def _run_dir_state(job: JobConfig, parts) -> Tuple[str, bool]:
+    out = job.output.dir
+    if not os.path.exists(os.path.join(out, MANIFEST)):
+        if os.path.isdir(out) and os.listdir(out):
+            return f"{out} exists and is not a run directory: run would refuse it (or --restart)", True
+        return f"{out}: a new run", False
+    try:
+        m = read_manifest(out)
+    except JobError as e:
+        return str(e), True
+    if m.get("fingerprint") != fingerprint(parts):
+        changed = diff_fingerprint_parts(m.get("fingerprint_parts", {}), parts)
+        return f"{out} holds a run of a different job (changed: {', '.join(changed)}): run would refuse it " \
+               "unless --restart", True
+    return f"{out}: run would resume ({totals(m)['rows']} output rows already committed)", False
+
+
 def format_report(rep: ValidationReport) -> str:
     good = rep.rows - rep.bad_rows
     lines = [
@@ -75,10 +100,16 @@ def format_report(rep: ValidationReport) -> str:
     lines.append(f"work: {rep.requests} generations (x{rep.samples} samples), "
                  f"{rep.prompt_tokens * rep.samples} prompt tokens to prefill, "
                  f"at most {rep.requests * rep.max_tokens} tokens to generate")
+    lines.append(f"output: {rep.run_dir}")
     if rep.bad_rows:
         lines.append("problem rows (row, id: reason):")
         lines += [f"  {row}, {rid if rid is not None else '-'}: {reason}" for row, rid, reason in rep.examples]
         if rep.bad_rows > len(rep.examples):
             lines.append(f"  ... and {rep.bad_rows - len(rep.examples)} more")
-    lines.append("OK" if rep.ok else "PROBLEMS: the rows above would be written as error rows")
+    if rep.refused:
+        lines.append("REFUSED: run would not start with this output directory")
+    elif rep.bad_rows:
+        lines.append("PROBLEMS: the rows above would be written as error rows")
+    else:
+        lines.append("OK")
     return "\n".join(lines)

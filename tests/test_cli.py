@@ -82,6 +82,15 @@ def test_validate_exit_codes(tmp_path, job_file, no_weights):
     assert out.exit_code == 2 and "schedule.order" in out.output
 
 
+def test_validate_reports_what_run_would_do_with_the_output_dir(tmp_path, job_file):
+    assert "a new run" in cli("validate", job_file).output
+    assert cli("run", job_file, "--limit", "3", "-q").exit_code == 0
+    out = cli("validate", job_file)
+    assert out.exit_code == 0 and "run would resume (3 output rows already committed)" in out.output
+    out = cli("validate", job_file, "--set", "generation.temperature=0.5")
+    assert out.exit_code == 2 and "changed: generation.temperature" in out.output
+
+
 def test_run_status_resume_and_refusals(tmp_path, job_file):
     out = cli("run", job_file)
     assert out.exit_code == 0, out.output
@@ -181,3 +190,23 @@ def test_sigkill_at_several_points_then_resume_matches_uninterrupted(tmp_path, l
     assert not any(p.name.endswith(".tmp") for p in shard_dir.iterdir())
     recorded = {Path(e["file"]).name for e in json.loads((run_dir / "manifest.json").read_text())["shards"]}
     assert recorded == {p.name for p in shard_dir.iterdir()}
+
+
+def test_sigterm_commits_finished_rows_and_exits_1(tmp_path, llama):
+    data = write_parquet(tmp_path / "in.parquet", sample_rows(30))
+    job = write_job(tmp_path / "job.yaml", job_dict(llama, data, tmp_path / "run", generation={"max_tokens": 12},
+                                                    output={"shard_rows": 1000}))
+    proc = _start(job)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "run" / "manifest.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(1.0)  # let it load and generate a little
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before SIGTERM arrived")
+    assert proc.returncode == 1 and b"interrupted" in err, err
+    done = read_output(tmp_path / "run")
+    final = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(job), "-q"], cwd=REPO)
+    assert final.returncode == 0
+    assert [r["row"] for r in read_output(tmp_path / "run")] == list(range(30)) and len(done) < 30
