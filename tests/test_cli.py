@@ -156,6 +156,7 @@ def _kill_when(proc, condition, timeout=60.0):
 KEY_COLUMNS = ("id", "row", "sample", "completion", "finish_reason", "error", "seed")
 
 
+@pytest.mark.slow
 def test_sigkill_at_several_points_then_resume_matches_uninterrupted(tmp_path, llama):
     rows = sample_rows(30)
     rows[7]["prompt"] = None  # an error row must also come out exactly once
@@ -192,6 +193,7 @@ def test_sigkill_at_several_points_then_resume_matches_uninterrupted(tmp_path, l
     assert recorded == {p.name for p in shard_dir.iterdir()}
 
 
+@pytest.mark.slow
 def test_sigterm_commits_finished_rows_and_exits_1(tmp_path, llama):
     data = write_parquet(tmp_path / "in.parquet", sample_rows(30))
     job = write_job(tmp_path / "job.yaml", job_dict(llama, data, tmp_path / "run", generation={"max_tokens": 12},

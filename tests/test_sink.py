@@ -160,3 +160,9 @@ def test_foreign_directory_and_concurrent_runs_refused(tmp_path):
         open_run(tmp_path / "run")
     run.close()
     open_run(tmp_path / "run")[0].close()
+
+
+def test_config_knows_the_output_column_names():
+    from pipelines.config import OUTPUT_COLUMN_NAMES
+
+    assert tuple(n for n, _ in OUTPUT_COLUMNS) == OUTPUT_COLUMN_NAMES
