@@ -42,7 +42,6 @@ OUTPUT_COLUMNS: List[Tuple[str, pa.DataType]] = [
     ("batch_width", I64),
     ("decode_seconds", F64),
 ]
-STAT_FIELDS = [name for name, _ in OUTPUT_COLUMNS[6:] if name != "seed"]
 
 
 def output_schema(keep: Sequence[Tuple[str, pa.DataType]] = ()) -> pa.Schema:
