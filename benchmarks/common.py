@@ -1,0 +1,79 @@
+"""Shared pieces of the benchmark harness: timing, environment, tables."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import mlx.core as mx
+
+
+def device_name() -> str:
+    dev = mx.default_device()
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    return f"{dev} {info.get('device_name', platform.processor() or platform.machine())}"
+
+
+def versions() -> Dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("mlx", "mlx-lm", "mlx-cuda-13", "mlx-cpu", "torch", "transformers"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def sync():
+    mx.synchronize() if hasattr(mx, "synchronize") else mx.eval(mx.array(0))
+
+
+@dataclass
+class Measure:
+    """Repeats of one measurement; reports the median and the spread (min..max)."""
+
+    values: List[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else float("nan")
+
+    @property
+    def spread(self) -> str:
+        if len(self.values) < 2:
+            return "n=1"
+        return f"{min(self.values):.3g}..{max(self.values):.3g} (n={len(self.values)})"
+
+
+def repeat(fn: Callable[[], float], repeats: int) -> Measure:
+    """Run `fn` (which returns a rate or a time) `repeats` times."""
+    return Measure([fn() for _ in range(repeats)])
+
+
+def timed(fn: Callable[[], object]):
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - t0
+
+
+def table(rows: List[Dict[str, object]], columns: Optional[List[str]] = None) -> str:
+    if not rows:
+        return "(no rows)\n"
+    columns = columns or list(rows[0])
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def save_json(path, payload):
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
