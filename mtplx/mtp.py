@@ -112,10 +112,15 @@ def _split_layouts(weights: Dict[str, mx.array], config: dict):
                 head[f"{names[mod]}.{param}"] = v
         return head, blocks, extra
     n = config["num_hidden_layers"]
+    # A sidecar head with several blocks keeps block i at model.layers.{N+i} (block keys only).
+    sidecar_blocks = int(config.get("mtp_sidecar_blocks", 1))
     names = {"enorm": "norm_embedding", "hnorm": "norm_hidden", "eh_proj": "fc", "shared_head.norm": "norm", "shared_head.head": "head"}
     for k, v in weights.items():
         _, _, i, rest = k.split(".", 3)
         depth = int(i) - n
+        if 0 < depth < sidecar_blocks:
+            blocks.setdefault(depth, {})[rest] = v
+            continue
         if depth != 0:
             continue  # deeper NextN modules: drafting recurses on the first one
         for src, dst in names.items():
@@ -173,7 +178,8 @@ def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
     meta = json.loads((path / SIDECAR_META).read_text())
     check_sidecar_trunk(meta, bundle)
     weights = mx.load(str(path / SIDECAR_WEIGHTS))
-    config = dict(bundle.config, num_hidden_layers=meta["num_hidden_layers"])
+    config = dict(bundle.config, num_hidden_layers=meta["num_hidden_layers"],
+                  mtp_sidecar_blocks=meta.get("depth_layers", 1))
     return build_head(bundle, weights, config)
 
 
@@ -187,9 +193,39 @@ def trunk_signature(bundle: ModelBundle) -> dict:
     }
 
 
+PROBE_TOKENS = 16  # token ids whose embeddings fingerprint a trunk's weights
+PROBE_DIMS = 32
+
+
+def trunk_probe(bundle: ModelBundle) -> list:
+    """A few embedding values (dequantized, rounded): same-shaped trunks with other weights differ."""
+    emb = bundle.model.model.embed_tokens
+    vocab = int(bundle.config.get("vocab_size") or emb.weight.shape[0])
+    ids = mx.array([(i * 7919 + 13) % vocab for i in range(PROBE_TOKENS)], dtype=mx.int32)
+    vals = emb(ids)[:, :PROBE_DIMS].astype(mx.float32)
+    return [round(float(x), 5) for x in vals.reshape(-1).tolist()]
+
+
+def _probe_matches(want: list, have: list) -> bool:
+    """Correlation, so a quantized or re-cast copy of the same trunk still matches."""
+    import numpy as np
+
+    a, b = np.asarray(want, dtype=np.float64), np.asarray(have, dtype=np.float64)
+    if a.shape != b.shape or not a.size:
+        return False
+    a, b = a - a.mean(), b - b.mean()
+    denom = np.sqrt((a * a).sum() * (b * b).sum())
+    return bool(denom > 0 and (a * b).sum() / denom > 0.9)
+
+
 def check_sidecar_trunk(meta: dict, bundle: ModelBundle):
     want, have = meta.get("trunk", {}), trunk_signature(bundle)
     diff = {k: (want.get(k), have[k]) for k in have if want.get(k) != have[k]}
     if diff:
         details = ", ".join(f"{k}: head {a!r} vs model {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"MTP head was trained for a different trunk ({details}); train one for this model")
+    if meta.get("trunk_probe") is not None and not _probe_matches(meta["trunk_probe"], trunk_probe(bundle)):
+        raise ValueError(
+            f"MTP head was trained for a different trunk (same shape, other weights: its embedding "
+            f"fingerprint does not match {bundle.path}); train one for this model with `mtplx-batch train-head`"
+        )

@@ -1,0 +1,749 @@
+"""Train a multi-token-prediction sidecar head for a model that ships none (`mtplx-batch train-head`).
+
+The head is `mtplx.mtp.MTPHead`: RMSNorm on the embedding of token t+1 and on the trunk's final
+(normed) hidden state at t, a linear projection of their concatenation (embedding first), decoder
+block(s) of the trunk's own kind, a final norm, and the trunk's own embedding and lm_head (shared,
+frozen, never saved). It learns to predict token t+2, which is what the engine drafts with.
+
+Recipe:
+  1. Training sequences of token ids: a job's prompts plus the model's own greedy continuations
+     (self-distillation, so the head learns exactly what the verifier will accept), or plain text
+     cut into windows, or a JSONL/Parquet/CSV file with a `prompt` (self-distilled) or `text`
+     column. A few sequences are held out.
+  2. The frozen trunk runs once over every sequence (batched, no gradient): hidden states h_t for
+     training, plus the trunk's own greedy next token at every held-out position.
+  3. The head trains on (h_t, emb(x_{t+1})) -> x_{t+2} with cross-entropy, AdamW, linear warmup
+     and cosine decay; causal attention over the whole sequence, as at inference where the head
+     keeps its own KV cache.
+  4. Held-out loss and acceptance (argmax of the head == the trunk's greedy token after x_{t+1},
+     i.e. what greedy verification accepts at depth 1) are measured before and after.
+  5. The sidecar (`mtp_head.safetensors` in the DeepSeek NextN key layout, `mtp_head.json`) is
+     written to HEAD_DIR; `HEAD_DIR/checkpoint/` holds the data and the latest training state
+     (step, head, optimizer, RNG) so an interrupted run continues its schedule exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.base import create_causal_mask
+
+from .loading import ModelBundle, load
+from .mtp import (SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, has_trunk_split, trunk_hidden,
+                  trunk_probe, trunk_signature)
+
+CHECKPOINT_DIR = "checkpoint"
+DATA_FILE = "data.npz"
+STATE_DIR = "latest"
+
+# head parameter names -> DeepSeek NextN names (under model.layers.{N}.)
+NEXTN_NAMES = {"norm_embedding": "enorm", "norm_hidden": "hnorm", "fc": "eh_proj", "norm": "shared_head.norm"}
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
+TABLE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv",
+                 ".arrow": "arrow", ".jsonl.gz": "jsonl"}
+
+
+class TrainHeadError(Exception):
+    """The request cannot be carried out as given (bad data, mismatched checkpoint). Exit 2."""
+
+    exit_code = 2
+
+
+@dataclass
+class TrainConfig:
+    depth_layers: int = 1  # decoder blocks in the head
+    steps: int = 1000  # optimizer steps (the cosine schedule spans exactly these)
+    batch_size: int = 8  # sequences per step
+    seq_len: int = 512  # longest training sequence (tokens); text is cut into windows of this
+    lr: float = 1e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
+    warmup_steps: int = -1  # -1: 5% of steps (at most 100)
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    heldout: float = 0.1  # fraction of sequences held out (at least one, at most 64)
+    max_rows: Optional[int] = None  # prompts (job / table) or windows (text) used at most
+    max_new_tokens: Optional[int] = None  # self-distillation: cap on tokens generated per prompt
+    gen_batch: int = 32  # self-distillation: rows decoded together
+    init: str = "trunk"  # trunk: blocks start as copies of the trunk's last layer | random
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
+    seed: int = 0
+    eval_every: int = 100  # steps between held-out evaluations (progress bar, log)
+    checkpoint_every: int = 100  # steps between checkpoints
+
+    # Keys that change what is trained: a resume with different values is refused.
+    RESUME_KEYS = ("depth_layers", "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
+                   "weight_decay", "grad_clip", "init", "dtype", "seed")
+
+    def check(self):
+        problems = []
+        if self.depth_layers < 1:
+            problems.append(f"depth_layers must be >= 1, got {self.depth_layers}")
+        if self.steps < 0:
+            problems.append(f"steps must be >= 0, got {self.steps}")
+        if self.batch_size < 1:
+            problems.append(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.seq_len < 3:
+            problems.append(f"seq_len must be >= 3 (h_t, x_t+1, x_t+2), got {self.seq_len}")
+        if not 0.0 < self.heldout < 1.0:
+            problems.append(f"heldout must be a fraction in (0, 1), got {self.heldout}")
+        if self.init not in ("trunk", "random"):
+            problems.append(f"init must be trunk or random, got {self.init!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            problems.append(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if problems:
+            raise TrainHeadError("invalid training settings: " + "; ".join(problems))
+
+    @property
+    def warmup(self) -> int:
+        if self.warmup_steps >= 0:
+            return min(self.warmup_steps, self.steps)
+        return min(100, self.steps // 20)
+
+    def resume_view(self) -> dict:
+        return {k: getattr(self, k) for k in self.RESUME_KEYS}
+
+
+@dataclass
+class TrainResult:
+    out_dir: str
+    steps: int
+    train_loss: Optional[float]
+    heldout_loss: float
+    heldout_acceptance: float
+    initial_heldout_loss: float
+    initial_heldout_acceptance: float
+    sequences: int
+    train_tokens: int
+    heldout_tokens: int
+    resumed_from: int = 0
+    seconds: float = 0.0
+    history: List[dict] = field(default_factory=list)
+
+
+# -- data ------------------------------------------------------------------------------------------
+@dataclass
+class TrainData:
+    """Token sequences; in sequence i only positions t >= starts[i] are scored (for self-distilled
+    data the prompt is context only: the head drafts after the trunk's first generated token)."""
+
+    sequences: List[List[int]]
+    source: str  # what they came from, for the metadata
+    starts: Optional[List[int]] = None  # None: every position is scored
+    heldout: List[int] = field(default_factory=list)  # indices of held-out sequences
+
+    def __post_init__(self):
+        if self.starts is None:
+            self.starts = [0] * len(self.sequences)
+
+    def clip(self, seq_len: int, limit: Optional[int] = None) -> "TrainData":
+        """Cut sequences to seq_len tokens, drop those left with no scored position, keep `limit`."""
+        keep = [(s[:seq_len], st) for s, st in zip(self.sequences, self.starts) if min(len(s), seq_len) - 2 > st]
+        if limit:
+            keep = keep[:limit]
+        self.sequences = [s for s, _ in keep]
+        self.starts = [st for _, st in keep]
+        return self
+
+    def split(self, fraction: float, seed: int):
+        n = len(self.sequences)
+        if n < 2:
+            raise TrainHeadError(
+                f"the data gave {n} usable sequence(s); need at least 2 (one is held out): give more "
+                "prompts or text"
+            )
+        k = min(64, max(1, int(round(n * fraction))))
+        k = min(k, n - 1)
+        order = np.random.default_rng(seed).permutation(n)
+        self.heldout = sorted(int(i) for i in order[:k])
+
+    def save(self, path: Path):
+        lens = np.array([len(s) for s in self.sequences], dtype=np.int64)
+        flat = np.array([t for s in self.sequences for t in s], dtype=np.int32)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, tokens=flat, lengths=lens, starts=np.array(self.starts, dtype=np.int64),
+                 heldout=np.array(self.heldout, dtype=np.int64), source=np.array(self.source))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "TrainData":
+        z = np.load(path)
+        offsets = np.concatenate([[0], np.cumsum(z["lengths"])])
+        flat = z["tokens"]
+        seqs = [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(z["lengths"]))]
+        return cls(seqs, str(z["source"]), [int(i) for i in z["starts"]], [int(i) for i in z["heldout"]])
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for s, st in zip(self.sequences, self.starts):
+            h.update(np.asarray(s, dtype=np.int32).tobytes())
+            h.update(f"\x00{st}\x00".encode())
+        return h.hexdigest()[:16]
+
+
+def _windows(tokens: Sequence[int], size: int) -> List[List[int]]:
+    out = [list(tokens[s : s + size]) for s in range(0, len(tokens), size)]
+    return [w for w in out if len(w) >= 3]
+
+
+def _encode_text(tok, text: str, piece_chars: int = 4000) -> List[int]:
+    """Tokenize long text in pieces cut at line ends (tokenizers warn about, and slow down on, huge inputs)."""
+    ids: List[int] = []
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + piece_chars)
+        if end < len(text):
+            nl = text.rfind("\n", start, end)
+            end = nl + 1 if nl > start else end
+        ids.extend(tok.encode(text[start:end], add_special_tokens=False) if start else tok.encode(text[start:end]))
+        start = end
+    return ids
+
+
+def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 max_batch: int = 32, seq_len: Optional[int] = None, quiet: bool = True) -> TrainData:
+    """prompt + the model's own greedy continuation, for every prompt (batched, plain decoding);
+    scored from the first generated token on."""
+    from .config import ScheduleConfig, SpeculativeConfig
+    from .generation import Engine
+    from .request import Request, SamplingParams
+
+    engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"),
+                    ScheduleConfig(order="input", max_batch=max_batch))
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    prompts = [list(p) for p in prompts]
+    reqs = []
+    for i, p in enumerate(prompts):
+        if seq_len is not None and len(p) > seq_len - 2:
+            p = p[: max(1, seq_len - 2)]  # the tail would be cut off anyway
+        reqs.append(Request(key=i, prompt_tokens=p, params=params))
+    out: Dict[int, List[int]] = {}
+    bar = _bar(len(reqs), "generating", not quiet)
+    for res in engine.generate(reqs):
+        seq = reqs[res.key].prompt_tokens + (res.tokens if res.finish_reason != "error" else [])
+        out[res.key] = seq
+        bar.update(1)
+    bar.close()
+    seqs = [out[i] for i in range(len(reqs))]
+    # t = P-1 is the first position the head drafts from: (h_{P-1}, x_P = the trunk's first token) -> x_{P+1}
+    return TrainData(seqs, "self-distilled", [max(len(r.prompt_tokens) - 1, 0) for r in reqs])
+
+
+def _table_rows(path: str, fmt: str):
+    from pipelines.config import InputConfig
+    from pipelines.sources import open_source
+
+    src = open_source(InputConfig(path=path, format=fmt), None)
+    for row in src.rows():
+        if row.data is not None:
+            yield row.data
+
+
+def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True) -> TrainData:
+    """Training sequences from `data`: a job YAML, a JSONL/Parquet/CSV table, a text file, a list of
+    strings (plain text), or a list of token-id lists (used as they are)."""
+    tok = bundle.tokenizer
+    limit = cfg.max_rows
+    if isinstance(data, (list, tuple)):
+        if all(isinstance(x, str) for x in data):
+            seqs = [w for text in data for w in _windows(_encode_text(tok, text), cfg.seq_len)]
+            return TrainData(seqs, "texts").clip(cfg.seq_len, limit)
+        return TrainData([list(map(int, s)) for s in data], "tokens").clip(cfg.seq_len, limit)
+    path = str(data)
+    if not os.path.exists(path):
+        raise TrainHeadError(f"--data {path!r} does not exist: give a job YAML, a JSONL/Parquet/CSV file "
+                             "with a prompt or text column, or a plain text file")
+    low = path.lower()
+    if low.endswith((".yaml", ".yml")):
+        return _job_data(bundle, path, cfg, quiet)
+    fmt = next((f for suf, f in TABLE_FORMATS.items() if low.endswith(suf)), None)
+    if fmt is not None:
+        return _table_data(bundle, path, fmt, cfg, quiet)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (UnicodeDecodeError, IsADirectoryError) as e:
+        raise TrainHeadError(f"--data {path!r}: not a UTF-8 text file ({e}); give a job YAML, a "
+                             "JSONL/Parquet/CSV file or plain text")
+    seqs = _windows(_encode_text(tok, text), cfg.seq_len)
+    return TrainData(seqs, f"text:{os.path.abspath(path)}").clip(cfg.seq_len, limit)
+
+
+def _job_data(bundle: ModelBundle, path: str, cfg: TrainConfig, quiet: bool) -> TrainData:
+    from pipelines.config import load_job
+    from pipelines.errors import JobError
+    from pipelines.rows import prepare
+    from pipelines.runner import open_job
+
+    try:
+        job = load_job(path)
+        prep = open_job(job, bundle.tokenizer)
+    except JobError as e:
+        raise TrainHeadError(str(e))
+    items = prepare(prep.source.rows(), prep.renderer, job.input.id_column, [], None, None, cfg.max_rows)
+    prompts = [it.tokens for it in items if it.tokens]
+    if not prompts:
+        raise TrainHeadError(f"{path}: the job's input gave no usable prompts")
+    max_new = job.generation.max_tokens
+    if cfg.max_new_tokens is not None:
+        max_new = min(max_new, cfg.max_new_tokens)
+    data = self_distill(bundle, prompts, max_new, cfg.gen_batch, cfg.seq_len, quiet)
+    data.source = f"job:{os.path.abspath(path)}"
+    return data.clip(cfg.seq_len)
+
+
+def _table_data(bundle: ModelBundle, path: str, fmt: str, cfg: TrainConfig, quiet: bool) -> TrainData:
+    tok = bundle.tokenizer
+    rows = []
+    for data in _table_rows(path, fmt):
+        rows.append(data)
+        if cfg.max_rows and len(rows) >= cfg.max_rows:
+            break
+    if not rows:
+        raise TrainHeadError(f"--data {path!r} holds no rows")
+    cols = set(rows[0])
+    if "prompt" in cols or "messages" in cols:
+        from pipelines.config import InputConfig
+        from pipelines.prompts import PromptRenderer
+
+        inp = InputConfig(path=path, format=fmt, messages_column="messages" if "prompt" not in cols else None)
+        renderer = PromptRenderer(inp, tok)
+        prompts = [renderer.tokens(r) for r in rows]
+        data = self_distill(bundle, prompts, cfg.max_new_tokens or 256, cfg.gen_batch, cfg.seq_len, quiet)
+        data.source = f"{fmt}-prompts:{os.path.abspath(path)}"
+        return data.clip(cfg.seq_len)
+    if "text" in cols:
+        seqs = [w for r in rows if isinstance(r.get("text"), str)
+                for w in _windows(_encode_text(tok, r["text"]), cfg.seq_len)]
+        return TrainData(seqs, f"{fmt}-text:{os.path.abspath(path)}").clip(cfg.seq_len)
+    raise TrainHeadError(f"--data {path!r}: needs a 'prompt' (or 'messages') column to self-distill, or a "
+                         f"'text' column of plain text; it has {', '.join(sorted(cols))}")
+
+
+# -- trunk features --------------------------------------------------------------------------------
+@dataclass
+class Features:
+    """Per sequence: tokens [L] (numpy), trunk hidden [L, D] (mx), trunk greedy next token [L] or None,
+    first scored position."""
+
+    tokens: List[np.ndarray]
+    hidden: List[mx.array]
+    greedy: List[Optional[np.ndarray]]
+    starts: List[int]
+
+    @property
+    def positions(self) -> int:
+        return sum(max(len(t) - 2 - st, 0) for t, st in zip(self.tokens, self.starts))
+
+
+def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[int], store_dtype, want_greedy: bool,
+                   batch_tokens: int = 4096, desc: str = "trunk", quiet: bool = True) -> Features:
+    """Run the frozen trunk once over `sequences` (right-padded batches of similar length)."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    hidden: List[Optional[mx.array]] = [None] * len(sequences)
+    greedy: List[Optional[np.ndarray]] = [None] * len(sequences)
+    bar = _bar(len(sequences), desc, not quiet)
+    i = 0
+    while i < len(order):
+        L = len(sequences[order[i]])
+        j = i
+        while j < len(order) and (j - i + 1) * len(sequences[order[j]]) <= max(batch_tokens, len(sequences[order[j]])):
+            j += 1
+        idx = order[i:j]
+        L = max(len(sequences[k]) for k in idx)
+        x = np.zeros((len(idx), L), dtype=np.int32)
+        for r, k in enumerate(idx):
+            x[r, : len(sequences[k])] = sequences[k]
+        h = trunk_hidden(model, mx.array(x), None)
+        hs = h.astype(store_dtype)
+        g = None
+        if want_greedy:
+            from .mtp import project_logits
+
+            g = mx.argmax(project_logits(model, h), axis=-1).astype(mx.int32)
+        mx.eval(hs, g) if g is not None else mx.eval(hs)
+        gn = np.array(g) if g is not None else None
+        for r, k in enumerate(idx):
+            n = len(sequences[k])
+            hidden[k] = hs[r, :n]
+            if gn is not None:
+                greedy[k] = gn[r, :n]
+        bar.update(len(idx))
+        i = j
+    bar.close()
+    return Features([np.asarray(s, dtype=np.int32) for s in sequences], hidden, greedy, list(starts))
+
+
+def _batch(feats: Features, idx: Sequence[int], compute_dtype):
+    """(hidden [B, L-2, D], tokens in [B, L-2], targets [B, L-2], mask [B, L-2], greedy targets or None)."""
+    L = max(len(feats.tokens[k]) for k in idx)
+    B = len(idx)
+    x = np.zeros((B, L), dtype=np.int32)
+    m = np.zeros((B, L - 2), dtype=np.float32)
+    g = np.zeros((B, L - 2), dtype=np.int32)
+    hs = []
+    have_greedy = all(feats.greedy[k] is not None for k in idx)
+    for r, k in enumerate(idx):
+        n = len(feats.tokens[k])
+        x[r, :n] = feats.tokens[k]
+        m[r, feats.starts[k] : n - 2] = 1.0
+        h = feats.hidden[k][: n - 2]
+        if n < L:
+            h = mx.pad(h, [(0, L - n), (0, 0)])
+        hs.append(h)
+        if have_greedy:
+            g[r, : n - 2] = feats.greedy[k][1 : n - 1]  # the trunk's own token after x_{t+1}
+    hidden = mx.stack(hs).astype(compute_dtype)
+    return hidden, mx.array(x[:, 1:-1]), mx.array(x[:, 2:]), mx.array(m), (mx.array(g) if have_greedy else None)
+
+
+def _causal(head: MTPHead, L: int):
+    """The attention mask for L positions: "causal" (fused) where the block takes it, else an array."""
+    if getattr(head, "_array_mask", None) is None:
+        try:
+            D = head.fc.weight.shape[0]
+            mx.eval(head.layers[0](mx.zeros((1, 2, D)), "causal", None))
+            head._array_mask = False
+        except (TypeError, ValueError):
+            head._array_mask = True
+    if L == 1:
+        return None
+    return create_causal_mask(L) if head._array_mask else "causal"
+
+
+def _loss(head: MTPHead, hidden, tokens, targets, mask):
+    _, logits = head(hidden, tokens, mask=_causal(head, tokens.shape[1]))
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
+    return (ce * mask).sum() / mx.maximum(mask.sum(), 1.0)
+
+
+def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_size: int = 8) -> Tuple[float, float]:
+    """(mean cross-entropy against x_{t+2}, acceptance against the trunk's greedy token) over all
+    held-out positions."""
+    total_loss = total_hit = total_n = 0.0
+    idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
+    for s in range(0, len(idx), batch_size):
+        hidden, tok, tgt, m, g = _batch(feats, idx[s : s + batch_size], compute_dtype)
+        _, logits = head(hidden, tok, mask=_causal(head, tok.shape[1]))
+        ce = nn.losses.cross_entropy(logits.astype(mx.float32), tgt, reduction="none")
+        ref = g if g is not None else tgt
+        hit = (mx.argmax(logits, axis=-1) == ref).astype(mx.float32)
+        l, h, n = (ce * m).sum(), (hit * m).sum(), m.sum()
+        mx.eval(l, h, n)
+        total_loss += l.item()
+        total_hit += h.item()
+        total_n += n.item()
+    if not total_n:
+        return float("nan"), 0.0
+    return total_loss / total_n, total_hit / total_n
+
+
+# -- sidecar ---------------------------------------------------------------------------------------
+def nextn_weights(head: MTPHead, num_hidden_layers: int, dtype=None) -> Dict[str, mx.array]:
+    """The head's parameters under DeepSeek NextN names: model.layers.{N}.enorm/hnorm/eh_proj/
+    shared_head.norm and the block's own keys; block i > 0 of a deeper head at model.layers.{N+i}.
+    No shared_head.head / embed_tokens: those are the trunk's."""
+    N = num_hidden_layers
+    out = {}
+    for k, v in tree_flatten(head.parameters()):
+        if k.startswith("layers."):
+            _, i, rest = k.split(".", 2)
+            name = f"model.layers.{N + int(i)}.{rest}"
+        else:
+            mod, param = k.split(".", 1)
+            if mod not in NEXTN_NAMES:
+                raise ValueError(f"head parameter {k!r} has no NextN name")
+            name = f"model.layers.{N}.{NEXTN_NAMES[mod]}.{param}"
+        out[name] = v.astype(dtype) if dtype is not None and mx.issubdtype(v.dtype, mx.floating) else v
+    return out
+
+
+def save_sidecar(bundle: ModelBundle, head: MTPHead, out_dir: Union[str, os.PathLike], meta: dict) -> Path:
+    """Write mtp_head.safetensors + mtp_head.json into out_dir (atomically, each file)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    N = int(bundle.config["num_hidden_layers"])
+    weights = nextn_weights(head, N, _trunk_dtype(bundle.model))
+    tmp = out / (SIDECAR_WEIGHTS + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "layout": "nextn"})
+    os.replace(tmp, out / SIDECAR_WEIGHTS)
+    full = {"trunk": trunk_signature(bundle), "num_hidden_layers": N, "layout": "nextn",
+            "depth_layers": len(head.layers), **meta, "trunk_probe": trunk_probe(bundle)}
+    _write_json(out / SIDECAR_META, full)
+    return out
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _bar(total, desc, enabled):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, dynamic_ncols=True, leave=False, file=sys.stderr,
+                disable=not enabled or not sys.stderr.isatty())
+
+
+def _write_json(path: Path, obj):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False))
+    os.replace(tmp, path)
+
+
+def _trunk_dtype(model):
+    return model.model.embed_tokens.weight.dtype if hasattr(model.model.embed_tokens, "weight") else mx.float32
+
+
+def _dtypes(cfg: TrainConfig, model):
+    """(dtype hidden states are stored in, dtype the head computes in). Head parameters and the
+    optimizer state stay float32 throughout."""
+    if cfg.dtype == "auto":
+        store = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+    else:
+        store = getattr(mx, cfg.dtype)
+    return store, mx.float32
+
+
+def _init_head(model, cfg: TrainConfig) -> MTPHead:
+    mx.random.seed(cfg.seed)
+    head = MTPHead(model, n_layers=cfg.depth_layers)
+    if cfg.init == "trunk":
+        # Each block starts as a copy of the trunk's last layer of the same kind: a well-scaled block
+        # that already works on the trunk's residual stream.
+        src = next((l for l in reversed(model.layers) if type(l) is type(head.layers[0])), None)
+        if src is not None:
+            want = {k: v.shape for k, v in tree_flatten(head.layers[0].parameters())}
+            have = dict(tree_flatten(src.parameters()))
+            if {k: v.shape for k, v in have.items()} == want:
+                for blk in head.layers:
+                    blk.update(tree_unflatten([(k, v.astype(mx.float32)) for k, v in have.items()]))
+    head.update(tree_unflatten([(k, v.astype(mx.float32)) for k, v in tree_flatten(head.parameters())]))
+    mx.eval(head.parameters())
+    return head
+
+
+def _schedule(cfg: TrainConfig):
+    peak, end = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    decay = optim.cosine_decay(peak, max(cfg.steps - cfg.warmup, 1), end)
+    if cfg.warmup > 0:
+        return optim.join_schedules([optim.linear_schedule(peak / cfg.warmup, peak, cfg.warmup), decay], [cfg.warmup])
+    return decay
+
+
+def _resolve_bundle(model) -> ModelBundle:
+    if isinstance(model, ModelBundle):
+        return model
+    return load(model)
+
+
+# -- checkpoint ------------------------------------------------------------------------------------
+def _ckpt_state_dir(out: Path) -> Optional[Path]:
+    ck = out / CHECKPOINT_DIR
+    for name in (STATE_DIR, STATE_DIR + ".old"):
+        if (ck / name / "state.json").exists():
+            return ck / name
+    return None
+
+
+def _save_checkpoint(out: Path, head: MTPHead, opt: optim.Optimizer, step: int, rng: np.random.Generator,
+                     header: dict, history: List[dict], train_loss: Optional[float]):
+    ck = out / CHECKPOINT_DIR
+    tmp = ck / (STATE_DIR + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    mx.save_safetensors(str(tmp / "head.safetensors"), dict(tree_flatten(head.parameters())))
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+    state = dict(header, step=step, rng=rng.bit_generator.state, history=history, train_loss=train_loss)
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    cur, old = ck / STATE_DIR, ck / (STATE_DIR + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if cur.exists():
+        os.replace(cur, old)
+    os.replace(tmp, cur)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def checkpoint_step(out_dir) -> Optional[int]:
+    """The step of the checkpoint in HEAD_DIR, or None."""
+    d = _ckpt_state_dir(Path(out_dir))
+    return None if d is None else int(json.loads((d / "state.json").read_text())["step"])
+
+
+# -- training --------------------------------------------------------------------------------------
+def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, restart: bool = False,
+               quiet: bool = True, callback: Optional[Callable[[int, dict], None]] = None,
+               log: Optional[Callable[[str], None]] = None) -> TrainResult:
+    """Train an MTP sidecar head for `model` (a path, a known name or a ModelBundle) on `data` and
+    write it to `out_dir`; resume from `out_dir/checkpoint/` when it holds a run with the same
+    settings (refused otherwise, unless `restart`).
+
+    `callback(step, metrics)` runs after every step (metrics: loss, lr, and heldout_loss /
+    heldout_acceptance on evaluation steps); an exception from it (e.g. KeyboardInterrupt) stops
+    training after a checkpoint of the current step is written.
+    """
+    cfg = config or TrainConfig()
+    cfg.check()
+    log = log or ((lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr)))
+    started = time.monotonic()
+    bundle = _resolve_bundle(model)
+    mdl = bundle.model
+    if not has_trunk_split(mdl):
+        raise TrainHeadError(f"model {bundle.path}: no separable trunk and output head (model.model.embed_tokens "
+                             "and lm_head); an MTP head cannot be trained for it")
+    out = Path(out_dir)
+    ck = out / CHECKPOINT_DIR
+    if restart and ck.exists():
+        shutil.rmtree(ck)
+    sig = trunk_signature(bundle)
+    header = {"trunk": sig, "trunk_probe": trunk_probe(bundle), "config": cfg.resume_view()}
+    state_dir = _ckpt_state_dir(out)
+    state = json.loads((state_dir / "state.json").read_text()) if state_dir else None
+    if state is not None:
+        diff = [f"{k}: checkpoint {state['config'].get(k)!r} vs now {v!r}" for k, v in cfg.resume_view().items()
+                if state["config"].get(k) != v]
+        if state["trunk"] != sig:
+            diff.insert(0, f"trunk: checkpoint {state['trunk']} vs model {sig}")
+        elif not _probe_matches(state.get("trunk_probe") or [], header["trunk_probe"]):
+            diff.insert(0, "trunk: same shape but other weights than the checkpoint's")
+        if diff:
+            raise TrainHeadError(f"{ck} holds a run with other settings ({'; '.join(diff)}): use the same "
+                                 "settings to resume it, or --restart to start over")
+
+    # 1. data
+    data_file = ck / DATA_FILE
+    if data_file.exists() and state is not None:
+        tdata = TrainData.load(data_file)
+        log(f"resuming at step {state['step']}: {len(tdata.sequences)} sequences from {data_file}")
+    else:
+        tdata = build_data(bundle, data, cfg, quiet).clip(cfg.seq_len)
+        tdata.split(cfg.heldout, cfg.seed)
+        ck.mkdir(parents=True, exist_ok=True)
+        tdata.save(data_file)
+    held = set(tdata.heldout)
+    train_idx = [i for i in range(len(tdata.sequences)) if i not in held]
+    if not train_idx:
+        raise TrainHeadError("no training sequences left after holding some out: give more data")
+
+    # 2. trunk features (frozen trunk, once)
+    store_dtype, compute_dtype = _dtypes(cfg, mdl)
+    train_f = trunk_features(mdl, [tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
+                             store_dtype, False, desc="trunk (train)", quiet=quiet)
+    held_f = trunk_features(mdl, [tdata.sequences[i] for i in tdata.heldout], [tdata.starts[i] for i in tdata.heldout],
+                            store_dtype, True, desc="trunk (held-out)", quiet=quiet)
+    log(f"{len(train_idx)} training sequences ({train_f.positions} positions), {len(tdata.heldout)} held out "
+        f"({held_f.positions} positions)")
+
+    # 3. head + optimizer (fresh, or from the checkpoint)
+    head = _init_head(mdl, cfg)
+    _causal(head, 2)  # settle the mask kind outside any gradient transform
+    opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
+    opt.init(head.trainable_parameters())
+    rng = np.random.default_rng(cfg.seed)
+    history: List[dict] = []
+    train_loss = None
+    step = 0
+    if state is not None:
+        head.load_weights(list(mx.load(str(state_dir / "head.safetensors")).items()), strict=True)
+        opt.state = tree_unflatten(list(mx.load(str(state_dir / "optimizer.safetensors")).items()))
+        rng.bit_generator.state = state["rng"]
+        step, history, train_loss = int(state["step"]), list(state["history"]), state.get("train_loss")
+        mx.eval(head.parameters(), opt.state)
+        initial = next((h for h in history if h["step"] == 0), None)
+    else:
+        initial = None
+    resumed_from = step
+    if initial is None:
+        l0, a0 = evaluate(head, held_f, compute_dtype)
+        initial = {"step": 0, "heldout_loss": l0, "heldout_acceptance": a0}
+        history.append(initial)
+        log(f"untrained head: held-out loss {l0:.4f}, acceptance {a0:.3f}")
+
+    loss_and_grad = nn.value_and_grad(head, _loss)
+
+    def train_step(batch):
+        hidden, tok, tgt, m, _ = batch
+        loss, grads = loss_and_grad(head, hidden, tok, tgt, m)
+        if cfg.grad_clip:
+            grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+        opt.update(head, grads)
+        return loss
+
+    last_eval = history[-1]
+    bar = _bar(cfg.steps, "train-head", not quiet)
+    bar.update(step)
+    ema = train_loss
+    interrupted = None
+    try:
+        while step < cfg.steps:
+            idx = rng.choice(len(train_idx), size=min(cfg.batch_size, len(train_idx)), replace=False)
+            loss = train_step(_batch(train_f, sorted(int(i) for i in idx), compute_dtype))
+            mx.eval(loss, head.parameters(), opt.state)
+            step += 1
+            lv = loss.item()
+            ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+            train_loss = ema
+            metrics = {"loss": lv, "lr": float(opt.learning_rate.item()) if isinstance(opt.learning_rate, mx.array) else float(opt.learning_rate)}
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                hl, ha = evaluate(head, held_f, compute_dtype)
+                last_eval = {"step": step, "train_loss": ema, "heldout_loss": hl, "heldout_acceptance": ha}
+                history.append(last_eval)
+                metrics.update(heldout_loss=hl, heldout_acceptance=ha)
+            bar.set_postfix_str(f"loss {ema:.3f} held-out acc {last_eval['heldout_acceptance']:.3f}", refresh=False)
+            bar.update(1)
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
+            if callback is not None:
+                callback(step, metrics)
+    except BaseException as e:  # KeyboardInterrupt, SIGTERM, a callback stopping us
+        interrupted = e
+    finally:
+        bar.close()
+    if interrupted is not None:
+        if checkpoint_step(out) != step:
+            _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
+        raise interrupted
+
+    if last_eval["step"] != step:
+        hl, ha = evaluate(head, held_f, compute_dtype)
+        last_eval = {"step": step, "train_loss": train_loss, "heldout_loss": hl, "heldout_acceptance": ha}
+        history.append(last_eval)
+    if checkpoint_step(out) != step:
+        _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
+    meta = {
+        "steps": step,
+        "train_loss": train_loss,
+        "heldout_loss": last_eval["heldout_loss"],
+        "heldout_acceptance": last_eval["heldout_acceptance"],
+        "initial_heldout_loss": initial["heldout_loss"],
+        "initial_heldout_acceptance": initial["heldout_acceptance"],
+        "data": tdata.source,
+        "data_digest": tdata.digest(),
+        "sequences": len(tdata.sequences),
+        "heldout_sequences": len(tdata.heldout),
+        "train_positions": train_f.positions,
+        "heldout_positions": held_f.positions,
+        "config": asdict(cfg),
+    }
+    save_sidecar(bundle, head, out, meta)
+    log(f"held-out loss {initial['heldout_loss']:.4f} -> {last_eval['heldout_loss']:.4f}, acceptance "
+        f"{initial['heldout_acceptance']:.3f} -> {last_eval['heldout_acceptance']:.3f}; wrote {out}")
+    return TrainResult(
+        out_dir=str(out), steps=step, train_loss=train_loss, heldout_loss=last_eval["heldout_loss"],
+        heldout_acceptance=last_eval["heldout_acceptance"], initial_heldout_loss=initial["heldout_loss"],
+        initial_heldout_acceptance=initial["heldout_acceptance"], sequences=len(tdata.sequences),
+        train_tokens=train_f.positions, heldout_tokens=held_f.positions, resumed_from=resumed_from,
+        seconds=time.monotonic() - started, history=history,
+    )

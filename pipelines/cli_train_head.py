@@ -1,0 +1,102 @@
+"""`mtplx-batch train-head`: train a multi-token-prediction sidecar head for a model without one.
+
+Registered in `pipelines/cli.py` as `main.add_command(train_head)`; see docs/train-head.md.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Optional
+
+import click
+
+EPILOG = """\b
+Examples:
+  mtplx-batch train-head models/smollm2 --data jobs/eval.yaml --out heads/smollm2
+  mtplx-batch train-head models/smollm2 --data corpus.txt --out heads/smollm2 --steps 2000
+  mtplx-batch train-head models/smollm2 --data prompts.jsonl --out heads/smollm2 --max-new-tokens 128
+
+\b
+--data is a job YAML (its prompts + this model's own greedy continuations: self-distillation),
+a JSONL/Parquet/CSV file with a `prompt` (self-distilled) or `text` column, or plain text.
+Interrupt with Ctrl-C and run the same command again to continue from HEAD_DIR/checkpoint/.
+Use the head in a job with:  speculative: {method: mtp, mtp_head: HEAD_DIR}
+
+\b
+Exit codes: 0 success, 1 training failed, 2 invalid arguments or data, or a checkpoint made with
+other settings (use --restart), 130 interrupted (the checkpoint is kept).
+"""
+
+
+def _terminate_as_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+@click.command("train-head", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model")
+@click.option("--data", required=True, metavar="JOB.yaml|PATH",
+              help="Job YAML (self-distill its prompts), JSONL/Parquet/CSV with a prompt or text column, or text.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), metavar="HEAD_DIR",
+              help="Where the head (mtp_head.safetensors, mtp_head.json) and its checkpoint go.")
+@click.option("--depth-layers", type=click.IntRange(1, 8), default=1, show_default=True,
+              help="Decoder blocks in the head.")
+@click.option("--steps", type=click.IntRange(min=0), default=1000, show_default=True, help="Optimizer steps.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences per step.")
+@click.option("--seq-len", type=click.IntRange(min=3), default=512, show_default=True,
+              help="Longest training sequence in tokens (text is cut into windows of this).")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True,
+              help="Peak learning rate (linear warmup, cosine decay to 10%).")
+@click.option("--heldout", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.1,
+              show_default=True, help="Fraction of sequences held out (1..64 of them).")
+@click.option("--max-rows", type=click.IntRange(min=1), default=None, help="Use at most N prompts / text windows.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+              help="Self-distillation: tokens generated per prompt (default: the job's generation.max_tokens, "
+                   "or 256).")
+@click.option("--init", type=click.Choice(["trunk", "random"]), default="trunk", show_default=True,
+              help="Start the head's blocks as copies of the trunk's last layer, or at random.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, help="Stored trunk hidden states (auto: float32 on CPU, bfloat16 on GPU).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Steps between held-out evaluations.")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Steps between checkpoints.")
+@click.option("--restart", is_flag=True, help="Discard HEAD_DIR/checkpoint/ and start over.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars or messages; errors only.")
+def train_head(model: str, data: str, out_dir: str, depth_layers: int, steps: int, batch_size: int, seq_len: int,
+               lr: float, heldout: float, max_rows: Optional[int], max_new_tokens: Optional[int], init: str,
+               dtype: str, seed: int, eval_every: int, checkpoint_every: int, restart: bool, quiet: bool):
+    """Train a multi-token-prediction head for MODEL (it predicts token t+2 from the trunk's hidden
+    state at t and token t+1) and write it to HEAD_DIR as a sidecar for speculative decoding."""
+    from mtplx.train_head import TrainConfig, TrainHeadError, checkpoint_step
+    from mtplx.train_head import train_head as run_training
+
+    from .errors import JobError
+
+    cfg = TrainConfig(depth_layers=depth_layers, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
+                      heldout=heldout, max_rows=max_rows, max_new_tokens=max_new_tokens, init=init, dtype=dtype,
+                      seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every)
+    log = None if quiet else (lambda m: click.echo(m, err=True))
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        res = run_training(model, data, out_dir, cfg, restart=restart, quiet=quiet, log=log)
+    except (TrainHeadError, JobError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except FileNotFoundError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        step = checkpoint_step(out_dir)
+        where = f"checkpoint at step {step}" if step is not None else "no checkpoint yet"
+        click.echo(f"interrupted ({where}): run the same command again to continue", err=True)
+        sys.exit(130)
+    if not quiet:
+        click.echo(
+            f"done: {res.steps} steps ({res.steps - res.resumed_from} this run) in {res.seconds:.1f}s; held-out loss "
+            f"{res.initial_heldout_loss:.3f} -> {res.heldout_loss:.3f}, acceptance "
+            f"{res.initial_heldout_acceptance:.3f} -> {res.heldout_acceptance:.3f} -> {res.out_dir}\n"
+            f"use it with: speculative: {{method: mtp, mtp_head: {res.out_dir}}}",
+            err=True,
+        )
