@@ -169,6 +169,11 @@ class DraftModelDrafter(_CachedDrafter):
 
     def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
         keep = np.where(active, n_accept + 1, 0)
+        if verify_in is not None and verify_in.shape[1] == 1:
+            # A round without drafts (K = 0) skipped propose: the draft model has not seen the
+            # pending token yet, and start_lengths is a previous round's (maybe another width).
+            self.start_lengths = self.cache.lengths.copy()
+            self.model(verify_in[:, :1], cache=self.cache.layers)
         self.cache.rewind_to(self.start_lengths + keep)
 
 

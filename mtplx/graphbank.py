@@ -177,8 +177,17 @@ class CompiledVerifyBank:
         if self.mode != "on":
             ref = self._run_shadow(cache.kinds, tokens, lengths, *arrays)
             failures = self._compare(out[0], ref[0])
-            if self.mode == "parity" and failures.any():
-                raise CompiledVerifyParityError(self._describe(out[0], ref[0], failures))
+            # The cache the program writes (KV entries, captured recurrent states) feeds every
+            # later verify, where both paths would read the same wrong values: compare it too.
+            cache_bad = self._compare_cache(out[2:], ref[2:])
+            if self.mode == "parity" and (failures.any() or cache_bad.any()):
+                if failures.any():
+                    raise CompiledVerifyParityError(self._describe(out[0], ref[0], failures))
+                raise CompiledVerifyParityError(
+                    f"compiled verify wrote a different cache than eager at row {int(np.argmax(cache_bad))} "
+                    f"(tolerance {self._tol(out[0]):g}; use compiled_verify: parity2 to count instead of raise)"
+                )
+            failures = failures | cache_bad
             self.stats["parity_failures"] += int(failures.sum())
         self._mirror(cache, out[2:])
         self.stats["compiled_calls"] += 1
@@ -215,6 +224,18 @@ class CompiledVerifyBank:
         argmax_differs = (mx.argmax(got, axis=-1) != mx.argmax(ref, axis=-1)).any(axis=-1)
         bad = argmax_differs | (diff > self._tol(got))
         return np.array(bad)
+
+    def _compare_cache(self, got, ref) -> np.ndarray:
+        """Per row: does any cache array the compiled program wrote differ from eager's?"""
+        bad = None
+        for a, b in zip(got, ref):
+            if a is None or b is None or a.size == 0:
+                continue
+            a32, b32 = a.astype(mx.float32).reshape(a.shape[0], -1), b.astype(mx.float32).reshape(b.shape[0], -1)
+            scale = mx.maximum(mx.abs(b32).max(axis=-1), 1.0)
+            row_bad = mx.abs(a32 - b32).max(axis=-1) / scale > self._tol(a)
+            bad = row_bad if bad is None else bad | row_bad
+        return np.zeros(got[0].shape[0] if got else 0, dtype=bool) if bad is None else np.array(bad)
 
     def _describe(self, got, ref, failures) -> str:
         row = int(np.argmax(failures))

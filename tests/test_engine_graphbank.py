@@ -1,0 +1,216 @@
+"""CompiledVerifyBank: parity modes, a perturbed compiled program, 6-bit permanent eager.
+
+- `compiled_verify: parity` runs every verify compiled and eagerly and raises on a difference:
+  it passes on qwen3 and the hybrid qwen3_next, and raises `CompiledVerifyParityError` once the
+  compiled program's logits are perturbed (scaled by 1 + 1e-3: the argmax is unchanged, the
+  logits are not).
+- `parity2` keeps the compiled result and counts the same perturbation instead: bank stats and
+  each row's `parity_failures`, with the text still equal to plain decoding.
+- A 6-bit quantized model verifies eagerly for its whole life (`permanent_eager`) and its
+  greedy output equals plain decoding of the same quantized model.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.generate import generate_step
+
+from mtplx.cache import BatchCache
+from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.generation import Engine
+from mtplx.graphbank import CompiledVerifyBank, CompiledVerifyParityError
+from mtplx.loading import load
+from mtplx.request import Request, SamplingParams
+
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
+    "import os",
+]
+MAX_TOKENS = [10, 7, 9]
+
+
+def reference_tokens(model, prompt, max_tokens, eos):
+    out = []
+    for (tok, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=max_tokens), range(max_tokens)):
+        tok = int(tok)
+        if tok in eos:
+            break
+        out.append(tok)
+    return out
+
+
+class Target:
+    def __init__(self, bundle):
+        self.bundle = bundle
+        tok = bundle.tokenizer
+        self.prompts = [tok.encode(p) for p in PROMPTS]
+        eos = set(tok.eos_token_ids)
+        self.refs = [reference_tokens(bundle.model, p, m, eos) for p, m in zip(self.prompts, MAX_TOKENS)]
+
+    def engine(self, mode, method="ngram", depth=3, perturb=False):
+        spec = SpeculativeConfig(method=method, depth=depth, adaptive_depth=False, compiled_verify=mode)
+        eng = Engine(self.bundle, spec, ScheduleConfig(max_batch=len(PROMPTS)))
+        if perturb:
+            _perturb(eng.bank)
+        return eng
+
+    def run(self, eng):
+        reqs = [Request(i, list(p), SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(zip(self.prompts, MAX_TOKENS))]
+        out = {r.key: r for r in eng.generate(reqs)}
+        return [out[i] for i in range(len(PROMPTS))]
+
+    def check(self, results):
+        for r, ref in zip(results, self.refs):
+            assert r.error is None and r.tokens == ref
+
+
+def _perturb(bank):
+    """Make every compiled program return slightly scaled logits (the argmax is unchanged)."""
+    real = bank._program
+
+    def program(key, kinds):
+        fn = real(key, kinds)
+
+        def noisy(*args):
+            out = fn(*args)
+            return (out[0] * (1 + 1e-3),) + tuple(out[1:])
+
+        return noisy
+
+    bank._program = program
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_model):
+    built = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = Target(load(tiny_model(family)))
+        return built[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+def test_parity_passes(targets, family):
+    t = targets(family)
+    eng = t.engine("parity")
+    results = t.run(eng)
+    t.check(results)
+    stats = eng.bank.stats
+    assert stats["compiled_calls"] > 0 and stats["parity_failures"] == 0, stats
+    assert not eng.bank.permanent_eager
+    assert all(r.stats.parity_failures == 0 for r in results)
+    assert sum(r.stats.compiled_verify_calls for r in results) > 0
+
+
+def test_parity_raises_on_a_perturbed_compiled_program(targets):
+    t = targets("qwen3")
+    eng = t.engine("parity", perturb=True)
+    with pytest.raises(CompiledVerifyParityError, match="compiled verify differs from eager"):
+        t.run(eng)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+def test_parity_raises_when_the_compiled_program_writes_a_different_cache(targets, family):
+    """Logits right, cache wrong (attention values / captured recurrent states scaled): the
+    next verify would read the same wrong cache on both paths, so parity compares the cache
+    the program writes as well."""
+    t = targets(family)
+    eng = t.engine("parity")
+    real = eng.bank._program
+
+    def program(key, kinds):
+        fn = real(key, kinds)
+
+        def bad_cache(*args):
+            out = list(fn(*args))
+            for i in range(len(kinds)):
+                out[2 + 2 * i + 1] = out[2 + 2 * i + 1] * 1.05  # values (kv) or states (gdn)
+            return tuple(out)
+
+        return bad_cache
+
+    eng.bank._program = program
+    with pytest.raises(CompiledVerifyParityError, match="cache"):
+        t.run(eng)
+
+
+def test_parity2_counts_instead_of_raising(targets):
+    t = targets("qwen3")
+    eng = t.engine("parity2", perturb=True)
+    results = t.run(eng)
+    t.check(results)  # compiled stays authoritative; the perturbation keeps every argmax
+    stats = eng.bank.stats
+    assert stats["compiled_calls"] > 0
+    assert stats["parity_failures"] >= sum(r.stats.parity_failures for r in results) > 0
+    for r in results:
+        # every compiled verify of every row differed from eager
+        assert r.stats.compiled_verify_calls > 0
+        assert r.stats.parity_failures == r.stats.compiled_verify_calls
+    # unperturbed parity2: nothing counted
+    eng = t.engine("parity2")
+    results = t.run(eng)
+    t.check(results)
+    assert eng.bank.stats["parity_failures"] == 0 and all(r.stats.parity_failures == 0 for r in results)
+
+
+@pytest.fixture(scope="module")
+def six_bit(tiny_model):
+    bundle = load(tiny_model("llama"))  # every input dim (64, 128) divides the group size
+    nn.quantize(bundle.model, group_size=32, bits=6)
+    mx.eval(bundle.model.parameters())
+    return Target(bundle)
+
+
+@pytest.mark.parametrize("mode", ["on", "parity"])
+def test_six_bit_model_verifies_eagerly_and_exactly(six_bit, mode):
+    t = six_bit
+    assert any(isinstance(m, nn.QuantizedLinear) and m.bits == 6 for _, m in t.bundle.model.named_modules())
+    eng = t.engine(mode)
+    assert eng.bank.permanent_eager
+    results = t.run(eng)
+    t.check(results)  # equal to mlx-lm's plain decoding of the same quantized model
+    stats = eng.bank.stats
+    assert stats["compiled_calls"] == 0 and stats["fallback_calls"] > 0
+    assert any("6-bit" in reason for reason in stats["fallback_reasons"])
+    for r in results:
+        assert r.stats.compiled_verify_calls == 0
+        assert r.stats.eager_verify_calls > 0 or len(r.tokens) <= 1
+    assert sum(r.stats.drafted_tokens for r in results) > 0
+
+
+def test_other_widths_are_not_permanent_eager(tiny_model):
+    class Rt:
+        def __init__(self, model):
+            self.model = model
+
+    for bits in (4, 8):
+        model = load(tiny_model("llama")).model
+        nn.quantize(model, group_size=32, bits=bits)
+        assert not CompiledVerifyBank(Rt(model), 4).permanent_eager
+
+
+def test_verify_longer_than_the_growth_budget_falls_back(monkeypatch, targets):
+    t = targets("qwen3")
+    monkeypatch.setenv("MTPLX_COMPILED_VERIFY_MAX_LEN", "2")
+
+    class Rt:
+        model = t.bundle.model
+
+        def forward(self, tokens, cache):
+            return self.model(tokens, cache=cache.layers), None
+
+    bank = CompiledVerifyBank(Rt(), max_verify_len=2)
+    assert bank.growth_limit == 2
+    cache = BatchCache.for_model(t.bundle.model, 1)
+    t.bundle.model(mx.array([t.prompts[0]]), cache=cache.layers)
+    cache.commit([len(t.prompts[0])])
+    logits, _, compiled, _ = bank.verify(mx.array([[5, 6, 7, 8]], dtype=mx.int32), cache)
+    assert not compiled and logits.shape[:2] == (1, 4)
+    assert bank.stats["fallback_calls"] == 1
+    assert any("MTPLX_COMPILED_VERIFY_MAX_LEN" in r for r in bank.stats["fallback_reasons"])

@@ -1,0 +1,261 @@
+"""Speculative acceptance keeps the target distribution (mtplx/sampling.py), checked by counting.
+
+`accept_sampled` gets 20k independent rows at once (one vectorized call): random target p and
+draft q over a small vocabulary, drafts drawn from q (or fixed drafts with q=None, a point
+mass). The first emitted token (the accepted first draft, else the residual sample) must be
+distributed as p[0], and after an accepted first draft d1 the next emitted token as p[1 | d1].
+A chi-square test decides; the same test applied to a deliberately wrong residual (resampling
+from p instead of max(0, p - q)) must reject, which shows the sample size has the power to
+catch the bug it is meant to catch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtplx.request import SamplingParams
+from mtplx.sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs
+
+V, K, N = 8, 3, 20000
+P_OK = 1e-3  # a correct sampler fails this with probability 1e-3 (seeds are fixed: deterministic)
+P_REJECT = 1e-8  # a wrong residual must be rejected far beyond chance
+
+
+def chi2_pvalue(stat: float, dof: int) -> float:
+    """Upper tail of the chi-square distribution (Wilson-Hilferty; ample for these thresholds)."""
+    if dof <= 0:
+        return 1.0
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def chi2_test(observed: np.ndarray, expected_probs: np.ndarray):
+    """(statistic, dof, p-value) of counts against probabilities; zero-probability cells must be empty."""
+    observed = np.asarray(observed, dtype=np.float64)
+    probs = np.asarray(expected_probs, dtype=np.float64)
+    total = observed.sum()
+    assert not (observed[probs <= 0] > 0).any(), "a token of probability zero was emitted"
+    exp = probs * total
+    keep = exp > 0
+    stat = float(((observed[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return stat, dof, chi2_pvalue(stat, dof)
+
+
+def test_chi2_pvalue_matches_known_quantiles():
+    # chi-square 0.999 quantiles: dof 7 -> 24.32, dof 50 -> 86.66
+    assert abs(chi2_pvalue(24.32, 7) - 1e-3) < 3e-4
+    assert abs(chi2_pvalue(86.66, 50) - 1e-3) < 2e-4
+    assert abs(chi2_pvalue(7.0, 7) - 0.43) < 0.03
+
+
+def _dirichlet(rng, shape, alpha=0.7, zeros=0):
+    x = rng.dirichlet([alpha] * V, size=shape)
+    if zeros:  # a support like top-k leaves: some tokens have probability exactly zero
+        flat = x.reshape(-1, V)
+        for row in flat:
+            row[rng.choice(V, zeros, replace=False)] = 0.0
+            row /= row.sum()
+    return x.astype(np.float32)
+
+
+def _draw(rng, probs):
+    """One token per row from probs [..., V] (host-side, independent of the engine's sampler)."""
+    c = np.cumsum(probs, axis=-1)
+    u = rng.random(probs.shape[:-1])[..., None] * c[..., -1:]
+    return np.minimum((c <= u).sum(axis=-1), V - 1)
+
+
+class Case:
+    """N rows: p0 [V] at position 0, P1 [V, V] (position 1 given d1), p2.. fixed; q likewise."""
+
+    def __init__(self, seed, point_mass=False, zeros=0, q_equals_p=False):
+        rng = np.random.default_rng(seed)
+        self.p0 = _dirichlet(rng, (), zeros=zeros)
+        self.P1 = _dirichlet(rng, (V,), zeros=zeros)  # target at position 1, given d1
+        self.prest = _dirichlet(rng, (K - 1,), zeros=zeros)  # positions 2..K
+        if q_equals_p:
+            self.q0, self.Q1 = self.p0, self.P1
+        else:
+            self.q0 = _dirichlet(rng, ())
+            self.Q1 = _dirichlet(rng, (V,))
+        d1 = _draw(rng, np.broadcast_to(self.q0, (N, V)))
+        d2 = _draw(rng, self.Q1[d1])
+        rest = [_draw(rng, np.broadcast_to(self.prest[j], (N, V))) for j in range(K - 2)]
+        self.drafts = np.stack([d1, d2] + rest, axis=1).astype(np.int32)
+        if point_mass:
+            # deterministic drafts (prompt lookup): any rule independent of the uniforms; d1 is
+            # one of two likely tokens (a spread of d1 over all tokens would hide a wrong residual)
+            top = np.argsort(-self.p0)
+            self.drafts = ((np.arange(N)[:, None] * 3 + np.arange(K)[None]) % V).astype(np.int32)
+            self.drafts[:, 0] = np.where(np.arange(N) % 3 == 0, top[1], top[0])
+            self.drafts[:, 1] = self.P1[self.drafts[:, 0]].argmax(-1)
+            self.q = None
+        else:
+            q = np.empty((N, K, V), np.float32)
+            q[:, 0] = self.q0
+            q[:, 1] = self.Q1[d1]
+            q[:, 2:] = self.prest[: K - 2]  # later positions: q = p there (not what is tested)
+            self.q = mx.array(q)
+        d1 = self.drafts[:, 0]
+        p = np.empty((N, K + 1, V), np.float32)
+        p[:, 0] = self.p0
+        p[:, 1] = self.P1[d1]
+        p[:, 2:] = self.prest
+        self.p = mx.array(p)
+        self.u_accept = mx.array(rng.random((N, K)).astype(np.float32))
+        self.u_next = mx.array(rng.random(N).astype(np.float32))
+
+    def run(self, accept=accept_sampled):
+        n, nxt = accept(self.p, mx.array(self.drafts), self.q, self.u_accept, self.u_next)
+        return np.array(n), np.array(nxt)
+
+    def first_tokens(self, n, nxt):
+        return np.where(n >= 1, self.drafts[:, 0], nxt)
+
+    def second_tokens(self, n, nxt):
+        """For rows that kept d1: the next emitted token (d2 if kept, else the resample)."""
+        kept = n >= 1
+        second = np.where(n >= 2, self.drafts[:, 1], nxt)
+        return kept, second
+
+
+def wrong_residual_accept(p, drafts, q, u_accept, u_next):
+    """The classic bug: after a rejection, resample from p instead of max(0, p - q)."""
+    n, _ = accept_sampled(p, drafts, q, u_accept, u_next)
+    p_at = mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+    return n, sample_from(p_at, u_next)
+
+
+def _first_token_test(case, accept=accept_sampled):
+    n, nxt = case.run(accept)
+    counts = np.bincount(case.first_tokens(n, nxt), minlength=V)
+    return chi2_test(counts, case.p0)
+
+
+def _second_token_test(case, accept=accept_sampled):
+    """Pooled chi-square over d1 = a of the next token against P1[a], among rows that kept d1."""
+    n, nxt = case.run(accept)
+    kept, second = case.second_tokens(n, nxt)
+    stat, dof = 0.0, 0
+    for a in range(V):
+        rows = kept & (case.drafts[:, 0] == a)
+        if rows.sum() < 200:
+            continue
+        s, d, _ = chi2_test(np.bincount(second[rows], minlength=V), case.P1[a])
+        stat, dof = stat + s, dof + d
+    assert dof > 0
+    return stat, dof, chi2_pvalue(stat, dof)
+
+
+@pytest.mark.parametrize("zeros", [0, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_first_emitted_token_follows_target(seed, zeros):
+    case = Case(seed, zeros=zeros)
+    stat, dof, pv = _first_token_test(case)
+    assert pv > P_OK, f"chi2 {stat:.1f} on {dof} dof, p={pv:.2g}"
+    # the drafts were really tried: some kept, some rejected
+    n, _ = case.run()
+    assert 0.05 < (n >= 1).mean() < 0.95
+
+
+@pytest.mark.parametrize("zeros", [0, 3])
+def test_first_emitted_token_follows_target_with_point_mass_drafts(zeros):
+    case = Case(2, point_mass=True, zeros=zeros)
+    stat, dof, pv = _first_token_test(case)
+    assert pv > P_OK, f"chi2 {stat:.1f} on {dof} dof, p={pv:.2g}"
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_token_after_an_accepted_draft_follows_target(point_mass):
+    case = Case(3, point_mass=point_mass)
+    stat, dof, pv = _second_token_test(case)
+    assert pv > P_OK, f"chi2 {stat:.1f} on {dof} dof, p={pv:.2g}"
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_wrong_residual_is_rejected(point_mass):
+    """The test has the power to catch a wrong residual (same data, same sample size)."""
+    case = Case(0 if not point_mass else 2, point_mass=point_mass)
+    stat, dof, pv = _first_token_test(case, wrong_residual_accept)
+    assert pv < P_REJECT, f"a wrong residual passed: chi2 {stat:.1f} on {dof} dof, p={pv:.2g}"
+    stat, dof, pv = _second_token_test(Case(3, point_mass=point_mass), wrong_residual_accept)
+    assert pv < P_REJECT, f"a wrong residual passed at position 1: chi2 {stat:.1f} on {dof} dof, p={pv:.2g}"
+
+
+def test_identical_draft_and_target_accept_everything():
+    case = Case(4, q_equals_p=True)
+    n, _ = case.run()
+    assert (n == K).all()
+
+
+def test_no_drafts_samples_from_target():
+    rng = np.random.default_rng(5)
+    p0 = _dirichlet(rng, (), zeros=2)
+    p = mx.array(np.broadcast_to(p0, (N, 1, V)).copy())
+    n, nxt = accept_sampled(p, mx.zeros((N, 0), mx.int32), None, mx.zeros((N, 0)), mx.array(rng.random(N).astype(np.float32)))
+    assert (np.array(n) == 0).all()
+    _, _, pv = chi2_test(np.bincount(np.array(nxt), minlength=V), p0)
+    assert pv > P_OK
+
+
+def test_greedy_acceptance_keeps_the_argmax_prefix():
+    rng = np.random.default_rng(6)
+    logits = rng.standard_normal((5, K + 1, V)).astype(np.float32)
+    best = logits.argmax(-1)
+    drafts = best[:, :K].copy()
+    cut = np.array([0, 1, 2, 3, 3])  # first wrong position per row (3 = all right)
+    for i, c in enumerate(cut):
+        if c < K:
+            drafts[i, c] = (best[i, c] + 1) % V
+    n, nxt = accept_greedy(mx.array(logits), mx.array(drafts.astype(np.int32)))
+    assert np.array(n).tolist() == cut.tolist()
+    assert np.array(nxt).tolist() == [int(best[i, c]) for i, c in enumerate(cut)]
+    # one-hot p through accept_sampled is the same rule whatever the uniforms
+    onehot = (np.arange(V)[None, None] == best[..., None]).astype(np.float32)
+    u = mx.array(rng.random((5, K)).astype(np.float32))
+    n2, nxt2 = accept_sampled(mx.array(onehot), mx.array(drafts.astype(np.int32)), None, u, mx.array(rng.random(5).astype(np.float32)))
+    assert np.array(n2).tolist() == cut.tolist() and np.array(nxt2).tolist() == np.array(nxt).tolist()
+
+
+def test_sample_from_inverse_cdf():
+    probs = mx.array([[0.1, 0.0, 0.6, 0.3]] * 5)
+    u = mx.array([0.0, 0.05, 0.1, 0.69, 0.999])
+    assert np.array(sample_from(probs, u)).tolist() == [0, 0, 2, 2, 3]
+
+
+def _np_shaped(logits, temperature, top_k, top_p):
+    """Independent reference for the sampler-shaped distribution."""
+    x = logits.astype(np.float64) / temperature
+    if top_k:
+        kth = np.sort(x)[::-1][min(top_k, len(x)) - 1]
+        x = np.where(x >= kth, x, -np.inf)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if 0 < top_p < 1:
+        order = np.argsort(-p)
+        before = np.cumsum(p[order]) - p[order]
+        keep = np.zeros_like(p, dtype=bool)
+        keep[order[before < top_p]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def test_shaped_probs_matches_reference():
+    rng = np.random.default_rng(7)
+    settings = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.8), (1.3, 6, 0.7), (0.0, 0, 1.0), (1.0, 40, 1.0)]
+    logits = rng.standard_normal((len(settings), 3, 16)).astype(np.float32) * 2
+    sampler = SamplerBatch.from_params([SamplingParams(temperature=t, top_k=k, top_p=tp) for t, k, tp in settings])
+    got = np.array(shaped_probs(mx.array(logits), sampler))
+    for i, (t, k, tp) in enumerate(settings):
+        for j in range(3):
+            if t == 0:
+                want = np.eye(16)[logits[i, j].argmax()]
+            else:
+                want = _np_shaped(logits[i, j], t, k, tp)
+            np.testing.assert_allclose(got[i, j], want, atol=1e-5)
