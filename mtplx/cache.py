@@ -26,6 +26,17 @@ def round_up(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
 
 
+def capacity_bucket(n: int) -> int:
+    """Cache capacity for `n` entries: powers of two up to 4096, then multiples of 4096.
+
+    Compiled verify programs are keyed by capacity, so buckets must be few; attention over
+    the unused part of a bucket is masked and costs little next to the weights.
+    """
+    if n <= 4096:
+        return max(CAPACITY_STEP, 1 << (n - 1).bit_length())
+    return round_up(n, 4096)
+
+
 class RowLengths:
     """Per-row committed lengths, kept on the host (for scheduling) and on the device (for rope)."""
 
@@ -86,11 +97,11 @@ class RowKVCache:
     # -- batch bookkeeping ----------------------------------------------------------------------
     def _ensure_capacity(self, B, keys, values, need):
         if self.keys is None:
-            cap = round_up(need, CAPACITY_STEP)
+            cap = capacity_bucket(need)
             self.keys = mx.zeros((B, keys.shape[1], cap, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((B, values.shape[1], cap, values.shape[3]), values.dtype)
         elif need > self.keys.shape[2]:
-            grow = round_up(need - self.keys.shape[2], CAPACITY_STEP)
+            grow = capacity_bucket(need) - self.keys.shape[2]
             self.keys = mx.concatenate([self.keys, mx.zeros(self.keys.shape[:2] + (grow,) + self.keys.shape[3:], self.keys.dtype)], axis=2)
             self.values = mx.concatenate([self.values, mx.zeros(self.values.shape[:2] + (grow,) + self.values.shape[3:], self.values.dtype)], axis=2)
 
@@ -121,7 +132,7 @@ class RowKVCache:
         real = [p for p in parts if p is not None]
         if not real:
             return
-        cap = round_up(max(lengths) + 1, CAPACITY_STEP)
+        cap = capacity_bucket(max(lengths) + 1)
         ks, vs = [], []
         for p, n in zip(parts, lengths):
             k, v = p if p is not None else (mx.zeros_like(real[0][0][..., :0, :]), mx.zeros_like(real[0][1][..., :0, :]))

@@ -57,17 +57,19 @@ _capture_classes = {}
 
 
 def install_capture(model) -> int:
-    """Give every Gated DeltaNet layer of `model` the capture backend. Returns how many."""
+    """Give every Gated DeltaNet layer of `model` the capture backend. Returns how many it has."""
     count = 0
     for layer in getattr(model, "layers", []):
         gdn = getattr(layer, "linear_attn", None)
-        if gdn is None or type(gdn).__name__.startswith("Capturing"):
+        if gdn is None:
             continue
+        count += 1
+        if type(gdn) in _capture_classes.values():
+            continue  # installed by an earlier engine on the same model
         if not hasattr(gdn, "fix_query_key_value_ordering"):
             raise ValueError(f"no capture backend for linear-attention layer {type(gdn).__name__}")
         base = type(gdn)
         if base not in _capture_classes:
             _capture_classes[base] = type(f"Capturing{base.__name__}", (base,), {"__call__": _capturing_call})
         gdn.__class__ = _capture_classes[base]
-        count += 1
     return count

@@ -10,10 +10,8 @@ split at its stable-prefix edge, and a prefix shared with earlier rows is copied
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -27,61 +25,9 @@ from .gdn import install_capture
 from .graphbank import CompiledVerifyBank
 from .loading import ModelBundle, load
 from .mtp import has_trunk_split, project_logits, trunk_hidden
+from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
 from .request import Request, Result, RowStats
-from .sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs
-
-MIN_PREFIX_TOKENS = 8  # shorter shared prefixes are not worth a snapshot
-PREFIX_STORE_SIZE = 4  # rows arrive grouped by prefix, so a few recent prefixes suffice
-
-
-# -- prefill spans ---------------------------------------------------------------------------------
-def _prefill_chunk_size(config: Optional[dict] = None, memory_budget: Optional[int] = None) -> int:
-    """Tokens per prefill span. `MTPLX_PREFILL_CHUNK_SIZE` wins (0 turns chunking off).
-
-    Otherwise: the activations of one span (about 4 bytes x (8 x hidden + 3 x intermediate) per
-    token, plus attention scores) should stay under ~2% of the memory budget, clamped to
-    [128, 2048] and rounded to a multiple of 128. Larger spans stop paying once the matmuls
-    are full; smaller ones waste launches.
-    """
-    raw = os.environ.get("MTPLX_PREFILL_CHUNK_SIZE")
-    if raw is not None:
-        try:
-            return max(0, int(raw))
-        except ValueError:
-            raise ValueError(f"MTPLX_PREFILL_CHUNK_SIZE must be an integer, got {raw!r}")
-    if not config or not memory_budget:
-        return 512
-    hidden = int(config.get("hidden_size", 1024))
-    inter = int(config.get("intermediate_size", 4 * hidden) or 4 * hidden)
-    per_token = 4 * (8 * hidden + 3 * inter)
-    chunk = int(0.02 * memory_budget) // max(per_token, 1)
-    return int(min(2048, max(128, chunk // 128 * 128)))
-
-
-def _split_spans_at(spans: Iterable[Tuple[int, int]], edges: Sequence[int]) -> List[Tuple[int, int]]:
-    """Split spans at every edge strictly inside one of them."""
-    out = []
-    cuts = sorted(set(edges))
-    for start, end in spans:
-        for e in cuts:
-            if start < e < end:
-                out.append((start, e))
-                start = e
-        out.append((start, end))
-    return out
-
-
-def _iter_prefill_chunk_spans(token_count: int, chunk_size: Optional[int], mandatory_edges: Sequence[int] = ()):
-    """Half-open (start, end) spans covering [0, token_count), `chunk_size` tokens each (one
-    span when chunking is off), split at every mandatory edge (stable-prefix ends)."""
-    if token_count <= 0:
-        return
-    if not chunk_size or chunk_size <= 0:
-        spans = [(0, token_count)]
-    else:
-        spans = [(s, min(s + chunk_size, token_count)) for s in range(0, token_count, chunk_size)]
-    yield from _split_spans_at(spans, [e for e in mandatory_edges if 0 < e < token_count])
-
+from .sampling import SamplerBatch, accept_greedy, accept_sampled, shaped_probs
 
 # -- memory ----------------------------------------------------------------------------------------
 def device_memory_bytes() -> int:
@@ -157,7 +103,7 @@ class Engine:
                 capture_backend="gdn" if self.hybrid else None,
                 parity={"on": False, "parity": "parity", "parity2": "parity2"}[self.spec.compiled_verify],
             )
-        self._prefixes: "OrderedDict[str, tuple]" = OrderedDict()
+        self.prefiller = Prefiller(self)
         self._bytes_per_token, self._bytes_per_row = self._measure_cache()
         self._accept_ema = 0.7
         self.counters = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "rounds": 0}
@@ -179,69 +125,6 @@ class Engine:
     def row_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         depth = self.spec.depth + 1 if self.drafter else 1
         return int((prompt_tokens + max_tokens + depth) * self._bytes_per_token + (1 + depth) * self._bytes_per_row)
-
-    # -- prefill -------------------------------------------------------------------------------------
-    def _hidden_chunk(self, tokens: mx.array, cache: BatchCache):
-        if self.runtime.split:
-            return trunk_hidden(self.model, tokens, cache.layers)
-        return self.model(tokens, cache=cache.layers)  # logits stand in; only the last is used
-
-    def _prefill(self, row: _Row):
-        toks = row.req.prompt_tokens
-        n = len(toks)
-        edge = min(max(int(row.req.stable_prefix_len or 0), 0), n - 1)
-        key = hashlib.sha1(np.asarray(toks[:edge], dtype=np.int64).tobytes()).hexdigest() if edge >= MIN_PREFIX_TOKENS else None
-        hit = self._prefixes.get(key) if key else None
-        cache = BatchCache.for_model(self.model, 1)
-        start = 0
-        if hit is not None:
-            self._prefixes.move_to_end(key)
-            cache.write_row(0, hit[0])
-            start = edge
-            row.stats.cached_prompt_tokens = edge
-        target_snap = None
-        hiddens = []
-        h = None
-        for s, e in _iter_prefill_chunk_spans(n, self.prefill_chunk, (edge,) if key else ()):
-            if e <= start:
-                continue
-            s = max(s, start)
-            h = self._hidden_chunk(mx.array(toks[s:e], dtype=mx.int32)[None], cache)
-            cache.commit([e - s])
-            if self.runtime.want_hidden:
-                hiddens.append(h)
-            mx.eval(h, [a for c in cache.layers for a in c.state_arrays() if a is not None])
-            row.stats.prefill_chunks += 1
-            if key and hit is None and e == edge:
-                target_snap = cache.snapshot_row(0)
-        self.counters["prefill_tokens"] += n - start
-        self.counters["cached_prompt_tokens"] += start
-        last = h[:, -1:]
-        logits = project_logits(self.model, last) if self.runtime.split else last
-        sampler = SamplerBatch.from_params([row.req.params])
-        first = int(sample_from(shaped_probs(logits, sampler)[:, 0], mx.array([row.rng.random()], mx.float32)).item())
-        state = None
-        if self.drafter is not None:
-            hidden = mx.concatenate(hiddens, axis=1) if hiddens else None
-            prefix = None
-            if hit is not None and hit[1] is not None:
-                prefix = hit[1]
-            state = self.drafter.prefill_row(toks, hidden, first, prefix)
-            if target_snap is not None:
-                if isinstance(self.drafter, MtpDrafter):
-                    edge_h = hidden[:, edge - 1 : edge]
-                    drafter_snap = self.drafter.snapshot(state, edge, edge_h)
-                else:
-                    drafter_snap = self.drafter.snapshot(state, edge)
-                target_snap = (target_snap, drafter_snap)
-        elif target_snap is not None:
-            target_snap = (target_snap, None)
-        if target_snap is not None:
-            self._prefixes[key] = target_snap
-            while len(self._prefixes) > PREFIX_STORE_SIZE:
-                self._prefixes.popitem(last=False)
-        row.stats.prompt_tokens = n
-        return cache, state, first
 
     # -- generation ----------------------------------------------------------------------------------
     def _new_row(self, req: Request) -> Tuple[Optional[_Row], Optional[Result]]:
@@ -333,8 +216,8 @@ class Engine:
             free = [i for i, s in enumerate(slots) if s is None] if slots else list(range(max_batch))
             in_use = sum(1 for s in slots if s is not None)
             used_bytes = sum(self.row_bytes(len(s.req.prompt_tokens), s.max_tokens) for s in slots if s is not None)
-            fresh = []
-            while free and not (exhausted and not waiting):
+            admitted = []
+            while len(admitted) < len(free) and not (exhausted and not waiting):
                 req = next_request()
                 if req is None:
                     break
@@ -343,16 +226,18 @@ class Engine:
                     yield err
                     continue
                 need = self.row_bytes(len(req.prompt_tokens), row.max_tokens)
-                if in_use + len(fresh) > 0 and used_bytes + need > self.memory_budget:
+                if in_use + len(admitted) > 0 and used_bytes + need > self.memory_budget:
                     waiting.insert(0, req)  # fits alone, not now: wait for a slot to free up
                     break
                 used_bytes += need
-                row_cache, state, first = self._prefill(row)
-                fresh.append((free.pop(0), row, row_cache, state))
+                admitted.append(row)
+            fresh = []
+            for row, (row_cache, state, first) in zip(admitted, self.prefiller.run(admitted) if admitted else []):
                 reason = self._emit(row, [first])
                 if reason is not None:
-                    free.insert(0, fresh.pop()[0])
                     yield self._finish(row, reason)
+                else:
+                    fresh.append((free.pop(0), row, row_cache, state))
             if fresh:
                 if cache is None:
                     slots = [r for _, r, _, _ in fresh]

@@ -1,0 +1,240 @@
+"""Prefill: prompt tokens into cache, in chunk spans, reusing prefixes shared with earlier rows.
+
+Rows arrive grouped by shared prefix (the pipeline's `prefix` order marks each row's
+`stable_prefix_len`). The first row of a group ("leader") is prefilled alone with its spans
+split at the prefix edge, and the state at the edge is kept: attention KV (a slice), recurrent
+state (captured exactly at the edge) and the drafter's own state. Every later row of the group
+copies that state and prefills only its suffix. Rows that need no snapshot are prefilled
+together in one padded batch: each row writes its own span at its own offset, so padding never
+enters a row's cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import BatchCache
+from .drafters import MtpDrafter
+from .mtp import project_logits, trunk_hidden
+from .sampling import SamplerBatch, sample_from, shaped_probs
+
+MIN_PREFIX_TOKENS = 8  # shorter shared prefixes are not worth a snapshot
+PREFIX_STORE_SIZE = 4  # rows arrive grouped by prefix, so a few recent prefixes suffice
+
+
+def _prefill_chunk_size(config: Optional[dict] = None, memory_budget: Optional[int] = None) -> int:
+    """Tokens per prefill span. `MTPLX_PREFILL_CHUNK_SIZE` wins (0 turns chunking off).
+
+    Otherwise: the activations of one span (about 4 bytes x (8 x hidden + 3 x intermediate) per
+    token) should stay under ~2% of the memory budget, clamped to [128, 2048] and rounded to a
+    multiple of 128. Larger spans stop paying once the matmuls are full; smaller ones waste
+    launches. Without a config or budget: 512.
+    """
+    raw = os.environ.get("MTPLX_PREFILL_CHUNK_SIZE")
+    if raw is not None:
+        try:
+            return max(0, int(raw))
+        except ValueError:
+            raise ValueError(f"MTPLX_PREFILL_CHUNK_SIZE must be an integer, got {raw!r}")
+    if not config or not memory_budget:
+        return 512
+    hidden = int(config.get("hidden_size", 1024))
+    inter = int(config.get("intermediate_size", 4 * hidden) or 4 * hidden)
+    per_token = 4 * (8 * hidden + 3 * inter)
+    chunk = int(0.02 * memory_budget) // max(per_token, 1)
+    return int(min(2048, max(128, chunk // 128 * 128)))
+
+
+def _split_spans_at(spans: Iterable[Tuple[int, int]], edges: Sequence[int]) -> List[Tuple[int, int]]:
+    """Split spans at every edge strictly inside one of them."""
+    out = []
+    cuts = sorted(set(edges))
+    for start, end in spans:
+        for e in cuts:
+            if start < e < end:
+                out.append((start, e))
+                start = e
+        out.append((start, end))
+    return out
+
+
+def _iter_prefill_chunk_spans(token_count: int, chunk_size: Optional[int], mandatory_edges: Sequence[int] = ()):
+    """Half-open (start, end) spans covering [0, token_count), `chunk_size` tokens each (one
+    span when chunking is off), split at every mandatory edge (stable-prefix ends)."""
+    if token_count <= 0:
+        return
+    if not chunk_size or chunk_size <= 0:
+        spans = [(0, token_count)]
+    else:
+        spans = [(s, min(s + chunk_size, token_count)) for s in range(0, token_count, chunk_size)]
+    yield from _split_spans_at(spans, [e for e in mandatory_edges if 0 < e < token_count])
+
+
+class PrefixStore:
+    """The last few shared prefixes: (target snapshot, drafter snapshot) by prefix tokens."""
+
+    def __init__(self, size: int = PREFIX_STORE_SIZE):
+        self.size = size
+        self._items: "OrderedDict[str, tuple]" = OrderedDict()
+
+    @staticmethod
+    def key(tokens: Sequence[int], edge: int) -> Optional[str]:
+        if edge < MIN_PREFIX_TOKENS:
+            return None
+        return hashlib.sha1(np.asarray(tokens[:edge], dtype=np.int64).tobytes()).hexdigest()
+
+    def get(self, key):
+        hit = self._items.get(key) if key else None
+        if hit is not None:
+            self._items.move_to_end(key)
+        return hit
+
+    def put(self, key, value):
+        self._items[key] = value
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+
+class Prefiller:
+    def __init__(self, engine):
+        self.engine = engine
+        self.model = engine.model
+        self.store = PrefixStore()
+
+    def _edge(self, row) -> int:
+        n = len(row.req.prompt_tokens)
+        return min(max(int(row.req.stable_prefix_len or 0), 0), n - 1)
+
+    def _hidden(self, tokens: mx.array, cache: BatchCache) -> mx.array:
+        if self.engine.runtime.split:
+            return trunk_hidden(self.model, tokens, cache.layers)
+        return self.model(tokens, cache=cache.layers)  # logits stand in; only the last is used
+
+    def _first_tokens(self, rows, last: mx.array) -> List[int]:
+        logits = project_logits(self.model, last) if self.engine.runtime.split else last
+        sampler = SamplerBatch.from_params([r.req.params for r in rows])
+        u = mx.array(np.array([r.rng.random() for r in rows], dtype=np.float32))
+        return np.array(sample_from(shaped_probs(logits, sampler)[:, 0], u)).tolist()
+
+    def run(self, rows) -> List[Tuple[BatchCache, object, int]]:
+        """Prefill `rows`; returns (single-row cache, drafter state, first token) per row."""
+        out = [None] * len(rows)
+        keys = [PrefixStore.key(r.req.prompt_tokens, self._edge(r)) for r in rows]
+        seen = set()
+        alone, together = [], []
+        for i, (row, key) in enumerate(zip(rows, keys)):
+            leader = key is not None and self.store.get(key) is None and key not in seen
+            seen.add(key)
+            (alone if leader or self.engine.hybrid else together).append(i)
+        for i in alone:
+            out[i] = self._one(rows[i], keys[i])
+        if together:
+            for i, res in zip(together, self._many([rows[i] for i in together], [keys[i] for i in together])):
+                out[i] = res
+        for row in rows:
+            row.stats.prompt_tokens = len(row.req.prompt_tokens)
+        return out
+
+    def _restore(self, cache: BatchCache, b: int, row, key) -> Tuple[int, Optional[tuple]]:
+        hit = self.store.get(key)
+        if hit is None:
+            return 0, None
+        cache.write_row(b, hit[0])
+        edge = self._edge(row)
+        row.stats.cached_prompt_tokens = edge
+        return edge, hit
+
+    def _one(self, row, key):
+        toks = row.req.prompt_tokens
+        n, edge = len(toks), self._edge(row)
+        cache = BatchCache.for_model(self.model, 1)
+        start, hit = self._restore(cache, 0, row, key)
+        snap, hiddens, h = None, [], None
+        for s, e in _iter_prefill_chunk_spans(n, self.engine.prefill_chunk, (edge,) if key else ()):
+            if e <= start:
+                continue
+            s = max(s, start)
+            h = self._hidden(mx.array(toks[s:e], dtype=mx.int32)[None], cache)
+            cache.commit([e - s])
+            if self.engine.runtime.want_hidden:
+                hiddens.append(h)
+            mx.eval(h, [a for c in cache.layers for a in c.state_arrays() if a is not None])
+            row.stats.prefill_chunks += 1
+            if key and hit is None and e == edge:
+                snap = cache.snapshot_row(0)  # exactly at the edge: recurrent state included
+        self._count(n, start)
+        first = self._first_tokens([row], h[:, -1:])[0]
+        hidden = mx.concatenate(hiddens, axis=1) if hiddens else None
+        state = self._drafter_prefill(row, hidden, first, hit, key, snap)
+        return cache, state, first
+
+    def _many(self, rows, keys):
+        """Prefill rows together: each row's suffix padded to the longest, in chunk spans."""
+        B = len(rows)
+        cache = BatchCache.for_model(self.model, B)
+        starts, hits = [], []
+        for b, (row, key) in enumerate(zip(rows, keys)):
+            start, hit = self._restore(cache, b, row, key)
+            starts.append(start)
+            hits.append(hit)
+        cache.rows.set(np.array(starts))
+        todo = [len(r.req.prompt_tokens) - s for r, s in zip(rows, starts)]
+        chunk = self.engine.prefill_chunk or max(todo)
+        last = [None] * B
+        hiddens = [[] for _ in range(B)]
+        for c in range(0, max(todo), chunk):
+            width = min(chunk, max(todo) - c)
+            grid = np.zeros((B, width), dtype=np.int32)
+            counts = np.zeros(B, dtype=np.int64)
+            for b, row in enumerate(rows):
+                part = row.req.prompt_tokens[starts[b] + c : starts[b] + c + width]
+                grid[b, : len(part)] = part
+                counts[b] = len(part)
+            h = self._hidden(mx.array(grid), cache)
+            cache.commit(counts)
+            mx.eval(h, [a for layer in cache.layers for a in layer.state_arrays() if a is not None])
+            for b in range(B):
+                if counts[b]:
+                    rows[b].stats.prefill_chunks += 1
+                    last[b] = h[b : b + 1, counts[b] - 1 : counts[b]]
+                    if self.engine.runtime.want_hidden:
+                        hiddens[b].append(h[b : b + 1, : counts[b]])
+        for row, s in zip(rows, starts):
+            self._count(len(row.req.prompt_tokens), s)
+        firsts = self._first_tokens(rows, mx.concatenate(last, axis=0))
+        out = []
+        for b, row in enumerate(rows):
+            single = BatchCache(cache.kinds, [0])
+            single.write_row(0, cache.snapshot_row(b))
+            hidden = mx.concatenate(hiddens[b], axis=1) if hiddens[b] else None
+            snap = single.snapshot_row(0, self._edge(row)) if keys[b] and hits[b] is None else None
+            state = self._drafter_prefill(row, hidden, firsts[b], hits[b], keys[b], snap)
+            out.append((single, state, firsts[b]))
+        return out
+
+    def _count(self, n, start):
+        self.engine.counters["prefill_tokens"] += n - start
+        self.engine.counters["cached_prompt_tokens"] += start
+
+    def _drafter_prefill(self, row, hidden, first, hit, key, target_snap):
+        """The drafter's own prefill, and the prefix snapshot (target + drafter) if this row leads."""
+        drafter = self.engine.drafter
+        toks, edge = row.req.prompt_tokens, self._edge(row)
+        state = None
+        drafter_snap = None
+        if drafter is not None:
+            state = drafter.prefill_row(toks, hidden, first, hit[1] if hit is not None else None)
+            if target_snap is not None:
+                if isinstance(drafter, MtpDrafter):
+                    drafter_snap = drafter.snapshot(state, edge, hidden[:, edge - 1 : edge])
+                else:
+                    drafter_snap = drafter.snapshot(state, edge)
+        if target_snap is not None:
+            self.store.put(key, (target_snap, drafter_snap))
+        return state
