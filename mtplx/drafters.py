@@ -2,7 +2,7 @@
 
 A drafter keeps per-slot state that mirrors the engine's batch slots:
 - `prefill_row(tokens, hidden, first_token, prefix)` builds one row's state after its prompt;
-- `place(states)` / `write(slot, state)` / `take(keep)` move rows in and out of the batch;
+- `reset()`, `extend(states)` / `write(slot, state)` / `take(keep)` move rows in and out of the batch;
 - `propose(K, pending, sampler, u)` returns drafts [W, K] and their proposal distribution q
   ([W, K, V], or None when drafts are deterministic, i.e. a point mass);
 - `commit(...)` tells it how many drafts each row kept and the token that followed.
@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .cache import BatchCache
+from .cache import BatchCache, RowStateCache
 from .mtp import MTPHead, project_logits
 from .sampling import SamplerBatch, sample_from, shaped_probs
 
@@ -61,8 +61,11 @@ class NgramDrafter:
     def snapshot(self, state, length):
         return None
 
-    def place(self, states):
-        self.rows = list(states)
+    def reset(self):
+        self.rows = []
+
+    def extend(self, states):
+        self.rows += list(states)
 
     def write(self, slot, state):
         self.rows[slot] = state
@@ -104,10 +107,18 @@ class NgramDrafter:
 class _CachedDrafter:
     """Shared slot bookkeeping for drafters that keep a BatchCache plus per-row arrays."""
 
-    def place(self, states):
-        caches = [s[0] for s in states]
-        self.cache = BatchCache.stack(caches)
-        self.extra = [mx.concatenate([s[1][j] for s in states]) for j in range(len(states[0][1]))]
+    def reset(self):
+        self.cache, self.extra = None, []
+
+    def extend(self, states):
+        """Append rows (copies the batch: only while a batch grows to its width)."""
+        new = BatchCache.stack([s[0] for s in states])
+        extra = [mx.concatenate([s[1][j] for s in states]) for j in range(len(states[0][1]))]
+        if self.cache is None:
+            self.cache, self.extra = new, extra
+        else:
+            self.cache.extend(new)
+            self.extra = [mx.concatenate([a, b]) for a, b in zip(self.extra, extra)]
 
     def write(self, slot, state):
         cache, extra = state
@@ -150,15 +161,38 @@ class DraftModelDrafter(_CachedDrafter):
     def snapshot(self, state, length):
         return state[0].snapshot_row(0, length)
 
-    def propose(self, K, pending, sampler, u):
+    def _begin(self):
         self.start_lengths = self.cache.lengths.copy()
-        W = self.cache.batch
+        # Recurrent (Gated DeltaNet) layers of a hybrid draft cannot rewind by length: keep
+        # their state after every feed of this round, and pick each row's at commit.
+        self._state_layers = [c for c in self.cache.layers if isinstance(c, RowStateCache)]
+        self._steps = [[list(c.cache) for c in self._state_layers]] if self._state_layers else []
+
+    def _feed(self, tok):
+        logits = self.model(tok[:, None], cache=self.cache.layers)
+        self.cache.commit(np.ones(self.cache.batch, dtype=np.int64))
+        if self._state_layers:
+            self._steps.append([list(c.cache) for c in self._state_layers])
+        return logits
+
+    def _restore_states(self, keep):
+        at = mx.array(np.asarray(keep, dtype=np.int32))
+        for li, layer in enumerate(self._state_layers):
+            for i in range(len(layer.cache)):
+                steps = [s[li][i] for s in self._steps]
+                if any(x is None for x in steps):
+                    continue
+                stacked = mx.stack(steps, axis=1)  # [W, feeds + 1, ...]
+                idx = at.reshape((-1,) + (1,) * (stacked.ndim - 1))
+                layer.cache[i] = mx.take_along_axis(stacked, idx, axis=1).squeeze(1)
+        self._steps = []
+
+    def propose(self, K, pending, sampler, u):
+        self._begin()
         tok = pending
         drafts, qs = [], []
-        ones = np.ones(W, dtype=np.int64)
         for j in range(K + 1):
-            logits = self.model(tok[:, None], cache=self.cache.layers)
-            self.cache.commit(ones)
+            logits = self._feed(tok)
             if j == K:
                 break  # the last feed only keeps the draft cache level with the target
             q = shaped_probs(_fit_vocab(logits, self.vocab), sampler)[:, 0]
@@ -172,9 +206,11 @@ class DraftModelDrafter(_CachedDrafter):
         if verify_in is not None and verify_in.shape[1] == 1:
             # A round without drafts (K = 0) skipped propose: the draft model has not seen the
             # pending token yet, and start_lengths is a previous round's (maybe another width).
-            self.start_lengths = self.cache.lengths.copy()
-            self.model(verify_in[:, :1], cache=self.cache.layers)
+            self._begin()
+            self._feed(verify_in[:, 0])
         self.cache.rewind_to(self.start_lengths + keep)
+        if self._state_layers:
+            self._restore_states(keep)
 
 
 class MtpDrafter(_CachedDrafter):

@@ -74,6 +74,28 @@ class _Row:
     rounds: int = 0
 
 
+class _Batch:
+    """The rows in flight (slots), their cache, and the request stream feeding them."""
+
+    def __init__(self, source):
+        self.source = source
+        self.waiting: List[Request] = []
+        self.exhausted = False
+        self.slots: List[Optional[_Row]] = []
+        self.cache: Optional[BatchCache] = None
+
+    @property
+    def drained(self) -> bool:
+        return self.exhausted and not self.waiting
+
+    def next_request(self) -> Optional[Request]:
+        if self.waiting:
+            return self.waiting.pop(0)
+        req = None if self.exhausted else next(self.source, None)
+        self.exhausted = req is None
+        return req
+
+
 class Engine:
     def __init__(self, bundle: ModelBundle, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None):
         self.bundle = bundle
@@ -196,76 +218,78 @@ class Engine:
         return None
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
-        source = iter(requests)
-        waiting: List[Request] = []
-        exhausted = False
-        slots: List[Optional[_Row]] = []
-        cache: Optional[BatchCache] = None
-        max_batch = int(self.schedule.max_batch)
-
-        def next_request():
-            nonlocal exhausted
-            if waiting:
-                return waiting.pop(0)
-            req = None if exhausted else next(source, None)
-            exhausted = req is None
-            return req
-
+        """Results as rows finish, in any order; `max_batch` rows in flight while rows remain."""
+        if self.drafter is not None:
+            self.drafter.reset()
+        batch = _Batch(iter(requests))
         while True:
-            # Admit rows into free slots (the first wave sets the batch width).
-            free = [i for i, s in enumerate(slots) if s is None] if slots else list(range(max_batch))
-            in_use = sum(1 for s in slots if s is not None)
-            used_bytes = sum(self.row_bytes(len(s.req.prompt_tokens), s.max_tokens) for s in slots if s is not None)
-            admitted = []
-            while len(admitted) < len(free) and not (exhausted and not waiting):
-                req = next_request()
-                if req is None:
-                    break
-                row, err = self._new_row(req)
-                if err is not None:
-                    yield err
-                    continue
-                need = self.row_bytes(len(req.prompt_tokens), row.max_tokens)
-                if in_use + len(admitted) > 0 and used_bytes + need > self.memory_budget:
-                    waiting.insert(0, req)  # fits alone, not now: wait for a slot to free up
-                    break
-                used_bytes += need
-                admitted.append(row)
-            fresh = []
-            for row, (row_cache, state, first) in zip(admitted, self.prefiller.run(admitted) if admitted else []):
-                reason = self._emit(row, [first])
-                if reason is not None:
-                    yield self._finish(row, reason)
-                else:
-                    fresh.append((free.pop(0), row, row_cache, state))
-            if fresh:
-                if cache is None:
-                    slots = [r for _, r, _, _ in fresh]
-                    for _, r, _, _ in fresh:
-                        r.pending = r.tokens[-1]
-                    cache = BatchCache.stack([c for _, _, c, _ in fresh])
-                    if self.drafter is not None:
-                        self.drafter.place([s for _, _, _, s in fresh])
-                else:
-                    for slot, r, c, s in fresh:
-                        r.pending = r.tokens[-1]
-                        slots[slot] = r
-                        cache.write_row(slot, c.snapshot_row(0))
-                        if self.drafter is not None:
-                            self.drafter.write(slot, s)
-            active = np.array([s is not None for s in slots], dtype=bool)
+            # Fill free slots, then widen up to max_batch; repeat while rows finish at prefill.
+            while (yield from self._admit(batch)):
+                pass
+            active = np.array([s is not None for s in batch.slots], dtype=bool)
             if not active.any():
-                if exhausted and not waiting:
+                if batch.drained:
                     return
                 continue
-            if exhausted and not waiting and active.sum() <= len(slots) // 2 and len(slots) > 1:
+            if batch.drained and active.sum() <= len(batch.slots) // 2 and len(batch.slots) > 1:
                 keep = self._compact_keep(active)
-                cache.take_rows(keep)
+                batch.cache.take_rows(keep)
                 if self.drafter is not None:
                     self.drafter.take(keep)
-                slots = [slots[i] for i in keep]
+                batch.slots = [batch.slots[i] for i in keep]
                 active = active[keep]
-            yield from self._round(slots, active, cache)
+            yield from self._round(batch.slots, active, batch.cache)
+
+    def _admit(self, batch: "_Batch"):
+        """One admission pass (a generator: yields error rows). Returns True if it should run again."""
+        slots = batch.slots
+        free = [i for i, s in enumerate(slots) if s is None] + list(range(len(slots), int(self.schedule.max_batch)))
+        live = [s for s in slots if s is not None]
+        used_bytes = sum(self.row_bytes(len(s.req.prompt_tokens), s.max_tokens) for s in live)
+        admitted = []
+        while len(admitted) < len(free) and not batch.drained:
+            req = batch.next_request()
+            if req is None:
+                break
+            row, err = self._new_row(req)
+            if err is not None:
+                yield err
+                continue
+            need = self.row_bytes(len(req.prompt_tokens), row.max_tokens)
+            if live or admitted:
+                if used_bytes + need > self.memory_budget:
+                    batch.waiting.insert(0, req)  # fits alone, not now: wait for a slot to free up
+                    return False
+            used_bytes += need
+            admitted.append(row)
+        if not admitted:
+            return False
+        grow, finished_early = [], False
+        for row, (row_cache, state, first) in zip(admitted, self.prefiller.run(admitted)):
+            reason = self._emit(row, [first])
+            if reason is not None:
+                finished_early = True
+                yield self._finish(row, reason)
+                continue
+            row.pending = row.tokens[-1]
+            slot = free.pop(0)
+            if slot < len(slots):
+                slots[slot] = row
+                batch.cache.write_row(slot, row_cache.snapshot_row(0))
+                if self.drafter is not None:
+                    self.drafter.write(slot, state)
+            else:
+                grow.append((row, row_cache, state))
+        if grow:
+            new = BatchCache.stack([c for _, c, _ in grow])
+            if batch.cache is None:
+                batch.cache = new
+            else:
+                batch.cache.extend(new)
+            slots += [r for r, _, _ in grow]
+            if self.drafter is not None:
+                self.drafter.extend([s for _, _, s in grow])
+        return finished_early and not batch.drained
 
     @staticmethod
     def _compact_keep(active: np.ndarray) -> List[int]:
