@@ -20,12 +20,20 @@ Examples:
   mtplx-batch run jobs/eval.yaml --set generation.max_tokens=64 --set schedule.order=length
   mtplx-batch run jobs/eval.yaml --limit 20          # try the first 20 input rows
   mtplx-batch run jobs/eval.yaml --restart           # move the old run aside, start over
+  mtplx-batch run jobs/eval.yaml --log-json 2>>run.log   # for cron: JSON lines, no bars
 
 \b
 Running the same job again continues where it stopped: rows already in committed shards are
 skipped. Changing anything that alters the output (model, generation settings, prompt
 settings, input files) is refused with the changed keys named, unless --restart.
 Speed settings (speculative, schedule, executor) may change between resumes.
+
+\b
+Progress: on a terminal, two bars: "prefill" (rows handed to the engine, prompt tok/s) and
+"decode" (rows finished, generated tok/s, draft acceptance, tokens per verify, and an ETA from
+rows left x mean tokens per row / recent tok/s). --quiet shows nothing but errors.
+--log-json writes one JSON object per line to stderr instead: start, log, shard (each commit),
+progress (every --log-every seconds), summary (status done|interrupted|failed), error.
 """
 
 EPILOG_GROUP = """\b
@@ -34,6 +42,8 @@ Examples:
   mtplx-batch run jobs/eval.yaml          # generate; Ctrl-C and run again to continue
   mtplx-batch status runs/eval            # rows done / errored / left, throughput, ETA
   mtplx-batch resume runs/eval            # continue from the job copy stored in the run dir
+  mtplx-batch report runs/eval --open     # HTML report: summary, acceptance, throughput, errors
+  mtplx-batch export runs/eval --format hf --out eval-ds    # a `datasets`-loadable directory
 
 \b
 A job file (YAML) names the model, the input and the output directory:
@@ -44,13 +54,25 @@ A job file (YAML) names the model, the input and the output directory:
   output: {dir: runs/eval}
 
 \b
+OpenAI Batch API request files run as they are, with per-request max_tokens, temperature,
+top_p, stop and seed; custom_id is the row id:
+  input: {format: openai-batch, path: batch_requests.jsonl}
+  then: mtplx-batch export runs/NAME --format openai-batch --out results.jsonl
+
+\b
 Exit codes: 0 success, 1 the run failed, 2 invalid job or refused resume.
 """
 
 
-def _fail(err: Exception) -> None:
-    click.echo(f"error: {err}", err=True)
-    sys.exit(getattr(err, "exit_code", 1))
+def _fail(err: Exception, as_json: bool = False) -> None:
+    code = getattr(err, "exit_code", 1)
+    if as_json:
+        from .progress import json_line
+
+        json_line("error", message=str(err), exit_code=code)
+    else:
+        click.echo(f"error: {err}", err=True)
+    sys.exit(code)
 
 
 def _terminate_as_interrupt(signum, frame):
@@ -58,26 +80,43 @@ def _terminate_as_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _run(job, restart: bool, limit: Optional[int], quiet: bool) -> None:
+def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool = False,
+         log_every: float = 30.0) -> None:
     from .runner import run_job
 
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    if log_json:
+        log = None  # the runner writes {"event": "log"} lines
+    else:
+        log = None if quiet else lambda m: click.echo(m, err=True)
     try:
-        summary = run_job(job, restart=restart, limit=limit, quiet=quiet,
-                          log=None if quiet else lambda m: click.echo(m, err=True))
+        summary = run_job(job, restart=restart, limit=limit, quiet=quiet or log_json, log=log,
+                          log_json=log_json, log_every=log_every)
     except (JobError, RunError) as e:
-        _fail(e)
+        _fail(e, log_json)
     except KeyboardInterrupt:
-        click.echo("interrupted: finished rows are committed; run the same command again to continue", err=True)
+        msg = "interrupted: finished rows are committed; run the same command again to continue"
+        if log_json:
+            from .progress import json_line
+
+            json_line("error", message=msg, exit_code=1)
+        else:
+            click.echo(msg, err=True)
         sys.exit(1)
     except Exception as e:  # an engine or I/O failure: say so plainly, keep the traceback for a bug report
         import traceback
 
-        traceback.print_exc()
-        click.echo(f"error: the run failed: {type(e).__name__}: {e}. Committed shards are kept; "
-                   "run the same command again to continue", err=True)
+        msg = (f"the run failed: {type(e).__name__}: {e}. Committed shards are kept; "
+               "run the same command again to continue")
+        if log_json:
+            from .progress import json_line
+
+            json_line("error", message=msg, exit_code=1, traceback=traceback.format_exc())
+        else:
+            traceback.print_exc()
+            click.echo(f"error: {msg}", err=True)
         sys.exit(1)
-    if not quiet:
+    if not quiet and not log_json:
         click.echo(
             f"done: {summary.outputs} rows written ({summary.errors} errors), {summary.skipped} already done, "
             f"{summary.completion_tokens} tokens in {summary.seconds:.1f}s "
@@ -100,43 +139,59 @@ def main():
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
               help="Override a job setting; the value is read as YAML (e.g. generation.stop=['\\n']). Repeatable.")
 @click.option("--restart", is_flag=True, help="Move an existing run in output.dir aside and start over.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
+              help="Run in this process (local) or as a Ray Data pipeline (ray, see docs/ray.md); "
+                   "overrides the job's executor.type.")
 @click.option("--limit", type=click.IntRange(min=1), default=None,
               help="Only the first N input rows (a later run without --limit continues with the rest).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or messages; errors only.")
-def run(job_file: str, overrides: Sequence[str], restart: bool, limit: Optional[int], quiet: bool):
+@click.option("--log-json", is_flag=True,
+              help="For cron and log collectors: one JSON object per line on stderr (start, shard commits, "
+                   "progress, summary, error) instead of bars and text.")
+@click.option("--log-every", type=click.FloatRange(min=0), default=30.0, show_default=True, metavar="SECONDS",
+              help="With --log-json: seconds between progress lines (0: none).")
+def run(job_file: str, overrides: Sequence[str], restart: bool, limit: Optional[int], quiet: bool,
+        log_json: bool, log_every: float, executor: Optional[str] = None):
     """Run JOB_FILE, or continue its earlier run in output.dir."""
     from .config import load_job
 
+    if executor:
+        overrides = (*overrides, f"executor.type={executor}")
     try:
         job = load_job(job_file, overrides)
     except JobError as e:
-        _fail(e)
-    _run(job, restart, limit, quiet)
+        _fail(e, log_json)
+    _run(job, restart, limit, quiet, log_json, log_every)
 
 
 @main.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or messages; errors only.")
-def resume(run_dir: str, quiet: bool):
+@click.option("--log-json", is_flag=True, help="One JSON object per line on stderr, as for `run`.")
+@click.option("--log-every", type=click.FloatRange(min=0), default=30.0, show_default=True, metavar="SECONDS",
+              help="With --log-json: seconds between progress lines (0: none).")
+def resume(run_dir: str, quiet: bool, log_json: bool, log_every: float):
     """Continue the run in RUN_DIR from the job copy stored there (RUN_DIR/job.yaml).
 
     \b
-    Example:
+    Examples:
       mtplx-batch resume runs/eval
+      mtplx-batch resume runs/eval --log-json --log-every 60 2>>runs/eval.log   # from cron
     """
     from .checkpoint import JOB_FILE
     from .config import load_job
 
     path = os.path.join(run_dir, JOB_FILE)
     if not os.path.exists(path):
-        _fail(JobError(f"{run_dir}: no {JOB_FILE}; not a run directory (start one with: mtplx-batch run JOB.yaml)"))
+        _fail(JobError(f"{run_dir}: no {JOB_FILE}; not a run directory (start one with: mtplx-batch run JOB.yaml)"),
+              log_json)
     try:
         job = load_job(path)
     except JobError as e:
-        _fail(e)
+        _fail(e, log_json)
     if os.path.abspath(job.output.dir) != os.path.abspath(run_dir):
         job.output.dir = os.path.abspath(run_dir)  # the directory was moved: follow it
-    _run(job, False, None, quiet)
+    _run(job, False, None, quiet, log_json, log_every)
 
 
 @main.command()
@@ -190,6 +245,108 @@ def validate(job_file: str, overrides: Sequence[str], limit: Optional[int]):
         _fail(e)
     click.echo(format_report(report))
     sys.exit(2 if report.refused else 0 if report.ok else 1)
+
+
+EPILOG_REPORT = """\b
+Examples:
+  mtplx-batch report runs/eval                 # writes runs/eval/report/index.html
+  mtplx-batch report runs/eval --open          # ... and opens it in the browser
+  mtplx-batch report runs/eval --out /tmp/eval-report --top 50
+
+\b
+Files written to the report directory:
+  index.html               the report (plots embedded; the file can be mailed or moved alone)
+  summary.json             every number in the report, for scripts
+  errors.jsonl             all errored rows: id, row, sample, kind, error
+  throughput.png           tokens/s per shard and rows committed over wall-clock time
+  acceptance_by_depth.png  draft acceptance at each depth     (runs with speculation)
+  tokens_per_verify.png    histogram of tokens per verify     (runs with speculation)
+  lengths.png              prompt and completion lengths
+
+\b
+It works on a run in progress too: only committed shards are read. Plots need matplotlib:
+  pip install 'mtplx-batch[report]'
+"""
+
+
+@main.command(epilog=EPILOG_REPORT)
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Directory for the report files [default: RUN_DIR/report].")
+@click.option("--open", "open_browser", is_flag=True, help="Open index.html in the default browser afterwards.")
+@click.option("--top", type=click.IntRange(min=1), default=20, show_default=True,
+              help="How many of the slowest rows to list.")
+def report(run_dir: str, out_dir: Optional[str], open_browser: bool, top: int):
+    """Write an HTML report of RUN_DIR: run summary, errors by kind, speculative health
+    (acceptance by depth, tokens per verify, compiled vs eager verifies, parity failures),
+    throughput over time, the slowest rows and the errored rows."""
+    from .report import text_summary, write_report
+
+    try:
+        files = write_report(run_dir, out_dir, top=top)
+    except JobError as e:
+        _fail(e)
+    click.echo(text_summary(files.stats))
+    click.echo(f"report: {files.index}")
+    if open_browser:
+        import pathlib
+        import webbrowser
+
+        if not webbrowser.open(pathlib.Path(files.index).as_uri()):
+            click.echo("could not open a browser here; open the file above yourself", err=True)
+
+
+EPILOG_EXPORT = """\b
+Examples:
+  mtplx-batch export runs/eval --format jsonl --out eval.jsonl
+  mtplx-batch export runs/batch --format openai-batch --out results.jsonl
+        # also writes results_errors.jsonl (failed rows); choose it with --errors-out
+  mtplx-batch export runs/eval --format hf --out eval-dataset
+        # then: datasets.load_dataset("eval-dataset", split="train")
+
+\b
+Formats:
+  jsonl         one JSON object per output row, every column, errors included
+  openai-batch  OpenAI Batch API output lines {id, custom_id, response: {status_code, body:
+                {choices: [{message, finish_reason}], usage}}, error} for the rows that
+                succeeded, and an error file with one line per failed row (always written)
+  hf            a directory of parquet files (data/train-*.parquet) and a README.md dataset
+                card (model, job settings, counts, acceptance), loadable with
+                datasets.load_dataset(DIR) and ready for the Hugging Face Hub
+
+\b
+Rows come out in input order. A run in progress exports what is committed so far, and the
+command says how many rows are still missing. An existing --out is refused unless --overwrite.
+"""
+
+
+@main.command(epilog=EPILOG_EXPORT)
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["openai-batch", "jsonl", "hf"]), required=True,
+              help="Output format (see below).")
+@click.option("--out", required=True, type=click.Path(), help="Output file (jsonl, openai-batch) or directory (hf).")
+@click.option("--errors-out", type=click.Path(dir_okay=False), default=None,
+              help="openai-batch: file for failed rows [default: OUT with _errors before the extension].")
+@click.option("--overwrite", is_flag=True, help="Replace --out (and --errors-out) if they exist.")
+def export(run_dir: str, fmt: str, out: str, errors_out: Optional[str], overwrite: bool):
+    """Write the committed output of RUN_DIR as OpenAI Batch results, JSONL, or a Hugging Face dataset."""
+    from .export import export_run
+
+    if errors_out is not None and fmt != "openai-batch":
+        _fail(JobError("--errors-out only applies to --format openai-batch"))
+    try:
+        res = export_run(run_dir, fmt, out, errors_out=errors_out, overwrite=overwrite)
+    except JobError as e:
+        _fail(e)
+    if fmt == "openai-batch":
+        click.echo(f"exported {res.written} responses and {res.failed} failed requests "
+                   f"({res.rows} output rows) -> {res.files[0]}, errors -> {res.files[1]}")
+    else:
+        where = out if fmt == "jsonl" else f"{out} ({len(res.files) - 1} parquet file(s) + README.md)"
+        click.echo(f"exported {res.rows} rows -> {where}")
+    if res.left:
+        click.echo(f"note: the run is not complete: {res.left} of {res.expected} output rows are not generated "
+                   f"yet (continue it with: mtplx-batch resume {run_dir}, then export again)", err=True)
 
 
 if __name__ == "__main__":

@@ -137,6 +137,18 @@ def build_job(raw: Any, default_name: str = "job") -> JobConfig:
     name = s["name"]
     inp = InputConfig(**s["input"])
     problems = []
+    if inp.format == "openai-batch":
+        # OpenAI Batch API request files: custom_id is the id, body.messages the prompt (openai_batch.py)
+        if inp.id_column is None:
+            inp.id_column = "custom_id"
+        if inp.messages_column is None:
+            inp.messages_column = "messages"
+        if inp.id_column != "custom_id" or inp.messages_column != "messages":
+            problems.append("input.format: openai-batch reads custom_id as the id and body.messages as the "
+                            "prompt; remove input.id_column / input.messages_column")
+        if inp.prompt_column or inp.template is not None:
+            problems.append("input.format: openai-batch takes the prompt from body.messages; remove "
+                            "input.prompt_column / input.template")
     if inp.messages_column and (inp.template is not None or inp.prompt_column):
         problems.append("input.messages_column: give only one of messages_column, template, prompt_column")
     if inp.template is not None and inp.prompt_column:

@@ -14,7 +14,7 @@ from mtplx.config import SPEC_METHODS, VERIFY_MODES
 
 from .errors import JobError
 
-INPUT_FORMATS = ("parquet", "arrow", "jsonl", "csv", "hf")
+INPUT_FORMATS = ("parquet", "arrow", "jsonl", "csv", "hf", "openai-batch")
 ORDERS = ("prefix", "length", "input")
 
 

@@ -30,6 +30,7 @@ from .config import JobConfig
 from .errors import JobError, RunError
 from .fingerprint import fingerprint_parts
 from .ordering import ordered
+from .progress import DEFAULT_LOG_EVERY, Progress, json_logger
 from .prompts import PromptRenderer
 from .rows import Item, keep_checker, prepare
 from .sink import ShardWriter, output_schema
@@ -90,7 +91,12 @@ class Prepared:
 
 def open_job(job: JobConfig, tokenizer) -> Prepared:
     """Open the input and prompt rendering; any problem here is a JobError (exit 2)."""
-    renderer = PromptRenderer(job.input, tokenizer)
+    if job.input.format == "openai-batch":
+        from .openai_batch import OpenAIBatchRenderer  # refuses rows with unsupported body fields
+
+        renderer = OpenAIBatchRenderer(job.input, tokenizer, job.generation.n)
+    else:
+        renderer = PromptRenderer(job.input, tokenizer)
     keep = job.output.keep_columns
     # The row id hashes the whole row when there is no id column, so then every column is read.
     if job.input.id_column is None:
@@ -141,43 +147,32 @@ def _output_row(item: Item, sample: int, seed: int, result: Optional[Result] = N
     return row
 
 
-class _Progress:
-    def __init__(self, total: Optional[int], initial: int, quiet: bool):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, initial=initial, unit="row", dynamic_ncols=True, smoothing=0.05,
-                        disable=quiet or not sys.stderr.isatty(), file=sys.stderr)
-        self.start = time.monotonic()
-        self.tokens = 0
-
-    def update(self, row: Dict[str, Any]) -> None:
-        self.tokens += row["completion_tokens"] or 0
-        elapsed = time.monotonic() - self.start
-        self.bar.set_postfix_str(f"{self.tokens / elapsed if elapsed else 0:.1f} tok/s", refresh=False)
-        self.bar.update(1)
-
-    def close(self):
-        self.bar.close()
-
-
 def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, engine=None,
-            quiet: bool = True, log: Optional[Callable[[str], None]] = None) -> RunSummary:
+            quiet: bool = True, log: Optional[Callable[[str], None]] = None, log_json: bool = False,
+            log_every: float = DEFAULT_LOG_EVERY) -> RunSummary:
     """Run (or resume) `job`; returns what this session did.
 
     Raises JobError (nothing ran, no weights loaded) when the job, its input or its run
     directory is refused, and RunError when the run breaks; committed shards stay valid either
     way. `engine` (anything with `tokenizer`, `max_context` and `generate(requests)`) replaces
     the one `job.model`/`speculative`/`schedule` would load; `limit` takes the first N rows.
+    Progress (pipelines/progress.py): tqdm bars on a terminal unless `quiet`; with `log_json`
+    JSON lines on stderr instead (start, shard commits, progress every `log_every` s, summary).
     """
+    if log_json and log is None:
+        log = json_logger()
     log = log or ((lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr)))
     if job.executor.type == "ray" and engine is None:
         try:
             from .ray_executor import run_job as run_on_ray
         except ImportError as e:
             raise JobError(f"executor: ray is not available here ({e}); use executor: local")
-        return run_on_ray(job, restart=restart, limit=limit, quiet=quiet, log=log)
+        return run_on_ray(job, restart=restart, limit=limit, quiet=quiet, log=log, log_json=log_json,
+                          log_every=log_every)
     tokenizer = engine.tokenizer if engine is not None else load_tokenizer(job)
     prep = open_job(job, tokenizer)
+    if hasattr(prep.renderer, "warn"):
+        prep.renderer.warn = log  # openai-batch: one line per ignored request field
     parts = fingerprint_parts(job, resolve_model_dir(job), prep.source.files)
     n = job.generation.n
     with RunDir.prepare(job.output.dir, job.to_yaml(), parts, restart=restart, log=log) as run:
@@ -189,7 +184,8 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
             engine = load_engine(job)
         wanted = None if total_rows is None else min(total_rows, limit if limit is not None else total_rows) * n
         summary = RunSummary(run_dir=run.path, skipped=len(committed))
-        progress = _Progress(wanted, min(len(committed), wanted or len(committed)), quiet)
+        progress = Progress(wanted, min(len(committed), wanted or len(committed)),
+                            mode="json" if log_json else "off" if quiet else "bars", log_every=log_every)
         schema = output_schema(prep.keep_types)
 
         def on_commit(entry):
@@ -197,22 +193,35 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
             summary.outputs += entry["rows"]
             summary.errors += entry["errors"]
             summary.completion_tokens += entry["completion_tokens"]
+            progress.committed(entry)
 
         sink = ShardWriter(run, schema, job.output.shard_rows, on_commit)
         started = time.monotonic()
+        progress.start(run_dir=run.path, job=job.name)
+        status, error = "failed", None
         try:
             _generate(job, prep, engine, sink, committed, limit, progress)
+            status = "done"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}"
+            raise
         finally:
             try:
                 sink.flush()  # finished rows are committed even when the run stops early
+            except BaseException as e:
+                status, error = "failed", error or f"{type(e).__name__}: {e}"
+                raise
             finally:
-                progress.close()
                 summary.seconds = time.monotonic() - started
+                progress.close(summary, status, error)
     return summary
 
 
 def _generate(job: JobConfig, prep: Prepared, engine, sink: ShardWriter, committed: Set[Tuple[int, int]],
-              limit: Optional[int], progress: _Progress) -> None:
+              limit: Optional[int], progress: Progress) -> None:
     gen = job.generation
     params = gen.sampling_params()
     inflight: Dict[Tuple[int, int], Tuple[Item, int]] = {}
@@ -223,21 +232,27 @@ def _generate(job: JobConfig, prep: Prepared, engine, sink: ShardWriter, committ
     order = ordered(pending, job.schedule.order, lambda it: it.tokens, job.ordering.window_rows,
                     job.ordering.min_prefix_tokens, gen.n)
 
-    def emit(row):
+    row_params = getattr(prep.renderer, "row_params", None)  # a request's own settings (openai-batch)
+
+    def emit(row, via_engine=True):
         sink.add(row)
-        progress.update(row)
+        progress.finished(row, via_engine)
 
     def requests() -> Iterator[Request]:
         for item, plen in order:
+            own = row_params(item.id) if row_params is not None and item.tokens is not None else None
             for s in range(gen.n):
                 if (item.index, s) in committed:
                     continue
-                seed = derive_seed(gen.seed, item.id, s) if item.id is not None else 0
+                job_seed = own.seed if own is not None and own.seed is not None else gen.seed
+                seed = derive_seed(job_seed, item.id, s) if item.id is not None else 0
                 if item.tokens is None:
-                    emit(_output_row(item, s, seed, error=item.error))
+                    emit(_output_row(item, s, seed, error=item.error), via_engine=False)
                     continue
                 inflight[(item.index, s)] = (item, seed)
-                yield Request(key=(item.index, s), prompt_tokens=item.tokens, params=params,
+                progress.submitted(len(item.tokens))
+                yield Request(key=(item.index, s), prompt_tokens=item.tokens,
+                              params=own.apply(params) if own is not None else params,
                               seed=seed, stable_prefix_len=plen)
 
     feed = requests()

@@ -1,4 +1,5 @@
-"""Readers: parquet, arrow (IPC file or stream), jsonl, csv and Hugging Face datasets.
+"""Readers: parquet, arrow (IPC file or stream), jsonl, csv, Hugging Face datasets, and
+OpenAI Batch API request files (openai-batch, see openai_batch.py).
 
 Each reader streams its input in record batches and yields `SourceRow`s with a running row
 index over all files (files in sorted order), so no dataset is ever held in memory whole.
@@ -230,6 +231,10 @@ class JsonlSource(Source):
                 n += sum(1 for line in f if line.strip())
         return n
 
+    def _shape(self, data: Dict[str, Any]) -> Dict[str, Any]:
+        """Hook for JSONL dialects (openai-batch flattens each request here)."""
+        return data
+
     def _rows(self, path):
         with _open_text(path) as f:
             for lineno, raw in enumerate(f, 1):
@@ -249,6 +254,7 @@ class JsonlSource(Source):
                 if not isinstance(data, dict):
                     yield None, f"{where} is a JSON {type(data).__name__}, not an object"
                     continue
+                data = self._shape(data)
                 if self.columns is not None:
                     data = {k: data[k] for k in self.columns if k in data}
                 yield data, None
@@ -402,4 +408,8 @@ READERS = {"parquet": ParquetSource, "arrow": ArrowSource, "jsonl": JsonlSource,
 
 def open_source(inp: InputConfig, columns: Optional[Sequence[str]]) -> Source:
     """The reader for `input.format`; `columns=None` reads every column."""
+    if inp.format == "openai-batch":
+        from .openai_batch import OpenAIBatchSource  # JSONL of OpenAI Batch API requests
+
+        return OpenAIBatchSource(inp, columns)
     return READERS[inp.format](inp, columns)
