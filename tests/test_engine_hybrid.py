@@ -129,3 +129,41 @@ def test_rows_of_a_batch_commit_different_counts(hybrid, mode):
         np.testing.assert_allclose(np.array(got[b]), np.array(_fresh_logits(model, accepted + [nxt[b]])), atol=ATOL)
     # the recurrent layers really are the ones being rolled back
     assert sum(isinstance(c, RowStateCache) for c in cache.layers) == 3
+
+
+def test_hybrid_draft_model_rolls_back_after_a_partial_accept(tiny_model):
+    """A hybrid draft model (DraftModelDrafter) must also drop the rejected drafts from its
+    recurrent state: after a partial accept its next proposal equals the proposal of a draft
+    that only ever saw the accepted text."""
+    from mtplx.drafters import DraftModelDrafter
+    from mtplx.request import SamplingParams
+    from mtplx.sampling import SamplerBatch
+
+    draft = load(tiny_model("qwen3_next", seed=1)).model
+    V = draft.model.embed_tokens.weight.shape[0]
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, V, n).tolist() for n in (9, 14, 6)]
+    pending = rng.integers(3, V, 3).astype(np.int32)
+    sampler = SamplerBatch.from_params([SamplingParams(temperature=1.0)] * 3)
+
+    def drafter_for(prompts):
+        d = DraftModelDrafter(draft, V)
+        d.reset()
+        d.extend([d.prefill_row(p, None, 0) for p in prompts])
+        return d
+
+    d = drafter_for(prompts)
+    u = mx.array(rng.random((3, K)).astype(np.float32))
+    drafts, _ = d.propose(K, mx.array(pending), sampler, u)
+    drafts = np.array(drafts)
+    n_accept = np.array([0, 2, K])
+    nxt = rng.integers(3, V, 3).astype(np.int32)
+    verify_in = mx.array(np.concatenate([pending[:, None], drafts], axis=1))
+    d.commit(n_accept, nxt, drafts, np.ones(3, bool), verify_in, None)
+    u2 = mx.array(rng.random((3, 2)).astype(np.float32))
+    _, q = d.propose(2, mx.array(nxt), sampler, u2)
+
+    accepted = [p + [int(pending[b])] + drafts[b, : n_accept[b]].tolist() for b, p in enumerate(prompts)]
+    fresh = drafter_for(accepted)
+    _, q_fresh = fresh.propose(2, mx.array(nxt), sampler, u2)
+    np.testing.assert_allclose(np.array(q[:, 0]), np.array(q_fresh[:, 0]), atol=1e-5)
