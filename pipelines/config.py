@@ -38,6 +38,7 @@ class InputConfig:
     messages_column: Optional[str] = None
     template: Optional[str] = None
     chat_template: str = "auto"  # auto | on | off
+    limit: Optional[int] = None  # only the first N input rows (a CLI --limit wins)
 
     @property
     def prompt_mode(self) -> str:

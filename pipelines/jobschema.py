@@ -151,6 +151,7 @@ SECTIONS: Dict[str, Dict[str, Check]] = {
         "messages_column": optional(string),
         "template": optional(string),
         "chat_template": one_of("auto", "on", "off", aliases=BOOL_VERIFY),
+        "limit": optional(integer(1)),
     },
     "generation": {
         "max_tokens": integer(1),

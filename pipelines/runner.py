@@ -159,6 +159,8 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
     Progress (pipelines/progress.py): tqdm bars on a terminal unless `quiet`; with `log_json`
     JSON lines on stderr instead (start, shard commits, progress every `log_every` s, summary).
     """
+    if limit is None:
+        limit = job.input.limit
     if log_json and log is None:
         log = json_logger()
     log = log or ((lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr)))

@@ -49,9 +49,22 @@ class SourceRow:
     error: Optional[str] = None  # set when the row itself could not be read
 
 
+def _known_dataset(path: str) -> str:
+    """A known dataset name (`humaneval`, `gsm8k-100`, `mmlu-1k`) -> its fetched JSONL file."""
+    from mtplx.assets import ASSETS, AssetError, resolve_asset
+
+    if path in ASSETS and not os.path.exists(path):
+        try:
+            return resolve_asset(path, "dataset")
+        except AssetError as e:
+            raise JobError(f"input.path: {e}") from None
+    return path
+
+
 def expand_paths(path: str, fmt: str) -> List[str]:
     """A file, every matching file under a directory, or a glob; sorted for a stable row order."""
     exts = EXTENSIONS[fmt]
+    path = _known_dataset(path)
     if any(ch in path for ch in "*?["):
         files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
     elif os.path.isdir(path):

@@ -49,6 +49,8 @@ class ValidationReport:
 def validate_job(job: JobConfig, limit: Optional[int] = None) -> ValidationReport:
     from mtplx.loading import model_config
 
+    if limit is None:
+        limit = job.input.limit
     tokenizer = load_tokenizer(job)
     prep = open_job(job, tokenizer)
     model_dir = resolve_model_dir(job)

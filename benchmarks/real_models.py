@@ -1,0 +1,194 @@
+"""Speculative decoding on a real model, peers in the same run (mlx-lm `generate_step` /
+`batch_generate`, speculative off), and the lossless check in the device's own dtype.
+
+    python -m benchmarks.real_models --model smollm2-135m-instruct --prompts humaneval \
+        --head heads/smollm2 --rows 16 --tokens 128 --out bench-out
+
+Reports single-stream tokens/s per method and depth (tokens per verify, acceptance by depth),
+batched tokens/s at several widths, and the share of rows whose greedy speculative text equals
+plain decoding; every divergence is checked to start at a near-tie of the plain model's logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.generation import Engine
+from mtplx.loading import load
+from mtplx.request import Request, SamplingParams
+
+from .common import device_name, save_json, sync, table, versions
+
+NEAR_TIE = 0.5  # top-2 logit gap under which bf16 rounding may flip the argmax
+
+
+def load_prompts(source: str, tokenizer, rows: int, offset: int = 0):
+    from mtplx.assets import resolve_asset
+
+    path = resolve_asset(source, "dataset")
+    prompts = []
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            messages = [{"role": "user", "content": row["prompt"]}]
+            if getattr(tokenizer, "chat_template", None):
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            else:
+                ids = tokenizer.encode(row["prompt"])
+            prompts.append(list(ids))
+    return prompts[offset : offset + rows]
+
+
+def run_engine(bundle, prompts, tokens, spec: SpeculativeConfig, width: int, warm: bool = True):
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
+    reqs = [Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=tokens)) for i, p in enumerate(prompts)]
+    if warm:
+        list(eng.generate(reqs[: min(width, 2)]))
+    sync()
+    t0 = time.perf_counter()
+    res = sorted(eng.generate(reqs), key=lambda r: r.key)
+    dt = time.perf_counter() - t0
+    n = sum(len(r.tokens) for r in res)
+    verifies = sum(r.stats.verify_calls for r in res)
+    depth = spec.depth if spec.method != "none" else 0
+    by_depth = np.zeros(max(depth, 1))
+    for r in res:
+        if r.stats.accepted_by_depth:
+            by_depth[: len(r.stats.accepted_by_depth)] += r.stats.accepted_by_depth
+    return {
+        "tok_s": n / dt,
+        "seconds": dt,
+        "tokens": n,
+        "tokens_per_verify": (n / verifies) if verifies else 1.0,
+        "acceptance": (sum(r.stats.accepted_tokens for r in res) / max(1, sum(r.stats.drafted_tokens for r in res))),
+        "accept_by_depth": (by_depth / max(verifies, 1)).round(3).tolist() if verifies else [],
+        "compiled_calls": eng.bank.stats["compiled_calls"] if eng.bank else 0,
+        "texts": [r.tokens for r in res],
+    }
+
+
+def mlx_single(model, prompts, tokens, eos):
+    from mlx_lm.generate import generate_step
+
+    for _ in generate_step(mx.array(prompts[0]), model, max_tokens=4):
+        pass
+    sync()
+    t0 = time.perf_counter()
+    n = 0
+    outs = []
+    for p in prompts:
+        out = []
+        for tok, _ in generate_step(mx.array(p), model, max_tokens=tokens):
+            tok = int(tok)
+            if tok in eos:
+                break
+            out.append(tok)
+        outs.append(out)
+        n += len(out)
+    return {"tok_s": n / (time.perf_counter() - t0), "tokens": n, "texts": outs}
+
+
+def mlx_batch(bundle, prompts, tokens):
+    from mlx_lm import batch_generate
+
+    batch_generate(bundle.model, bundle.tokenizer, prompts[:2], max_tokens=4)
+    sync()
+    t0 = time.perf_counter()
+    r = batch_generate(bundle.model, bundle.tokenizer, prompts, max_tokens=tokens, return_token_ids=True)
+    dt = time.perf_counter() - t0
+    n = sum(len(t) for t in r.token_ids)
+    return {"tok_s": n / dt, "tokens": n}
+
+
+def identity(bundle, prompts, plain, spec_texts):
+    """Share of rows equal to plain decoding; for the others, the top-2 gap where they part."""
+    same, gaps = 0, []
+    for p, a, b in zip(prompts, plain, spec_texts):
+        if a == b:
+            same += 1
+            continue
+        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        logits = bundle.model(mx.array([p + a[:i]], dtype=mx.int32))[0, -1].astype(mx.float32)
+        top = mx.sort(logits)[-2:]
+        gaps.append(float(top[1] - top[0]))
+    return same / len(prompts), gaps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--prompts", default="humaneval")
+    ap.add_argument("--head", default=None, help="MTP sidecar head dir (method mtp)")
+    ap.add_argument("--draft", default=None, help="draft model (method draft)")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--widths", default="8,32")
+    ap.add_argument("--depths", default="1,2,3,4")
+    ap.add_argument("--compiled", default="on")
+    ap.add_argument("--out", default="bench-out")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bundle = load(args.model)
+    tok = bundle.tokenizer
+    eos = set(tok.eos_token_ids)
+    single_rows = max(4, args.rows // 4)
+    prompts = load_prompts(args.prompts, tok, max(args.rows, 32))
+    single_prompts = prompts[:single_rows]
+
+    methods = [("none", 1)] + [("ngram", d) for d in (2, 4)]
+    if args.head:
+        methods += [("mtp", int(d)) for d in args.depths.split(",")]
+    if args.draft:
+        methods += [("draft", int(d)) for d in args.depths.split(",")]
+
+    def spec(method, depth, adaptive=False):
+        return SpeculativeConfig(method=method, depth=depth, compiled_verify=args.compiled, adaptive_depth=adaptive,
+                                 mtp_head=args.head if method == "mtp" else None, draft_model=args.draft if method == "draft" else None)
+
+    rows, ident = [], []
+    peer = mlx_single(bundle.model, single_prompts, args.tokens, eos)
+    rows.append({"setting": "1 stream", "method": "mlx-lm generate_step", "depth": "", "tok/s": peer["tok_s"], "x mlx-lm": 1.0, "tokens/verify": "", "acceptance": "", "accept by depth": ""})
+    plain = None
+    for method, depth in methods:
+        r = run_engine(bundle, single_prompts, args.tokens, spec(method, depth), 1)
+        if method == "none":
+            plain = r
+        rows.append({"setting": "1 stream", "method": f"ours {method}", "depth": depth if method != "none" else "", "tok/s": r["tok_s"], "x mlx-lm": r["tok_s"] / peer["tok_s"], "tokens/verify": r["tokens_per_verify"], "acceptance": r["acceptance"], "accept by depth": r["accept_by_depth"]})
+        if method != "none":
+            share, gaps = identity(bundle, single_prompts, plain["texts"], r["texts"])
+            ident.append({"method": method, "depth": depth, "rows identical": share, "divergences": len(gaps), "max top-2 gap at divergence": max(gaps) if gaps else 0.0, "all at near-ties": all(g < NEAR_TIE for g in gaps)})
+        print(table(rows), flush=True)
+    same_as_peer = sum(a == b for a, b in zip(plain["texts"], peer["texts"])) / len(single_prompts)
+    best_mtp = max((r for r in rows if r["method"] == "ours mtp"), key=lambda r: r["tok/s"], default=None)
+    batch_rows = []
+    for width in (int(w) for w in args.widths.split(",")):
+        batch_prompts = prompts[: max(width, args.rows)]
+        pb = mlx_batch(bundle, batch_prompts, args.tokens)
+        entry = {"width": width, "rows": len(batch_prompts), "mlx-lm batch_generate tok/s": pb["tok_s"]}
+        for method, depth in [("none", 1), ("ngram", 3)] + ([("mtp", best_mtp["depth"])] if best_mtp else []):
+            r = run_engine(bundle, batch_prompts, args.tokens, spec(method, depth, adaptive=method != "none"), width)
+            entry[f"ours {method} tok/s"] = r["tok_s"]
+            entry[f"ours {method} x peer"] = r["tok_s"] / pb["tok_s"]
+        batch_rows.append(entry)
+        print(table(batch_rows), flush=True)
+    payload = {"device": device_name(), "versions": versions(), "model": args.model, "prompts": args.prompts,
+               "rows_single": single_rows, "tokens": args.tokens, "plain_equals_mlx_lm_share": same_as_peer,
+               "single": rows, "identity": ident, "batched": batch_rows}
+    save_json(out / "real_models.json", payload)
+    md = (f"device: {payload['device']}; model {args.model}; prompts {args.prompts}; {args.tokens} new tokens\n\n"
+          + table(rows, ["setting", "method", "depth", "tok/s", "x mlx-lm", "tokens/verify", "acceptance", "accept by depth"])
+          + f"\nplain greedy == mlx-lm greedy on {same_as_peer:.0%} of rows\n\n" + table(ident) + "\n" + table(batch_rows))
+    (out / "real_models.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
