@@ -349,5 +349,15 @@ def export(run_dir: str, fmt: str, out: str, errors_out: Optional[str], overwrit
                    f"yet (continue it with: mtplx-batch resume {run_dir}, then export again)", err=True)
 
 
+def _register_extra_commands():
+    from .cli_assets import convert, fetch
+    from .cli_train_head import train_head
+
+    for command in (fetch, convert, train_head):
+        main.add_command(command)
+
+
+_register_extra_commands()
+
 if __name__ == "__main__":
     main()
