@@ -155,6 +155,9 @@ def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Option
             if k in params:
                 params[k] = params[k] + 1.0
     head.load_weights(list(params.items()), strict=True)
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if norm is not None and getattr(norm, "weight", None) is not None:
+        head.set_dtype(norm.weight.dtype)  # a bf16 sidecar on an fp32 trunk runs in fp32 (and back)
     head.eval()
     mx.eval(head.parameters())
     return head
