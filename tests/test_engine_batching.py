@@ -173,3 +173,20 @@ def test_batched_rows_equal_single_row_output(families, family, method, width):
     # the per-row stat agrees: rows that ran entirely while the queue was full saw the full width
     if width > 1:
         assert max(r.stats.batch_width for r in results.values()) == width
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "mtp"])
+def test_greedy_rows_stay_exact_next_to_sampled_rows(families, method):
+    """A batch that mixes greedy and sampled rows takes the sampled acceptance path for all
+    rows; the greedy rows must still equal their single-row greedy output."""
+    fam = families("qwen3_next")
+    eng = fam.engine(method, 7)
+    requests = []
+    for i, (p, m) in enumerate(fam.rows[:16]):
+        params = SamplingParams(max_tokens=m) if i % 2 == 0 else SamplingParams(max_tokens=m, temperature=1.0, top_p=0.9)
+        requests.append(Request(key=i, prompt_tokens=list(p), params=params, seed=i))
+    results = {r.key: r for r in eng.generate(requests)}
+    for i in range(0, 16, 2):
+        assert results[i].tokens == fam.refs[i], f"greedy row {i} changed next to sampled rows ({method})"
+    for i in range(1, 16, 2):
+        assert results[i].error is None and len(results[i].tokens) <= fam.rows[i][1]

@@ -265,3 +265,35 @@ def test_every_partial_accept_count(ctx, family, depth):
     mismatched = [(e, a) for e, a in oracle.checked if e != a]
     assert not mismatched, f"accepted counts differ from the drafts' first wrong position: {mismatched}"
     assert {e for e, _ in oracle.checked} == set(range(depth + 1)), "not every accept count was exercised"
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "oracle"])
+def test_greedy_identity_when_rows_stop_at_eos(tiny_model, method):
+    """A 16-token model with eos (id 5, a token greedy decoding reaches): rows stop at eos, also when eos comes inside a run
+    of accepted drafts or as the bonus token; eos is not emitted and the reason is `stop`."""
+    target = tiny_model("small_vocab", eos_token_id=5)
+    bundle = load(target)
+    eos = set(bundle.tokenizer.eos_token_ids)
+    assert eos == {5}
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(1, 16, int(n)).tolist() for n in rng.integers(1, 30, 12)]
+    max_tokens = 24
+    refs = [reference_tokens(bundle.model, p, max_tokens, eos) for p in prompts]
+    # the oracle drafts the text on through eos, so eos arrives inside accepted drafts
+    through_eos = [reference_tokens(bundle.model, p, max_tokens + 8, set()) for p in prompts]
+    assert sum(len(r) < max_tokens for r in refs) >= 3, "too few rows reach eos to test it"
+    for depth in (1, 3, 5):
+        spec = SpeculativeConfig(
+            method="ngram" if method == "oracle" else method, depth=depth, adaptive_depth=False,
+            compiled_verify="off", draft_model=str(target) if method == "draft" else None,
+        )
+        eng = Engine(bundle, spec, ScheduleConfig(max_batch=5))
+        if method == "oracle":  # right up to (and through) eos, then wrong
+            fake = Ctx.__new__(Ctx)
+            fake.prompts, fake.long_refs, fake.bundle = prompts, through_eos, bundle
+            eng.drafter = OracleDrafter(fake, lambda rnd, slot, K: K)
+        reqs = [Request(i, p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+        got = {r.key: r for r in eng.generate(reqs)}
+        for i, ref in enumerate(refs):
+            assert got[i].tokens == ref, (method, depth, i)
+            assert got[i].finish_reason == ("length" if len(ref) == max_tokens else "stop")
