@@ -298,17 +298,35 @@ class Engine:
         spare = [int(i) for i in np.nonzero(~active)[0]][: width - len(live)]
         return sorted(live + spare)
 
+    def _row_depths(self, slots, n_active: int) -> np.ndarray:
+        """Each row's drafted tokens this round.
+
+        Greedy rows follow the adaptive depth (their text cannot change). Sampled rows keep
+        `speculative.depth`, capped only by their own remaining tokens, so a sampled row's text
+        depends on its seed alone, never on which rows share its batch.
+        """
+        greedy_depth = self._depth(n_active)
+        depths = np.zeros(len(slots), dtype=np.int64)
+        for i, s in enumerate(slots):
+            if s is not None and self.drafter is not None:
+                want = greedy_depth if s.req.params.greedy else self.spec.depth
+                depths[i] = max(0, min(want, s.max_tokens - len(s.tokens) - 1))
+        return depths
+
     def _round(self, slots: List[Optional[_Row]], active: np.ndarray, cache: BatchCache):
         W = len(slots)
         n_active = int(active.sum())
-        remaining = max(s.max_tokens - len(s.tokens) for s in slots if s is not None)
-        K = min(self._depth(n_active), max(remaining - 1, 0))
+        depths = self._row_depths(slots, n_active)
+        K = int(depths.max()) if W else 0
+        D = self.spec.depth if self.drafter is not None else 0
         sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
-        draws = np.zeros((W, 2 * K + 1), dtype=np.float32)
+        # A fixed number of uniforms per row and round (drafts, accepts, next token), whatever K is.
+        draws = np.zeros((W, 2 * D + 1), dtype=np.float32)
         for i, s in enumerate(slots):
             if s is not None:
-                draws[i] = s.rng.random(2 * K + 1)
+                draws[i] = s.rng.random(2 * D + 1)
         u = mx.array(draws)
+        limit = mx.array(depths.astype(np.int32))
         pending = mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32))
         if K > 0:
             drafts, q = self.drafter.propose(K, pending, sampler, u[:, :K])
@@ -324,9 +342,9 @@ class Engine:
             cache.set_capturing(False)
             compiled = False
         if sampler.all_greedy:
-            n, nxt = accept_greedy(logits, drafts)
+            n, nxt = accept_greedy(logits, drafts, limit)
         else:
-            n, nxt = accept_sampled(shaped_probs(logits, sampler), drafts, q, u[:, K : 2 * K], u[:, 2 * K])
+            n, nxt = accept_sampled(shaped_probs(logits, sampler), drafts, q, u[:, D : D + K], u[:, 2 * D], limit)
         mx.eval(n, nxt, drafts)
         n_h, nxt_h, drafts_h = np.array(n), np.array(nxt), np.array(drafts)
         cache.commit(np.where(active, n_h + 1, 0))
@@ -335,7 +353,7 @@ class Engine:
         cache.eval()
         self.counters["rounds"] += 1
         if K > 0:
-            tried = np.minimum(n_h + 1, K)[active].sum()
+            tried = np.minimum(n_h + 1, depths)[active].sum()
             self._accept_ema = 0.8 * self._accept_ema + 0.2 * (n_h[active].sum() / max(tried, 1))
         for i, row in enumerate(slots):
             if row is None:
@@ -343,10 +361,11 @@ class Engine:
             st = row.stats
             row.rounds += 1
             row.width_sum += n_active
-            row.depth_sum += K
-            if K > 0:
+            k = int(depths[i])
+            row.depth_sum += k
+            if k > 0:
                 st.verify_calls += 1
-                st.drafted_tokens += K
+                st.drafted_tokens += k
                 st.accepted_tokens += int(n_h[i])
                 if len(st.accepted_by_depth) < self.spec.depth:
                     st.accepted_by_depth += [0] * (self.spec.depth - len(st.accepted_by_depth))

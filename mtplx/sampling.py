@@ -78,24 +78,35 @@ def sample_from(probs: mx.array, u: mx.array) -> mx.array:
     return mx.minimum(idx, probs.shape[-1] - 1).astype(mx.int32)
 
 
-def accept_greedy(target_logits: mx.array, drafts: mx.array):
-    """Greedy verify: [B, K+1, V] logits, [B, K] drafts -> (accepted count [B], next token [B])."""
+def _within(limit: Optional[mx.array], B: int, K: int) -> mx.array:
+    """[B, K] mask of the drafts each row may keep (row b drafted limit[b] of the K)."""
+    if limit is None:
+        return mx.ones((B, K), mx.bool_)
+    return mx.arange(K)[None, :] < limit[:, None]
+
+
+def accept_greedy(target_logits: mx.array, drafts: mx.array, limit: Optional[mx.array] = None):
+    """Greedy verify: [B, K+1, V] logits, [B, K] drafts -> (accepted count [B], next token [B]).
+
+    `limit[b]` (default K) is how many of the K drafts row b really drafted."""
     best = mx.argmax(target_logits, axis=-1).astype(mx.int32)  # [B, K+1]
     K = drafts.shape[1]
     if K == 0:
         return mx.zeros((best.shape[0],), mx.int32), best[:, 0]
-    matches = (drafts == best[:, :K]).astype(mx.int32)
+    matches = ((drafts == best[:, :K]) & _within(limit, best.shape[0], K)).astype(mx.int32)
     n = mx.cumprod(matches, axis=1).sum(axis=1)
     nxt = mx.take_along_axis(best, n[:, None], axis=1)[:, 0]
     return n, nxt
 
 
-def accept_sampled(p: mx.array, drafts: mx.array, q: Optional[mx.array], u_accept: mx.array, u_next: mx.array):
+def accept_sampled(p: mx.array, drafts: mx.array, q: Optional[mx.array], u_accept: mx.array, u_next: mx.array,
+                   limit: Optional[mx.array] = None):
     """Lossless speculative acceptance.
 
     p: [B, K+1, V] target probabilities; drafts: [B, K]; q: [B, K, V] draft probabilities, or
     None when each draft was proposed deterministically (prompt lookup: q is a point mass);
-    u_accept: [B, K] and u_next: [B] uniforms. Returns (accepted count [B], next token [B]).
+    u_accept: [B, K] and u_next: [B] uniforms; `limit[b]` (default K): how many of the K drafts
+    row b really drafted. Returns (accepted count [B], next token [B]).
     """
     B, K1, V = p.shape
     K = K1 - 1
@@ -107,8 +118,11 @@ def accept_sampled(p: mx.array, drafts: mx.array, q: Optional[mx.array], u_accep
         q_d = mx.ones(p_d.shape, mx.float32)
     else:
         q_d = mx.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    ok = (u_accept * q_d < p_d).astype(mx.int32)
+    within = _within(limit, B, K)
+    ok = ((u_accept * q_d < p_d) & within).astype(mx.int32)
     n = mx.cumprod(ok, axis=1).sum(axis=1)
+    # Past a row's own drafts there is no proposal: the token there comes from p itself.
+    q = mx.where(within[..., None], q, 0.0)
     q_pad = mx.concatenate([q, mx.zeros((B, 1, V), q.dtype)], axis=1)
     at = n[:, None, None]
     p_at = mx.take_along_axis(p, at, axis=1)[:, 0]

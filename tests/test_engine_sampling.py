@@ -153,9 +153,9 @@ def test_sampled_output_follows_the_target_distribution(setup, method):
     assert not failures, failures
 
 
-def _wrong_residual(p, drafts, q, u_accept, u_next):
+def _wrong_residual(p, drafts, q, u_accept, u_next, limit=None):
     """After a rejection, resample from the target p instead of the residual max(0, p - q)."""
-    n, _ = accept_sampled(p, drafts, q, u_accept, u_next)
+    n, _ = accept_sampled(p, drafts, q, u_accept, u_next, limit)
     return n, sample_from(mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0], u_next)
 
 
@@ -168,18 +168,7 @@ def test_a_wrong_residual_is_detected(setup, method, monkeypatch):
     assert max(worst.values()) < P_REJECT, f"a wrong residual went unnoticed: {worst}"
 
 
-BATCH_DEPENDENCE = (
-    "a speculative round's depth is shared by the batch (capped by the longest row's remaining "
-    "tokens, and adaptive depth follows the width), and each row draws 2K+1 uniforms per round: "
-    "a sampled row's text depends on its batch-mates, so a resumed row need not reproduce it"
-)
-
-
-@pytest.mark.parametrize(
-    "method",
-    ["none", pytest.param("ngram", marks=pytest.mark.xfail(strict=True, reason=BATCH_DEPENDENCE)),
-     pytest.param("draft", marks=pytest.mark.xfail(strict=True, reason=BATCH_DEPENDENCE))],
-)
+@pytest.mark.parametrize("method", ["none", "ngram", "draft"])
 def test_a_sampled_row_does_not_depend_on_its_batch_mates(setup, method):
     """A row's seed alone fixes its sampled text: alone, or next to other rows of other lengths."""
     bundle, draft, _ = setup
