@@ -35,7 +35,7 @@ DEPTHS = [1, 2, 3, 4, 5, 6]
 PROMPTS = [
     ("def fibonacci(n):\n    if n < 2:\n        return n\n    return", 12),
     ("import os", 9),
-    ("the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick", 14),
+    ("the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick", 24),
     (
         "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
         "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n",
@@ -141,6 +141,7 @@ class OracleDrafter(NgramDrafter):
     def __init__(self, ctx: Ctx, wrong_at):
         super().__init__()
         self.long = {tuple(p): r for p, r in zip(ctx.prompts, ctx.long_refs)}
+        self.budget = {tuple(p): m for p, m in zip(ctx.prompts, ctx.max_tokens)}
         self.vocab = ctx.bundle.model.model.embed_tokens.weight.shape[0]
         self.wrong_at = wrong_at
         self.round = 0
@@ -148,7 +149,7 @@ class OracleDrafter(NgramDrafter):
         self.checked = []  # (expected, accepted) per row and round
 
     def prefill_row(self, tokens, hidden, first_token, prefix=None):
-        return {"ref": self.long[tuple(tokens)], "out": [int(first_token)]}
+        return {"ref": self.long[tuple(tokens)], "out": [int(first_token)], "max_tokens": self.budget[tuple(tokens)]}
 
     def propose(self, K, pending, sampler, u):
         drafts = np.zeros((len(self.rows), K), dtype=np.int32)
@@ -161,7 +162,8 @@ class OracleDrafter(NgramDrafter):
             m = self.wrong_at(self.round, i, K)
             if len(cont) == K:
                 drafts[i] = cont[:m] + [(t + 1) % self.vocab for t in cont[m:]]
-                self.expected[i] = m
+                # a row never keeps more drafts than it has tokens left to emit after them
+                self.expected[i] = min(m, row["max_tokens"] - done - 1)
             else:  # past the reference's end (eos): anything goes, nothing to check
                 drafts[i] = 3
         self.round += 1
@@ -291,6 +293,7 @@ def test_greedy_identity_when_rows_stop_at_eos(tiny_model, method):
         if method == "oracle":  # right up to (and through) eos, then wrong
             fake = Ctx.__new__(Ctx)
             fake.prompts, fake.long_refs, fake.bundle = prompts, through_eos, bundle
+            fake.max_tokens = [max_tokens] * len(prompts)
             eng.drafter = OracleDrafter(fake, lambda rnd, slot, K: K)
         reqs = [Request(i, p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
         got = {r.key: r for r in eng.generate(reqs)}
