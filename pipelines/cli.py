@@ -95,7 +95,8 @@ def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool =
     except (JobError, RunError) as e:
         _fail(e, log_json)
     except KeyboardInterrupt:
-        msg = "interrupted: finished rows are committed; run the same command again to continue"
+        msg = (f"interrupted: finished rows are committed to {job.output.dir}; run the same command again, "
+               f"or `mtplx-batch resume {job.output.dir}`, to continue")
         if log_json:
             from .progress import json_line
 
@@ -359,5 +360,39 @@ def _register_extra_commands():
 
 _register_extra_commands()
 
+OPENBLAS_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+                       "/usr/lib64/libopenblas.so.0")
+
+
+def _openblas_env():
+    """The environment to re-run under OpenBLAS, or None.
+
+    MLX's CPU build links a slow reference BLAS; on a Linux CPU, preloading an installed OpenBLAS
+    makes prefill and batched decode 5-25x faster with the same fp32 results. Opt out with
+    MTPLX_OPENBLAS=0; install with `apt-get install libopenblas0-pthread`.
+    """
+    if not sys.platform.startswith("linux") or os.environ.get("MTPLX_OPENBLAS") == "0":
+        return None
+    preload = os.environ.get("LD_PRELOAD", "")
+    lib = next((p for p in OPENBLAS_CANDIDATES if os.path.exists(p)), None)
+    if lib is None or "openblas" in preload:
+        return None
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return None
+    env = dict(os.environ, LD_PRELOAD=f"{lib}:{preload}" if preload else lib, MTPLX_OPENBLAS="0")
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return env
+
+
+def entry():
+    """The `mtplx-batch` console script."""
+    env = _openblas_env()
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, "-m", "pipelines.cli", *sys.argv[1:]], env)
+    main(prog_name="mtplx-batch")
+
+
 if __name__ == "__main__":
-    main()
+    main(prog_name="mtplx-batch")
