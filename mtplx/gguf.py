@@ -5,9 +5,9 @@
 The directory holds `config.json`, `model*.safetensors`, `tokenizer.json`, `tokenizer_config.json`
 (special tokens, eos, the chat template) and `mtplx_gguf.json` (what was converted and how).
 
-Weights: Q4_0, Q4_1 and Q8_0 blocks are exactly MLX affine quantization with group size 32
-(w = scale * q + bias), so they can be kept packed (`dequantize=False`); every other type (K-quants,
-Q5_x, IQ*, F16, ...) is dequantized with the `gguf` package to `dtype`. On the CPU fp32 matmuls are
+Weights: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks are exactly MLX affine quantization with group
+size 32 (w = scale * q + bias), so they can be kept packed (`dequantize=False`); every other type
+(K-quants, IQ*, F16, ...) is dequantized with the `gguf` package to `dtype`. On the CPU fp32 matmuls are
 the fast ones, so the default there is to dequantize everything; on a GPU the default keeps what can
 be kept quantized.
 
@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 # GGML tensor types MLX represents exactly as affine quantization (bits, group size).
-_EXACT_QUANT = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+_EXACT_QUANT = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}
 _GROUP = 32
 _SHARD_BYTES = 2 << 30
 
@@ -89,7 +89,7 @@ def convert_gguf(
     """Write an mlx-lm model directory for `gguf_path` into `out_dir` and return it.
 
     dequantize: None picks what is fastest on the current device (CPU: True, GPU: False).
-        False keeps Q4_0/Q4_1/Q8_0 tensors packed as MLX quantized weights.
+        False keeps Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 tensors packed as MLX quantized weights.
     dtype: the float type for dequantized and float tensors (default float32 on CPU, float16 on GPU).
     """
     import gguf
@@ -258,30 +258,56 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _pack_exact(raw: np.ndarray, qtype: str, rows: int, cols: int):
-    """GGUF Q4_0/Q4_1/Q8_0 blocks -> MLX affine (packed uint32 weight, fp16 scales, fp16 biases).
+    """GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks -> MLX affine (packed uint32 weight, fp16 scales,
+    fp16 biases).
 
-    Each block of 32 values is w = d * q + m in both formats; only the encoding of q differs.
+    Every one of these block formats is w = d * q + m over 32 values with an unsigned (or, for
+    Q8_0, shifted) integer q; only where q's bits sit in the block differs. MLX keeps the same
+    scale and bias per group and packs the q's as a little-endian bit stream.
     """
     nblocks = cols // _GROUP
     blocks = np.ascontiguousarray(raw).reshape(rows, nblocks, -1)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    if qtype == "Q8_0":  # d: f16, q: int8[32];  w = d * q  ->  q' = q + 128, bias = -128 d
-        q = blocks[..., 2:34].copy().view(np.int8).astype(np.int16) + 128
-        bias = (-128.0 * d.astype(np.float32)).astype(np.float16)
+
+    def f16(lo):
+        return blocks[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    def nibbles(lo):  # byte j holds value j (low nibble) and value j + 16 (high nibble)
+        packed = blocks[..., lo:lo + 16]
+        return np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.uint32)
+
+    def fifth_bits(lo):  # a little-endian uint32 whose bit j is bit 4 of value j
+        qh = blocks[..., lo:lo + 4].copy().view("<u4")
+        return ((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4
+
+    d = f16(0)
+    if qtype == "Q8_0":  # d, int8[32]: w = d * q  ->  q + 128, bias = -128 d
+        q = blocks[..., 2:34].copy().view(np.int8).astype(np.int32) + 128
+        bias = -128.0 * d
+    elif qtype == "Q4_0":  # d, nibbles: w = d * (q - 8)
+        q, bias = nibbles(2), -8.0 * d
+    elif qtype == "Q4_1":  # d, m, nibbles: w = d * q + m
+        q, bias = nibbles(4), f16(2)
+    elif qtype == "Q5_0":  # d, high bits, nibbles: w = d * (q - 16)
+        q, bias = nibbles(6) | fifth_bits(2), -16.0 * d
+    elif qtype == "Q5_1":  # d, m, high bits, nibbles: w = d * q + m
+        q, bias = nibbles(8) | fifth_bits(4), f16(2)
     else:
-        if qtype == "Q4_0":  # d: f16, 16 bytes of nibbles; w = d * (q - 8)
-            packed = blocks[..., 2:18]
-            bias = (-8.0 * d.astype(np.float32)).astype(np.float16)
-        else:  # Q4_1: d, m: f16, 16 bytes of nibbles; w = d * q + m
-            packed = blocks[..., 4:20]
-            bias = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-        # byte j holds value j (low nibble) and value j + 16 (high nibble)
-        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+        raise GGUFConversionError(f"{qtype} has no exact MLX representation")
     bits = _EXACT_QUANT[qtype]
-    q = q.astype(np.uint32).reshape(rows, cols // (32 // bits), 32 // bits)
-    shifts = (np.arange(32 // bits, dtype=np.uint32) * bits)[None, None, :]
-    weight = np.bitwise_or.reduce(q << shifts, axis=-1).astype(np.uint32)
-    return weight, d.astype(np.float16), bias.astype(np.float16)
+    return _pack_bits(q.astype(np.uint64), bits, rows, cols), d.astype(np.float16), bias.astype(np.float16)
+
+
+def _pack_bits(q: np.ndarray, bits: int, rows: int, cols: int) -> np.ndarray:
+    """(rows, blocks, 32) integers < 2**bits -> MLX's packing: a little-endian stream of `bits`-bit
+    fields, in uint32 words (a group of 32 values fills exactly `bits` words)."""
+    words = np.zeros(q.shape[:-1] + (bits,), dtype=np.uint64)
+    for i in range(32):
+        word, shift = divmod(i * bits, 32)
+        v = q[..., i] << np.uint64(shift)
+        words[..., word] |= v & np.uint64(0xFFFFFFFF)
+        if shift + bits > 32:
+            words[..., word + 1] |= v >> np.uint64(32)
+    return words.astype(np.uint32).reshape(rows, cols * bits // 32)
 
 
 def _is_quantizable(hf: str, rows: int, cols: int) -> bool:

@@ -1,7 +1,8 @@
 """GGUF -> mlx-lm conversion (mtplx/gguf.py) against the same weights saved the mlx-lm way.
 
 Each test writes a tiny GGUF the way llama.cpp's converter would (llama.cpp tensor names, q/k rows
-permuted for llama, tokenizer as `tokenizer.ggml.*` metadata, some tensors Q8_0/Q4_0/Q4_1) from a
+permuted for llama, tokenizer as `tokenizer.ggml.*` metadata, some tensors Q4_0/Q4_1/Q5_0/Q5_1/
+Q8_0) from a
 tiny mlx-lm checkpoint, then checks that the converted model generates the same greedy tokens and
 that the tokenizer encodes and decodes the same. No network.
 """
@@ -35,8 +36,8 @@ _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_hea
 
 # which tensors the GGUF stores quantized (the rest stay F32)
 QUANT_PLAN = {
-    "attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "ffn_up": Q.Q4_0,
-    "ffn_gate": Q.Q8_0, "token_embd": Q.Q8_0, "output": Q.Q4_1,
+    "attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q5_0,
+    "ffn_up": Q.Q5_1, "ffn_gate": Q.Q8_0, "token_embd": Q.Q8_0, "output": Q.Q4_1,
 }
 
 PROMPT = "def greedy(tokens):\n    return [t for t in tokens if t]\n"
@@ -188,6 +189,8 @@ def test_quantized_tensors_stay_packed(gguf_case, tmp_path):
     assert quant["model.layers.1.self_attn.v_proj"]["bits"] == 4  # Q4_1
     assert quant["model.embed_tokens"]["bits"] == 8
     assert quant["lm_head"]["bits"] == 4
+    assert quant["model.layers.0.self_attn.o_proj"]["bits"] == 5  # Q5_0
+    assert quant["model.layers.1.mlp.up_proj"]["bits"] == 5  # Q5_1
     assert quant["model.layers.0.mlp.down_proj"] is False  # F32 in the GGUF
 
     bundle = load(out)
