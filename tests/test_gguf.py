@@ -33,6 +33,11 @@ _TO_GGUF = {
     "post_attention_layernorm": "ffn_norm",
 }
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GEMMA3_TO_GGUF = dict(
+    _TO_GGUF, pre_feedforward_layernorm="ffn_norm", post_attention_layernorm="post_attention_norm",
+    post_feedforward_layernorm="post_ffw_norm", **{"self_attn.q_norm": "attn_q_norm",
+                                                  "self_attn.k_norm": "attn_k_norm"},
+)
 
 # which tensors the GGUF stores quantized (the rest stay F32)
 QUANT_PLAN = {
@@ -43,12 +48,13 @@ QUANT_PLAN = {
 PROMPT = "def greedy(tokens):\n    return [t for t in tokens if t]\n"
 
 
-def _gguf_name(hf: str) -> str:
+def _gguf_name(hf: str, arch: str = "llama") -> str:
     stem, suffix = hf.rsplit(".", 1)
     if stem in _TOP:
         return f"{_TOP[stem]}.{suffix}"
     _, _, layer, rest = stem.split(".", 3)
-    return f"blk.{layer}.{_TO_GGUF[rest]}.{suffix}"
+    table = _GEMMA3_TO_GGUF if arch == "gemma3" else _TO_GGUF
+    return f"blk.{layer}.{table[rest]}.{suffix}"
 
 
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -94,6 +100,10 @@ def _write_gguf(ref: Path, path: Path, arch: str, quantize: bool) -> None:
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    if arch == "gemma3":
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_sliding_window(cfg["sliding_window"])
 
     vocab = tok["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -112,7 +122,10 @@ def _write_gguf(ref: Path, path: Path, arch: str, quantize: bool) -> None:
 
     H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for hf, value in weights.items():
-        name = _gguf_name(hf)
+        name = _gguf_name(hf, arch)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w.add_tensor(name, value.astype(np.float32) + 1.0)  # llama.cpp stores 1 + w
+            continue
         if arch == "llama" and ".attn_q." in name:
             value = _llama_cpp_permute(value, H)
         elif arch == "llama" and ".attn_k." in name:
@@ -142,10 +155,37 @@ def _unpermute(w, n_heads):
     return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
+def _make_gemma3_reference(tiny_model, tmp_path: Path) -> Path:
+    """A tiny random gemma3_text checkpoint (mlx-lm's own module), with the llama tokenizer."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import gemma3_text
+
+    ref = tmp_path / "ref-gemma3"
+    shutil.copytree(tiny_model("llama"), ref)
+    cfg = {
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "hidden_size": 64,
+        "num_hidden_layers": 6, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 32,
+        "rms_norm_eps": 1e-6, "vocab_size": 512, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+        "sliding_window": 512, "sliding_window_pattern": 6, "max_position_embeddings": 4096,
+        "eos_token_id": 0,
+    }
+    (ref / "config.json").write_text(json.dumps(cfg, indent=2))
+    mx.random.seed(3)
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(cfg))
+    weights = {k: (mx.random.normal(v.shape) * (0.3 if k.endswith("norm.weight") else 0.08))
+               for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(ref / "model.safetensors"), weights)
+    return ref
+
+
 @pytest.fixture
 def gguf_case(tiny_model, tmp_path, monkeypatch):
     def make(arch="llama", tied=False, quantize=True):
-        ref = _make_reference(tiny_model, tmp_path, arch, tied)
+        if arch == "gemma3":
+            ref = _make_gemma3_reference(tiny_model, tmp_path)
+        else:
+            ref = _make_reference(tiny_model, tmp_path, arch, tied)
         path = tmp_path / f"tiny-{arch}.gguf"
         _write_gguf(ref, path, arch, quantize)
         return ref, path
@@ -157,7 +197,8 @@ def _logits(model, ids):
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
-@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", False),
+                                       ("gemma3", True)])
 @pytest.mark.parametrize("mode", ["dequantize", "quantized"])
 def test_converted_model_matches_safetensors(gguf_case, monkeypatch, arch, tied, mode):
     ref_dir, path = gguf_case(arch, tied)
@@ -165,7 +206,7 @@ def test_converted_model_matches_safetensors(gguf_case, monkeypatch, arch, tied,
     ref = load(ref_dir)
     conv = load(path)  # converted once into the cache by mtplx.loading
     assert conv.path != path and (conv.path / "config.json").exists()
-    assert conv.model_type == arch
+    assert conv.model_type == {"gemma3": "gemma3_text"}.get(arch, arch)
 
     ids = ref.tokenizer.encode(PROMPT)
     assert conv.tokenizer.encode(PROMPT) == ids
@@ -277,3 +318,49 @@ def test_unsupported_architecture(tmp_path):
     with pytest.raises(GGUFConversionError, match="mamba"):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_sentencepiece_vocab_matches_sentencepiece():
+    """`tokenizer.ggml.model == "llama"` (Llama 2 / TinyLlama / Gemma style): a sentencepiece BPE
+    vocabulary with scores and byte fallback and no merges list. Checked against sentencepiece."""
+    import io
+    import sysconfig
+
+    import sentencepiece as spm
+
+    from mtplx.gguf import build_tokenizer
+
+    text = Path(sysconfig.get_paths()["stdlib"], "textwrap.py").read_text(encoding="utf-8")
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for line in text.splitlines() if line.strip()]),
+        model_writer=proto, vocab_size=400, model_type="bpe", byte_fallback=True,
+        character_coverage=1.0, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    n = sp.vocab_size()
+
+    def kind(i):
+        return 2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1
+
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+        "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
+        "tokenizer.ggml.token_type": [kind(i) for i in range(n)],
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+    }
+    tok = build_tokenizer(meta)
+    samples = [
+        "Hello world, textwrap wraps text!",
+        "def fill(text, width=70, **kwargs):\n    return '\\n'.join(wrap(text))",
+        "  Two  spaces, a\ttab and \u00fcn\u00efc\u00f6d\u00e9 \u2603",
+    ]
+    for s in samples:
+        ids = tok.encode(s).ids
+        assert ids[0] == 1  # add_bos_token defaults to true for sentencepiece vocabularies
+        assert ids[1:] == sp.encode(s), s
+        assert tok.decode(ids) == s
