@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -241,7 +242,9 @@ def _hf_name(name: str, arch: str) -> Optional[str]:
         table = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
         if parts[2] in table:
             return f"model.layers.{parts[1]}.{table[parts[2]]}.{suffix}"
-    if stem == "rope_freqs":  # precomputed llama3 rope factors; not used by mlx-lm's llama
+    if stem == "rope_freqs":  # precomputed llama3 rope factors
+        warnings.warn("GGUF has rope_freqs (Llama 3.1-style rope scaling), which this converter "
+                      "drops: output will differ from llama.cpp's", stacklevel=3)
         return None
     raise GGUFConversionError(f"unknown GGUF tensor {name!r} for architecture {arch}")
 
@@ -328,8 +331,17 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
     quant: Dict[str, object] = {}
     bits_seen: Dict[int, int] = {}
     types: Dict[str, int] = {}
-    shards: List[Dict[str, mx.array]] = [{}]
+    shard: Dict[str, mx.array] = {}
+    shard_keys: List[List[str]] = []  # the keys of each shard written so far
     size = 0
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            mx.save_safetensors(str(out / f"shard-{len(shard_keys)}.safetensors"), shard,
+                                metadata={"format": "mlx"})
+            shard_keys.append(list(shard))
+        shard, size = {}, 0
 
     def add(name, array: np.ndarray, as_float: bool):
         nonlocal size
@@ -337,9 +349,8 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
         if as_float:
             a = a.astype(mx_dtype)
         if size and size + a.nbytes > _SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = a
+            flush()
+        shard[name] = a
         size += a.nbytes
 
     for t in reader.tensors:
@@ -381,15 +392,14 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
         if not dequantize and len(shape) == 2 and _is_quantizable(hf, *shape):
             quant[module] = False
 
-    n = len(shards)
-    for i, shard in enumerate(shards):
+    flush()
+    n = len(shard_keys)
+    index = {"metadata": {}, "weight_map": {}}
+    for i, keys in enumerate(shard_keys):
         name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
+        os.replace(out / f"shard-{i}.safetensors", out / name)
+        index["weight_map"].update(dict.fromkeys(keys, name))
     if n > 1:
-        index = {"metadata": {}, "weight_map": {}}
-        for i, shard in enumerate(shards):
-            for k in shard:
-                index["weight_map"][k] = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
     if not any(v for v in quant.values()):
@@ -555,8 +565,9 @@ def _publish(tmp: Path, out_dir: Path) -> None:
     except OSError:
         pass
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("model*.safetensors"):
-        old.unlink()
     files = sorted(tmp.iterdir(), key=lambda p: p.name == "config.json")
+    for old in out_dir.glob("model*.safetensors*"):  # weights of an earlier conversion
+        if not (tmp / old.name).exists():
+            old.unlink()
     for f in files:
         os.replace(f, out_dir / f.name)
