@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -79,7 +78,7 @@ class TrainConfig:
     max_rows: Optional[int] = None  # prompts (job / table) or windows (text) used at most
     max_new_tokens: Optional[int] = None  # self-distillation: cap on tokens generated per prompt
     gen_batch: int = 32  # self-distillation: rows decoded together
-    init: str = "trunk"  # trunk: blocks start as copies of the trunk's last layer | random
+    init: str = "random"  # random (MLX default init) | trunk: blocks start as copies of the trunk's last layer
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
     seed: int = 0
     eval_every: int = 100  # steps between held-out evaluations (progress bar, log)
@@ -171,12 +170,13 @@ class TrainData:
         order = np.random.default_rng(seed).permutation(n)
         self.heldout = sorted(int(i) for i in order[:k])
 
-    def save(self, path: Path):
+    def save(self, path: Path, key: Optional[dict] = None):
         lens = np.array([len(s) for s in self.sequences], dtype=np.int64)
         flat = np.array([t for s in self.sequences for t in s], dtype=np.int32)
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, tokens=flat, lengths=lens, starts=np.array(self.starts, dtype=np.int64),
-                 heldout=np.array(self.heldout, dtype=np.int64), source=np.array(self.source))
+                 heldout=np.array(self.heldout, dtype=np.int64), source=np.array(self.source),
+                 key=np.array(json.dumps(key, sort_keys=True)))
         os.replace(tmp, path)
 
     @classmethod
@@ -186,6 +186,13 @@ class TrainData:
         flat = z["tokens"]
         seqs = [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(z["lengths"]))]
         return cls(seqs, str(z["source"]), [int(i) for i in z["starts"]], [int(i) for i in z["heldout"]])
+
+    @staticmethod
+    def stored_key(path: Path) -> Optional[dict]:
+        try:
+            return json.loads(str(np.load(path)["key"]))
+        except (OSError, KeyError, ValueError):
+            return None
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -255,9 +262,11 @@ def _table_rows(path: str, fmt: str):
 
 def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True) -> TrainData:
     """Training sequences from `data`: a job YAML, a JSONL/Parquet/CSV table, a text file, a list of
-    strings (plain text), or a list of token-id lists (used as they are)."""
+    strings (plain text), a list of token-id lists (every position scored), or a TrainData."""
     tok = bundle.tokenizer
     limit = cfg.max_rows
+    if isinstance(data, TrainData):
+        return TrainData(list(data.sequences), data.source, list(data.starts)).clip(cfg.seq_len, limit)
     if isinstance(data, (list, tuple)):
         if all(isinstance(x, str) for x in data):
             seqs = [w for text in data for w in _windows(_encode_text(tok, text), cfg.seq_len)]
@@ -501,7 +510,8 @@ def _write_json(path: Path, obj):
 
 
 def _trunk_dtype(model):
-    return model.model.embed_tokens.weight.dtype if hasattr(model.model.embed_tokens, "weight") else mx.float32
+    """The trunk's activation dtype (a quantized embedding stores uint32 but yields float)."""
+    return model.model.embed_tokens(mx.array([0])).dtype
 
 
 def _dtypes(cfg: TrainConfig, model):
@@ -514,19 +524,42 @@ def _dtypes(cfg: TrainConfig, model):
     return store, mx.float32
 
 
+def _dense_params(module: nn.Module) -> Dict[str, mx.array]:
+    """A module's parameters with quantized linears / embeddings dequantized (float32)."""
+    out, quantized = {}, []
+    for name, mod in module.named_modules():
+        if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            prefix = f"{name}." if name else ""
+            quantized.append(prefix)
+            w = mx.dequantize(mod.weight, mod.scales, mod.get("biases"), mod.group_size, mod.bits,
+                              **({"mode": mod.mode} if hasattr(mod, "mode") else {}))
+            out[prefix + "weight"] = w
+            if "bias" in mod:
+                out[prefix + "bias"] = mod.bias
+    for k, v in tree_flatten(module.parameters()):
+        if not any(k.startswith(q) and k.count(".") == q.count(".") for q in quantized):
+            out[k] = v
+    return {k: v.astype(mx.float32) for k, v in out.items()}
+
+
 def _init_head(model, cfg: TrainConfig) -> MTPHead:
     mx.random.seed(cfg.seed)
     head = MTPHead(model, n_layers=cfg.depth_layers)
     if cfg.init == "trunk":
-        # Each block starts as a copy of the trunk's last layer of the same kind: a well-scaled block
-        # that already works on the trunk's residual stream.
+        # Each block starts as a copy of the trunk's last layer of the same kind (a well-scaled block
+        # that already works on the trunk's residual stream), the final norm as the trunk's final
+        # norm (logits on the trunk's own scale).
         src = next((l for l in reversed(model.layers) if type(l) is type(head.layers[0])), None)
         if src is not None:
             want = {k: v.shape for k, v in tree_flatten(head.layers[0].parameters())}
-            have = dict(tree_flatten(src.parameters()))
+            have = _dense_params(src)
             if {k: v.shape for k, v in have.items()} == want:
                 for blk in head.layers:
-                    blk.update(tree_unflatten([(k, v.astype(mx.float32)) for k, v in have.items()]))
+                    blk.update(tree_unflatten(list(have.items())))
+        norm = getattr(model.model, "norm", None)
+        w = getattr(norm, "weight", None)
+        if isinstance(w, mx.array) and w.shape == head.norm.weight.shape and type(norm) is type(head.norm):
+            head.norm.weight = w.astype(mx.float32)
     head.update(tree_unflatten([(k, v.astype(mx.float32)) for k, v in tree_flatten(head.parameters())]))
     mx.eval(head.parameters())
     return head
@@ -538,6 +571,19 @@ def _schedule(cfg: TrainConfig):
     if cfg.warmup > 0:
         return optim.join_schedules([optim.linear_schedule(peak / cfg.warmup, peak, cfg.warmup), decay], [cfg.warmup])
     return decay
+
+
+def data_key(data, cfg: TrainConfig) -> Optional[dict]:
+    """What identifies the training data of a path: the file's content and the settings that shape
+    the sequences. None for in-memory data."""
+    if not isinstance(data, (str, os.PathLike)) or not os.path.isfile(data):
+        return None
+    h = hashlib.sha256()
+    with open(data, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"path": os.path.abspath(data), "sha256": h.hexdigest()[:16], "max_rows": cfg.max_rows,
+            "max_new_tokens": cfg.max_new_tokens, "seq_len": cfg.seq_len, "heldout": cfg.heldout, "seed": cfg.seed}
 
 
 def _resolve_bundle(model) -> ModelBundle:
@@ -608,7 +654,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     if restart and ck.exists():
         shutil.rmtree(ck)
     sig = trunk_signature(bundle)
-    header = {"trunk": sig, "trunk_probe": trunk_probe(bundle), "config": cfg.resume_view()}
+    dkey = data_key(data, cfg)
+    header = {"trunk": sig, "trunk_probe": trunk_probe(bundle), "config": cfg.resume_view(), "data_key": dkey}
     state_dir = _ckpt_state_dir(out)
     state = json.loads((state_dir / "state.json").read_text()) if state_dir else None
     if state is not None:
@@ -618,6 +665,9 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
             diff.insert(0, f"trunk: checkpoint {state['trunk']} vs model {sig}")
         elif not _probe_matches(state.get("trunk_probe") or [], header["trunk_probe"]):
             diff.insert(0, "trunk: same shape but other weights than the checkpoint's")
+        if dkey is not None and state.get("data_key") is not None and state["data_key"] != dkey:
+            diff.append(f"data: checkpoint {state['data_key'].get('path')} (sha256 {state['data_key'].get('sha256')}) "
+                        f"vs now {dkey['path']} (sha256 {dkey['sha256']})")
         if diff:
             raise TrainHeadError(f"{ck} holds a run with other settings ({'; '.join(diff)}): use the same "
                                  "settings to resume it, or --restart to start over")
@@ -627,11 +677,14 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     if data_file.exists() and state is not None:
         tdata = TrainData.load(data_file)
         log(f"resuming at step {state['step']}: {len(tdata.sequences)} sequences from {data_file}")
+    elif data_file.exists() and dkey is not None and TrainData.stored_key(data_file) == dkey:
+        tdata = TrainData.load(data_file)  # an earlier run stopped before its first checkpoint
+        log(f"reusing {len(tdata.sequences)} sequences from {data_file}")
     else:
         tdata = build_data(bundle, data, cfg, quiet).clip(cfg.seq_len)
         tdata.split(cfg.heldout, cfg.seed)
         ck.mkdir(parents=True, exist_ok=True)
-        tdata.save(data_file)
+        tdata.save(data_file, dkey)
     held = set(tdata.heldout)
     train_idx = [i for i in range(len(tdata.sequences)) if i not in held]
     if not train_idx:
@@ -645,6 +698,11 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                             store_dtype, True, desc="trunk (held-out)", quiet=quiet)
     log(f"{len(train_idx)} training sequences ({train_f.positions} positions), {len(tdata.heldout)} held out "
         f"({held_f.positions} positions)")
+    passes = cfg.steps * min(cfg.batch_size, len(train_idx)) / len(train_idx)
+    if passes > 30:
+        log(f"note: {cfg.steps} steps x {cfg.batch_size} sequences pass over the training data {passes:.0f} times; "
+            "held-out loss will rise after the first few passes (acceptance keeps most of its gain): more data "
+            "(--max-rows, a larger job) helps more than more steps")
 
     # 3. head + optimizer (fresh, or from the checkpoint)
     head = _init_head(mdl, cfg)

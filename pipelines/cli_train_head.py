@@ -53,8 +53,8 @@ def _terminate_as_interrupt(signum, frame):
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="Self-distillation: tokens generated per prompt (default: the job's generation.max_tokens, "
                    "or 256).")
-@click.option("--init", type=click.Choice(["trunk", "random"]), default="trunk", show_default=True,
-              help="Start the head's blocks as copies of the trunk's last layer, or at random.")
+@click.option("--init", type=click.Choice(["random", "trunk"]), default="random", show_default=True,
+              help="Start the head's blocks at random, or as copies of the trunk's last layer.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="Stored trunk hidden states (auto: float32 on CPU, bfloat16 on GPU).")
 @click.option("--seed", type=int, default=0, show_default=True)

@@ -70,7 +70,7 @@ def qwen3_head(tiny_model, tmp_path_factory):
     res = CliRunner().invoke(train_head_cmd, args, catch_exceptions=False)
     TIMINGS["qwen3 train (cli, self-distill)"] = time.perf_counter() - t0
     assert res.exit_code == 0, res.output
-    return model, out
+    return model, out, args
 
 
 def _untrained(bundle, trained_dir, out):
@@ -81,16 +81,21 @@ def _untrained(bundle, trained_dir, out):
     return out
 
 
+def _chat(bundle, text):
+    """The prompt as `run` renders it for these models (chat template, as in training)."""
+    return list(bundle.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
 def _generate(bundle, spec, prompts, max_tokens=32):
     eng = Engine(bundle, spec)
-    reqs = [Request(key=i, prompt_tokens=bundle.tokenizer.encode(p), params=SamplingParams(max_tokens=max_tokens))
+    reqs = [Request(key=i, prompt_tokens=_chat(bundle, p), params=SamplingParams(max_tokens=max_tokens))
             for i, p in enumerate(prompts)]
     out = {r.key: r for r in eng.generate(reqs)}
     return [out[i] for i in range(len(reqs))]
 
 
 def test_training_improves_heldout_and_writes_nextn_sidecar(qwen3_head):
-    model, out = qwen3_head
+    model, out, _ = qwen3_head
     meta = json.loads((out / SIDECAR_META).read_text())
     print(f"\nqwen3: held-out loss {meta['initial_heldout_loss']:.3f} -> {meta['heldout_loss']:.3f}, "
           f"acceptance {meta['initial_heldout_acceptance']:.3f} -> {meta['heldout_acceptance']:.3f}, "
@@ -112,7 +117,7 @@ def test_training_improves_heldout_and_writes_nextn_sidecar(qwen3_head):
 
 
 def test_engine_with_trained_head_is_exact_and_accepts_more(qwen3_head, tmp_path):
-    model, out = qwen3_head
+    model, out, _ = qwen3_head
     bundle = load(model)
     untrained = _untrained(bundle, out, tmp_path / "untrained")
     prompts = _prompts(8, seed=123)  # prompts the head never saw
@@ -131,7 +136,7 @@ def test_engine_with_trained_head_is_exact_and_accepts_more(qwen3_head, tmp_path
 
 
 def test_sidecar_round_trips_through_load_head(qwen3_head):
-    model, out = qwen3_head
+    model, out, _ = qwen3_head
     bundle = load(model)
     head = load_head(bundle, str(out))
     trained = mx.load(str(out / "checkpoint" / "latest" / "head.safetensors"))
@@ -184,7 +189,7 @@ def test_plain_text_data(tiny_model, tmp_path):
 
 
 def test_head_for_another_trunk_is_refused(qwen3_head, tiny_model):
-    _, out = qwen3_head
+    _, out, _ = qwen3_head
     other_shape = load(tiny_model("llama"))
     with pytest.raises(ValueError, match="different trunk.*model_type: head 'qwen3' vs model 'llama'"):
         load_head(other_shape, str(out))
@@ -229,3 +234,19 @@ def test_cli_errors(tmp_path, tiny_model):
     assert r.exit_code == 2 and "does not exist" in r.output
     r = CliRunner().invoke(train_head_cmd, [str(tmp_path / "no-model"), "--data", "x", "--out", str(tmp_path / "h")])
     assert r.exit_code == 2 and "does not exist" in r.output
+
+
+def test_cli_rerun_resumes_and_changed_data_is_refused(qwen3_head, tmp_path):
+    model, out, args = qwen3_head
+    args = list(args)
+    before = json.loads((out / SIDECAR_META).read_text())
+    r = CliRunner().invoke(train_head_cmd, args, catch_exceptions=False)  # done already: nothing to train
+    assert r.exit_code == 0, r.output
+    after = json.loads((out / SIDECAR_META).read_text())
+    assert after["steps"] == before["steps"] and after["heldout_loss"] == pytest.approx(before["heldout_loss"])
+    other = tmp_path / "other.yaml"
+    job = open(args[args.index("--data") + 1]).read()
+    other.write_text(job.replace("max_tokens: 40", "max_tokens: 30"))
+    args[args.index("--data") + 1] = str(other)
+    r = CliRunner().invoke(train_head_cmd, args)
+    assert r.exit_code == 2 and "data: checkpoint" in r.output and "--restart" in r.output
