@@ -13,17 +13,19 @@ deletes (its rows are simply generated again). Row ids are never used in file na
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import platform
+import re
 import shutil
 import time
 from typing import Callable, Dict, List, Set, Tuple
 
 import pyarrow.parquet as pq
 
-from .errors import JobError
+from .errors import JobError, RunError
 from .fingerprint import diff_fingerprint_parts, fingerprint
 from .fsutil import atomic_write, sha256_file
 
@@ -33,6 +35,15 @@ SHARDS = "shards"
 LOCK = ".lock"
 MANIFEST_FORMAT = 1
 OWN_FILES = {MANIFEST, JOB_FILE, SHARDS, LOCK, MANIFEST + ".tmp", JOB_FILE + ".tmp"}
+SHARD_FILE = re.compile(r"shards/part-\d{5,}\.parquet")  # the only names a manifest may record
+
+
+def io_failure(e: OSError, what: str) -> RunError:
+    """A RunError for a failed write in the run directory, saying how to continue."""
+    cause = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+    return RunError(f"cannot write {what}: {cause} ({e}). Committed shards are kept and rows not yet "
+                    "committed will be generated again: fix the cause (free some space), then run the "
+                    "same command again to continue")
 
 
 def versions() -> Dict[str, str]:
@@ -51,11 +62,15 @@ def read_manifest(run_dir: str) -> Dict:
     path = os.path.join(run_dir, MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            manifest = json.load(f)
     except FileNotFoundError:
         raise JobError(f"{run_dir}: no {MANIFEST}; not a run directory (run a job first: mtplx-batch run JOB.yaml)")
     except (OSError, ValueError) as e:
         raise JobError(f"{path}: unreadable ({e}); the run directory is damaged, start over with --restart")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
+        raise JobError(f"{path}: not a manifest (no list of shards); the run directory is damaged, "
+                       "start over with --restart")
+    return manifest
 
 
 def _aside_name(path: str) -> str:
@@ -72,6 +87,7 @@ class RunDir:
         self.path = path
         self.manifest = manifest
         self._lock_fd = lock_fd
+        self._keys = None  # committed (row, sample) keys as verified on opening
 
     # ---------------------------------------------------------------- opening
     @classmethod
@@ -102,6 +118,13 @@ class RunDir:
                     f"output.dir {path} exists and is not a run directory (no {MANIFEST}); "
                     "choose an empty or new directory, or pass --restart to move it aside"
                 )
+            elif _shard_files(path):
+                # Shards are only written after the manifest exists, so this is damage (a deleted
+                # manifest), not an interrupted run: which shards were committed is unknown.
+                raise JobError(
+                    f"{path} holds shards but no {MANIFEST}, so which of them were committed is unknown; "
+                    "restore the manifest, or pass --restart to move this run aside and start over"
+                )
         os.makedirs(os.path.join(path, SHARDS), exist_ok=True)
         fd = cls._lock(path)
         manifest_path = os.path.join(path, MANIFEST)
@@ -126,7 +149,10 @@ class RunDir:
             run._verify(log)
             manifest["versions"] = versions()
             manifest.setdefault("sessions", []).append({"started": time.time(), "pid": os.getpid()})
-            atomic_write(os.path.join(path, JOB_FILE), job_yaml.encode("utf-8"))
+            try:
+                atomic_write(os.path.join(path, JOB_FILE), job_yaml.encode("utf-8"), fault="job")
+            except OSError as e:
+                raise io_failure(e, os.path.join(path, JOB_FILE)) from e
             run._save()
         except BaseException:
             run.close()
@@ -144,19 +170,8 @@ class RunDir:
         return fd
 
     def _verify(self, log: Callable[[str], None]) -> None:
-        recorded = set()
-        for entry in self.manifest["shards"]:
-            f = os.path.join(self.path, entry["file"])
-            recorded.add(os.path.basename(f))
-            if not os.path.exists(f):
-                raise JobError(
-                    f"{f}: recorded in {MANIFEST} but missing. Restore the file, or start over with --restart"
-                )
-            if os.path.getsize(f) != entry["bytes"] or sha256_file(f) != entry["sha256"]:
-                raise JobError(
-                    f"{f}: checksum does not match {MANIFEST}; the shard is corrupt. Restore it, "
-                    "or start over with --restart"
-                )
+        self._keys = verify_shards(self.path, self.manifest)
+        recorded = {os.path.basename(e["file"]) for e in self.manifest["shards"]}
         shard_dir = os.path.join(self.path, SHARDS)
         for name in sorted(os.listdir(shard_dir)):
             if name not in recorded:
@@ -176,20 +191,23 @@ class RunDir:
         return self.manifest["shards"]
 
     def committed_keys(self) -> Set[Tuple[int, int]]:
-        """(row, sample) of every committed output row."""
-        keys: Set[Tuple[int, int]] = set()
-        for entry in self.shards:
-            t = pq.read_table(os.path.join(self.path, entry["file"]), columns=["row", "sample"])
-            keys.update(zip(t.column("row").to_pylist(), t.column("sample").to_pylist()))
-        return keys
+        """(row, sample) of every committed output row (checked when the run directory opened)."""
+        if self._keys is None:
+            self._keys = verify_shards(self.path, self.manifest)
+        return set(self._keys)
 
     def next_shard_file(self) -> str:
         n = max((int(e["file"].rsplit("-", 1)[1].split(".")[0]) for e in self.shards), default=-1) + 1
         return f"{SHARDS}/part-{n:05d}.parquet"
 
     def record_shard(self, entry: Dict) -> None:
+        self._keys = None
         self.manifest["shards"].append(entry)
-        self._save()
+        try:
+            self._save()
+        except BaseException:
+            self.manifest["shards"].pop()  # not on disk: the next start deletes the shard file
+            raise
 
     def update(self, **fields) -> None:
         self.manifest.update(fields)
@@ -198,7 +216,10 @@ class RunDir:
     def _save(self) -> None:
         self.manifest["updated"] = time.time()
         data = json.dumps(self.manifest, indent=1, sort_keys=True).encode("utf-8")
-        atomic_write(os.path.join(self.path, MANIFEST), data)
+        try:
+            atomic_write(os.path.join(self.path, MANIFEST), data, fault="manifest")
+        except OSError as e:
+            raise io_failure(e, os.path.join(self.path, MANIFEST)) from e
 
     def close(self) -> None:
         if self._lock_fd is not None:
@@ -210,6 +231,51 @@ class RunDir:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def verify_shards(path: str, manifest: Dict) -> Set[Tuple[int, int]]:
+    """Read-only check of every shard the manifest records: a name inside RUN_DIR/shards, the
+    file present with its recorded size and checksum, its row count as recorded, and no
+    (row, sample) in two shards. Returns the committed (row, sample) keys; JobError otherwise."""
+    keys: Set[Tuple[int, int]] = set()
+    where: Dict[Tuple[int, int], str] = {}
+    fix = "start over with --restart (the old run is moved aside, not deleted)"
+    for entry in manifest["shards"]:
+        name = entry.get("file") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not SHARD_FILE.fullmatch(name):
+            raise JobError(f"{os.path.join(path, MANIFEST)}: shard entry {name!r} is not a shard of this run "
+                           f"directory (shards/part-NNNNN.parquet); the manifest is damaged, {fix}")
+        f = os.path.join(path, name)
+        if not os.path.exists(f):
+            raise JobError(f"{f}: recorded in {MANIFEST} but missing; its rows cannot be counted. Restore the "
+                           f"file, or {fix}")
+        size = os.path.getsize(f)
+        if size != entry.get("bytes") or sha256_file(f) != entry.get("sha256"):
+            raise JobError(f"{f}: checksum does not match {MANIFEST}; the shard is torn or corrupt ({size} bytes, "
+                           f"{entry.get('bytes')} recorded). Restore it, or {fix}")
+        t = pq.read_table(f, columns=["row", "sample"])
+        if t.num_rows != entry.get("rows"):
+            raise JobError(f"{f}: holds {t.num_rows} rows, {MANIFEST} says {entry.get('rows')}; the run "
+                           f"directory is damaged, {fix}")
+        for key in zip(t.column("row").to_pylist(), t.column("sample").to_pylist()):
+            if key in keys:
+                raise JobError(
+                    f"{path}: row {key[0]} sample {key[1]} is committed twice ({where[key]} and {name}); the "
+                    "run directory is damaged (a shard copied in by hand?). Remove the extra shard's entry "
+                    f"from {MANIFEST}, or {fix}"
+                )
+            keys.add(key)
+            where[key] = name
+    return keys
+
+
+def _shard_files(path: str) -> List[str]:
+    """Committed-looking shard files (not temp files) under RUN_DIR/shards."""
+    try:
+        names = os.listdir(os.path.join(path, SHARDS))
+    except OSError:
+        return []
+    return [n for n in names if n.endswith(".parquet") and not n.startswith(".")]
 
 
 def totals(manifest: Dict) -> Dict[str, float]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import Optional
+
+from . import faults
 
 
 def fsync_dir(path: str) -> None:
@@ -23,20 +26,41 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def publish(tmp: str, final: str) -> None:
-    """fsync `tmp`, rename it to `final`, fsync the directory."""
+def publish(tmp: str, final: str, fault: Optional[str] = None) -> None:
+    """fsync `tmp`, rename it to `final`, fsync the directory. `fault`: fault points' prefix."""
+    if fault:
+        faults.hit(fault + ".tmp_written")
     fsync_file(tmp)
+    if fault:
+        faults.hit(fault + ".fsynced")
     os.replace(tmp, final)
     fsync_dir(os.path.dirname(os.path.abspath(final)))
 
 
-def atomic_write(path: str, data: bytes) -> None:
+def remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def atomic_write(path: str, data: bytes, fault: Optional[str] = None) -> None:
+    """`path` holds either its old content or `data`, whatever happens. On an error (a full disk)
+    the temp file is removed and the error raised; the old content stays."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if fault:
+            faults.hit(fault + ".tmp_written")
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    if fault:
+        faults.hit(fault + ".renamed")
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 

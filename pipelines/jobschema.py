@@ -200,6 +200,9 @@ def check_job_dict(raw: Any, default_name: str = "job") -> Dict[str, Dict[str, A
     name = raw.get("name", default_name)
     if not isinstance(name, str) or not name:
         problems.append(f"name: expected a non-empty string, got {name!r}")
+    elif "/" in name or "\\" in name or "\x00" in name or name in (".", ".."):
+        # the default output.dir is runs/NAME: a name must not lead outside it
+        problems.append(f"name: expected a plain name without path separators (it names runs/NAME), got {name!r}")
     checked: Dict[str, Dict[str, Any]] = {"name": name}
     for section, checks in SECTIONS.items():
         value = raw.get(section)

@@ -127,8 +127,26 @@ class PromptRenderer:
                 + "; use prompt_column or template instead"
             )
         self.use_chat = has_template and inp.chat_template != "off"
+        if self.use_chat:
+            self._check_chat_template_sandbox()
         bos = getattr(tokenizer, "bos_token", None)
         self._bos = bos if isinstance(bos, str) and bos else None
+
+    def _check_chat_template_sandbox(self) -> None:
+        """Chat templates come with the model and render in transformers' jinja2
+        ImmutableSandboxedEnvironment; one that reaches for Python internals refuses the job."""
+        try:
+            from jinja2.exceptions import SecurityError
+        except ImportError:  # pragma: no cover - jinja2 is a dependency
+            return
+        try:
+            self.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
+                                               add_generation_prompt=True, tokenize=False)
+        except SecurityError as e:
+            raise JobError(f"model.path: the model's chat template does something the template sandbox "
+                           f"forbids ({e}); fix the template, or set input.chat_template: off")
+        except Exception:  # a template refusing this probe message is judged per row instead
+            pass
 
     @property
     def columns(self) -> List[str]:

@@ -18,6 +18,8 @@ the input files.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -61,9 +63,29 @@ def load_engine(job: JobConfig):
                        trust_remote_code=job.model.trust_remote_code)
 
 
+def check_remote_code(job: JobConfig) -> None:
+    """Refuse (before anything loads) a model whose config.json names a Python file to run
+    (`model_file`, which mlx-lm would import), unless the job sets model.trust_remote_code."""
+    if job.model.trust_remote_code:
+        return
+    path = os.path.join(resolve_model_dir(job), "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # a missing or broken config.json is reported by the loader
+    if isinstance(config, dict) and config.get("model_file") is not None:
+        raise JobError(
+            f"model.path: {path} sets model_file: {config['model_file']!r}, Python code shipped with the "
+            "model that would run on load; running it is off by default. If you trust this model, set "
+            "model.trust_remote_code: true in the job"
+        )
+
+
 def load_tokenizer(job: JobConfig):
     from mtplx.loading import load_tokenizer_only
 
+    check_remote_code(job)
     try:
         return load_tokenizer_only(job.model.path)
     except Exception as e:  # missing dir, bad tokenizer files: all mean the job cannot run
@@ -177,9 +199,9 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
         prep.renderer.warn = log  # openai-batch: one line per ignored request field
     parts = fingerprint_parts(job, resolve_model_dir(job), prep.source.files)
     n = job.generation.n
+    total_rows = prep.source.count_rows()  # reads the input to the end: refuses a truncated file before any write
     with RunDir.prepare(job.output.dir, job.to_yaml(), parts, restart=restart, log=log) as run:
         committed = run.committed_keys()
-        total_rows = prep.source.count_rows()
         run.update(input_rows=total_rows, samples=n)
         if engine is None:
             log(f"loading {job.model.path}")

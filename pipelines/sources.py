@@ -23,6 +23,7 @@ import io
 import json
 import os
 import sys
+import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -33,6 +34,9 @@ from .config import InputConfig
 from .errors import JobError, RunError
 
 BATCH_ROWS = 1024
+# What reading a damaged file raises: I/O errors, and for .gz a truncated (EOFError) or corrupt
+# (zlib.error) stream.
+READ_ERRORS = (OSError, EOFError, zlib.error, pa.ArrowException)
 INFER_ROWS = 1000  # rows sampled to type keep_columns of schema-less formats (jsonl)
 EXTENSIONS = {
     "parquet": (".parquet", ".pq"),
@@ -117,7 +121,7 @@ class Source:
                 for data, error in self._rows(path):
                     yield SourceRow(index, data, error)
                     index += 1
-            except (OSError, pa.ArrowException) as e:
+            except READ_ERRORS as e:
                 raise RunError(f"input file {path}: read failed at row {index}: {e}") from e
 
     def _rows(self, path: str):
@@ -234,14 +238,18 @@ class JsonlSource(Source):
             try:
                 with _open_text(path) as f:
                     f.read(1)
-            except OSError as e:
+            except READ_ERRORS as e:
                 raise JobError(f"input file {path}: cannot read it ({e})")
 
     def count_rows(self):
         n = 0
         for path in self.files:
-            with _open_text(path) as f:
-                n += sum(1 for line in f if line.strip())
+            try:
+                with _open_text(path) as f:
+                    n += sum(1 for i, line in enumerate(f)
+                             if (line[3:] if i == 0 and line.startswith(b"\xef\xbb\xbf") else line).strip())
+            except READ_ERRORS as e:  # e.g. a truncated .gz: refused before any work
+                raise JobError(f"input file {path}: cannot read it to the end ({type(e).__name__}: {e})")
         return n
 
     def _shape(self, data: Dict[str, Any]) -> Dict[str, Any]:
@@ -251,6 +259,8 @@ class JsonlSource(Source):
     def _rows(self, path):
         with _open_text(path) as f:
             for lineno, raw in enumerate(f, 1):
+                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]  # a UTF-8 byte order mark (Windows editors) is not part of the row
                 if not raw.strip():
                     continue
                 where = f"{os.path.basename(path)} line {lineno}"
@@ -286,7 +296,7 @@ class CsvSource(Source):
             try:
                 with self._reader(path) as (_, reader):
                     header = next(reader, None)
-            except (OSError, csv.Error) as e:
+            except READ_ERRORS + (csv.Error,) as e:
                 raise JobError(f"input file {path}: not readable as CSV ({e})")
             if not header:
                 raise JobError(f"input file {path}: empty, no header line")
@@ -303,7 +313,7 @@ class CsvSource(Source):
             self.path = path
 
         def __enter__(self):
-            self.f = io.TextIOWrapper(_open_text(self.path), encoding="utf-8", errors="surrogateescape", newline="")
+            self.f = io.TextIOWrapper(_open_text(self.path), encoding="utf-8-sig", errors="surrogateescape", newline="")
             dialect = "excel-tab" if self.path.lower().removesuffix(".gz").endswith(".tsv") else "excel"
             return self.f, csv.reader(self.f, dialect=dialect)
 
@@ -313,9 +323,20 @@ class CsvSource(Source):
     def count_rows(self):
         n = 0
         for path in self.files:
-            with self._reader(path) as (_, reader):
-                next(reader, None)
-                n += sum(1 for rec in reader if rec)
+            try:
+                with self._reader(path) as (_, reader):
+                    next(reader, None)
+                    while True:
+                        try:
+                            rec = next(reader)
+                        except StopIteration:
+                            break
+                        except csv.Error:  # one error row, as in _rows
+                            n += 1
+                            continue
+                        n += bool(rec)
+            except READ_ERRORS as e:
+                raise JobError(f"input file {path}: cannot read it to the end ({type(e).__name__}: {e})")
         return n
 
     def _rows(self, path):

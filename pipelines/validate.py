@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 
 import os
 
-from .checkpoint import MANIFEST, read_manifest, totals
+from .checkpoint import MANIFEST, OWN_FILES, _shard_files, read_manifest, totals, verify_shards
 from .config import JobConfig
 from .errors import JobError
 from .fingerprint import diff_fingerprint_parts, fingerprint, fingerprint_parts
@@ -53,6 +53,7 @@ def validate_job(job: JobConfig, limit: Optional[int] = None) -> ValidationRepor
         limit = job.input.limit
     tokenizer = load_tokenizer(job)
     prep = open_job(job, tokenizer)
+    prep.source.count_rows()  # a file that cannot be read to the end is refused, as `run` refuses it
     model_dir = resolve_model_dir(job)
     max_context = context_from_config(model_config(job.model.path))
     rep = ValidationReport(job=job.name, files=len(prep.source.files), max_context=max_context,
@@ -76,8 +77,10 @@ def validate_job(job: JobConfig, limit: Optional[int] = None) -> ValidationRepor
 def _run_dir_state(job: JobConfig, parts) -> Tuple[str, bool]:
     out = job.output.dir
     if not os.path.exists(os.path.join(out, MANIFEST)):
-        if os.path.isdir(out) and os.listdir(out):
+        if os.path.isdir(out) and set(os.listdir(out)) - OWN_FILES:
             return f"{out} exists and is not a run directory: run would refuse it (or --restart)", True
+        if os.path.isdir(out) and _shard_files(out):
+            return f"{out} holds shards but no {MANIFEST}: run would refuse it (or --restart)", True
         return f"{out}: a new run", False
     try:
         m = read_manifest(out)
@@ -87,6 +90,10 @@ def _run_dir_state(job: JobConfig, parts) -> Tuple[str, bool]:
         changed = diff_fingerprint_parts(m.get("fingerprint_parts", {}), parts)
         return f"{out} holds a run of a different job (changed: {', '.join(changed)}): run would refuse it " \
                "unless --restart", True
+    try:
+        verify_shards(out, m)  # read-only: what run would refuse on opening the directory
+    except JobError as e:
+        return f"run would refuse it: {e}", True
     return f"{out}: run would resume ({totals(m)['rows']} output rows already committed)", False
 
 
