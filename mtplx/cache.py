@@ -60,7 +60,9 @@ class RowKVCache:
         self.rows = lengths
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
-        # Set by the caller for one forward: how many key positions attention reads.
+        # How many key positions attention reads. None: the whole capacity bucket, masked.
+        # Shapes then change only when a bucket fills, not every step: on a GPU each new shape
+        # costs kernel builds, which made exact-length attention several times slower.
         self.attend_len: Optional[int] = None
 
     # -- what mlx-lm model code calls ---------------------------------------------------------
@@ -79,11 +81,18 @@ class RowKVCache:
         self.values = mx.put_along_axis(
             self.values, mx.broadcast_to(pos, values.shape), values, axis=2
         )
-        n = self.attend_len or (self.rows.max + L)
+        n = self.attend_len or self.keys.shape[2]
         return self.keys[..., :n, :], self.values[..., :n, :]
 
+    def capacity_after(self, N: int) -> int:
+        """The capacity this cache will have once a forward of N more tokens has written them."""
+        need = self.rows.max + N
+        if self.keys is None:
+            return capacity_bucket(need)
+        return self.keys.shape[2] if need <= self.keys.shape[2] else capacity_bucket(need)
+
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
-        n = self.attend_len or (self.rows.max + N)
+        n = self.attend_len or self.capacity_after(N)
         query_pos = self.rows.device[:, None] + mx.arange(N, dtype=mx.int32)  # [B, N]
         key_pos = mx.arange(n, dtype=mx.int32)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]
