@@ -1,0 +1,77 @@
+"""A whole job through the pipeline vs `mlx_lm.batch_generate` on the same rows and model.
+
+    python -m benchmarks.jobs_vs_peer jobs/mmlu.yaml --set speculative.method=none --out bench-out
+
+Both get the same rendered prompt tokens (the job's own template / chat template) and the same
+max_tokens; stop strings are dropped so both stop only at EOS or max_tokens. Reports end-to-end
+tokens/s of each, the ratio, and the prompt tokens the engine actually prefilled (shared prefixes
+are prefilled once) against the prompt tokens in the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from pipelines.config import load_job
+from pipelines.rows import prepare
+from pipelines.runner import load_engine, open_job, run_job
+
+from .common import device_name, save_json, sync, table, versions
+
+
+def peer(engine, prompts, max_tokens):
+    from mlx_lm import batch_generate
+
+    batch_generate(engine.model, engine.tokenizer, prompts[:2], max_tokens=2)
+    sync()
+    t0 = time.perf_counter()
+    r = batch_generate(engine.model, engine.tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True)
+    dt = time.perf_counter() - t0
+    return sum(len(t) for t in r.token_ids), dt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("job")
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out", default="bench-out")
+    args = ap.parse_args()
+    job = load_job(args.job, args.overrides + ["generation.stop=[]"])
+    engine = load_engine(job)
+    prep = open_job(job, engine.tokenizer)
+    items = [it for it in prepare(prep.source.rows(), prep.renderer, job.input.id_column, [], engine.max_context,
+                                  None, job.input.limit) if it.tokens]
+    prompts = [it.tokens for it in items]
+    max_tokens = job.generation.max_tokens
+    rows = []
+    for rep in range(args.repeats):
+        peer_tokens, peer_s = peer(engine, prompts, max_tokens)
+        before = dict(engine.counters)
+        with tempfile.TemporaryDirectory() as tmp:
+            job.output.dir = str(Path(tmp) / "run")
+            sync()
+            t0 = time.perf_counter()
+            summary = run_job(job, restart=True, engine=engine)
+            ours_s = time.perf_counter() - t0
+        prefilled = engine.counters["prefill_tokens"] - before["prefill_tokens"]
+        cached = engine.counters["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+        rows.append({
+            "job": Path(args.job).stem, "method": job.speculative.method, "rows": len(prompts),
+            "prompt tokens": sum(map(len, prompts)), "prefilled by us": prefilled, "copied from shared prefix": cached,
+            "mlx-lm batch_generate tok/s": peer_tokens / peer_s, "ours tok/s": summary.completion_tokens / ours_s,
+            "ours / mlx-lm (wall)": peer_s / ours_s, "mlx-lm s": peer_s, "ours s": ours_s,
+        })
+        print(table(rows), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"jobs_vs_peer-{Path(args.job).stem}-{job.speculative.method}"
+    save_json(out / f"{name}.json", {"device": device_name(), "versions": versions(), "overrides": args.overrides, "rows": rows})
+    (out / f"{name}.md").write_text(f"device: {device_name()}\n\n" + table(rows))
+
+
+if __name__ == "__main__":
+    main()
