@@ -245,10 +245,7 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
                                              log_every=log_every)
 
         def on_commit(entry):
-            summary.shards += 1
-            summary.outputs += entry["rows"]
-            summary.errors += entry["errors"]
-            summary.completion_tokens += entry["completion_tokens"]
+            summary.count_shard(entry)
             progress.committed(entry)
 
         sink = ShardWriter(run, output_schema(prep.keep_types), job.output.shard_rows, on_commit)

@@ -53,6 +53,13 @@ class RunSummary:
     def tokens_per_second(self) -> float:
         return self.completion_tokens / self.seconds if self.seconds else 0.0
 
+    def count_shard(self, entry: dict) -> None:
+        """Add a committed shard's manifest entry to this session's totals."""
+        self.shards += 1
+        self.outputs += entry["rows"]
+        self.errors += entry["errors"]
+        self.completion_tokens += entry["completion_tokens"]
+
 
 def load_engine(job: JobConfig):
     try:
@@ -213,10 +220,7 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
         schema = output_schema(prep.keep_types)
 
         def on_commit(entry):
-            summary.shards += 1
-            summary.outputs += entry["rows"]
-            summary.errors += entry["errors"]
-            summary.completion_tokens += entry["completion_tokens"]
+            summary.count_shard(entry)
             progress.committed(entry)
 
         sink = ShardWriter(run, schema, job.output.shard_rows, on_commit)
