@@ -20,6 +20,7 @@ import numpy as np
 
 from .cache import BatchCache, RowKVCache
 from .config import ScheduleConfig, SpeculativeConfig
+from .depth import DepthController
 from .drafters import MtpDrafter, make_drafter
 from .gdn import install_capture
 from .graphbank import CompiledVerifyBank
@@ -127,7 +128,7 @@ class Engine:
             )
         self.prefiller = Prefiller(self)
         self._bytes_per_token, self._bytes_per_row = self._measure_cache()
-        self._accept_ema = 0.7
+        self.depth_control = DepthController(self.spec.depth if self.drafter is not None else 0, self.spec.adaptive_depth)
         self.counters = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "rounds": 0}
 
     @classmethod
@@ -171,23 +172,6 @@ class Engine:
             )
         rng = np.random.default_rng(req.seed)
         return _Row(req, rng, max_tokens, stats, time.perf_counter(), []), None
-
-    def _depth(self, width: int) -> int:
-        if self.drafter is None:
-            return 0
-        D = self.spec.depth
-        if not self.spec.adaptive_depth:
-            return D
-        # Expected tokens per verify at depth k is (1 - a^(k+1)) / (1 - a) for per-token
-        # acceptance a; a verify of k+1 tokens costs about 1 + k * width / saturation forwards.
-        a = min(max(self._accept_ema, 0.01), 0.99)
-        saturation = 64.0 if mx.default_device() == mx.gpu else 8.0
-        best, best_gain = 1, 0.0
-        for k in range(1, D + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + k * width / saturation)
-            if gain > best_gain:
-                best, best_gain = k, gain
-        return best
 
     def _finish(self, row: _Row, reason: str) -> Result:
         text = self.tokenizer.decode(row.tokens)
@@ -305,7 +289,7 @@ class Engine:
         `speculative.depth`, capped only by their own remaining tokens, so a sampled row's text
         depends on its seed alone, never on which rows share its batch.
         """
-        greedy_depth = self._depth(n_active)
+        greedy_depth = self.depth_control.choose(n_active)
         depths = np.zeros(len(slots), dtype=np.int64)
         for i, s in enumerate(slots):
             if s is not None and self.drafter is not None:
@@ -314,6 +298,7 @@ class Engine:
         return depths
 
     def _round(self, slots: List[Optional[_Row]], active: np.ndarray, cache: BatchCache):
+        started = time.perf_counter()
         W = len(slots)
         n_active = int(active.sum())
         depths = self._row_depths(slots, n_active)
@@ -352,9 +337,11 @@ class Engine:
             self.drafter.commit(n_h, nxt_h, drafts_h, active, verify_in, hidden)
         cache.eval()
         self.counters["rounds"] += 1
-        if K > 0:
-            tried = np.minimum(n_h + 1, depths)[active].sum()
-            self._accept_ema = 0.8 * self._accept_ema + 0.2 * (n_h[active].sum() / max(tried, 1))
+        greedy = np.array([s is not None and s.req.params.greedy for s in slots])
+        if greedy.any():
+            tried = int(np.minimum(n_h + 1, depths)[greedy].sum())
+            self.depth_control.record(n_active, K, time.perf_counter() - started,
+                                      int(n_h[greedy].sum()), tried)
         for i, row in enumerate(slots):
             if row is None:
                 continue

@@ -1,0 +1,67 @@
+"""Adaptive draft depth for greedy rows, from what rounds actually cost and what drafts earn.
+
+With per-token acceptance a, a round that drafts k tokens emits (1 - a^(k+1)) / (1 - a) tokens
+per row on average. What the round costs depends on the device, the model and the batch width:
+on a GPU a verify of 4 tokens can cost what a verify of 1 does, on a CPU it costs nearly four
+times as much. So the controller measures: it keeps the wall time of recent rounds per (width
+bucket, depth), extrapolates depths it has not tried, picks the depth with the most tokens per
+second, and now and then tries a neighbour so the estimates stay honest. Depth 0 (no drafting)
+is a candidate: when speculation does not pay, it stops speculating.
+
+Only greedy rows follow it (their text cannot change); sampled rows keep `speculative.depth`.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+EXPLORE_EVERY = 16  # rounds between tries of a neighbouring depth
+UNTRIED_SLOPE = 0.15  # assumed extra cost per drafted token before it is measured (optimistic)
+
+
+class DepthController:
+    def __init__(self, max_depth: int, adaptive: bool = True, acceptance: float = 0.7):
+        self.max_depth = max_depth
+        self.adaptive = adaptive
+        self.acceptance = acceptance  # per-token, EMA over rounds
+        self.seconds: Dict[Tuple[int, int], float] = {}  # (width bucket, depth) -> EMA round time
+        self.seen: Dict[Tuple[int, int], int] = {}
+        self.rounds = 0
+
+    @staticmethod
+    def _bucket(width: int) -> int:
+        return 1 << max(0, width - 1).bit_length()
+
+    def _cost(self, bucket: int, k: int) -> float:
+        if (bucket, k) in self.seconds:
+            return self.seconds[(bucket, k)]
+        known = {d: t for (b, d), t in self.seconds.items() if b == bucket}
+        if not known:
+            return 1.0 + UNTRIED_SLOPE * k  # nothing measured at this width: relative units
+        d0, t0 = min(known.items(), key=lambda kv: abs(kv[0] - k))
+        return t0 * (1.0 + UNTRIED_SLOPE * k) / (1.0 + UNTRIED_SLOPE * d0)
+
+    def _rate(self, bucket: int, k: int) -> float:
+        a = min(max(self.acceptance, 0.01), 0.99)
+        return (1 - a ** (k + 1)) / (1 - a) / self._cost(bucket, k)
+
+    def choose(self, width: int) -> int:
+        if not self.adaptive:
+            return self.max_depth
+        bucket = self._bucket(width)
+        best = max(range(self.max_depth + 1), key=lambda k: self._rate(bucket, k))
+        self.rounds += 1
+        if self.rounds % EXPLORE_EVERY == 0:
+            step = 1 if (self.rounds // EXPLORE_EVERY) % 2 else -1
+            best = min(max(best + step, 0), self.max_depth)
+        return best
+
+    def record(self, width: int, depth: int, seconds: float, accepted: int, tried: int) -> None:
+        """One round's wall time at `depth`, and its accepted / attempted draft positions."""
+        key = (self._bucket(width), depth)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] > 1:  # the first round of a shape pays for compiling and allocating
+            old = self.seconds.get(key)
+            self.seconds[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        if tried:
+            self.acceptance = 0.8 * self.acceptance + 0.2 * (accepted / tried)
