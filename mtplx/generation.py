@@ -28,7 +28,7 @@ from .loading import ModelBundle, load
 from .mtp import has_trunk_split, project_logits, trunk_hidden
 from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
 from .request import Request, Result, RowStats
-from .sampling import SamplerBatch, accept_greedy, accept_sampled, shaped_probs
+from .sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs
 
 # -- memory ----------------------------------------------------------------------------------------
 def device_memory_bytes() -> int:
@@ -222,7 +222,8 @@ class Engine:
                     self.drafter.take(keep)
                 batch.slots = [batch.slots[i] for i in keep]
                 active = active[keep]
-            yield from self._round(batch.slots, active, batch.cache)
+            rounds = self._round if self.drafter is not None else self._plain_rounds
+            yield from rounds(batch.slots, active, batch.cache)
 
     def _admit(self, batch: "_Batch"):
         """One admission pass (a generator: yields error rows). Returns True if it should run again."""
@@ -296,6 +297,55 @@ class Engine:
                 want = greedy_depth if s.req.params.greedy else self.spec.depth
                 depths[i] = max(0, min(want, s.max_tokens - len(s.tokens) - 1))
         return depths
+
+    def _plain_rounds(self, slots: List[Optional[_Row]], active: np.ndarray, cache: BatchCache):
+        """Decoding without drafts, one round ahead: the next round is queued on the device before
+        this round's tokens are read, so building one graph overlaps running the other (as
+        mlx-lm's generate_step does). Returns once a row finishes, so its slot can be refilled."""
+        sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
+        n_active = int(active.sum())
+        ones = active.astype(np.int64)
+
+        def launch(pending: mx.array) -> mx.array:
+            u = mx.array(np.array([s.rng.random() if s is not None else 0.0 for s in slots], dtype=np.float32))
+            if self.bank is not None:
+                logits = self.bank.verify(pending[:, None], cache)[0]
+            else:
+                cache.set_capturing(True)
+                logits = self.runtime.forward(pending[:, None], cache)[0]
+                cache.set_capturing(False)
+            if sampler.all_greedy:
+                nxt = mx.argmax(logits[:, 0], axis=-1).astype(mx.int32)
+            else:
+                nxt = sample_from(shaped_probs(logits, sampler)[:, 0], u)
+            cache.commit(ones)
+            mx.async_eval(nxt)
+            return nxt
+
+        def emit(tokens: np.ndarray):
+            finished = []
+            for i, row in enumerate(slots):
+                if row is None:
+                    continue
+                row.rounds += 1
+                row.width_sum += n_active
+                row.pending = int(tokens[i])
+                reason = self._emit(row, [row.pending])
+                if reason is not None:
+                    slots[i] = None
+                    finished.append(self._finish(row, reason))
+            self.counters["rounds"] += 1
+            return finished
+
+        current = launch(mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32)))
+        while True:
+            following = launch(current)
+            finished = emit(np.array(current))
+            if finished:
+                finished += emit(np.array(following))  # rows that go on keep the round in flight
+                yield from finished
+                return
+            current = following
 
     def _round(self, slots: List[Optional[_Row]], active: np.ndarray, cache: BatchCache):
         started = time.perf_counter()

@@ -56,6 +56,10 @@ class RecordingEngine(Engine):
         self.log.append((int(active.sum()), len(slots), self.pulled))
         return super()._round(slots, active, cache)
 
+    def _plain_rounds(self, slots, active, cache):  # no drafter: rounds run one ahead until a row ends
+        self.log.append((int(active.sum()), len(slots), self.pulled))
+        return super()._plain_rounds(slots, active, cache)
+
 
 class OracleDrafter(NgramDrafter):
     """Drafts the reference continuation, wrong from a position that varies by round and slot,
