@@ -24,7 +24,7 @@ from .depth import DepthController
 from .drafters import MtpDrafter, make_drafter
 from .gdn import install_capture
 from .graphbank import CompiledVerifyBank
-from .loading import ModelBundle, load
+from .loading import ModelBundle, context_length, load
 from .mtp import has_trunk_split, project_logits, trunk_hidden
 from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
 from .request import Request, Result, RowStats
@@ -106,7 +106,7 @@ class Engine:
         self.schedule = schedule or ScheduleConfig()
         cfg = bundle.config
         self.vocab_size = int(cfg.get("vocab_size") or self.model.model.embed_tokens.weight.shape[0])
-        self.max_context = int(cfg.get("max_position_embeddings") or 32768)
+        self.max_context = context_length(cfg)
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         self.hybrid = install_capture(self.model) > 0
         self.drafter = make_drafter(self.spec.method, self)

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -135,6 +135,18 @@ def load_tokenizer_only(path: str | os.PathLike) -> TokenizerWrapper:
     model_path = resolve_model_path(path)
     config = load_config(model_path)
     return load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+
+
+DEFAULT_CONTEXT = 32768  # when config.json names no context length
+
+
+def context_length(config: dict) -> int:
+    """The model's context length from its config (also under `text_config`)."""
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_seq_len", "seq_length", "n_positions", "max_sequence_length"):
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return cfg[key]
+    return DEFAULT_CONTEXT
 
 
 def model_config(path: str | os.PathLike) -> dict:

@@ -61,10 +61,10 @@ READER_CPUS = 0.5  # differs from the actors' 1 CPU on purpose: Ray does not fus
 def engine_max_context(job: JobConfig) -> int:
     """The context length `Engine` will use for this model (the reader checks prompts against it;
     each actor checks that its engine agrees)."""
-    from mtplx.loading import model_config
+    from mtplx.loading import context_length, model_config
 
     try:
-        return int(model_config(job.model.path).get("max_position_embeddings") or 32768)
+        return context_length(model_config(job.model.path))
     except Exception as e:
         raise JobError(f"model.path: cannot read config.json of {job.model.path!r}: {e}")
 

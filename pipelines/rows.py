@@ -131,10 +131,7 @@ def prepare(rows: Iterable[SourceRow], renderer: PromptRenderer, id_column: Opti
 
 
 def context_from_config(config: Dict[str, Any]) -> Optional[int]:
-    """The model's context length from config.json, for checks that run before the model loads."""
-    cfgs = [config, config.get("text_config") or {}]
-    for key in ("max_position_embeddings", "max_seq_len", "seq_length", "n_positions", "max_sequence_length"):
-        for cfg in cfgs:
-            if isinstance(cfg.get(key), int) and cfg[key] > 0:
-                return cfg[key]
-    return None
+    """The model's context length from config.json: the engine's own rule, before weights load."""
+    from mtplx.loading import context_length
+
+    return context_length(config)
