@@ -41,9 +41,11 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_causal_mask
 
+from .head_data import (TrainData, TrainHeadError, Features, _bar, build_data, self_distill,  # noqa: F401
+                        trunk_features)
 from .loading import ModelBundle, load
-from .mtp import (SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, has_trunk_split, trunk_hidden,
-                  trunk_probe, trunk_signature)
+from .mtp import (SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, has_trunk_split, trunk_probe,
+                  trunk_signature)
 
 CHECKPOINT_DIR = "checkpoint"
 DATA_FILE = "data.npz"
@@ -51,17 +53,6 @@ STATE_DIR = "latest"
 
 # head parameter names -> DeepSeek NextN names (under model.layers.{N}.)
 NEXTN_NAMES = {"norm_embedding": "enorm", "norm_hidden": "hnorm", "fc": "eh_proj", "norm": "shared_head.norm"}
-
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
-TABLE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv",
-                 ".arrow": "arrow", ".jsonl.gz": "jsonl"}
-
-
-class TrainHeadError(Exception):
-    """The request cannot be carried out as given (bad data, mismatched checkpoint). Exit 2."""
-
-    exit_code = 2
-
 
 @dataclass
 class TrainConfig:
@@ -132,268 +123,6 @@ class TrainResult:
     resumed_from: int = 0
     seconds: float = 0.0
     history: List[dict] = field(default_factory=list)
-
-
-# -- data ------------------------------------------------------------------------------------------
-@dataclass
-class TrainData:
-    """Token sequences; in sequence i only positions t >= starts[i] are scored (for self-distilled
-    data the prompt is context only: the head drafts after the trunk's first generated token)."""
-
-    sequences: List[List[int]]
-    source: str  # what they came from, for the metadata
-    starts: Optional[List[int]] = None  # None: every position is scored
-    heldout: List[int] = field(default_factory=list)  # indices of held-out sequences
-
-    def __post_init__(self):
-        if self.starts is None:
-            self.starts = [0] * len(self.sequences)
-
-    def clip(self, seq_len: int, limit: Optional[int] = None) -> "TrainData":
-        """Cut sequences to seq_len tokens, drop those left with no scored position, keep `limit`."""
-        keep = [(s[:seq_len], st) for s, st in zip(self.sequences, self.starts) if min(len(s), seq_len) - 2 > st]
-        if limit:
-            keep = keep[:limit]
-        self.sequences = [s for s, _ in keep]
-        self.starts = [st for _, st in keep]
-        return self
-
-    def split(self, fraction: float, seed: int):
-        n = len(self.sequences)
-        if n < 2:
-            raise TrainHeadError(
-                f"the data gave {n} usable sequence(s); need at least 2 (one is held out): give more "
-                "prompts or text"
-            )
-        k = min(64, max(1, int(round(n * fraction))))
-        k = min(k, n - 1)
-        order = np.random.default_rng(seed).permutation(n)
-        self.heldout = sorted(int(i) for i in order[:k])
-
-    def save(self, path: Path, key: Optional[dict] = None):
-        lens = np.array([len(s) for s in self.sequences], dtype=np.int64)
-        flat = np.array([t for s in self.sequences for t in s], dtype=np.int32)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, tokens=flat, lengths=lens, starts=np.array(self.starts, dtype=np.int64),
-                 heldout=np.array(self.heldout, dtype=np.int64), source=np.array(self.source),
-                 key=np.array(json.dumps(key, sort_keys=True)))
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, path: Path) -> "TrainData":
-        z = np.load(path)
-        offsets = np.concatenate([[0], np.cumsum(z["lengths"])])
-        flat = z["tokens"]
-        seqs = [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(z["lengths"]))]
-        return cls(seqs, str(z["source"]), [int(i) for i in z["starts"]], [int(i) for i in z["heldout"]])
-
-    @staticmethod
-    def stored_key(path: Path) -> Optional[dict]:
-        try:
-            return json.loads(str(np.load(path)["key"]))
-        except (OSError, KeyError, ValueError):
-            return None
-
-    def digest(self) -> str:
-        h = hashlib.sha256()
-        for s, st in zip(self.sequences, self.starts):
-            h.update(np.asarray(s, dtype=np.int32).tobytes())
-            h.update(f"\x00{st}\x00".encode())
-        return h.hexdigest()[:16]
-
-
-def _windows(tokens: Sequence[int], size: int) -> List[List[int]]:
-    out = [list(tokens[s : s + size]) for s in range(0, len(tokens), size)]
-    return [w for w in out if len(w) >= 3]
-
-
-def _encode_text(tok, text: str, piece_chars: int = 4000) -> List[int]:
-    """Tokenize long text in pieces cut at line ends (tokenizers warn about, and slow down on, huge inputs)."""
-    ids: List[int] = []
-    start = 0
-    while start < len(text):
-        end = min(len(text), start + piece_chars)
-        if end < len(text):
-            nl = text.rfind("\n", start, end)
-            end = nl + 1 if nl > start else end
-        ids.extend(tok.encode(text[start:end], add_special_tokens=False) if start else tok.encode(text[start:end]))
-        start = end
-    return ids
-
-
-def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 max_batch: int = 32, seq_len: Optional[int] = None, quiet: bool = True) -> TrainData:
-    """prompt + the model's own greedy continuation, for every prompt (batched, plain decoding);
-    scored from the first generated token on."""
-    from .config import ScheduleConfig, SpeculativeConfig
-    from .generation import Engine
-    from .request import Request, SamplingParams
-
-    engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"),
-                    ScheduleConfig(order="input", max_batch=max_batch))
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    prompts = [list(p) for p in prompts]
-    reqs = []
-    for i, p in enumerate(prompts):
-        if seq_len is not None and len(p) > seq_len - 2:
-            p = p[: max(1, seq_len - 2)]  # the tail would be cut off anyway
-        reqs.append(Request(key=i, prompt_tokens=p, params=params))
-    out: Dict[int, List[int]] = {}
-    bar = _bar(len(reqs), "generating", not quiet)
-    for res in engine.generate(reqs):
-        seq = reqs[res.key].prompt_tokens + (res.tokens if res.finish_reason != "error" else [])
-        out[res.key] = seq
-        bar.update(1)
-    bar.close()
-    seqs = [out[i] for i in range(len(reqs))]
-    # t = P-1 is the first position the head drafts from: (h_{P-1}, x_P = the trunk's first token) -> x_{P+1}
-    return TrainData(seqs, "self-distilled", [max(len(r.prompt_tokens) - 1, 0) for r in reqs])
-
-
-def _table_rows(path: str, fmt: str):
-    from pipelines.config import InputConfig
-    from pipelines.sources import open_source
-
-    src = open_source(InputConfig(path=path, format=fmt), None)
-    for row in src.rows():
-        if row.data is not None:
-            yield row.data
-
-
-def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True) -> TrainData:
-    """Training sequences from `data`: a job YAML, a JSONL/Parquet/CSV table, a text file, a list of
-    strings (plain text), a list of token-id lists (every position scored), or a TrainData."""
-    tok = bundle.tokenizer
-    limit = cfg.max_rows
-    if isinstance(data, TrainData):
-        return TrainData(list(data.sequences), data.source, list(data.starts)).clip(cfg.seq_len, limit)
-    if isinstance(data, (list, tuple)):
-        if all(isinstance(x, str) for x in data):
-            seqs = [w for text in data for w in _windows(_encode_text(tok, text), cfg.seq_len)]
-            return TrainData(seqs, "texts").clip(cfg.seq_len, limit)
-        return TrainData([list(map(int, s)) for s in data], "tokens").clip(cfg.seq_len, limit)
-    path = str(data)
-    if not os.path.exists(path):
-        raise TrainHeadError(f"--data {path!r} does not exist: give a job YAML, a JSONL/Parquet/CSV file "
-                             "with a prompt or text column, or a plain text file")
-    low = path.lower()
-    if low.endswith((".yaml", ".yml")):
-        return _job_data(bundle, path, cfg, quiet)
-    fmt = next((f for suf, f in TABLE_FORMATS.items() if low.endswith(suf)), None)
-    if fmt is not None:
-        return _table_data(bundle, path, fmt, cfg, quiet)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (UnicodeDecodeError, IsADirectoryError) as e:
-        raise TrainHeadError(f"--data {path!r}: not a UTF-8 text file ({e}); give a job YAML, a "
-                             "JSONL/Parquet/CSV file or plain text")
-    seqs = _windows(_encode_text(tok, text), cfg.seq_len)
-    return TrainData(seqs, f"text:{os.path.abspath(path)}").clip(cfg.seq_len, limit)
-
-
-def _job_data(bundle: ModelBundle, path: str, cfg: TrainConfig, quiet: bool) -> TrainData:
-    from pipelines.config import load_job
-    from pipelines.errors import JobError
-    from pipelines.rows import prepare
-    from pipelines.runner import open_job
-
-    try:
-        job = load_job(path)
-        prep = open_job(job, bundle.tokenizer)
-    except JobError as e:
-        raise TrainHeadError(str(e))
-    items = prepare(prep.source.rows(), prep.renderer, job.input.id_column, [], None, None, cfg.max_rows)
-    prompts = [it.tokens for it in items if it.tokens]
-    if not prompts:
-        raise TrainHeadError(f"{path}: the job's input gave no usable prompts")
-    max_new = job.generation.max_tokens
-    if cfg.max_new_tokens is not None:
-        max_new = min(max_new, cfg.max_new_tokens)
-    data = self_distill(bundle, prompts, max_new, cfg.gen_batch, cfg.seq_len, quiet)
-    data.source = f"job:{os.path.abspath(path)}"
-    return data.clip(cfg.seq_len)
-
-
-def _table_data(bundle: ModelBundle, path: str, fmt: str, cfg: TrainConfig, quiet: bool) -> TrainData:
-    tok = bundle.tokenizer
-    rows = []
-    for data in _table_rows(path, fmt):
-        rows.append(data)
-        if cfg.max_rows and len(rows) >= cfg.max_rows:
-            break
-    if not rows:
-        raise TrainHeadError(f"--data {path!r} holds no rows")
-    cols = set(rows[0])
-    if "prompt" in cols or "messages" in cols:
-        from pipelines.config import InputConfig
-        from pipelines.prompts import PromptRenderer
-
-        inp = InputConfig(path=path, format=fmt, messages_column="messages" if "prompt" not in cols else None)
-        renderer = PromptRenderer(inp, tok)
-        prompts = [renderer.tokens(r) for r in rows]
-        data = self_distill(bundle, prompts, cfg.max_new_tokens or 256, cfg.gen_batch, cfg.seq_len, quiet)
-        data.source = f"{fmt}-prompts:{os.path.abspath(path)}"
-        return data.clip(cfg.seq_len)
-    if "text" in cols:
-        seqs = [w for r in rows if isinstance(r.get("text"), str)
-                for w in _windows(_encode_text(tok, r["text"]), cfg.seq_len)]
-        return TrainData(seqs, f"{fmt}-text:{os.path.abspath(path)}").clip(cfg.seq_len)
-    raise TrainHeadError(f"--data {path!r}: needs a 'prompt' (or 'messages') column to self-distill, or a "
-                         f"'text' column of plain text; it has {', '.join(sorted(cols))}")
-
-
-# -- trunk features --------------------------------------------------------------------------------
-@dataclass
-class Features:
-    """Per sequence: tokens [L] (numpy), trunk hidden [L, D] (mx), trunk greedy next token [L] or None,
-    first scored position."""
-
-    tokens: List[np.ndarray]
-    hidden: List[mx.array]
-    greedy: List[Optional[np.ndarray]]
-    starts: List[int]
-
-    @property
-    def positions(self) -> int:
-        return sum(max(len(t) - 2 - st, 0) for t, st in zip(self.tokens, self.starts))
-
-
-def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[int], store_dtype, want_greedy: bool,
-                   batch_tokens: int = 4096, desc: str = "trunk", quiet: bool = True) -> Features:
-    """Run the frozen trunk once over `sequences` (right-padded batches of similar length)."""
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    hidden: List[Optional[mx.array]] = [None] * len(sequences)
-    greedy: List[Optional[np.ndarray]] = [None] * len(sequences)
-    bar = _bar(len(sequences), desc, not quiet)
-    i = 0
-    while i < len(order):
-        L = len(sequences[order[i]])
-        j = i
-        while j < len(order) and (j - i + 1) * len(sequences[order[j]]) <= max(batch_tokens, len(sequences[order[j]])):
-            j += 1
-        idx = order[i:j]
-        L = max(len(sequences[k]) for k in idx)
-        x = np.zeros((len(idx), L), dtype=np.int32)
-        for r, k in enumerate(idx):
-            x[r, : len(sequences[k])] = sequences[k]
-        h = trunk_hidden(model, mx.array(x), None)
-        hs = h.astype(store_dtype)
-        g = None
-        if want_greedy:
-            from .mtp import project_logits
-
-            g = mx.argmax(project_logits(model, h), axis=-1).astype(mx.int32)
-        mx.eval(hs, g) if g is not None else mx.eval(hs)
-        gn = np.array(g) if g is not None else None
-        for r, k in enumerate(idx):
-            n = len(sequences[k])
-            hidden[k] = hs[r, :n]
-            if gn is not None:
-                greedy[k] = gn[r, :n]
-        bar.update(len(idx))
-        i = j
-    bar.close()
-    return Features([np.asarray(s, dtype=np.int32) for s in sequences], hidden, greedy, list(starts))
 
 
 def _batch(feats: Features, idx: Sequence[int], compute_dtype):
@@ -496,11 +225,6 @@ def save_sidecar(bundle: ModelBundle, head: MTPHead, out_dir: Union[str, os.Path
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _bar(total, desc, enabled):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, dynamic_ncols=True, leave=False, file=sys.stderr,
-                disable=not enabled or not sys.stderr.isatty())
 
 
 def _write_json(path: Path, obj):
