@@ -175,10 +175,20 @@ class Engine:
 
     def _finish(self, row: _Row, reason: str) -> Result:
         text = self.tokenizer.decode(row.tokens)
-        for stop in row.req.params.stop:
-            i = text.find(stop) if stop else -1
-            if i >= 0:
-                text, reason = text[:i], "stop"
+        stops = [s for s in row.req.params.stop if s and s in text]
+        if stops:
+            # Keep the tokens up to the one that completes the first stop string (a round may have
+            # emitted more), and the text before it.
+            def has_stop(k):
+                return any(s in self.tokenizer.decode(row.tokens[:k]) for s in stops)
+
+            lo, hi = 1, len(row.tokens)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if has_stop(mid) else (mid + 1, hi)
+            del row.tokens[lo:]
+            text = self.tokenizer.decode(row.tokens)
+            text, reason = text[: min(text.find(s) for s in stops if s in text)], "stop"
         st = row.stats
         st.completion_tokens = len(row.tokens)
         st.decode_seconds = time.perf_counter() - row.started

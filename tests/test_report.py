@@ -52,7 +52,7 @@ def spec_run(tmp_path_factory, model):
     tmp = tmp_path_factory.mktemp("report_run")
     data = write_jsonl(tmp / "in.jsonl", lines_with_errors())
     job = build_job(job_dict(model, data, tmp / "run", fmt="jsonl", input={"chat_template": "off"},
-                             speculative={"method": "ngram", "depth": 3}, generation={"max_tokens": 24},
+                             speculative={"method": "ngram", "depth": 3, "adaptive_depth": False}, generation={"max_tokens": 24},
                              output={"shard_rows": 4}))
     run_job(job)
     return job

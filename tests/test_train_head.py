@@ -122,8 +122,8 @@ def test_engine_with_trained_head_is_exact_and_accepts_more(qwen3_head, tmp_path
     untrained = _untrained(bundle, out, tmp_path / "untrained")
     prompts = _prompts(8, seed=123)  # prompts the head never saw
     plain = _generate(bundle, SpeculativeConfig(method="none"), prompts)
-    trained = _generate(bundle, SpeculativeConfig(method="mtp", mtp_head=str(out), depth=3), prompts)
-    fresh = _generate(bundle, SpeculativeConfig(method="mtp", mtp_head=str(untrained), depth=3), prompts)
+    trained = _generate(bundle, SpeculativeConfig(method="mtp", mtp_head=str(out), depth=3, adaptive_depth=False), prompts)
+    fresh = _generate(bundle, SpeculativeConfig(method="mtp", mtp_head=str(untrained), depth=3, adaptive_depth=False), prompts)
     for p, t, f in zip(plain, trained, fresh):
         assert t.tokens == p.tokens and f.tokens == p.tokens
     acc_t = sum(r.stats.accepted_tokens for r in trained)
@@ -170,7 +170,7 @@ def test_llama_table_prompts_two_blocks(tiny_model, tmp_path):
     assert set(got) == set(trained) and all(mx.array_equal(got[k], v).item() for k, v in trained.items())
     prompts = _prompts(6, seed=7)
     plain = _generate(bundle, SpeculativeConfig(method="none"), prompts, 24)
-    spec = _generate(bundle, SpeculativeConfig(method="mtp", mtp_head=str(out), depth=2), prompts, 24)
+    spec = _generate(bundle, SpeculativeConfig(method="mtp", mtp_head=str(out), depth=2, adaptive_depth=False), prompts, 24)
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
     assert sum(r.stats.accepted_tokens for r in spec) > 0
 
