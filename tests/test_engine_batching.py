@@ -15,7 +15,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.drafters import NgramDrafter
@@ -23,19 +22,12 @@ from mtplx.generation import Engine
 from mtplx.loading import load
 from mtplx.request import Request, SamplingParams
 
+from tiny_models import reference_tokens
+
 N_ROWS = 40
 WIDTHS = [1, 2, 7, 32]
 NARROW_ROWS = 8  # rows used at widths 1 and 2 (each round is one or two rows: keep it short)
 
-
-def reference_tokens(model, prompt, max_tokens, eos):
-    out = []
-    for (tok, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=max_tokens), range(max_tokens)):
-        tok = int(tok)
-        if tok in eos:
-            break
-        out.append(tok)
-    return out
 
 
 class RecordingEngine(Engine):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm.generate import generate_step
 
 from mtplx.cache import BatchCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
@@ -24,6 +23,8 @@ from mtplx.graphbank import CompiledVerifyBank, CompiledVerifyParityError
 from mtplx.loading import load
 from mtplx.request import Request, SamplingParams
 
+from tiny_models import reference_tokens
+
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the",
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
@@ -31,15 +32,6 @@ PROMPTS = [
 ]
 MAX_TOKENS = [10, 7, 9]
 
-
-def reference_tokens(model, prompt, max_tokens, eos):
-    out = []
-    for (tok, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=max_tokens), range(max_tokens)):
-        tok = int(tok)
-        if tok in eos:
-            break
-        out.append(tok)
-    return out
 
 
 class Target:

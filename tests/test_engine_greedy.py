@@ -21,13 +21,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.drafters import NgramDrafter
 from mtplx.generation import Engine
 from mtplx.loading import load
 from mtplx.request import Request, SamplingParams
+
+from tiny_models import reference_tokens
 
 FAMILIES = ["llama", "qwen3", "qwen3_next", "deepseek_v3"]
 MTP_FAMILIES = {"qwen3_next", "deepseek_v3"}
@@ -45,16 +46,6 @@ PROMPTS = [
 ]
 MAX_BATCH = 3  # fewer slots than rows: continuous batching is part of every run
 
-
-def reference_tokens(model, prompt, max_tokens, eos):
-    """Plain greedy decoding with mlx-lm, stopping at (and dropping) eos."""
-    out = []
-    for (tok, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=max_tokens), range(max_tokens)):
-        tok = int(tok)
-        if tok in eos:
-            break
-        out.append(tok)
-    return out
 
 
 class Ctx:

@@ -693,3 +693,19 @@ def greedy_tokens(model, prompt_ids: Iterable[int], max_tokens: int = 30) -> Lis
         out.append(tok)
         x = mx.array([[tok]])
     return out
+
+
+def reference_tokens(model, prompt_ids: Iterable[int], max_tokens: int, eos) -> List[int]:
+    """mlx-lm's own greedy decoding (`generate_step`), stopping at (and dropping) eos: the reference
+    every engine test compares against."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out: List[int] = []
+    steps = generate_step(mx.array(list(prompt_ids)), model, max_tokens=max_tokens)
+    for (tok, _), _ in zip(steps, range(max_tokens)):
+        tok = int(tok)
+        if tok in eos:
+            break
+        out.append(tok)
+    return out
