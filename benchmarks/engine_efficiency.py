@@ -10,7 +10,6 @@ batch 1, and the cost of one verify forward per verify length, eager vs Compiled
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from mtplx.cache import BatchCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.generation import Engine
+from mtplx.generation import Engine, _Runtime
 from mtplx.graphbank import CompiledVerifyBank
 from mtplx.loading import ModelBundle
 from mtplx.request import Request, SamplingParams
@@ -111,9 +110,6 @@ def verify_cost(bundle, width, context, lengths, repeats=20):
     cache.commit(np.full(width, context))
     cache.eval()
     base = cache.lengths.copy()
-    eng = Engine.__new__(Engine)
-    from mtplx.generation import _Runtime
-
     runtime = _Runtime(model, want_hidden=False)
     bank = CompiledVerifyBank(runtime, max_verify_len=max(lengths))
     rows = []

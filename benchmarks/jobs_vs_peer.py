@@ -20,17 +20,7 @@ from pipelines.rows import prepare
 from pipelines.runner import load_engine, open_job, run_job
 
 from .common import device_name, save_json, sync, table, versions
-
-
-def peer(engine, prompts, max_tokens):
-    from mlx_lm import batch_generate
-
-    batch_generate(engine.model, engine.tokenizer, prompts[:2], max_tokens=2)
-    sync()
-    t0 = time.perf_counter()
-    r = batch_generate(engine.model, engine.tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True)
-    dt = time.perf_counter() - t0
-    return sum(len(t) for t in r.token_ids), dt
+from .real_models import mlx_batch
 
 
 def main():
@@ -49,7 +39,8 @@ def main():
     max_tokens = job.generation.max_tokens
     rows = []
     for rep in range(args.repeats):
-        peer_tokens, peer_s = peer(engine, prompts, max_tokens)
+        peer_run = mlx_batch(engine, prompts, max_tokens)
+        peer_tokens, peer_s = peer_run["tokens"], peer_run["seconds"]
         before = dict(engine.counters)
         with tempfile.TemporaryDirectory() as tmp:
             job.output.dir = str(Path(tmp) / "run")

@@ -104,7 +104,7 @@ def mlx_batch(bundle, prompts, tokens):
     r = batch_generate(bundle.model, bundle.tokenizer, prompts, max_tokens=tokens, return_token_ids=True)
     dt = time.perf_counter() - t0
     n = sum(len(t) for t in r.token_ids)
-    return {"tok_s": n / dt, "tokens": n}
+    return {"tok_s": n / dt, "tokens": n, "seconds": dt}
 
 
 def identity(bundle, prompts, plain, spec_texts):
