@@ -24,6 +24,7 @@ from mtplx.graphbank import CompiledVerifyBank
 from mtplx.loading import ModelBundle
 from mtplx.request import Request, SamplingParams
 
+from . import torch_peer
 from .common import device_name, save_json, sync, table, versions
 
 HBM_BYTES_PER_S = 4.8e12
@@ -158,6 +159,14 @@ def main():
         ob, _, _ = ours(bundle, prompts, n, args.batch)
         obc, _, _ = ours(bundle, prompts, n, args.batch, compiled="on")
         decode_rows.append({"shape": shape, "what": f"{args.batch} streams end-to-end tok/s", "mlx-lm": mb, "ours eager": ob, "ours compiled": obc, "ratio (best/mlx)": max(ob, obc) / mb, "roofline tok/s": "", "ours % roofline": ""})
+        if torch_peer.available():  # same random weights in transformers, greedy generate
+            try:
+                peer = torch_peer.peer_rows(bundle, [("1", prompts[:1], 1, None), ("batch", prompts, args.batch, None)], n, eos=[])
+                for row, p in zip(decode_rows[-2:], peer):
+                    row["torch tok/s"] = p["torch tok/s"]
+                    row["best / torch"] = max(row["ours eager"], row["ours compiled"]) / p["torch tok/s"]
+            except Exception as e:  # noqa: BLE001 (a peer failing must not cost the rest of the run)
+                print(f"torch peer failed: {e!r}", flush=True)
         print(table(decode_rows), flush=True)
         if not args.skip_verify:
             for width in (1, args.batch):

@@ -1,40 +1,73 @@
 #!/usr/bin/env bash
-# The H200 measurements in BENCHMARKS.md, in steps that each fit one device call.
-# MLX goes there as wheels (../shared/GPU.md); the GGUF model and HumanEval JSONL sit in ~/keep.
+# The H200 measurements in BENCHMARKS.md, in steps that each fit one device call (< 10 min).
+# MLX goes there as wheels (../shared/GPU.md). The SmolLM2 GGUF travels in two parts and the
+# datasets beside it (.gpu-c, .gpu-d); `setup` puts them where `mtplx-batch fetch` would, so
+# the known names resolve offline.
 #
+#   bash benchmarks/gpu_session.sh setup    # assemble the GGUF + datasets into $MTPLX_CACHE/assets
+#   bash benchmarks/gpu_session.sh real     # SmolLM2: none / ngram / mtp vs mlx-lm and PyTorch, widths 1/8/32
+#   bash benchmarks/gpu_session.sh shapes   # random Qwen3-0.6B / 8B shapes: engine vs mlx-lm and PyTorch, verify cost
+#   bash benchmarks/gpu_session.sh jobs     # whole jobs vs batch_generate: few-shot MMLU, eval-mtp, GSM8K, nightly
 #   bash benchmarks/gpu_session.sh train    # self-distilled MTP head for SmolLM2 (no HumanEval rows)
-#   bash benchmarks/gpu_session.sh real     # SmolLM2 on HumanEval: plain / ngram / mtp vs mlx-lm
-#   bash benchmarks/gpu_session.sh shapes   # random Qwen3-0.6B / 8B shapes: engine vs mlx-lm, verify cost
-set -euo pipefail
+set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
-export PYTHONPATH=~/site:$PWD MTPLX_CACHE=/tmp/mtplx-cache PYTHONUNBUFFERED=1
-MODEL=${MODEL:-$HOME/keep/SmolLM2-135M-Instruct.Q4_1.gguf}
-PROMPTS=${PROMPTS:-$HOME/keep/humaneval.jsonl}
-HEAD=${HEAD:-/tmp/head}
+export PYTHONPATH=~/site:$PWD MTPLX_CACHE=${MTPLX_CACHE:-/tmp/mtplx-cache} PYTHONUNBUFFERED=1
+KEEP=${KEEP:-$HOME/keep}
+MODEL=smollm2-135m-instruct
+HEAD=heads/smollm2-135m-instruct
+CODE_PROMPTS=benchmarks/data/head_train_prompts.jsonl  # stdlib code prompts, not HumanEval
 
-case "${1:-all}" in
-train)
-  python3 -m pipelines.cli train-head "$MODEL" --data benchmarks/data/head_train_prompts.jsonl --out "$HEAD" \
-    --steps "${STEPS:-1500}" --batch-size 16 --seq-len 384 --max-new-tokens 128 --eval-every 250 --quiet \
-    2>&1 | tee "$OUT/train_head.log"
-  # bf16 copy small enough to bring back and commit (the head trains in fp32)
-  python3 - "$HEAD" "$OUT/head" <<'EOF'
-import json, shutil, sys, pathlib
-import mlx.core as mx
-src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-dst.mkdir(parents=True, exist_ok=True)
-w = mx.load(str(src / "mtp_head.safetensors"))
-mx.save_safetensors(str(dst / "mtp_head.safetensors"), {k: v.astype(mx.bfloat16) for k, v in w.items()})
-shutil.copy(src / "mtp_head.json", dst / "mtp_head.json")
-print(json.load(open(dst / "mtp_head.json")))
-EOF
+STEP=${1:-}
+WORK=/tmp/bench-work/$STEP
+mkdir -p "$WORK"
+# A device call brings back at most 8 files: each step leaves $OUT/STEP.log (written as it goes, so
+# it comes back even when the call runs out of time), STEP.md and STEP.json.
+bench() {
+  local name=$1; shift
+  echo "== $name: python3 -m $*" >> "$OUT/$STEP.log"
+  timeout "${LIMIT:-540}" python3 -m "$@" --out "$WORK" >> "$OUT/$STEP.log" 2>&1
+  echo "$name rc=$?" | tee -a "$OUT/$STEP.log"
+}
+collect() {
+  for f in "$WORK"/*.md; do [ -e "$f" ] && { echo "## $(basename "$f" .md)"; echo; cat "$f"; echo; }; done > "$OUT/$STEP.md"
+  python3 -c "import json,glob,os,sys; json.dump({os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob(sys.argv[1]+'/*.json'))}, open(sys.argv[2],'w'), indent=1)" "$WORK" "$OUT/$STEP.json"
+  cat "$OUT/$STEP.md"
+}
+
+case "$STEP" in
+setup)
+  A=$MTPLX_CACHE/assets
+  mkdir -p "$A/$MODEL" "$A/humaneval" "$A/mmlu-1k" "$A/gsm8k-100"
+  cat "$KEEP/smolpart-aa" .gpu-d/smolpart-ab > "$A/$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf"
+  cp "$KEEP/humaneval.jsonl" "$A/humaneval/"; cp "$KEEP/mmlu-1k.jsonl" "$A/mmlu-1k/"; cp "$KEEP/gsm8k-100.jsonl" "$A/gsm8k-100/"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site .gpu-d/gguf-*.whl
+  sha256sum "$A/$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf"
+  python3 -c "import mlx.core as mx, torch, transformers; print(mx.default_device(), torch.__version__, transformers.__version__)"
   ;;
 real)
-  python3 -m benchmarks.real_models --model "$MODEL" --prompts "$PROMPTS" --head "${HEAD_EVAL:-$OUT/head}" \
-    --rows 32 --tokens 128 --widths 8,32 --depths 1,2,3,4 --out "$OUT"
+  bench real_models benchmarks.real_models --model $MODEL --prompts $CODE_PROMPTS --head $HEAD \
+    --rows 32 --tokens 128 --widths 1,8,32 --depths 1,2,3 --repeats 3 --torch
+  collect
   ;;
 shapes)
-  python3 -m benchmarks.engine_efficiency --shapes 0.6b,8b --tokens 128 --batch 32 --out "$OUT"
+  bench engine_efficiency benchmarks.engine_efficiency --shapes 0.6b,8b --tokens 128 --batch 32
+  collect
+  ;;
+jobs)
+  LIMIT=150 bench mmlu benchmarks.jobs_vs_peer jobs/mmlu.yaml --set speculative.method=none --set input.limit=256
+  LIMIT=120 bench eval-mtp benchmarks.jobs_vs_peer jobs/eval-mtp.yaml --set input.limit=64
+  LIMIT=90 bench eval-none benchmarks.jobs_vs_peer jobs/eval-mtp.yaml --set input.limit=64 --set speculative.method=none
+  LIMIT=90 bench gsm8k benchmarks.jobs_vs_peer jobs/gsm8k.yaml --set input.limit=64
+  LIMIT=90 bench nightly benchmarks.jobs_vs_peer jobs/nightly.yaml --set input.limit=16
+  collect
+  ;;
+train)
+  python3 -m pipelines.cli train-head $MODEL --data $CODE_PROMPTS --out /tmp/head \
+    --steps "${STEPS:-1500}" --batch-size 16 --seq-len 384 --max-new-tokens 128 --eval-every 250 --quiet > "$OUT/train.log" 2>&1
+  tail -c 2000 "$OUT/train.log"
+  ;;
+*)
+  sed -n 2,12p "$0"; exit 2
   ;;
 esac

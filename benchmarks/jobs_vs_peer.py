@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mlx_lm.sample_utils import make_sampler
+
 from pipelines.config import load_job
 from pipelines.rows import prepare
 from pipelines.runner import load_engine, open_job, run_job
@@ -35,11 +37,13 @@ def main():
     prep = open_job(job, engine.tokenizer)
     items = [it for it in prepare(prep.source.rows(), prep.renderer, job.input.id_column, [], engine.max_context,
                                   None, job.input.limit) if it.tokens]
-    prompts = [it.tokens for it in items]
-    max_tokens = job.generation.max_tokens
+    gen = job.generation
+    prompts = [it.tokens for it in items for _ in range(gen.n)]  # n samples per row: n rows for the peer
+    max_tokens = gen.max_tokens
+    sampler = make_sampler(temp=gen.temperature, top_p=gen.top_p or 0.0, top_k=gen.top_k or 0) if gen.temperature > 0 else None
     rows = []
     for rep in range(args.repeats):
-        peer_run = mlx_batch(engine, prompts, max_tokens)
+        peer_run = mlx_batch(engine, prompts, max_tokens, sampler=sampler)
         peer_tokens, peer_s = peer_run["tokens"], peer_run["seconds"]
         before = dict(engine.counters)
         with tempfile.TemporaryDirectory() as tmp:

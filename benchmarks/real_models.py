@@ -24,7 +24,8 @@ from mtplx.generation import Engine
 from mtplx.loading import load
 from mtplx.request import Request, SamplingParams
 
-from .common import device_name, save_json, sync, table, versions
+from . import torch_peer
+from .common import Measure, device_name, save_json, sync, table, versions
 
 NEAR_TIE = 0.5  # top-2 logit gap under which bf16 rounding may flip the argmax
 
@@ -95,13 +96,15 @@ def mlx_single(model, prompts, tokens, eos):
     return {"tok_s": n / (time.perf_counter() - t0), "tokens": n, "texts": outs}
 
 
-def mlx_batch(bundle, prompts, tokens):
+def mlx_batch(bundle, prompts, tokens, width: int = 32, **kwargs):
+    """`batch_generate` keeping up to `width` rows in flight (its completion batch size)."""
     from mlx_lm import batch_generate
 
     batch_generate(bundle.model, bundle.tokenizer, prompts[:2], max_tokens=4)
     sync()
     t0 = time.perf_counter()
-    r = batch_generate(bundle.model, bundle.tokenizer, prompts, max_tokens=tokens, return_token_ids=True)
+    r = batch_generate(bundle.model, bundle.tokenizer, prompts, max_tokens=tokens, return_token_ids=True,
+                       completion_batch_size=width, prefill_batch_size=min(8, width), **kwargs)
     dt = time.perf_counter() - t0
     n = sum(len(t) for t in r.token_ids)
     return {"tok_s": n / dt, "tokens": n, "seconds": dt}
@@ -132,6 +135,8 @@ def main():
     ap.add_argument("--widths", default="8,32")
     ap.add_argument("--depths", default="1,2,3,4")
     ap.add_argument("--compiled", default="on")
+    ap.add_argument("--torch", action="store_true", help="also PyTorch + transformers generate on the same weights (CUDA)")
+    ap.add_argument("--repeats", type=int, default=1, help="single-stream runs per setting; tok/s is their median")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     out = Path(args.out)
@@ -154,38 +159,62 @@ def main():
                                  mtp_head=args.head if method == "mtp" else None, draft_model=args.draft if method == "draft" else None)
 
     rows, ident = [], []
-    peer = mlx_single(bundle.model, single_prompts, args.tokens, eos)
-    rows.append({"setting": "1 stream", "method": "mlx-lm generate_step", "depth": "", "tok/s": peer["tok_s"], "x mlx-lm": 1.0, "tokens/verify": "", "acceptance": "", "accept by depth": ""})
+    def median_run(fn):
+        runs = [fn() for _ in range(args.repeats)]
+        rates = Measure([r["tok_s"] for r in runs])
+        return dict(runs[0], tok_s=rates.median, spread=rates.spread)
+
+    peer = median_run(lambda: mlx_single(bundle.model, single_prompts, args.tokens, eos))
+    rows.append({"setting": "1 stream", "method": "mlx-lm generate_step", "depth": "", "tok/s": peer["tok_s"], "spread": peer["spread"], "x mlx-lm": 1.0, "tokens/verify": "", "acceptance": "", "accept by depth": ""})
     plain = None
     for method, depth in methods:
-        r = run_engine(bundle, single_prompts, args.tokens, spec(method, depth), 1)
+        r = median_run(lambda: run_engine(bundle, single_prompts, args.tokens, spec(method, depth), 1))
         if method == "none":
             plain = r
-        rows.append({"setting": "1 stream", "method": f"ours {method}", "depth": depth if method != "none" else "", "tok/s": r["tok_s"], "x mlx-lm": r["tok_s"] / peer["tok_s"], "tokens/verify": r["tokens_per_verify"], "acceptance": r["acceptance"], "accept by depth": r["accept_by_depth"]})
+        rows.append({"setting": "1 stream", "method": f"ours {method}", "depth": depth if method != "none" else "", "tok/s": r["tok_s"], "spread": r["spread"], "x mlx-lm": r["tok_s"] / peer["tok_s"], "tokens/verify": r["tokens_per_verify"], "acceptance": r["acceptance"], "accept by depth": r["accept_by_depth"]})
         if method != "none":
             share, gaps = identity(bundle, single_prompts, plain["texts"], r["texts"])
             ident.append({"method": method, "depth": depth, "rows identical": share, "divergences": len(gaps), "max top-2 gap at divergence": max(gaps) if gaps else 0.0, "all at near-ties": all(g < NEAR_TIE for g in gaps)})
         print(table(rows), flush=True)
     same_as_peer = sum(a == b for a, b in zip(plain["texts"], peer["texts"])) / len(single_prompts)
     best_mtp = max((r for r in rows if r["method"] == "ours mtp"), key=lambda r: r["tok/s"], default=None)
-    batch_rows = []
+    batch_rows, runs = [], []
+    if args.torch and torch_peer.available():
+        runs.append(("1 stream", single_prompts, 1, plain["texts"]))
     for width in (int(w) for w in args.widths.split(",")):
         batch_prompts = prompts[: max(width, args.rows)]
-        pb = mlx_batch(bundle, batch_prompts, args.tokens)
-        entry = {"width": width, "rows": len(batch_prompts), "mlx-lm batch_generate tok/s": pb["tok_s"]}
+        # one row in flight: mlx-lm's peer is generate_step, row after row
+        pb = mlx_single(bundle.model, batch_prompts, args.tokens, eos) if width == 1 else mlx_batch(bundle, batch_prompts, args.tokens, width)
+        entry = {"width": width, "rows": len(batch_prompts), "mlx-lm tok/s": pb["tok_s"],
+                 "mlx-lm": "generate_step" if width == 1 else "batch_generate"}
         for method, depth in [("none", 1), ("ngram", 3)] + ([("mtp", best_mtp["depth"])] if best_mtp else []):
             r = run_engine(bundle, batch_prompts, args.tokens, spec(method, depth, adaptive=method != "none"), width)
             entry[f"ours {method} tok/s"] = r["tok_s"]
             entry[f"ours {method} x peer"] = r["tok_s"] / pb["tok_s"]
+            if method == "none":
+                batch_plain = r["texts"]
+        if args.torch and torch_peer.available() and width > 1:  # width 1: the single-stream run above
+            runs.append((f"width {width}", batch_prompts, width, batch_plain))
         batch_rows.append(entry)
         print(table(batch_rows), flush=True)
+    torch_rows = []
+    try:  # a peer failing must not cost the rest of the run
+        torch_rows = torch_peer.peer_rows(bundle, runs, args.tokens, sorted(eos)) if runs else []
+        for row in torch_rows:
+            match = next((r for r in rows if r["method"] == "ours none"), None) if row["setting"] == "1 stream" else \
+                next((b for b in batch_rows if f"width {b['width']}" == row["setting"]), None)
+            row["ours plain / torch"] = (match.get("tok/s") or match.get("ours none tok/s")) / row["torch tok/s"]
+    except Exception as e:  # noqa: BLE001
+        torch_rows = [{"setting": "torch peer failed", "error": repr(e)[:300]}]
+    print(table(torch_rows), flush=True)
     payload = {"device": device_name(), "versions": versions(), "model": args.model, "prompts": args.prompts,
                "rows_single": single_rows, "tokens": args.tokens, "plain_equals_mlx_lm_share": same_as_peer,
-               "single": rows, "identity": ident, "batched": batch_rows}
+               "single": rows, "identity": ident, "batched": batch_rows, "torch": torch_rows}
     save_json(out / "real_models.json", payload)
     md = (f"device: {payload['device']}; model {args.model}; prompts {args.prompts}; {args.tokens} new tokens\n\n"
-          + table(rows, ["setting", "method", "depth", "tok/s", "x mlx-lm", "tokens/verify", "acceptance", "accept by depth"])
-          + f"\nplain greedy == mlx-lm greedy on {same_as_peer:.0%} of rows\n\n" + table(ident) + "\n" + table(batch_rows))
+          + table(rows, ["setting", "method", "depth", "tok/s", "spread", "x mlx-lm", "tokens/verify", "acceptance", "accept by depth"])
+          + f"\nplain greedy == mlx-lm greedy on {same_as_peer:.0%} of rows\n\n" + table(ident) + "\n" + table(batch_rows)
+          + ("\nPyTorch + transformers generate (greedy, eager attention), same weights in bf16:\n\n" + table(torch_rows) if torch_rows else ""))
     (out / "real_models.md").write_text(md)
     print(md)
 
