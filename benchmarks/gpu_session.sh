@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh real     # SmolLM2: none / ngram / mtp vs mlx-lm and PyTorch, widths 1/8/32
 #   bash benchmarks/gpu_session.sh shapes   # random Qwen3-0.6B / 8B shapes: engine vs mlx-lm and PyTorch, verify cost
 #   bash benchmarks/gpu_session.sh jobs     # whole jobs vs batch_generate: few-shot MMLU, eval-mtp, GSM8K, nightly
+#   bash benchmarks/gpu_session.sh profile  # phase timings of the MTP job, and variants of its settings
 #   bash benchmarks/gpu_session.sh train    # self-distilled MTP head for SmolLM2 (no HumanEval rows)
 set -uo pipefail
 OUT=${OUT:-bench-out}
@@ -60,6 +61,15 @@ jobs)
   LIMIT=90 bench eval-none benchmarks.jobs_vs_peer jobs/eval-mtp.yaml --set input.limit=64 --set speculative.method=none
   LIMIT=90 bench gsm8k benchmarks.jobs_vs_peer jobs/gsm8k.yaml --set input.limit=64
   LIMIT=90 bench nightly benchmarks.jobs_vs_peer jobs/nightly.yaml --set input.limit=16
+  collect
+  ;;
+profile)  # where an MTP job's time goes, and which setting moves it
+  P="benchmarks.phase_profile jobs/eval-mtp.yaml --set input.limit=${ROWS:-32}"
+  LIMIT=120 bench mtp $P
+  LIMIT=60 bench mtp-eager $P --set speculative.compiled_verify=off
+  LIMIT=60 bench mtp-fixed-depth $P --set speculative.adaptive_depth=false
+  LIMIT=60 bench mtp-depth1 $P --set speculative.depth=1 --set speculative.adaptive_depth=false
+  LIMIT=60 bench none $P --set speculative.method=none
   collect
   ;;
 train)
