@@ -90,6 +90,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("job")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--tag", default="", help="suffix for the output files (runs of one job with other settings)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     job = load_job(args.job, args.overrides)
@@ -106,7 +107,7 @@ def main():
     rows.append({"phase": "whole job", "seconds": total, "share": 1.0, "calls": "", "distinct input shapes": ""})
     extra = {"completion_tokens": summary.completion_tokens, "bank": engine.bank.stats if engine.bank else None,
              "programs": sorted(map(str, engine.bank._programs)) if engine.bank else []}
-    name = f"phase_profile-{Path(args.job).stem}-{job.speculative.method}"
+    name = f"phase_profile-{Path(args.job).stem}-{job.speculative.method}{'-' + args.tag if args.tag else ''}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_json(out / f"{name}.json", {"device": device_name(), "overrides": args.overrides, "rows": rows, **extra})
