@@ -65,7 +65,7 @@ jobs)
   ;;
 profile)  # where an MTP job's time goes, and which setting moves it
   P="benchmarks.phase_profile jobs/eval-mtp.yaml --set input.limit=${ROWS:-32}"
-  LIMIT=120 bench mtp $P
+  LIMIT=${FIRST_LIMIT:-120} bench mtp $P
   LIMIT=60 bench mtp-eager $P --tag eager --set speculative.compiled_verify=off
   LIMIT=60 bench mtp-fixed-depth $P --tag fixed-depth --set speculative.adaptive_depth=false
   LIMIT=60 bench mtp-depth1 $P --tag depth1 --set speculative.depth=1 --set speculative.adaptive_depth=false

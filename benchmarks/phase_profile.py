@@ -73,7 +73,9 @@ def instrument(engine):
                 out = fn(*args)
                 mx.eval(out)
                 sync()
-                TIMES["verify program compile (first call)"] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                TIMES["verify program compile (first call)"] += dt
+                print(f"new verify program {key}: {dt:.2f} s", flush=True)
                 CALLS["verify program compile (first call)"] += 1
                 bank._programs[key] = fn
                 return out
@@ -94,7 +96,9 @@ def main():
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     job = load_job(args.job, args.overrides)
+    t0 = time.perf_counter()
     engine = load_engine(job)
+    print(f"engine loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     instrument(engine)
     with tempfile.TemporaryDirectory() as tmp:
         job.output.dir = str(Path(tmp) / "run")
