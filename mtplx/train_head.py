@@ -14,7 +14,10 @@ Recipe:
      training, plus the trunk's own greedy next token at every held-out position.
   3. The head trains on (h_t, emb(x_{t+1})) -> x_{t+2} with cross-entropy, AdamW, linear warmup
      and cosine decay; causal attention over the whole sequence, as at inference where the head
-     keeps its own KV cache.
+     keeps its own KV cache. Drafting deeper feeds the head its own output: depth k sees
+     (h'_{t} from depth k-1, emb(x_{t+k})) -> x_{t+k+1}. A head trained on depth 1 alone accepts
+     almost nothing at depth 2, so `draft_depths` (default 2) unrolls that recursion in training
+     (teacher-forced tokens, gradients through the whole chain) and averages the depths' losses.
   4. Held-out loss and acceptance (argmax of the head == the trunk's greedy token after x_{t+1},
      i.e. what greedy verification accepts at depth 1) are measured before and after.
   5. The sidecar (`mtp_head.safetensors` in the DeepSeek NextN key layout, `mtp_head.json`) is
@@ -57,6 +60,7 @@ NEXTN_NAMES = {"norm_embedding": "enorm", "norm_hidden": "hnorm", "fc": "eh_proj
 @dataclass
 class TrainConfig:
     depth_layers: int = 1  # decoder blocks in the head
+    draft_depths: int = 2  # draft depths trained (depth k feeds the head its own depth k-1 output)
     steps: int = 1000  # optimizer steps (the cosine schedule spans exactly these)
     batch_size: int = 8  # sequences per step
     seq_len: int = 512  # longest training sequence (tokens); text is cut into windows of this
@@ -76,13 +80,15 @@ class TrainConfig:
     checkpoint_every: int = 100  # steps between checkpoints
 
     # Keys that change what is trained: a resume with different values is refused.
-    RESUME_KEYS = ("depth_layers", "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
+    RESUME_KEYS = ("depth_layers", "draft_depths", "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
                    "weight_decay", "grad_clip", "init", "dtype", "seed")
 
     def check(self):
         problems = []
         if self.depth_layers < 1:
             problems.append(f"depth_layers must be >= 1, got {self.depth_layers}")
+        if not 1 <= self.draft_depths <= 8:
+            problems.append(f"draft_depths must be in 1..8, got {self.draft_depths}")
         if self.steps < 0:
             problems.append(f"steps must be >= 0, got {self.steps}")
         if self.batch_size < 1:
@@ -162,10 +168,44 @@ def _causal(head: MTPHead, L: int):
     return create_causal_mask(L) if head._array_mask else "causal"
 
 
-def _loss(head: MTPHead, hidden, tokens, targets, mask):
-    _, logits = head(hidden, tokens, mask=_causal(head, tokens.shape[1]))
-    ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="none")
-    return (ce * mask).sum() / mx.maximum(mask.sum(), 1.0)
+def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int):
+    """Logits, targets and masks at draft depths 1..`depths`. Depth k+1 at position i takes the
+    head's own depth-k output there and the token that depth k predicts (teacher-forced)."""
+    out = []
+    for _ in range(depths):
+        if tokens.shape[1] == 0:
+            break
+        hidden, logits = head(hidden, tokens, mask=_causal(head, tokens.shape[1]))
+        out.append((logits, targets, mask))
+        hidden, tokens, targets, mask = hidden[:, :-1], targets[:, :-1], targets[:, 1:], mask[:, :-1] * mask[:, 1:]
+    return out
+
+
+def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1):
+    total = 0.0
+    levels = _unrolled(head, hidden, tokens, targets, mask, depths)
+    for logits, tgt, m in levels:
+        ce = nn.losses.cross_entropy(logits.astype(mx.float32), tgt, reduction="none")
+        total = total + (ce * m).sum() / mx.maximum(m.sum(), 1.0)
+    return total / len(levels)
+
+
+def acceptance_by_depth(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
+                        batch_size: int = 8) -> List[float]:
+    """Held-out share of positions where the head's depth-k argmax is the trunk's own greedy token
+    (teacher-forced: the tokens before it are the sequence's)."""
+    hits, counts = np.zeros(depths), np.zeros(depths)
+    idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
+    for s in range(0, len(idx), batch_size):
+        hidden, tok, tgt, m, g = _batch(feats, idx[s : s + batch_size], compute_dtype)
+        ref = g if g is not None else tgt
+        for k, (logits, _, mk) in enumerate(_unrolled(head, hidden, tok, tgt, m, depths)):
+            hit = (mx.argmax(logits, axis=-1) == ref[:, k:]).astype(mx.float32)
+            h, n = (hit * mk).sum(), mk.sum()
+            mx.eval(h, n)
+            hits[k] += h.item()
+            counts[k] += n.item()
+    return [float(h / c) if c else 0.0 for h, c in zip(hits, counts)]
 
 
 def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_size: int = 8) -> Tuple[float, float]:
@@ -457,7 +497,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
 
     def train_step(batch):
         hidden, tok, tgt, m, _ = batch
-        loss, grads = loss_and_grad(head, hidden, tok, tgt, m)
+        loss, grads = loss_and_grad(head, hidden, tok, tgt, m, cfg.draft_depths)
         if cfg.grad_clip:
             grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(head, grads)
@@ -504,6 +544,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         history.append(last_eval)
     if checkpoint_step(out) != step:
         _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
+    by_depth = acceptance_by_depth(head, held_f, max(cfg.draft_depths, 3), compute_dtype)
     meta = {
         "steps": step,
         "train_loss": train_loss,
@@ -511,6 +552,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         "heldout_acceptance": last_eval["heldout_acceptance"],
         "initial_heldout_loss": initial["heldout_loss"],
         "initial_heldout_acceptance": initial["heldout_acceptance"],
+        "heldout_acceptance_by_depth": by_depth,
         "data": tdata.source,
         "data_digest": tdata.digest(),
         "sequences": len(tdata.sequences),
@@ -521,7 +563,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     }
     save_sidecar(bundle, head, out, meta)
     log(f"held-out loss {initial['heldout_loss']:.4f} -> {last_eval['heldout_loss']:.4f}, acceptance "
-        f"{initial['heldout_acceptance']:.3f} -> {last_eval['heldout_acceptance']:.3f}; wrote {out}")
+        f"{initial['heldout_acceptance']:.3f} -> {last_eval['heldout_acceptance']:.3f} "
+        f"(by draft depth {', '.join(f'{a:.3f}' for a in by_depth)}); wrote {out}")
     return TrainResult(
         out_dir=str(out), steps=step, train_loss=train_loss, heldout_loss=last_eval["heldout_loss"],
         heldout_acceptance=last_eval["heldout_acceptance"], initial_heldout_loss=initial["heldout_loss"],

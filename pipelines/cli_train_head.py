@@ -41,6 +41,9 @@ def _terminate_as_interrupt(signum, frame):
               help="Where the head (mtp_head.safetensors, mtp_head.json) and its checkpoint go.")
 @click.option("--depth-layers", type=click.IntRange(1, 8), default=1, show_default=True,
               help="Decoder blocks in the head.")
+@click.option("--draft-depths", type=click.IntRange(1, 8), default=2, show_default=True,
+              help="Draft depths trained: depth k feeds the head its own depth k-1 output, as drafting does. "
+                   "1 trains the next-but-one token only (cheaper; deeper drafts then rarely pass).")
 @click.option("--steps", type=click.IntRange(min=0), default=1000, show_default=True, help="Optimizer steps.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences per step.")
 @click.option("--seq-len", type=click.IntRange(min=3), default=512, show_default=True,
@@ -64,7 +67,7 @@ def _terminate_as_interrupt(signum, frame):
               help="Steps between checkpoints.")
 @click.option("--restart", is_flag=True, help="Discard HEAD_DIR/checkpoint/ and start over.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or messages; errors only.")
-def train_head(model: str, data: str, out_dir: str, depth_layers: int, steps: int, batch_size: int, seq_len: int,
+def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_depths: int, steps: int, batch_size: int, seq_len: int,
                lr: float, heldout: float, max_rows: Optional[int], max_new_tokens: Optional[int], init: str,
                dtype: str, seed: int, eval_every: int, checkpoint_every: int, restart: bool, quiet: bool):
     """Train a multi-token-prediction head for MODEL (it predicts token t+2 from the trunk's hidden
@@ -74,7 +77,7 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, steps: in
 
     from .errors import JobError
 
-    cfg = TrainConfig(depth_layers=depth_layers, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
+    cfg = TrainConfig(depth_layers=depth_layers, draft_depths=draft_depths, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
                       heldout=heldout, max_rows=max_rows, max_new_tokens=max_new_tokens, init=init, dtype=dtype,
                       seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every)
     log = None if quiet else (lambda m: click.echo(m, err=True))
