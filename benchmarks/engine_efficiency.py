@@ -82,7 +82,7 @@ def mlx_single(model, prompt, n):
 def ours(bundle, prompts, n, max_batch, method="none", compiled="off"):
     eng = Engine(bundle, SpeculativeConfig(method=method, compiled_verify=compiled, adaptive_depth=False), ScheduleConfig(max_batch=max_batch))
     reqs = [Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=n)) for i, p in enumerate(prompts)]
-    list(eng.generate(reqs[:1]))  # warm-up: compiles kernels for this shape
+    list(eng.generate(reqs))  # warm-up: the same run, untimed (compiled programs, kernels)
     sync()
     t0 = time.perf_counter()
     res = list(eng.generate(reqs))
@@ -94,7 +94,7 @@ def ours(bundle, prompts, n, max_batch, method="none", compiled="off"):
 def mlx_batch(bundle, prompts, n):
     from mlx_lm import batch_generate
 
-    batch_generate(bundle.model, bundle.tokenizer, prompts[:2], max_tokens=4)
+    batch_generate(bundle.model, bundle.tokenizer, prompts, max_tokens=n)  # warm-up: the same run, untimed
     sync()
     t0 = time.perf_counter()
     r = batch_generate(bundle.model, bundle.tokenizer, prompts, max_tokens=n)

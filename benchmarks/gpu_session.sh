@@ -5,10 +5,11 @@
 # the known names resolve offline.
 #
 #   bash benchmarks/gpu_session.sh setup    # assemble the GGUF + datasets into $MTPLX_CACHE/assets
-#   bash benchmarks/gpu_session.sh real     # SmolLM2: none / ngram / mtp vs mlx-lm and PyTorch, widths 1/8/32
+#   bash benchmarks/gpu_session.sh real     # SmolLM2: none / ngram / mtp vs mlx-lm, widths 1/8/32
+#   bash benchmarks/gpu_session.sh torch    # SmolLM2 in PyTorch + transformers vs our plain decoding
 #   bash benchmarks/gpu_session.sh shapes   # random Qwen3-0.6B / 8B shapes: engine vs mlx-lm and PyTorch, verify cost
 #   bash benchmarks/gpu_session.sh jobs     # whole jobs vs batch_generate: few-shot MMLU, eval-mtp, GSM8K, nightly
-#   bash benchmarks/gpu_session.sh profile  # phase timings of the MTP job, and variants of its settings
+#   bash benchmarks/gpu_session.sh profile  # phase timings of the MTP job against plain decoding
 #   bash benchmarks/gpu_session.sh train    # self-distilled MTP head for SmolLM2 (no HumanEval rows)
 set -uo pipefail
 OUT=${OUT:-bench-out}
@@ -48,7 +49,11 @@ setup)
   ;;
 real)
   bench real_models benchmarks.real_models --model $MODEL --prompts $CODE_PROMPTS --head $HEAD \
-    --rows 32 --tokens 128 --widths 1,8,32 --depths 1,2,3 --repeats 3 --torch
+    --rows 32 --tokens 128 --widths 1,8,32 --depths 1,2,3 --repeats 2
+  collect
+  ;;
+torch)  # PyTorch + transformers generate on SmolLM2's weights vs our plain decoding
+  bench torch_peer benchmarks.torch_peer --model $MODEL --prompts $CODE_PROMPTS --rows 32 --tokens 128 --widths 1,32
   collect
   ;;
 shapes)
@@ -63,13 +68,10 @@ jobs)
   LIMIT=90 bench nightly benchmarks.jobs_vs_peer jobs/nightly.yaml --set input.limit=16
   collect
   ;;
-profile)  # where an MTP job's time goes, and which setting moves it
-  P="benchmarks.phase_profile jobs/eval-mtp.yaml --set input.limit=${ROWS:-32}"
-  LIMIT=${FIRST_LIMIT:-120} bench mtp $P
-  LIMIT=60 bench mtp-eager $P --tag eager --set speculative.compiled_verify=off
-  LIMIT=60 bench mtp-fixed-depth $P --tag fixed-depth --set speculative.adaptive_depth=false
-  LIMIT=60 bench mtp-depth1 $P --tag depth1 --set speculative.depth=1 --set speculative.adaptive_depth=false
-  LIMIT=60 bench none $P --set speculative.method=none
+profile)  # where an MTP job's time goes (the device synchronized at every phase edge)
+  P="benchmarks.phase_profile jobs/eval-mtp.yaml --set input.limit=${ROWS:-16}"
+  LIMIT=200 bench mtp $P
+  LIMIT=100 bench none $P --set speculative.method=none
   collect
   ;;
 train)

@@ -27,11 +27,14 @@ SUITES = {
         ["benchmarks.real_models", "--model", MODEL, "--prompts", CODE_PROMPTS, "--head", "heads/smollm2-135m-instruct",
          "--rows", "8", "--tokens", "64", "--widths", "8", "--depths", "1,2,3", "--compiled", "off"],
     ],
-    "gpu": [
+    "gpu": [  # benchmarks/gpu_session.sh runs these in steps that fit one device call each
         ["benchmarks.engine_efficiency", "--shapes", "0.6b,8b"],
         ["benchmarks.real_models", "--model", MODEL, "--prompts", CODE_PROMPTS, "--head", "heads/smollm2-135m-instruct",
-         "--rows", "32", "--tokens", "128", "--widths", "8,32", "--depths", "1,2,3,4"],
+         "--rows", "32", "--tokens", "128", "--widths", "1,8,32", "--depths", "1,2,3", "--repeats", "2"],
+        ["benchmarks.torch_peer", "--model", MODEL, "--prompts", CODE_PROMPTS, "--widths", "1,32"],
         ["benchmarks.jobs_vs_peer", "jobs/mmlu.yaml", "--set", "speculative.method=none", "--set", "input.limit=256"],
+        ["benchmarks.jobs_vs_peer", "jobs/eval-mtp.yaml", "--set", "input.limit=64"],
+        ["benchmarks.phase_profile", "jobs/eval-mtp.yaml", "--set", "input.limit=16"],
     ],
 }
 

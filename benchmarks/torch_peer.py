@@ -113,3 +113,47 @@ def peer_rows(bundle, runs, max_tokens, eos) -> List[dict]:
     del model
     torch.cuda.empty_cache()
     return rows
+
+
+def main():
+    """SmolLM2 (or any llama / qwen2 / qwen3 model) in transformers vs our plain decoding."""
+    import argparse
+    from pathlib import Path
+
+    from mtplx.loading import load
+
+    from .common import device_name, save_json, table, versions
+    from .real_models import load_prompts, run_engine
+    from mtplx.config import SpeculativeConfig
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--prompts", default="benchmarks/data/head_train_prompts.jsonl")
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--widths", default="1,32")
+    ap.add_argument("--out", default="bench-out")
+    args = ap.parse_args()
+    bundle = load(args.model)
+    eos = sorted(bundle.tokenizer.eos_token_ids)
+    prompts = load_prompts(args.prompts, bundle.tokenizer, args.rows)
+    runs, ours = [], {}
+    for width in (int(w) for w in args.widths.split(",")):
+        rows = prompts[: max(4, args.rows // 4)] if width == 1 else prompts
+        r = run_engine(bundle, rows, args.tokens, SpeculativeConfig(method="none"), width)
+        ours[f"width {width}"] = r["tok_s"]
+        runs.append((f"width {width}", rows, width, r["texts"]))
+    table_rows = peer_rows(bundle, runs, args.tokens, eos)
+    for row in table_rows:
+        row["ours none tok/s"] = ours[row["setting"]]
+        row["ours / torch"] = ours[row["setting"]] / row["torch tok/s"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_json(out / "torch_peer.json", {"device": device_name(), "versions": versions(), "model": args.model, "rows": table_rows})
+    md = f"device: {device_name()}; model {args.model}; {args.tokens} new tokens, greedy\n\n" + table(table_rows)
+    (out / "torch_peer.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
