@@ -96,6 +96,30 @@ def mlx_single(model, prompts, tokens, eos):
     return {"tok_s": n / (time.perf_counter() - t0), "tokens": n, "texts": outs}
 
 
+def mlx_speculative(model, draft_model, prompts, tokens, eos, depth: int):
+    """mlx-lm's own speculative decoding with a draft model (one row at a time)."""
+    from mlx_lm.generate import speculative_generate_step
+
+    for _ in speculative_generate_step(mx.array(prompts[0]), model, draft_model, num_draft_tokens=depth, max_tokens=4):
+        pass
+    sync()
+    t0 = time.perf_counter()
+    n = from_draft = 0
+    outs = []
+    for p in prompts:
+        out = []
+        for tok, _, drafted in speculative_generate_step(mx.array(p), model, draft_model, num_draft_tokens=depth,
+                                                         max_tokens=tokens):
+            tok = int(tok)
+            if tok in eos:
+                break
+            out.append(tok)
+            from_draft += bool(drafted)
+        outs.append(out)
+        n += len(out)
+    return {"tok_s": n / (time.perf_counter() - t0), "tokens": n, "from_draft": from_draft, "texts": outs}
+
+
 def mlx_batch(bundle, prompts, tokens, width: int = 32, **kwargs):
     """`batch_generate` keeping up to `width` rows in flight (its completion batch size)."""
     from mlx_lm import batch_generate
@@ -167,6 +191,16 @@ def main():
 
     peer = median_run(lambda: mlx_single(bundle.model, single_prompts, args.tokens, eos))
     rows.append({"setting": "1 stream", "method": "mlx-lm generate_step", "depth": "", "tok/s": peer["tok_s"], "spread": peer["spread"], "x mlx-lm": 1.0, "tokens/verify": "", "acceptance": "", "accept by depth": ""})
+    if args.draft:  # the peer for method draft: mlx-lm's speculative_generate_step, same draft model
+        draft_model = load(args.draft).model
+        for depth in (int(d) for d in args.depths.split(",")):
+            r = median_run(lambda: mlx_speculative(bundle.model, draft_model, single_prompts, args.tokens, eos, depth))
+            rows.append({"setting": "1 stream", "method": "mlx-lm speculative (draft model)", "depth": depth, "tok/s": r["tok_s"],
+                         "spread": r["spread"], "x mlx-lm": r["tok_s"] / peer["tok_s"],
+                         # each verify emits one token of its own plus the drafts it accepted
+                         "tokens/verify": r["tokens"] / max(r["tokens"] - r["from_draft"], 1),
+                         "acceptance": "", "accept by depth": ""})
+        del draft_model
     plain = None
     for method, depth in methods:
         r = median_run(lambda: run_engine(bundle, single_prompts, args.tokens, spec(method, depth), 1))
@@ -188,7 +222,8 @@ def main():
         pb = mlx_single(bundle.model, batch_prompts, args.tokens, eos) if width == 1 else mlx_batch(bundle, batch_prompts, args.tokens, width)
         entry = {"width": width, "rows": len(batch_prompts), "mlx-lm tok/s": pb["tok_s"],
                  "mlx-lm": "generate_step" if width == 1 else "batch_generate"}
-        for method, depth in [("none", 1), ("ngram", 3)] + ([("mtp", best_mtp["depth"])] if best_mtp else []):
+        extra = ([("mtp", best_mtp["depth"])] if best_mtp else []) + ([("draft", 2)] if args.draft else [])
+        for method, depth in [("none", 1), ("ngram", 3)] + extra:
             r = run_engine(bundle, batch_prompts, args.tokens, spec(method, depth, adaptive=method != "none"), width)
             entry[f"ours {method} tok/s"] = r["tok_s"]
             entry[f"ours {method} x peer"] = r["tok_s"] / pb["tok_s"]
