@@ -30,6 +30,16 @@ def versions() -> Dict[str, str]:
     return out
 
 
+def reset_peak():
+    sync()
+    mx.reset_peak_memory()
+
+
+def peak_gb() -> float:
+    """Peak memory MLX allocated since the last reset_peak(), in GB."""
+    return mx.get_peak_memory() / 1e9
+
+
 def sync():
     mx.synchronize() if hasattr(mx, "synchronize") else mx.eval(mx.array(0))
 

@@ -28,6 +28,7 @@ from . import torch_peer
 from .common import device_name, save_json, sync, table, versions
 
 HBM_BYTES_PER_S = 4.8e12
+MATMUL_FLOPS = 716e12  # bf16 matmul measured on the H200 with MLX (../shared/GPU.md): the large-batch ceiling
 
 SHAPES = {
     "0.6b": dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
@@ -154,11 +155,13 @@ def main():
         m1, _ = mlx_single(bundle.model, prompts[0], n)
         o1, _, _ = ours(bundle, prompts[:1], n, 1)
         o1c, _, eng = ours(bundle, prompts[:1], n, 1, compiled="on")
-        decode_rows.append({"shape": shape, "what": "1 stream decode tok/s", "mlx-lm": m1, "ours eager": o1, "ours compiled": o1c, "ratio (best/mlx)": max(o1, o1c) / m1, "roofline tok/s": roof, "ours % roofline": 100 * max(o1, o1c) / roof})
+        decode_rows.append({"shape": shape, "what": "1 stream decode tok/s", "mlx-lm": m1, "ours eager": o1, "ours compiled": o1c, "ratio (best/mlx)": max(o1, o1c) / m1, "roofline tok/s": roof, "ours % roofline": 100 * max(o1, o1c) / roof, "ours % matmul peak": ""})
         mb, _, mb_tps = mlx_batch(bundle, prompts, n)
         ob, _, _ = ours(bundle, prompts, n, args.batch)
         obc, _, _ = ours(bundle, prompts, n, args.batch, compiled="on")
-        decode_rows.append({"shape": shape, "what": f"{args.batch} streams end-to-end tok/s", "mlx-lm": mb, "ours eager": ob, "ours compiled": obc, "ratio (best/mlx)": max(ob, obc) / mb, "roofline tok/s": "", "ours % roofline": ""})
+        flops_per_token = wb  # 2 FLOPs per weight, bf16 weights are 2 bytes each: FLOPs == weight bytes
+        decode_rows.append({"shape": shape, "what": f"{args.batch} streams end-to-end tok/s", "mlx-lm": mb, "ours eager": ob, "ours compiled": obc, "ratio (best/mlx)": max(ob, obc) / mb, "roofline tok/s": "", "ours % roofline": "",
+                            "ours % matmul peak": 100 * max(ob, obc) * flops_per_token / MATMUL_FLOPS})
         if torch_peer.available():  # same random weights in transformers, greedy generate
             try:
                 peer = torch_peer.peer_rows(bundle, [("1", prompts[:1], 1, None), ("batch", prompts, args.batch, None)], n, eos=[])

@@ -25,7 +25,7 @@ from mtplx.loading import load
 from mtplx.request import Request, SamplingParams
 
 from . import torch_peer
-from .common import Measure, device_name, save_json, sync, table, versions
+from .common import Measure, device_name, peak_gb, reset_peak, save_json, sync, table, versions
 
 NEAR_TIE = 0.5  # top-2 logit gap under which bf16 rounding may flip the argmax
 
@@ -52,7 +52,7 @@ def run_engine(bundle, prompts, tokens, spec: SpeculativeConfig, width: int, war
     reqs = [Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=tokens)) for i, p in enumerate(prompts)]
     if warm:  # the same run once, untimed: every compiled program and kernel this run needs exists
         list(eng.generate(reqs))
-    sync()
+    reset_peak()
     t0 = time.perf_counter()
     res = sorted(eng.generate(reqs), key=lambda r: r.key)
     dt = time.perf_counter() - t0
@@ -71,6 +71,7 @@ def run_engine(bundle, prompts, tokens, spec: SpeculativeConfig, width: int, war
         "acceptance": (sum(r.stats.accepted_tokens for r in res) / max(1, sum(r.stats.drafted_tokens for r in res))),
         "accept_by_depth": (by_depth / max(verifies, 1)).round(3).tolist() if verifies else [],
         "compiled_calls": eng.bank.stats["compiled_calls"] if eng.bank else 0,
+        "peak_gb": peak_gb(),
         "texts": [r.tokens for r in res],
     }
 
@@ -80,7 +81,7 @@ def mlx_single(model, prompts, tokens, eos):
 
     for _ in generate_step(mx.array(prompts[0]), model, max_tokens=4):
         pass
-    sync()
+    reset_peak()
     t0 = time.perf_counter()
     n = 0
     outs = []
@@ -93,7 +94,7 @@ def mlx_single(model, prompts, tokens, eos):
             out.append(tok)
         outs.append(out)
         n += len(out)
-    return {"tok_s": n / (time.perf_counter() - t0), "tokens": n, "texts": outs}
+    return {"tok_s": n / (time.perf_counter() - t0), "tokens": n, "texts": outs, "peak_gb": peak_gb()}
 
 
 def mlx_speculative(model, draft_model, prompts, tokens, eos, depth: int):
@@ -102,7 +103,7 @@ def mlx_speculative(model, draft_model, prompts, tokens, eos, depth: int):
 
     for _ in speculative_generate_step(mx.array(prompts[0]), model, draft_model, num_draft_tokens=depth, max_tokens=4):
         pass
-    sync()
+    reset_peak()
     t0 = time.perf_counter()
     n = from_draft = 0
     outs = []
@@ -117,7 +118,8 @@ def mlx_speculative(model, draft_model, prompts, tokens, eos, depth: int):
             from_draft += bool(drafted)
         outs.append(out)
         n += len(out)
-    return {"tok_s": n / (time.perf_counter() - t0), "tokens": n, "from_draft": from_draft, "texts": outs}
+    return {"tok_s": n / (time.perf_counter() - t0), "tokens": n, "from_draft": from_draft, "texts": outs,
+            "peak_gb": peak_gb()}
 
 
 def mlx_batch(bundle, prompts, tokens, width: int = 32, **kwargs):
@@ -127,12 +129,12 @@ def mlx_batch(bundle, prompts, tokens, width: int = 32, **kwargs):
     run = lambda: batch_generate(bundle.model, bundle.tokenizer, prompts, max_tokens=tokens, return_token_ids=True,
                                  completion_batch_size=width, prefill_batch_size=min(8, width), **kwargs)
     run()  # warm-up: the same run, untimed, as for our engine
-    sync()
+    reset_peak()
     t0 = time.perf_counter()
     r = run()
     dt = time.perf_counter() - t0
     n = sum(len(t) for t in r.token_ids)
-    return {"tok_s": n / dt, "tokens": n, "seconds": dt}
+    return {"tok_s": n / dt, "tokens": n, "seconds": dt, "peak_gb": peak_gb()}
 
 
 def identity(bundle, prompts, plain, spec_texts):
@@ -190,13 +192,13 @@ def main():
         return dict(runs[0], tok_s=rates.median, spread=rates.spread)
 
     peer = median_run(lambda: mlx_single(bundle.model, single_prompts, args.tokens, eos))
-    rows.append({"setting": "1 stream", "method": "mlx-lm generate_step", "depth": "", "tok/s": peer["tok_s"], "spread": peer["spread"], "x mlx-lm": 1.0, "tokens/verify": "", "acceptance": "", "accept by depth": ""})
+    rows.append({"setting": "1 stream", "method": "mlx-lm generate_step", "depth": "", "tok/s": peer["tok_s"], "spread": peer["spread"], "peak GB": peer["peak_gb"], "x mlx-lm": 1.0, "tokens/verify": "", "acceptance": "", "accept by depth": ""})
     if args.draft:  # the peer for method draft: mlx-lm's speculative_generate_step, same draft model
         draft_model = load(args.draft).model
         for depth in (int(d) for d in args.depths.split(",")):
             r = median_run(lambda: mlx_speculative(bundle.model, draft_model, single_prompts, args.tokens, eos, depth))
             rows.append({"setting": "1 stream", "method": "mlx-lm speculative (draft model)", "depth": depth, "tok/s": r["tok_s"],
-                         "spread": r["spread"], "x mlx-lm": r["tok_s"] / peer["tok_s"],
+                         "spread": r["spread"], "peak GB": r["peak_gb"], "x mlx-lm": r["tok_s"] / peer["tok_s"],
                          # each verify emits one token of its own plus the drafts it accepted
                          "tokens/verify": r["tokens"] / max(r["tokens"] - r["from_draft"], 1),
                          "acceptance": "", "accept by depth": ""})
@@ -206,7 +208,7 @@ def main():
         r = median_run(lambda: run_engine(bundle, single_prompts, args.tokens, spec(method, depth), 1))
         if method == "none":
             plain = r
-        rows.append({"setting": "1 stream", "method": f"ours {method}", "depth": depth if method != "none" else "", "tok/s": r["tok_s"], "spread": r["spread"], "x mlx-lm": r["tok_s"] / peer["tok_s"], "tokens/verify": r["tokens_per_verify"], "acceptance": r["acceptance"], "accept by depth": r["accept_by_depth"]})
+        rows.append({"setting": "1 stream", "method": f"ours {method}", "depth": depth if method != "none" else "", "tok/s": r["tok_s"], "spread": r["spread"], "peak GB": r["peak_gb"], "x mlx-lm": r["tok_s"] / peer["tok_s"], "tokens/verify": r["tokens_per_verify"], "acceptance": r["acceptance"], "accept by depth": r["accept_by_depth"]})
         if method != "none":
             share, gaps = identity(bundle, single_prompts, plain["texts"], r["texts"])
             ident.append({"method": method, "depth": depth, "rows identical": share, "divergences": len(gaps), "max top-2 gap at divergence": max(gaps) if gaps else 0.0, "all at near-ties": all(g < NEAR_TIE for g in gaps)})
@@ -221,12 +223,13 @@ def main():
         # one row in flight: mlx-lm's peer is generate_step, row after row
         pb = mlx_single(bundle.model, batch_prompts, args.tokens, eos) if width == 1 else mlx_batch(bundle, batch_prompts, args.tokens, width)
         entry = {"width": width, "rows": len(batch_prompts), "mlx-lm tok/s": pb["tok_s"],
-                 "mlx-lm": "generate_step" if width == 1 else "batch_generate"}
+                 "mlx-lm": "generate_step" if width == 1 else "batch_generate", "mlx-lm peak GB": pb["peak_gb"]}
         extra = ([("mtp", best_mtp["depth"])] if best_mtp else []) + ([("draft", 2)] if args.draft else [])
         for method, depth in [("none", 1), ("ngram", 3)] + extra:
             r = run_engine(bundle, batch_prompts, args.tokens, spec(method, depth, adaptive=method != "none"), width)
             entry[f"ours {method} tok/s"] = r["tok_s"]
             entry[f"ours {method} x peer"] = r["tok_s"] / pb["tok_s"]
+            entry[f"ours {method} peak GB"] = r["peak_gb"]
             if method == "none":
                 batch_plain = r["texts"]
         if args.torch and torch_peer.available() and width > 1:  # width 1: the single-stream run above
@@ -248,7 +251,7 @@ def main():
                "single": rows, "identity": ident, "batched": batch_rows, "torch": torch_rows}
     save_json(out / "real_models.json", payload)
     md = (f"device: {payload['device']}; model {args.model}; prompts {args.prompts}; {args.tokens} new tokens\n\n"
-          + table(rows, ["setting", "method", "depth", "tok/s", "spread", "x mlx-lm", "tokens/verify", "acceptance", "accept by depth"])
+          + table(rows, ["setting", "method", "depth", "tok/s", "spread", "peak GB", "x mlx-lm", "tokens/verify", "acceptance", "accept by depth"])
           + f"\nplain greedy == mlx-lm greedy on {same_as_peer:.0%} of rows\n\n" + table(ident) + "\n" + table(batch_rows)
           + ("\nPyTorch + transformers generate (greedy, eager attention), same weights in bf16:\n\n" + table(torch_rows) if torch_rows else ""))
     (out / "real_models.md").write_text(md)
