@@ -5,8 +5,9 @@ Rows arrive grouped by shared prefix (the pipeline's `prefix` order marks each r
 split at the prefix edge, and the state at the edge is kept: attention KV (a slice), recurrent
 state (captured exactly at the edge) and the drafter's own state. Every later row of the group
 copies that state and prefills only its suffix. Rows that need no snapshot are prefilled
-together in one padded batch: each row writes its own span at its own offset, so padding never
-enters a row's cache.
+together in padded batches of similar length (`length_groups`): each row writes its own span at
+its own offset, so padding never enters a row's cache, and grouping by length keeps the padding
+(work spent on no token) to a fraction of the real tokens.
 """
 
 from __future__ import annotations
@@ -101,6 +102,27 @@ class PrefixStore:
             self._items.popitem(last=False)
 
 
+PADDING_WASTE = 0.25  # a padded prefill batch spends at most this fraction more than its real tokens
+
+
+def length_groups(lengths: Sequence[int], max_waste: float = PADDING_WASTE) -> List[List[int]]:
+    """Indices into `lengths`, shortest first, cut into groups that are prefilled as one padded
+    batch: a group pads every row to its longest, and a row joins the current group only while
+    the group's padded slots stay within (1 + max_waste) x its real tokens."""
+    groups: List[List[int]] = []
+    current: List[int] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if current and (len(current) + 1) * lengths[i] > (1 + max_waste) * (real + lengths[i]):
+            groups.append(current)
+            current, real = [], 0
+        current.append(i)
+        real += lengths[i]
+    if current:
+        groups.append(current)
+    return groups
+
+
 class Prefiller:
     def __init__(self, engine):
         self.engine = engine
@@ -134,8 +156,11 @@ class Prefiller:
             (alone if leader or self.engine.hybrid else together).append(i)
         for i in alone:
             out[i] = self._one(rows[i], keys[i])
-        if together:
-            for i, res in zip(together, self._many([rows[i] for i in together], [keys[i] for i in together])):
+        todo = [len(rows[i].req.prompt_tokens) - (self._edge(rows[i]) if self.store.get(keys[i]) else 0)
+                for i in together]
+        for group in length_groups(todo):
+            members = [together[g] for g in group]
+            for i, res in zip(members, self._many([rows[i] for i in members], [keys[i] for i in members])):
                 out[i] = res
         for row in rows:
             row.stats.prompt_tokens = len(row.req.prompt_tokens)

@@ -149,3 +149,48 @@ def test_engine_prefills_in_env_sized_chunks_with_the_same_output(monkeypatch, t
     eng, split = run(edge)
     assert split.stats.prefill_chunks == len(_spans(n, 7, (edge,))) == -(-n // 7) + 1
     assert split.tokens == whole.tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=4000), max_size=64), st.sampled_from([0.0, 0.25, 1.0]))
+def test_length_groups_cover_every_row_once_and_bound_the_padding(lengths, waste):
+    from mtplx.prefill import length_groups
+
+    groups = length_groups(lengths, waste)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    flat = [lengths[i] for g in groups for i in g]
+    assert flat == sorted(flat)  # shortest first, within and across groups
+    for g in groups:
+        padded, real = len(g) * max(lengths[i] for i in g), sum(lengths[i] for i in g)
+        assert len(g) == 1 or padded <= (1 + waste) * real + 1e-9
+
+
+def test_rows_of_very_different_lengths_prefill_in_length_groups_with_the_same_output(tiny_model):
+    """Many short prompts and one long one: grouped by length, the long one no longer pads the
+    rest (prefilled slots stay near the real tokens), and every row's text is unchanged."""
+    from mtplx.config import ScheduleConfig, SpeculativeConfig
+    from mtplx.generation import Engine
+    from mtplx.loading import load
+    from mtplx.request import Request, SamplingParams
+
+    bundle = load(tiny_model("llama"))
+    prompts = [list(range(3, 3 + n)) for n in (5, 6, 6, 7, 8, 9, 60)]
+    slots = []
+
+    def run(max_batch):
+        eng = Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"), ScheduleConfig(max_batch=max_batch))
+        many = eng.prefiller._many
+
+        def counting(rows, keys):  # the padded slots each batched prefill spends
+            slots.append(len(rows) * max(len(r.req.prompt_tokens) for r in rows))
+            return many(rows, keys)
+
+        eng.prefiller._many = counting
+        reqs = [Request(i, p, SamplingParams(max_tokens=8)) for i, p in enumerate(prompts)]
+        return {r.key: r.tokens for r in eng.generate(reqs)}
+
+    alone = run(1)
+    slots.clear()
+    together = run(len(prompts))
+    assert together == alone
+    assert sum(slots) <= 1.25 * sum(map(len, prompts)) < len(prompts) * 60
