@@ -120,11 +120,11 @@ def main():
     import argparse
     from pathlib import Path
 
+    from mtplx.config import SpeculativeConfig
     from mtplx.loading import load
 
     from .common import device_name, save_json, table, versions
     from .real_models import load_prompts, run_engine
-    from mtplx.config import SpeculativeConfig
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
