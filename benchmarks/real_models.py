@@ -67,7 +67,9 @@ def run_engine(bundle, prompts, tokens, spec: SpeculativeConfig, width: int, war
         "tok_s": n / dt,
         "seconds": dt,
         "tokens": n,
-        "tokens_per_verify": (n / verifies) if verifies else 1.0,
+        # over the rounds that drafted (adaptive depth may run others at depth 0): each such verify
+        # emits its accepted drafts plus one token of its own
+        "tokens_per_verify": (sum(r.stats.accepted_tokens for r in res) + verifies) / verifies if verifies else 1.0,
         "acceptance": (sum(r.stats.accepted_tokens for r in res) / max(1, sum(r.stats.drafted_tokens for r in res))),
         "accept_by_depth": (by_depth / max(verifies, 1)).round(3).tolist() if verifies else [],
         "compiled_calls": eng.bank.stats["compiled_calls"] if eng.bank else 0,
