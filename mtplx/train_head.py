@@ -423,8 +423,9 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     state_dir = _ckpt_state_dir(out)
     state = json.loads((state_dir / "state.json").read_text()) if state_dir else None
     if state is not None:
-        diff = [f"{k}: checkpoint {state['config'].get(k)!r} vs now {v!r}" for k, v in cfg.resume_view().items()
-                if state["config"].get(k) != v]
+        saved = dict({"draft_depths": 1}, **state["config"])  # checkpoints from before draft_depths trained depth 1
+        diff = [f"{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in cfg.resume_view().items()
+                if saved.get(k) != v]
         if state["trunk"] != sig:
             diff.insert(0, f"trunk: checkpoint {state['trunk']} vs model {sig}")
         elif not _probe_matches(state.get("trunk_probe") or [], header["trunk_probe"]):
