@@ -78,32 +78,10 @@ def run_engine(bundle, prompts, tokens, spec: SpeculativeConfig, width: int, war
     }
 
 
-def mlx_single(model, prompts, tokens, eos):
-    from mlx_lm.generate import generate_step
-
-    for _ in generate_step(mx.array(prompts[0]), model, max_tokens=4):
-        pass
-    reset_peak()
-    t0 = time.perf_counter()
-    n = 0
-    outs = []
-    for p in prompts:
-        out = []
-        for tok, _ in generate_step(mx.array(p), model, max_tokens=tokens):
-            tok = int(tok)
-            if tok in eos:
-                break
-            out.append(tok)
-        outs.append(out)
-        n += len(out)
-    return {"tok_s": n / (time.perf_counter() - t0), "tokens": n, "texts": outs, "peak_gb": peak_gb()}
-
-
-def mlx_speculative(model, draft_model, prompts, tokens, eos, depth: int):
-    """mlx-lm's own speculative decoding with a draft model (one row at a time)."""
-    from mlx_lm.generate import speculative_generate_step
-
-    for _ in speculative_generate_step(mx.array(prompts[0]), model, draft_model, num_draft_tokens=depth, max_tokens=4):
+def _rows_one_at_a_time(steps, prompts, tokens, eos):
+    """Time mlx-lm's per-row generator `steps(prompt, max_tokens)` (yielding (token, from_draft))
+    over `prompts`, after a short untimed warm-up."""
+    for _ in steps(mx.array(prompts[0]), 4):
         pass
     reset_peak()
     t0 = time.perf_counter()
@@ -111,8 +89,7 @@ def mlx_speculative(model, draft_model, prompts, tokens, eos, depth: int):
     outs = []
     for p in prompts:
         out = []
-        for tok, _, drafted in speculative_generate_step(mx.array(p), model, draft_model, num_draft_tokens=depth,
-                                                         max_tokens=tokens):
+        for tok, drafted in steps(mx.array(p), tokens):
             tok = int(tok)
             if tok in eos:
                 break
@@ -122,6 +99,23 @@ def mlx_speculative(model, draft_model, prompts, tokens, eos, depth: int):
         n += len(out)
     return {"tok_s": n / (time.perf_counter() - t0), "tokens": n, "from_draft": from_draft, "texts": outs,
             "peak_gb": peak_gb()}
+
+
+def mlx_single(model, prompts, tokens, eos):
+    """mlx-lm's `generate_step`, one row at a time."""
+    from mlx_lm.generate import generate_step
+
+    steps = lambda prompt, n: ((tok, False) for tok, _ in generate_step(prompt, model, max_tokens=n))
+    return _rows_one_at_a_time(steps, prompts, tokens, eos)
+
+
+def mlx_speculative(model, draft_model, prompts, tokens, eos, depth: int):
+    """mlx-lm's own speculative decoding with a draft model, one row at a time."""
+    from mlx_lm.generate import speculative_generate_step
+
+    steps = lambda prompt, n: ((tok, drafted) for tok, _, drafted in speculative_generate_step(
+        prompt, model, draft_model, num_draft_tokens=depth, max_tokens=n))
+    return _rows_one_at_a_time(steps, prompts, tokens, eos)
 
 
 def mlx_batch(bundle, prompts, tokens, width: int = 32, **kwargs):
