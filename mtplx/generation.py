@@ -251,10 +251,11 @@ class Engine:
                 yield err
                 continue
             need = self.row_bytes(len(req.prompt_tokens), row.max_tokens)
-            if live or admitted:
-                if used_bytes + need > self.memory_budget:
-                    batch.waiting.insert(0, req)  # fits alone, not now: wait for a slot to free up
-                    return False
+            if (live or admitted) and used_bytes + need > self.memory_budget:
+                # Fits alone, not beside the rows in flight: it waits for one to finish, and the
+                # rows admitted so far in this pass run (they were taken from the source).
+                batch.waiting.insert(0, req)
+                break
             used_bytes += need
             admitted.append(row)
         if not admitted:
