@@ -21,7 +21,7 @@ from mtplx.cache import BatchCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine, _Runtime
 from mtplx.graphbank import CompiledVerifyBank
-from mtplx.loading import ModelBundle
+from mtplx.models.loading import ModelBundle
 from mtplx.request import Request, SamplingParams
 
 from . import torch_peer

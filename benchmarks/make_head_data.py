@@ -54,7 +54,7 @@ def code_prompts(limit: int):
 
 
 def question_prompts(name: str, limit: int):
-    from mtplx.assets import resolve_asset
+    from mtplx.models.assets import resolve_asset
 
     rows = []
     with open(resolve_asset(name, "dataset")) as f:

@@ -21,7 +21,7 @@ import numpy as np
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
-from mtplx.loading import load
+from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
 
 from . import torch_peer
@@ -31,7 +31,7 @@ NEAR_TIE = 0.5  # top-2 logit gap under which bf16 rounding may flip the argmax
 
 
 def load_prompts(source: str, tokenizer, rows: int, offset: int = 0):
-    from mtplx.assets import resolve_asset
+    from mtplx.models.assets import resolve_asset
 
     path = resolve_asset(source, "dataset")
     prompts = []

@@ -121,7 +121,7 @@ def main():
     from pathlib import Path
 
     from mtplx.config import SpeculativeConfig
-    from mtplx.loading import load
+    from mtplx.models.loading import load
 
     from .common import device_name, save_json, table, versions
     from .real_models import load_prompts, run_engine

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import BatchCache, RowStateCache
-from .mtp import MTPHead, project_logits
+from .models.mtp import MTPHead, project_logits
 from .sampling import SamplerBatch, sample_from, shaped_probs
 
 
@@ -289,7 +289,7 @@ def make_drafter(method: str, engine) -> Optional[object]:
     if method == "ngram":
         return NgramDrafter(engine.spec.ngram_size)
     if method == "draft":
-        from .loading import load
+        from .models.loading import load
 
         draft = load(engine.spec.draft_model)
         if draft.tokenizer.vocab_size != engine.tokenizer.vocab_size and abs(
@@ -301,7 +301,7 @@ def make_drafter(method: str, engine) -> Optional[object]:
             )
         return DraftModelDrafter(draft.model, engine.vocab_size)
     if method == "mtp":
-        from .mtp import load_head
+        from .models.mtp import load_head
 
         return MtpDrafter(load_head(engine.bundle, engine.spec.mtp_head))
     raise ValueError(f"unknown speculative method {method!r}")

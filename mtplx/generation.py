@@ -24,8 +24,8 @@ from .depth import DepthController
 from .drafters import MtpDrafter, make_drafter
 from .gdn import install_capture
 from .graphbank import CompiledVerifyBank
-from .loading import ModelBundle, context_length, load
-from .mtp import has_trunk_split, project_logits, trunk_hidden
+from .models.loading import ModelBundle, context_length, load
+from .models.mtp import has_trunk_split, project_logits, trunk_hidden
 from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
 from .request import Request, Result, RowStats
 from .sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs

@@ -22,7 +22,7 @@ import numpy as np
 
 from .cache import BatchCache
 from .drafters import MtpDrafter
-from .mtp import project_logits, trunk_hidden
+from .models.mtp import project_logits, trunk_hidden
 from .sampling import SamplerBatch, sample_from, shaped_probs
 
 MIN_PREFIX_TOKENS = 8  # shorter shared prefixes are not worth a snapshot

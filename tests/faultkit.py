@@ -4,7 +4,7 @@ per run.
 Starting `mtplx-batch` costs ~3 s of imports (MLX, transformers, pyarrow), so a test that kills
 the CLI 50 times would spend minutes importing. The zygote (`python tests/faultkit.py --zygote`)
 imports everything once and then, per request, forks a child that runs the real CLI entry point
-(`pipelines.cli.main(["run", JOB, ...])`) with its own environment (e.g. MTPLX_FAULT_POINT) and
+(`pipelines.cli.commands.main(["run", JOB, ...])`) with its own environment (e.g. MTPLX_FAULT_POINT) and
 its stdout/stderr in a log file. The child is a real process: it is SIGKILLed / SIGTERMed like
 any other, the kernel drops its file lock, and only what reached the disk survives.
 
@@ -107,7 +107,7 @@ def _child(task: dict) -> None:
         os.dup2(fd, 2)
         os.close(fd)
         os.environ.update(task["env"])
-        from pipelines.cli import main
+        from pipelines.cli.commands import main
 
         main(task["args"], prog_name="mtplx-batch")
         code = 0
@@ -127,10 +127,10 @@ def _child(task: dict) -> None:
 def _serve() -> None:
     # Everything a run imports, imported once here; nothing evaluated.
     import mtplx.generation  # noqa: F401
-    import mtplx.loading  # noqa: F401
-    import pipelines.cli  # noqa: F401
-    import pipelines.runner  # noqa: F401
-    import pipelines.validate  # noqa: F401
+    import mtplx.models.loading  # noqa: F401
+    import pipelines.cli.commands  # noqa: F401
+    import pipelines.execution.runner  # noqa: F401
+    import pipelines.cli.validate  # noqa: F401
     import pyarrow.parquet  # noqa: F401
 
     try:

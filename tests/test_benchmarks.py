@@ -12,7 +12,7 @@ from benchmarks import phase_profile
 from benchmarks.torch_peer import HF_KEYS, dense_weights
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
-from mtplx.loading import load
+from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
 
 

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from jobkit import job_dict, read_output, sample_rows, write_job, write_parquet
-from pipelines.cli import main
+from pipelines.cli.commands import main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,14 +31,14 @@ def job_file(tmp_path, llama):
 @pytest.fixture
 def no_weights(monkeypatch):
     """Fails the test if anything loads model weights."""
-    import mtplx.loading
-    import pipelines.runner
+    import mtplx.models.loading
+    import pipelines.execution.runner
 
     def boom(*a, **k):
         raise AssertionError("model weights were loaded")
 
-    monkeypatch.setattr(mtplx.loading, "load", boom)
-    monkeypatch.setattr(pipelines.runner, "load_engine", boom)
+    monkeypatch.setattr(mtplx.models.loading, "load", boom)
+    monkeypatch.setattr(pipelines.execution.runner, "load_engine", boom)
 
 
 def cli(*args):
@@ -198,7 +198,7 @@ def test_sigterm_commits_finished_rows_and_exits_1(tmp_path, llama):
     data = write_parquet(tmp_path / "in.parquet", sample_rows(30))
     job = write_job(tmp_path / "job.yaml", job_dict(llama, data, tmp_path / "run", generation={"max_tokens": 12},
                                                     output={"shard_rows": 1000}))
-    # SIGTERM from inside, right after the 10th finished row (pipelines/faults.py): a signal sent
+    # SIGTERM from inside, right after the 10th finished row (pipelines/io/faults.py): a signal sent
     # after a sleep lands anywhere from model loading to interpreter shutdown, depending on the
     # machine. Random-time external SIGTERMs are in tests/test_reliability.py.
     proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "run", str(job), "-q"], cwd=REPO,

@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from pipelines.config import JobConfig, apply_overrides, build_job, load_job, parse_override
+from pipelines.job.config import JobConfig, apply_overrides, build_job, load_job, parse_override
 from pipelines.errors import JobError
-from pipelines.fingerprint import diff_fingerprint_parts, fingerprint, fingerprint_parts
+from pipelines.job.fingerprint import diff_fingerprint_parts, fingerprint, fingerprint_parts
 
 DESIGN_JOB = """
 name: eval

@@ -20,7 +20,7 @@ from mtplx.cache import BatchCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.graphbank import CompiledVerifyBank, CompiledVerifyParityError
-from mtplx.loading import load
+from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
 
 from tiny_models import reference_tokens

@@ -25,7 +25,7 @@ import pytest
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.drafters import NgramDrafter
 from mtplx.generation import Engine
-from mtplx.loading import load
+from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
 
 from tiny_models import reference_tokens
@@ -94,9 +94,9 @@ class Ctx:
 @pytest.fixture(scope="module", autouse=True)
 def _load_each_draft_once():
     """Engines load their draft model by path; load each once for this module (read-only use)."""
-    import mtplx.loading
+    import mtplx.models.loading
 
-    real, loaded = mtplx.loading.load, {}
+    real, loaded = mtplx.models.loading.load, {}
 
     def cached(path, *args, **kwargs):
         key = (str(path), args, tuple(sorted(kwargs.items())))
@@ -105,7 +105,7 @@ def _load_each_draft_once():
         return loaded[key]
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(mtplx.loading, "load", cached)
+    mp.setattr(mtplx.models.loading, "load", cached)
     yield
     mp.undo()
 

@@ -16,7 +16,7 @@ import pytest
 from mtplx.cache import BatchCache, RowStateCache
 from mtplx.gdn import install_capture
 from mtplx.graphbank import CompiledVerifyBank
-from mtplx.loading import load
+from mtplx.models.loading import load
 
 ATOL = 1e-4
 K = 4

@@ -123,7 +123,7 @@ def test_engine_prefills_in_env_sized_chunks_with_the_same_output(monkeypatch, t
     prefill (split at the stable-prefix edge too) gives the same greedy text as one span."""
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine
-    from mtplx.loading import load
+    from mtplx.models.loading import load
     from mtplx.request import Request, SamplingParams
 
     bundle = load(tiny_model("qwen3_next"))
@@ -170,7 +170,7 @@ def test_rows_of_very_different_lengths_prefill_in_length_groups_with_the_same_o
     rest (prefilled slots stay near the real tokens), and every row's text is unchanged."""
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine
-    from mtplx.loading import load
+    from mtplx.models.loading import load
     from mtplx.request import Request, SamplingParams
 
     bundle = load(tiny_model("llama"))

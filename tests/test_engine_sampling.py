@@ -21,7 +21,7 @@ import pytest
 import mtplx.generation
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
-from mtplx.loading import load
+from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
 from mtplx.sampling import accept_sampled, sample_from
 from test_sampling import chi2_pvalue

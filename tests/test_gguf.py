@@ -1,4 +1,4 @@
-"""GGUF -> mlx-lm conversion (mtplx/gguf.py) against the same weights saved the mlx-lm way.
+"""GGUF -> mlx-lm conversion (mtplx/models/gguf.py) against the same weights saved the mlx-lm way.
 
 Each test writes a tiny GGUF the way llama.cpp's converter would (llama.cpp tensor names, q/k rows
 permuted for llama, tokenizer as `tokenizer.ggml.*` metadata, some tensors Q4_0/Q4_1/Q5_0/Q5_1/
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from tiny_models import CHAT_TEMPLATE, greedy_tokens
 
-from mtplx.gguf import GGUFConversionError, convert_gguf
-from mtplx.loading import load, resolve_model_path
+from mtplx.models.gguf import GGUFConversionError, convert_gguf
+from mtplx.models.loading import load, resolve_model_path
 
 Q = gguf.GGMLQuantizationType
 
@@ -204,7 +204,7 @@ def test_converted_model_matches_safetensors(gguf_case, monkeypatch, arch, tied,
     ref_dir, path = gguf_case(arch, tied)
     monkeypatch.setenv("MTPLX_GGUF_MODE", mode)
     ref = load(ref_dir)
-    conv = load(path)  # converted once into the cache by mtplx.loading
+    conv = load(path)  # converted once into the cache by mtplx.models.loading
     assert conv.path != path and (conv.path / "config.json").exists()
     assert conv.model_type == {"gemma3": "gemma3_text"}.get(arch, arch)
 
@@ -328,7 +328,7 @@ def test_sentencepiece_vocab_matches_sentencepiece():
 
     import sentencepiece as spm
 
-    from mtplx.gguf import build_tokenizer
+    from mtplx.models.gguf import build_tokenizer
 
     text = Path(sysconfig.get_paths()["stdlib"], "textwrap.py").read_text(encoding="utf-8")
     proto = io.BytesIO()

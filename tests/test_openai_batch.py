@@ -8,14 +8,14 @@ from click.testing import CliRunner
 
 from jobkit import job_dict, read_output, write_job, write_jsonl
 from mtplx.request import SamplingParams, derive_seed
-from pipelines.cli import main
-from pipelines.config import build_job
+from pipelines.cli.commands import main
+from pipelines.job.config import build_job
 from pipelines.errors import JobError
-from pipelines.export import export_run
-from pipelines.openai_batch import RowParams, parse_request
-from pipelines.prompts import RowError
-from pipelines.runner import run_job
-from pipelines.validate import validate_job
+from pipelines.io.export import export_run
+from pipelines.io.openai_batch import RowParams, parse_request
+from pipelines.io.prompts import RowError
+from pipelines.execution.runner import run_job
+from pipelines.cli.validate import validate_job
 
 
 def req(cid, content="Tell me a story about a cat.", url="/v1/chat/completions", **body):
@@ -189,7 +189,7 @@ def test_samples_become_choices_and_validate_lists_bad_requests(tmp_path, model)
 
 
 def test_validate_counts_without_weights(tmp_path, model, monkeypatch):
-    import pipelines.runner as runner
+    import pipelines.execution.runner as runner
 
     monkeypatch.setattr(runner, "load_engine", lambda job: pytest.fail("validate must not load weights"))
     data = write_jsonl(tmp_path / "b.jsonl", batch_lines())

@@ -7,11 +7,11 @@ import yaml
 
 from jobkit import job_dict, read_output, sample_rows, write_jsonl, write_parquet
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from pipelines.config import InputConfig, build_job
+from pipelines.job.config import InputConfig, build_job
 from pipelines.errors import JobError, RunError
-from pipelines.ordering import common_prefix, length_order, ordered, prefix_groups
-from pipelines.prompts import Field, PromptRenderer, RowError, parse_template
-from pipelines.runner import run_job
+from pipelines.execution.ordering import common_prefix, length_order, ordered, prefix_groups
+from pipelines.io.prompts import Field, PromptRenderer, RowError, parse_template
+from pipelines.execution.runner import run_job
 
 try:
     from mtplx.generation import Engine
@@ -28,7 +28,7 @@ def llama(tiny_model):
 
 @pytest.fixture(scope="module")
 def tokenizer(llama):
-    from mtplx.loading import load_tokenizer_only
+    from mtplx.models.loading import load_tokenizer_only
 
     return load_tokenizer_only(llama)
 
@@ -285,7 +285,7 @@ def test_limit_then_continue(tmp_path, llama, engine):
 
 
 def test_invalid_input_refused_before_weights_load(tmp_path, llama, monkeypatch):
-    import pipelines.runner as runner
+    import pipelines.execution.runner as runner
 
     def boom(job):
         raise AssertionError("weights must not load for an invalid job")
@@ -302,7 +302,7 @@ def test_invalid_input_refused_before_weights_load(tmp_path, llama, monkeypatch)
 
 
 def test_job_yaml_in_run_dir_is_the_resolved_job(tmp_path, llama, monkeypatch):
-    import pipelines.runner as runner
+    import pipelines.execution.runner as runner
 
     monkeypatch.setattr(runner, "load_engine", lambda job: (_ for _ in ()).throw(RunError("no engine here")))
     job = make_job(tmp_path, llama)

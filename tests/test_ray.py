@@ -23,10 +23,10 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from jobkit import job_dict, read_output, sample_rows, write_job, write_jsonl, write_parquet  # noqa: E402
-from pipelines.config import build_job  # noqa: E402
-from pipelines.ray_engine import MTPLXPredictor  # noqa: E402
-from pipelines.runner import run_job  # noqa: E402
-from pipelines.sink import output_schema  # noqa: E402
+from pipelines.job.config import build_job  # noqa: E402
+from pipelines.execution.ray_engine import MTPLXPredictor  # noqa: E402
+from pipelines.execution.runner import run_job  # noqa: E402
+from pipelines.io.sink import output_schema  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # Everything that must agree between executors (timings and batch widths may differ).

@@ -3,7 +3,7 @@ resumed output equals an uninterrupted run's, row for row, with nothing lost or 
 
 Kills are real process deaths of the real CLI (`mtplx-batch run`), forked from a zygote that has
 the imports done (tests/faultkit.py), so each costs well under a second:
-- injected: MTPLX_FAULT_POINT (pipelines/faults.py) SIGKILLs the run the Nth time it passes a
+- injected: MTPLX_FAULT_POINT (pipelines/io/faults.py) SIGKILLs the run the Nth time it passes a
   named point inside a shard write, a manifest write, or between rows; points and N are drawn
   from a seeded RNG (MTPLX_RELIABILITY_SEED), so a failing sequence replays exactly;
 - external: SIGKILL / SIGTERM / SIGINT sent at seeded random times.
@@ -36,7 +36,7 @@ import pytest
 
 from faultkit import REPO, Zygote
 from jobkit import job_dict, sample_rows, write_job, write_parquet
-from pipelines import faults
+from pipelines.io import faults
 
 FULL = os.environ.get("MTPLX_RELIABILITY_FULL") == "1"
 SEED = int(os.environ.get("MTPLX_RELIABILITY_SEED", "20240807"))
@@ -360,8 +360,8 @@ def test_write_failure_inside_pyarrow_removes_the_partial_file(tmp_path, monkeyp
 
     import pyarrow.parquet as pq
 
-    import pipelines.sink as sink
-    from pipelines.checkpoint import RunDir
+    import pipelines.io.sink as sink
+    from pipelines.io.checkpoint import RunDir
     from pipelines.errors import RunError
 
     run = RunDir.prepare(str(tmp_path / "run"), "name: x\n", {"p": "1"}, log=lambda m: None)

@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from jobkit import job_dict, read_output, sample_rows, write_job, write_parquet
-from pipelines.checkpoint import RunDir
-from pipelines.cli import main
+from pipelines.io.checkpoint import RunDir
+from pipelines.cli.commands import main
 
 SETTINGS = dict(generation={"max_tokens": 4, "n": 1}, output={"shard_rows": 2})
 

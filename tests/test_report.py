@@ -10,11 +10,11 @@ import pytest
 from click.testing import CliRunner
 
 from jobkit import job_dict, read_output, sample_rows, write_job, write_jsonl
-from pipelines.cli import main
-from pipelines.config import build_job
-from pipelines.progress import Progress
-from pipelines.report import error_kind, write_report
-from pipelines.runner import run_job
+from pipelines.cli.commands import main
+from pipelines.job.config import build_job
+from pipelines.cli.progress import Progress
+from pipelines.cli.report import error_kind, write_report
+from pipelines.execution.runner import run_job
 
 pytest.importorskip("matplotlib")
 

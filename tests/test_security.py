@@ -25,7 +25,7 @@ import pytest
 from click.testing import CliRunner
 
 from jobkit import job_dict, read_output, sample_rows, write_job, write_jsonl, write_parquet
-from pipelines.cli import main
+from pipelines.cli.commands import main
 
 
 def cli(*args):
@@ -60,7 +60,7 @@ EVIL_TAGS = [
     "!!python/object/apply:os.system ['touch {marker}']",
     "!!python/object/new:subprocess.Popen [['touch', '{marker}']]",
     "!!python/name:os.system",
-    "!!python/object:pipelines.config.JobConfig {{name: x}}",
+    "!!python/object:pipelines.job.config.JobConfig {{name: x}}",
 ]
 
 
@@ -103,9 +103,9 @@ def test_template_cannot_reach_attributes(tmp_path, llama, data, template):
 
 
 def test_template_data_is_never_reinterpreted(tmp_path, llama):
-    from mtplx.loading import load_tokenizer_only
-    from pipelines.config import InputConfig
-    from pipelines.prompts import PromptRenderer
+    from mtplx.models.loading import load_tokenizer_only
+    from pipelines.job.config import InputConfig
+    from pipelines.io.prompts import PromptRenderer
 
     tok = load_tokenizer_only(llama)
     r = PromptRenderer(InputConfig(path="x", template="Q: {q}", chat_template="off"), tok)

@@ -8,11 +8,11 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.checkpoint import RunDir, read_manifest, totals
+from pipelines.io.checkpoint import RunDir, read_manifest, totals
 from pipelines.errors import JobError
-from pipelines.fingerprint import fingerprint
-from pipelines.fsutil import sha256_file
-from pipelines.sink import OUTPUT_COLUMNS, ShardWriter, empty_row, output_schema
+from pipelines.job.fingerprint import fingerprint
+from pipelines.io.fsutil import sha256_file
+from pipelines.io.sink import OUTPUT_COLUMNS, ShardWriter, empty_row, output_schema
 
 PARTS = {"generation.max_tokens": "8", "input.files": "abc"}
 
@@ -163,6 +163,6 @@ def test_foreign_directory_and_concurrent_runs_refused(tmp_path):
 
 
 def test_config_knows_the_output_column_names():
-    from pipelines.config import OUTPUT_COLUMN_NAMES
+    from pipelines.job.config import OUTPUT_COLUMN_NAMES
 
     assert tuple(n for n, _ in OUTPUT_COLUMNS) == OUTPUT_COLUMN_NAMES

@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.config import InputConfig
+from pipelines.job.config import InputConfig
 from pipelines.errors import JobError
-from pipelines.sources import open_source
+from pipelines.io.sources import open_source
 
 ROWS = [{"id": f"r{i}", "prompt": f"question {i}", "n": i} for i in range(7)]
 

@@ -1,4 +1,4 @@
-"""The tiny fixture models: real checkpoint layouts, loadable by mlx-lm and mtplx.loading."""
+"""The tiny fixture models: real checkpoint layouts, loadable by mlx-lm and mtplx.models.loading."""
 
 from __future__ import annotations
 
@@ -238,17 +238,17 @@ def test_qwen3_next_strict_load_ignores_mtp(tiny_model):
 
 
 # ---------------------------------------------------------------------------------------------
-# mtplx.loading
+# mtplx.models.loading
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mtplx_loading(family, tiny_model):
     from mlx_lm.utils import load_model
 
-    import mtplx.loading
+    import mtplx.models.loading
 
     path = tiny_model(family)
-    bundle = mtplx.loading.load(path)
+    bundle = mtplx.models.loading.load(path)
     assert bundle.model_type == family
     assert bundle.tokenizer.eos_token_ids == {0}
     cfg = _config(path)
@@ -296,6 +296,6 @@ def test_fixtures(tiny_model, tiny_models_dir):
     cache = os.environ["MTPLX_CACHE"]
     assert os.path.isdir(cache)
     assert not cache.startswith(os.path.expanduser("~/.cache"))
-    import mtplx.loading
+    import mtplx.models.loading
 
-    assert str(mtplx.loading.cache_dir()) == cache
+    assert str(mtplx.models.loading.cache_dir()) == cache

@@ -2,7 +2,7 @@
 
 Shown on the tiny fixture models (qwen3: tied embeddings; llama: untied lm_head):
 - training lowers held-out loss and raises held-out acceptance over the untrained head;
-- the sidecar round-trips through `mtplx.mtp.load_head` bit for bit (one and two blocks);
+- the sidecar round-trips through `mtplx.models.mtp.load_head` bit for bit (one and two blocks);
 - the engine with `speculative: {method: mtp, mtp_head: DIR}` gives greedy output identical to plain
   decoding, with more accepted drafts than an untrained head;
 - a head for another trunk is refused, by shape and by weights;
@@ -23,11 +23,11 @@ from mlx.utils import tree_flatten
 
 from mtplx.config import SpeculativeConfig
 from mtplx.generation import Engine
-from mtplx.loading import load
-from mtplx.mtp import SIDECAR_META, SIDECAR_WEIGHTS, load_head
+from mtplx.models.loading import load
+from mtplx.models.mtp import SIDECAR_META, SIDECAR_WEIGHTS, load_head
 from mtplx.request import Request, SamplingParams
-from mtplx.train_head import TrainConfig, TrainData, TrainHeadError, checkpoint_step, train_head
-from pipelines.cli_train_head import train_head as train_head_cmd
+from mtplx.training.train_head import TrainConfig, TrainData, TrainHeadError, checkpoint_step, train_head
+from pipelines.cli.train_head import train_head as train_head_cmd
 
 WORDS = ("def class return import for while if else self value list dict print json "
          "the quick brown fox answer question").split()

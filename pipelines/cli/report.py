@@ -38,8 +38,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pyarrow.parquet as pq
 
-from .checkpoint import JOB_FILE, read_manifest
-from .errors import JobError
+from ..io.checkpoint import JOB_FILE, read_manifest
+from ..errors import JobError
 
 TOP_SLOW = 20
 MAX_ERRORS_SHOWN = 200

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .checkpoint import read_manifest
-from .errors import JobError
+from ..errors import JobError
 
 FORMATS = ("openai-batch", "jsonl", "hf")
 CHUNK_ROWS = 50_000  # rows gathered at once while re-ordering
@@ -180,7 +180,7 @@ def default_errors_path(out: str) -> str:
 
 def export_openai(run: OrderedRun, out: str, errors_out: Optional[str] = None) -> ExportResult:
     from .openai_batch import model_name, write_lines
-    from .report import error_kind, read_job
+    from ..cli.report import error_kind, read_job
 
     errors_out = errors_out or default_errors_path(out)
     if os.path.abspath(errors_out) == os.path.abspath(out):
@@ -209,7 +209,7 @@ def export_openai(run: OrderedRun, out: str, errors_out: Optional[str] = None) -
 
 
 def export_hf(run: OrderedRun, out: str, file_rows: int = HF_FILE_ROWS) -> ExportResult:
-    from .report import collect
+    from ..cli.report import collect
 
     res = ExportResult("hf", expected=run.expected)
     parent = os.path.dirname(os.path.abspath(out))

@@ -30,8 +30,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .config import InputConfig
-from .errors import JobError, RunError
+from ..job.config import InputConfig
+from ..errors import JobError, RunError
 
 BATCH_ROWS = 1024
 # What reading a damaged file raises: I/O errors, and for .gz a truncated (EOFError) or corrupt
@@ -55,7 +55,7 @@ class SourceRow:
 
 def _known_dataset(path: str) -> str:
     """A known dataset name (`humaneval`, `gsm8k-100`, `mmlu-1k`) -> its fetched JSONL file."""
-    from mtplx.assets import ASSETS, AssetError, resolve_asset
+    from mtplx.models.assets import ASSETS, AssetError, resolve_asset
 
     if path in ASSETS and not os.path.exists(path):
         try:

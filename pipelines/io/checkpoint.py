@@ -25,8 +25,8 @@ from typing import Callable, Dict, List, Set, Tuple
 
 import pyarrow.parquet as pq
 
-from .errors import JobError, RunError
-from .fingerprint import diff_fingerprint_parts, fingerprint
+from ..errors import JobError, RunError
+from ..job.fingerprint import diff_fingerprint_parts, fingerprint
 from .fsutil import atomic_write, sha256_file
 
 MANIFEST = "manifest.json"

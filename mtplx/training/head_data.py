@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .loading import ModelBundle
-from .mtp import trunk_hidden
+from ..models.loading import ModelBundle
+from ..models.mtp import trunk_hidden
 
 if TYPE_CHECKING:
     from .train_head import TrainConfig
@@ -133,9 +133,9 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
                  max_batch: int = 32, seq_len: Optional[int] = None, quiet: bool = True) -> TrainData:
     """prompt + the model's own greedy continuation, for every prompt (batched, plain decoding);
     scored from the first generated token on."""
-    from .config import ScheduleConfig, SpeculativeConfig
-    from .generation import Engine
-    from .request import Request, SamplingParams
+    from ..config import ScheduleConfig, SpeculativeConfig
+    from ..generation import Engine
+    from ..request import Request, SamplingParams
 
     engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"),
                     ScheduleConfig(order="input", max_batch=max_batch))
@@ -159,8 +159,8 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
 
 
 def _table_rows(path: str, fmt: str):
-    from pipelines.config import InputConfig
-    from pipelines.sources import open_source
+    from pipelines.job.config import InputConfig
+    from pipelines.io.sources import open_source
 
     src = open_source(InputConfig(path=path, format=fmt), None)
     for row in src.rows():
@@ -200,10 +200,10 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True) 
 
 
 def _job_data(bundle: ModelBundle, path: str, cfg: TrainConfig, quiet: bool) -> TrainData:
-    from pipelines.config import load_job
+    from pipelines.job.config import load_job
     from pipelines.errors import JobError
-    from pipelines.rows import prepare
-    from pipelines.runner import open_job
+    from pipelines.io.rows import prepare
+    from pipelines.execution.runner import open_job
 
     try:
         job = load_job(path)
@@ -233,8 +233,8 @@ def _table_data(bundle: ModelBundle, path: str, fmt: str, cfg: TrainConfig, quie
         raise TrainHeadError(f"--data {path!r} holds no rows")
     cols = set(rows[0])
     if "prompt" in cols or "messages" in cols:
-        from pipelines.config import InputConfig
-        from pipelines.prompts import PromptRenderer
+        from pipelines.job.config import InputConfig
+        from pipelines.io.prompts import PromptRenderer
 
         inp = InputConfig(path=path, format=fmt, messages_column="messages" if "prompt" not in cols else None)
         renderer = PromptRenderer(inp, tok)
@@ -288,7 +288,7 @@ def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[i
         hs = h.astype(store_dtype)
         g = None
         if want_greedy:
-            from .mtp import project_logits
+            from ..models.mtp import project_logits
 
             g = mx.argmax(project_logits(model, h), axis=-1).astype(mx.int32)
         mx.eval(hs, g) if g is not None else mx.eval(hs)

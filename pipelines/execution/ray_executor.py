@@ -39,19 +39,19 @@ from typing import Callable, Dict, Iterator, List, Optional
 import numpy as np
 import pyarrow as pa
 
-from .checkpoint import RunDir
-from .config import ExecutorConfig, JobConfig
-from .errors import JobError, RunError
-from .fingerprint import fingerprint_parts
+from ..io.checkpoint import RunDir
+from ..job.config import ExecutorConfig, JobConfig
+from ..errors import JobError, RunError
+from ..job.fingerprint import fingerprint_parts
 from .ordering import ordered
 from .ray_engine import PARAMS_COL, PREFIX_COL, SAMPLES_COL, SEED_COL, TOKENS_COL, JobPredictor, params_to_json
-from .rows import prepare
+from ..io.rows import prepare
 from .runner import RunSummary, load_tokenizer, open_job, resolve_model_dir
-from .sink import ShardWriter, output_schema
+from ..io.sink import ShardWriter, output_schema
 
 try:
-    from .progress import DEFAULT_LOG_EVERY, Progress
-except ImportError:  # pragma: no cover - older trees without pipelines/progress.py
+    from ..cli.progress import DEFAULT_LOG_EVERY, Progress
+except ImportError:  # pragma: no cover - older trees without pipelines/cli/progress.py
     DEFAULT_LOG_EVERY, Progress = 30.0, None
 
 READ_BLOCK_ROWS = 256  # prepared rows per block handed from the reader to the actors
@@ -61,7 +61,7 @@ READER_CPUS = 0.5  # differs from the actors' 1 CPU on purpose: Ray does not fus
 def engine_max_context(job: JobConfig) -> int:
     """The context length `Engine` will use for this model (the reader checks prompts against it;
     each actor checks that its engine agrees)."""
-    from mtplx.loading import context_length, model_config
+    from mtplx.models.loading import context_length, model_config
 
     try:
         return context_length(model_config(job.model.path))
@@ -160,7 +160,7 @@ def _worker_runtime_env() -> Optional[Dict]:
         return None
     except PackageNotFoundError:
         pass
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if os.path.abspath(os.getcwd()) == root or root in paths:
         return None
@@ -223,7 +223,7 @@ class _NoProgress:
 def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, quiet: bool = True,
             log: Optional[Callable[[str], None]] = None, log_json: bool = False,
             log_every: float = DEFAULT_LOG_EVERY) -> RunSummary:
-    """Run (or resume) `job` on Ray; same contract as `pipelines.runner.run_job`."""
+    """Run (or resume) `job` on Ray; same contract as `pipelines.execution.runner.run_job`."""
     try:
         importlib.import_module("ray.data")
     except ImportError as e:

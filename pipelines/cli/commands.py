@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import click
 
-from .errors import JobError, RunError
+from ..errors import JobError, RunError
 
 EPILOG_RUN = """\b
 Examples:
@@ -82,7 +82,7 @@ def _terminate_as_interrupt(signum, frame):
 
 def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool = False,
          log_every: float = 30.0) -> None:
-    from .runner import run_job
+    from ..execution.runner import run_job
 
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     if log_json:
@@ -154,7 +154,7 @@ def main():
 def run(job_file: str, overrides: Sequence[str], restart: bool, limit: Optional[int], quiet: bool,
         log_json: bool, log_every: float, executor: Optional[str] = None):
     """Run JOB_FILE, or continue its earlier run in output.dir."""
-    from .config import load_job
+    from ..job.config import load_job
 
     if executor:
         overrides = (*overrides, f"executor.type={executor}")
@@ -179,8 +179,8 @@ def resume(run_dir: str, quiet: bool, log_json: bool, log_every: float):
       mtplx-batch resume runs/eval
       mtplx-batch resume runs/eval --log-json --log-every 60 2>>runs/eval.log   # from cron
     """
-    from .checkpoint import JOB_FILE
-    from .config import load_job
+    from ..io.checkpoint import JOB_FILE
+    from ..job.config import load_job
 
     path = os.path.join(run_dir, JOB_FILE)
     if not os.path.exists(path):
@@ -236,7 +236,7 @@ def validate(job_file: str, overrides: Sequence[str], limit: Optional[int]):
     Example:
       mtplx-batch validate jobs/eval.yaml --set input.path=data/other.parquet
     """
-    from .config import load_job
+    from ..job.config import load_job
     from .validate import format_report, validate_job
 
     try:
@@ -331,7 +331,7 @@ command says how many rows are still missing. An existing --out is refused unles
 @click.option("--overwrite", is_flag=True, help="Replace --out (and --errors-out) if they exist.")
 def export(run_dir: str, fmt: str, out: str, errors_out: Optional[str], overwrite: bool):
     """Write the committed output of RUN_DIR as OpenAI Batch results, JSONL, or a Hugging Face dataset."""
-    from .export import export_run
+    from ..io.export import export_run
 
     if errors_out is not None and fmt != "openai-batch":
         _fail(JobError("--errors-out only applies to --format openai-batch"))
@@ -351,8 +351,8 @@ def export(run_dir: str, fmt: str, out: str, errors_out: Optional[str], overwrit
 
 
 def _register_extra_commands():
-    from .cli_assets import convert, fetch
-    from .cli_train_head import train_head
+    from .assets import convert, fetch
+    from .train_head import train_head
 
     for command in (fetch, convert, train_head):
         main.add_command(command)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from mtplx.config import SPEC_METHODS, VERIFY_MODES
 
-from .errors import JobError
+from ..errors import JobError
 
 INPUT_FORMATS = ("parquet", "arrow", "jsonl", "csv", "hf", "openai-batch")
 ORDERS = ("prefix", "length", "input")

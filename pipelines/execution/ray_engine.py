@@ -3,7 +3,7 @@
 One instance holds one `Engine` (one model in memory); Ray Data makes one instance per actor:
 
     import ray
-    from pipelines.ray_engine import MTPLXPredictor
+    from .ray_engine import MTPLXPredictor
 
     ds = ray.data.read_parquet("prompts.parquet")           # columns: id, prompt
     out = ds.map_batches(
@@ -23,7 +23,7 @@ stats, ...) plus the input columns passed through. A row that cannot run (null p
 longer than the context, engine refusal) becomes a row with `finish_reason == "error"` and the
 reason in `error`; it never fails the batch.
 
-The `mtplx-batch` Ray executor (pipelines/ray_executor.py) runs `JobPredictor`, a subclass that
+The `mtplx-batch` Ray executor (pipelines/execution/ray_executor.py) runs `JobPredictor`, a subclass that
 takes rows already prepared by the job's own reader (row index, id, tokens, per-row errors), so a
 job gives the same rows on Ray as it does locally.
 """
@@ -40,12 +40,12 @@ import pyarrow as pa
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.request import Request, SamplingParams, derive_seed
 
-from .config import GenerationConfig, InputConfig
+from ..job.config import GenerationConfig, InputConfig
 from .ordering import order_window
-from .prompts import PromptRenderer, RowError
-from .rows import Item, content_id, row_id
+from ..io.prompts import PromptRenderer, RowError
+from ..io.rows import Item, content_id, row_id
 from .runner import _output_row
-from .sink import OUTPUT_COLUMNS, output_schema
+from ..io.sink import OUTPUT_COLUMNS, output_schema
 
 # Columns the job's reader adds for JobPredictor (not output columns; never written to shards).
 TOKENS_COL = "_mtplx_tokens"

@@ -1,6 +1,6 @@
 """`mtplx-batch train-head`: train a multi-token-prediction sidecar head for a model without one.
 
-Registered in `pipelines/cli.py` as `main.add_command(train_head)`; see docs/train-head.md.
+Registered in `pipelines/cli/commands.py` as `main.add_command(train_head)`; see docs/train-head.md.
 """
 
 from __future__ import annotations
@@ -72,10 +72,10 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
                dtype: str, seed: int, eval_every: int, checkpoint_every: int, restart: bool, quiet: bool):
     """Train a multi-token-prediction head for MODEL (it predicts token t+2 from the trunk's hidden
     state at t and token t+1) and write it to HEAD_DIR as a sidecar for speculative decoding."""
-    from mtplx.train_head import TrainConfig, TrainHeadError, checkpoint_step
-    from mtplx.train_head import train_head as run_training
+    from mtplx.training.train_head import TrainConfig, TrainHeadError, checkpoint_step
+    from mtplx.training.train_head import train_head as run_training
 
-    from .errors import JobError
+    from ..errors import JobError
 
     cfg = TrainConfig(depth_layers=depth_layers, draft_depths=draft_depths, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
                       heldout=heldout, max_rows=max_rows, max_new_tokens=max_new_tokens, init=init, dtype=dtype,

@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from .config import InputConfig
-from .errors import JobError
+from ..job.config import InputConfig
+from ..errors import JobError
 
 
 class RowError(Exception):

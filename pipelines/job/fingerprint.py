@@ -20,7 +20,7 @@ import os
 from typing import Dict, List, Sequence
 
 from .config import JobConfig
-from .fsutil import sha256_file
+from ..io.fsutil import sha256_file
 
 SCHEMA_VERSION = "1"  # bump when the output columns change
 TOKENIZER_FILES = (

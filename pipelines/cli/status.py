@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from .checkpoint import read_manifest, totals
+from ..io.checkpoint import read_manifest, totals
 
 
 def run_status(run_dir: str) -> Dict:

@@ -17,8 +17,8 @@ import yaml
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.request import SamplingParams
 
-from .errors import JobError
-from .jobschema import SHORTHAND, check_job_dict
+from ..errors import JobError
+from .schema import SHORTHAND, check_job_dict
 
 
 @dataclass
@@ -156,7 +156,7 @@ def build_job(raw: Any, default_name: str = "job") -> JobConfig:
         problems.append("input.template: give only one of template and prompt_column "
                         "(a template reads any columns by name: '{question}')")
     if inp.template is not None:
-        from .prompts import parse_template  # the template's own checks, refused as invalid job
+        from ..io.prompts import parse_template  # the template's own checks, refused as invalid job
 
         try:
             parse_template(inp.template)

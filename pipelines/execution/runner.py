@@ -27,16 +27,16 @@ from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 from mtplx.request import Request, Result, RowStats, derive_seed
 
-from .checkpoint import RunDir
-from .config import JobConfig
-from .errors import JobError, RunError
-from .fingerprint import fingerprint_parts
+from ..io.checkpoint import RunDir
+from ..job.config import JobConfig
+from ..errors import JobError, RunError
+from ..job.fingerprint import fingerprint_parts
 from .ordering import ordered
-from .progress import DEFAULT_LOG_EVERY, Progress, json_logger
-from .prompts import PromptRenderer
-from .rows import Item, keep_checker, prepare
-from .sink import ShardWriter, output_schema
-from .sources import Source, open_source
+from ..cli.progress import DEFAULT_LOG_EVERY, Progress, json_logger
+from ..io.prompts import PromptRenderer
+from ..io.rows import Item, keep_checker, prepare
+from ..io.sink import ShardWriter, output_schema
+from ..io.sources import Source, open_source
 
 
 @dataclass
@@ -90,7 +90,7 @@ def check_remote_code(job: JobConfig) -> None:
 
 
 def load_tokenizer(job: JobConfig):
-    from mtplx.loading import load_tokenizer_only
+    from mtplx.models.loading import load_tokenizer_only
 
     check_remote_code(job)
     try:
@@ -100,7 +100,7 @@ def load_tokenizer(job: JobConfig):
 
 
 def resolve_model_dir(job: JobConfig) -> str:
-    from mtplx.loading import resolve_model_path
+    from mtplx.models.loading import resolve_model_path
 
     try:
         return str(resolve_model_path(job.model.path))
@@ -121,7 +121,7 @@ class Prepared:
 def open_job(job: JobConfig, tokenizer) -> Prepared:
     """Open the input and prompt rendering; any problem here is a JobError (exit 2)."""
     if job.input.format == "openai-batch":
-        from .openai_batch import OpenAIBatchRenderer  # refuses rows with unsupported body fields
+        from ..io.openai_batch import OpenAIBatchRenderer  # refuses rows with unsupported body fields
 
         renderer = OpenAIBatchRenderer(job.input, tokenizer, job.generation.n)
     else:
@@ -185,7 +185,7 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
     directory is refused, and RunError when the run breaks; committed shards stay valid either
     way. `engine` (anything with `tokenizer`, `max_context` and `generate(requests)`) replaces
     the one `job.model`/`speculative`/`schedule` would load; `limit` takes the first N rows.
-    Progress (pipelines/progress.py): tqdm bars on a terminal unless `quiet`; with `log_json`
+    Progress (pipelines/cli/progress.py): tqdm bars on a terminal unless `quiet`; with `log_json`
     JSON lines on stderr instead (start, shard commits, progress every `log_every` s, summary).
     """
     if limit is None:

@@ -132,6 +132,6 @@ def prepare(rows: Iterable[SourceRow], renderer: PromptRenderer, id_column: Opti
 
 def context_from_config(config: Dict[str, Any]) -> Optional[int]:
     """The model's context length from config.json: the engine's own rule, before weights load."""
-    from mtplx.loading import context_length
+    from mtplx.models.loading import context_length
 
     return context_length(config)

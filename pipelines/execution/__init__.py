@@ -1,0 +1,1 @@
+"""Running a job: row order, the local executor and the Ray executor."""

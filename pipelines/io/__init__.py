@@ -1,0 +1,1 @@
+"""Rows in and out: sources, prompt rendering, the Parquet sink, the run directory, exports."""
