@@ -14,7 +14,7 @@ import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
-from mtplx.loading import load
+from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
 
 from arch_fixtures import ARCHITECTURES, make_arch_model
