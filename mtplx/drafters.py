@@ -17,7 +17,8 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import BatchCache, RowStateCache
-from .models.mtp import MTPHead, project_logits
+from .models.mtp import MTPHead
+from .mtp_draft import CompiledDraftBank, DraftVocab, at_accepted, commit_inputs, pick, project, stack_drafts
 from .sampling import SamplerBatch, sample_from, shaped_probs
 
 
@@ -214,16 +215,24 @@ class DraftModelDrafter(_CachedDrafter):
 
 
 class MtpDrafter(_CachedDrafter):
-    """The model's multi-token-prediction head drafts from the trunk's hidden state, recursively."""
+    """The model's multi-token-prediction head drafts from the trunk's hidden state, recursively.
+
+    With a `DraftVocab` it drafts only among those tokens (q is zero elsewhere: verification is
+    unchanged); with a `CompiledDraftBank` a proposal and a commit are one compiled call each
+    (mtp_draft.py), and the eager code below is the reference they must match.
+    """
 
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, head: MTPHead, chunk_size: int = 512):
+    def __init__(self, head: MTPHead, chunk_size: int = 512, vocab: Optional[DraftVocab] = None,
+                 compiled: bool = True):
         self.head = head
         self.chunk = chunk_size
+        self.vocab = vocab
+        self.bank = CompiledDraftBank(head, vocab) if compiled else None
         self.cache: Optional[BatchCache] = None
-        self.extra: List[mx.array] = []  # [first-draft logits [W, V], head hidden [W, D]]
+        self.extra: List[mx.array] = []  # [first-draft logits [W, S], head hidden [W, D]]
 
     def _new_cache(self):
         return BatchCache(["kv"] * len(self.head.layers), [0])
@@ -238,13 +247,14 @@ class MtpDrafter(_CachedDrafter):
             start = snap[0]
             hidden = mx.concatenate([h_edge, hidden], axis=1)
         nxt = list(tokens[start + 1 :]) + [int(first_token)]
-        h_out = logits = None
+        h_out = None
         for s in range(0, len(nxt), self.chunk):
             toks = mx.array(nxt[s : s + self.chunk], dtype=mx.int32)[None]
-            h_out, logits = self.head(hidden[:, s : s + self.chunk], toks, cache.layers)
+            h_out = self.head.hidden(hidden[:, s : s + self.chunk], toks, cache.layers)
             cache.commit([toks.shape[1]])
             cache.eval()
-        return cache, [logits[:, -1], h_out[:, -1]]
+        h_last = h_out[:, -1]
+        return cache, [project(self.head, self.vocab, h_last), h_last]
 
     def snapshot(self, state, length, hidden_at_edge):
         """A prefix of `length` trunk positions: the head has length-1 entries plus h[length-1]."""
@@ -252,35 +262,35 @@ class MtpDrafter(_CachedDrafter):
 
     def propose(self, K, pending, sampler, u):
         first_logits, h = self.extra
+        if self.bank is not None:
+            out = self.bank.propose(self.cache, first_logits, h, sampler, u, K)
+            if out is not None:
+                return out
         start = self.cache.lengths.copy()
         ones = np.ones(self.cache.batch, dtype=np.int64)
-        q = shaped_probs(first_logits[:, None], sampler)[:, 0]
-        tok = _draw(q, sampler, u[:, 0])
+        tok, q = pick(first_logits, sampler, u[:, 0], self.vocab)
         drafts, qs = [tok], [q]
         for j in range(1, K):
-            h, logits = self.head(h[:, None], tok[:, None], self.cache.layers)
-            h = h[:, 0]
+            h = self.head.hidden(h[:, None], tok[:, None], self.cache.layers)[:, 0]
             self.cache.commit(ones)
-            q = shaped_probs(logits, sampler)[:, 0]
-            tok = _draw(q, sampler, u[:, j])
+            tok, q = pick(project(self.head, self.vocab, h), sampler, u[:, j], self.vocab)
             drafts.append(tok)
             qs.append(q)
         self.cache.rewind_to(start)
-        return mx.stack(drafts, axis=1), mx.stack(qs, axis=1)
+        return stack_drafts(drafts, qs)
 
     def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
-        W, K1 = verify_in.shape
         n = mx.array(n_accept.astype(np.int32))
-        following = mx.concatenate([verify_in[:, 1:], verify_in[:, :1]], axis=1)
-        tok = mx.where(mx.arange(K1)[None] == n[:, None], mx.array(next_tokens.astype(np.int32))[:, None], following)
-        self.cache.set_attend_len(None)
-        h_out, logits = self.head(hidden, tok, self.cache.layers)
+        nxt = mx.array(next_tokens.astype(np.int32))
+        out = None
+        if self.bank is not None:
+            out = self.bank.commit(self.cache, hidden, verify_in, n, nxt)
+        if out is None:
+            self.cache.set_attend_len(None)
+            h_at = at_accepted(self.head.hidden(hidden, commit_inputs(verify_in, n, nxt), self.cache.layers), n)
+            out = project(self.head, self.vocab, h_at), h_at
         self.cache.commit(np.where(active, n_accept + 1, 0))
-        at = n[:, None, None]
-        self.extra = [
-            mx.take_along_axis(logits, at, axis=1)[:, 0],
-            mx.take_along_axis(h_out, at, axis=1)[:, 0],
-        ]
+        self.extra = list(out)
 
 
 def make_drafter(method: str, engine) -> Optional[object]:
@@ -302,6 +312,9 @@ def make_drafter(method: str, engine) -> Optional[object]:
         return DraftModelDrafter(draft.model, engine.vocab_size)
     if method == "mtp":
         from .models.mtp import load_head
+        from .mtp_draft import load_draft_vocab
 
-        return MtpDrafter(load_head(engine.bundle, engine.spec.mtp_head))
+        head = load_head(engine.bundle, engine.spec.mtp_head)
+        vocab = load_draft_vocab(head, engine.spec.mtp_head, engine.vocab_size)
+        return MtpDrafter(head, vocab=vocab, compiled=engine.spec.compiled_verify != "off")
     raise ValueError(f"unknown speculative method {method!r}")

@@ -84,6 +84,11 @@ class MTPHead(nn.Module):
         return self.head(h) if "head" in self else project_logits(self._trunk[0], h)
 
     def __call__(self, hidden: mx.array, tokens: mx.array, caches=None, mask=None):
+        h = self.hidden(hidden, tokens, caches, mask)
+        return h, self.logits(h)
+
+    def hidden(self, hidden: mx.array, tokens: mx.array, caches=None, mask=None) -> mx.array:
+        """The head's output hidden state h' alone (drafting projects only the positions it needs)."""
         e = self.norm_embedding(self.embed(tokens))
         x = self.fc(mx.concatenate([e, self.norm_hidden(hidden)], axis=-1))
         caches = caches or [None] * len(self.layers)
@@ -91,8 +96,7 @@ class MTPHead(nn.Module):
             mask = caches[0].make_mask(x.shape[1])
         for layer, c in zip(self.layers, caches):
             x = layer(x, mask, c)
-        h = self.norm(x)
-        return h, self.logits(h)
+        return self.norm(x)
 
 
 def _split_layouts(weights: Dict[str, mx.array], config: dict):

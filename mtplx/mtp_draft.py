@@ -1,0 +1,236 @@
+"""MTP drafting made cheap: a reduced drafting vocabulary and compiled draft programs.
+
+A round of MTP drafting runs the head K-1 times (each step feeds back its own hidden state and
+draft) and, after the verify, once more over the verified tokens. Eagerly that is a chain of
+small kernels per step, and on a 49k-vocabulary model most of each step is the projection to the
+vocabulary. Two things make it one cheap call:
+
+- `DraftVocab` (as FR-Spec does): the head drafts only among the most frequent tokens of its
+  training data (stored beside the head, `mtp_draft_vocab.npy`). Its projection is a dense slice
+  of the output rows for those ids. The draft distribution q is zero outside the set, which
+  speculative acceptance handles exactly: verification, and so the output, is unchanged.
+- `CompiledDraftBank`: the whole draft chain (K-1 head steps, sampler, draws) and the commit
+  forward are `mx.compile`d programs over a shadow of the head's KV cache, keyed like the verify
+  bank by (batch width, depth, capacity bucket) plus the sampler's shape flags. The per-row
+  lengths enter as an array, so one program serves every round of its shape.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import BatchCache
+from .graphbank import _shadow_cache, _shadow_outputs
+from .models.mtp import MTPHead
+from .sampling import SamplerBatch, sample_from, shaped_probs
+
+DRAFT_VOCAB_FILE = "mtp_draft_vocab.npy"
+
+
+class DraftVocab:
+    """The token ids the head drafts among, and the output projection restricted to them."""
+
+    def __init__(self, head: MTPHead, ids: Sequence[int], vocab_size: int, chunk: int = 256):
+        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        if ids.size == 0 or ids[0] < 0 or ids[-1] >= vocab_size:
+            raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1}")
+        self.vocab_size = vocab_size
+        self.ids = mx.array(ids.astype(np.int32))
+        # Rows of the head's output projection for these ids, read off by projecting basis
+        # vectors (works for tied, untied and quantized heads alike; a bias cancels out).
+        D = head.fc.weight.shape[0]
+        dtype = head.norm.weight.dtype
+        zero = head.logits(mx.zeros((1, D), dtype))[:, self.ids]
+        cols = []
+        for s in range(0, D, chunk):
+            basis = mx.eye(D, dtype=dtype)[s : s + chunk]
+            cols.append(head.logits(basis)[:, self.ids] - zero)
+        self.weight_t = mx.concatenate(cols, axis=0).astype(dtype)  # [D, S]
+        self.bias = zero[0]
+        mx.eval(self.weight_t, self.bias)
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.shape[0])
+
+    def logits(self, h: mx.array) -> mx.array:
+        return h @ self.weight_t.astype(h.dtype) + self.bias.astype(h.dtype)
+
+    def expand(self, q: mx.array) -> mx.array:
+        """[..., S] probabilities over the set -> [..., V] over the whole vocabulary (zero outside)."""
+        flat = q.reshape(-1, q.shape[-1])
+        out = mx.zeros((flat.shape[0], self.vocab_size), q.dtype)
+        out[:, self.ids] = flat
+        return out.reshape(q.shape[:-1] + (self.vocab_size,))
+
+
+def frequent_tokens(sequences: Sequence[Sequence[int]], starts: Sequence[int], size: int, vocab_size: int,
+                    always: Sequence[int] = ()) -> np.ndarray:
+    """The `size` most frequent token ids of the scored part of `sequences` (plus `always`, e.g. eos)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for seq, st in zip(sequences, starts):
+        arr = np.asarray(seq[st:], dtype=np.int64)
+        np.add.at(counts, arr[(arr >= 0) & (arr < vocab_size)], 1)
+    extra = [int(t) for t in always if 0 <= int(t) < vocab_size]
+    order = np.argsort(-counts, kind="stable")
+    chosen = list(dict.fromkeys(extra + [int(t) for t in order[: max(size, 1)]]))[: max(size, len(extra))]
+    return np.sort(np.asarray(chosen, dtype=np.int64))
+
+
+def save_draft_vocab(out_dir, ids: np.ndarray) -> Path:
+    path = Path(out_dir) / DRAFT_VOCAB_FILE
+    np.save(path, np.asarray(ids, dtype=np.int32))
+    return path
+
+
+def load_draft_vocab(head: MTPHead, sidecar: Optional[str], vocab_size: int) -> Optional[DraftVocab]:
+    """The sidecar's draft vocabulary, or None (a head without one drafts over the whole vocabulary)."""
+    if sidecar is None or not (Path(sidecar) / DRAFT_VOCAB_FILE).exists():
+        return None
+    return DraftVocab(head, np.load(Path(sidecar) / DRAFT_VOCAB_FILE), vocab_size)
+
+
+# -- the draft math, shared by the eager and the compiled paths -----------------------------------
+def project(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array) -> mx.array:
+    """Head logits over the drafting vocabulary (the whole one when `vocab` is None)."""
+    return head.logits(h) if vocab is None else vocab.logits(h)
+
+
+def pick(logits: mx.array, sampler: SamplerBatch, u: mx.array, vocab: Optional[DraftVocab]):
+    """One draft per row from [W, S] head logits: (token ids [W], q [W, V] or None when all rows are
+    greedy, where acceptance needs no q)."""
+    if sampler.all_greedy:
+        idx = mx.argmax(logits, axis=-1).astype(mx.int32)
+        return (idx if vocab is None else vocab.ids[idx]), None
+    q = shaped_probs(logits[:, None], sampler)[:, 0]
+    idx = sample_from(q, u)
+    if vocab is None:
+        return idx, q
+    return vocab.ids[idx], vocab.expand(q)
+
+
+def stack_drafts(drafts, qs):
+    return mx.stack(drafts, axis=1), (None if qs[0] is None else mx.stack(qs, axis=1))
+
+
+def commit_inputs(verify_in: mx.array, n: mx.array, next_tokens: mx.array) -> mx.array:
+    """The head's tokens for a commit: position i of [pending, d1..dK] is followed by d_{i+1}, and
+    the last accepted position by the verify's own next token."""
+    K1 = verify_in.shape[1]
+    following = mx.concatenate([verify_in[:, 1:], verify_in[:, :1]], axis=1)
+    return mx.where(mx.arange(K1)[None] == n[:, None], next_tokens[:, None], following)
+
+
+def at_accepted(h_out: mx.array, n: mx.array) -> mx.array:
+    return mx.take_along_axis(h_out, n[:, None, None], axis=1)[:, 0]
+
+
+# -- the compiled programs -------------------------------------------------------------------------
+class CompiledDraftBank:
+    """MTP propose and commit as compiled programs over a shadow of the head's KV cache."""
+
+    def __init__(self, head: MTPHead, vocab: Optional[DraftVocab]):
+        self.head = head
+        self.vocab = vocab
+        self._programs: Dict[Tuple, Callable] = {}
+        self._broken: Dict[Tuple, str] = {}
+        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "programs": 0, "fallback_reasons": {}}
+
+    def _ready(self, cache: BatchCache, L: int) -> Optional[list]:
+        """The cache's arrays with room for L more entries, or None when it cannot be compiled over."""
+        if cache.kinds and any(k != "kv" for k in cache.kinds):
+            return None
+        if any(c.keys is None for c in cache.layers):
+            return None
+        for c in cache.layers:
+            c._ensure_capacity(cache.batch, c.keys, c.values, cache.rows.max + L)
+        return [a for c in cache.layers for a in c.state_arrays()]
+
+    def _get(self, key, build):
+        fn = self._programs.get(key)
+        if fn is None:
+            fn = mx.compile(build())
+            self._programs[key] = fn
+            self.stats["programs"] = len(self._programs)
+        return fn
+
+    def _eager(self, reason: str):
+        self.stats["eager_calls"] += 1
+        reasons = self.stats["fallback_reasons"]
+        reasons[reason] = reasons.get(reason, 0) + 1
+
+    def _call(self, key, build, *args):
+        if key in self._broken:
+            self._eager(self._broken[key])
+            return None
+        try:
+            out = self._get(key, build)(*args)
+        except Exception as e:  # a program that cannot compile: draft eagerly, say why
+            self._broken[key] = f"compile failed: {type(e).__name__}: {e}"
+            self._eager(self._broken[key])
+            return None
+        self.stats["compiled_calls"] += 1
+        return out
+
+    def propose(self, cache: BatchCache, first_logits, h, sampler: SamplerBatch, u, K: int):
+        """Drafts [W, K] and q ([W, K, V] or None), or None when this shape runs eagerly."""
+        arrays = self._ready(cache, K)
+        if arrays is None:
+            self._eager("cache not compilable")
+            return None
+        kinds, head, vocab = list(cache.kinds), self.head, self.vocab
+        flags = (sampler.all_greedy, sampler.any_top_k, sampler.any_top_p)
+        key = ("propose", cache.batch, K, arrays[0].shape[2]) + flags
+
+        def build():
+            def run(first, h, u, temps, top_p, top_k, lengths, *arrays):
+                s = SamplerBatch(temps, top_p, top_k, *flags)
+                tok, q = pick(first, s, u[:, 0], vocab)
+                drafts, qs = [tok], [q]
+                arrays = list(arrays)
+                for j in range(1, K):
+                    shadow = _shadow_cache(kinds, lengths + (j - 1), arrays)
+                    h = head.hidden(h[:, None], tok[:, None], shadow.layers)[:, 0]
+                    arrays = _shadow_outputs(shadow)
+                    tok, q = pick(project(head, vocab, h), s, u[:, j], vocab)
+                    drafts.append(tok)
+                    qs.append(q)
+                d, q = stack_drafts(drafts, qs)
+                return d, (mx.zeros((0,)) if q is None else q)
+            return run
+
+        out = self._call(key, build, first_logits, h, u, sampler.temps, sampler.top_p, sampler.top_k,
+                         cache.rows.device, *arrays)
+        if out is None:
+            return None
+        return out[0], (out[1] if out[1].size else None)
+
+    def commit(self, cache: BatchCache, hidden, verify_in, n, next_tokens):
+        """Run the head over the verified tokens, mirror its cache; (first logits, head hidden) at
+        each row's accepted position, or None when this shape runs eagerly."""
+        W, K1 = verify_in.shape
+        arrays = self._ready(cache, K1)
+        if arrays is None:
+            self._eager("cache not compilable")
+            return None
+        kinds, head, vocab = list(cache.kinds), self.head, self.vocab
+        key = ("commit", W, K1, arrays[0].shape[2], str(hidden.dtype))
+
+        def build():
+            def run(hidden, verify_in, n, nxt, lengths, *arrays):
+                shadow = _shadow_cache(kinds, lengths, arrays)
+                h_at = at_accepted(head.hidden(hidden, commit_inputs(verify_in, n, nxt), shadow.layers), n)
+                return (project(head, vocab, h_at), h_at) + tuple(_shadow_outputs(shadow))
+            return run
+
+        out = self._call(key, build, hidden, verify_in, n, next_tokens, cache.rows.device, *arrays)
+        if out is None:
+            return None
+        it = iter(out[2:])
+        for layer in cache.layers:
+            layer.keys, layer.values = next(it), next(it)
+        return out[0], out[1]

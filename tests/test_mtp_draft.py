@@ -1,0 +1,165 @@
+"""Cheap MTP drafting (mtplx/mtp_draft.py): compiled draft programs and a reduced drafting vocabulary.
+
+- Compiled drafting gives the drafts (and draft distributions q) the eager head gives, round by
+  round, over growing caches, changing batch widths, greedy and sampled rows; and the bank really
+  ran compiled programs.
+- A reduced drafting vocabulary keeps greedy output identical to plain decoding (every draft
+  inside the set), and keeps sampled output on the target distribution: the joint distribution
+  of the first three tokens is chi-square tested against the exact one, as test_engine_sampling
+  does for the other methods, on a 16-token model whose head drafts among 6 tokens only.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.drafters import MtpDrafter
+from mtplx.generation import Engine
+from mtplx.models.loading import load
+from mtplx.mtp_draft import DraftVocab, frequent_tokens, save_draft_vocab
+from mtplx.request import Request, SamplingParams
+from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
+from test_engine_sampling import PROMPT, SETTINGS, distribution_tests, exact_joint
+from tiny_models import reference_tokens
+
+P_OK = 1e-4
+
+
+def _sidecar(bundle, out, vocab_ids=None, seed=0):
+    """A random (untrained) sidecar head for `bundle`, with an optional drafting vocabulary."""
+    head = _init_head(bundle.model, TrainConfig(seed=seed))
+    save_sidecar(bundle, head, out, {})
+    if vocab_ids is not None:
+        save_draft_vocab(out, np.asarray(vocab_ids))
+    return str(out)
+
+
+class _Checked(MtpDrafter):
+    """Runs every proposal and commit both compiled and eagerly, and records the differences."""
+
+    def __init__(self, other: MtpDrafter):
+        super().__init__(other.head, other.chunk, other.vocab, compiled=True)
+        self.checks = {"propose": 0, "commit": 0}
+        self.draft_diffs, self.q_diff, self.commit_diff = 0, 0.0, 0.0
+
+    def propose(self, K, pending, sampler, u):
+        before = self.bank.stats["compiled_calls"]
+        drafts, q = super().propose(K, pending, sampler, u)
+        assert self.bank.stats["compiled_calls"] == before + 1
+        bank, self.bank = self.bank, None
+        ref_d, ref_q = super().propose(K, pending, sampler, u)
+        self.bank = bank
+        self.draft_diffs += int((np.array(drafts) != np.array(ref_d)).sum())
+        assert (q is None) == (ref_q is None)
+        if q is not None:
+            self.q_diff = max(self.q_diff, float(mx.abs(q - ref_q).max()))
+        self.checks["propose"] += 1
+        return drafts, q
+
+    def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
+        saved = [(c.keys, c.values) for c in self.cache.layers], self.cache.lengths.copy()
+        super().commit(n_accept, next_tokens, drafts, active, verify_in, hidden)
+        got = [np.array(a) for a in self.extra]
+        for c, (k, v) in zip(self.cache.layers, saved[0]):
+            c.keys, c.values = k, v
+        self.cache.rows.set(saved[1])
+        bank, self.bank = self.bank, None
+        super().commit(n_accept, next_tokens, drafts, active, verify_in, hidden)
+        self.bank = bank
+        for a, b in zip(got, self.extra):
+            self.commit_diff = max(self.commit_diff, float(np.abs(a - np.array(b)).max()))
+        self.checks["commit"] += 1
+
+
+def _run(bundle, spec, prompts, params, max_batch=3, check=False):
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=max_batch, order="input"))
+    if check:
+        eng.drafter = _Checked(eng.drafter)
+    reqs = [Request(key=i, prompt_tokens=p, params=params[i % len(params)], seed=i) for i, p in enumerate(prompts)]
+    out = {r.key: r for r in eng.generate(reqs)}
+    return [out[i] for i in range(len(reqs))], eng
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_compiled_drafts_equal_eager_drafts(tiny_model, tmp_path, family):
+    bundle = load(tiny_model(family))
+    head = _sidecar(bundle, tmp_path / "head") if family == "llama" else None  # qwen3_next ships mtp.*
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, 200, int(n)).tolist() for n in (5, 40, 17, 9, 250, 3)]
+    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=24, temperature=0.9, top_k=20)]
+    spec = SpeculativeConfig(method="mtp", mtp_head=head, depth=3, adaptive_depth=False)
+    results, eng = _run(bundle, spec, prompts, params, check=True)
+    d = eng.drafter
+    print(f"\n{family}: {d.checks} checked, programs {d.bank.stats['programs']}, max |q diff| {d.q_diff:.2g}, "
+          f"max commit diff {d.commit_diff:.2g}")
+    assert d.checks["propose"] >= 10 and d.checks["commit"] >= 10
+    assert d.draft_diffs == 0
+    assert d.q_diff < 1e-5 and d.commit_diff < 1e-4
+    assert d.bank.stats["programs"] >= 2 and d.bank.stats["eager_calls"] == 0
+    greedy = [r for i, r in enumerate(results) if i % 2 == 0]
+    for i, r in zip(range(0, len(prompts), 2), greedy):
+        assert r.tokens == reference_tokens(bundle.model, prompts[i], 30, eng.eos)
+
+
+def test_draft_vocab_keeps_greedy_output_identical(tiny_model, tmp_path):
+    bundle = load(tiny_model("llama"))
+    V = bundle.model.model.embed_tokens.weight.shape[0]
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(5, 200, int(n)).tolist() for n in (6, 30, 12, 50)]
+    plain = [reference_tokens(bundle.model, p, 32, set()) for p in prompts]
+    # the set: the most frequent tokens of the greedy continuations (what training would pick)
+    ids = frequent_tokens(plain, [0] * len(plain), 48, V)
+    head = _sidecar(bundle, tmp_path / "head", ids)
+    seen = []
+    for compiled in ("on", "off"):
+        spec = SpeculativeConfig(method="mtp", mtp_head=head, depth=3, adaptive_depth=False, compiled_verify=compiled)
+        results, eng = _run(bundle, spec, prompts, [SamplingParams(max_tokens=32)])
+        assert isinstance(eng.drafter.vocab, DraftVocab) and eng.drafter.vocab.size == len(ids)
+        for r, ref in zip(results, plain):
+            assert r.tokens == ref[: len(r.tokens)] and len(r.tokens) == min(32, len(ref))
+        seen.append(sum(r.stats.accepted_tokens for r in results))
+    print(f"\naccepted drafts with a {len(ids)}-token drafting vocabulary: compiled {seen[0]}, eager {seen[1]}")
+    assert seen[0] == seen[1]  # the same drafts either way
+
+
+def test_draft_vocab_projection_matches_the_full_head(tiny_model, tmp_path):
+    bundle = load(tiny_model("qwen3"))  # tied embeddings
+    head = _init_head(bundle.model, TrainConfig(seed=3))
+    ids = [0, 7, 9, 100, 511]
+    vocab = DraftVocab(head, ids, 512)
+    h = mx.random.normal((4, head.fc.weight.shape[0]))
+    full = head.logits(h)
+    assert mx.allclose(vocab.logits(h), full[:, mx.array(ids)], atol=1e-4).item()
+    q = mx.softmax(vocab.logits(h), axis=-1)
+    qf = vocab.expand(q)
+    assert qf.shape == (4, 512) and mx.allclose(qf.sum(-1), mx.ones(4)).item()
+    assert float(mx.abs(qf[:, mx.array([1, 2, 510])]).max()) == 0.0
+
+
+@pytest.mark.parametrize("compiled", ["on", "off"])
+def test_sampled_output_with_a_draft_vocab_follows_the_target(tiny_model, tmp_path, compiled):
+    bundle = load(tiny_model("small_vocab"))
+    exact = {name: exact_joint(bundle.model, params) for name, params in SETTINGS.items()}
+    head = _sidecar(bundle, tmp_path / "head", [1, 3, 5, 8, 11, 14], seed=4)
+    spec = SpeculativeConfig(method="mtp", mtp_head=head, depth=2, adaptive_depth=False, compiled_verify=compiled)
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=128))
+    rows = 1000
+    reqs = [Request(key=(name, i), prompt_tokens=list(PROMPT), params=p, seed=5 * 10**6 + k * rows + i)
+            for k, (name, p) in enumerate(SETTINGS.items()) for i in range(rows)]
+    samples = {name: [] for name in SETTINGS}
+    drafted = accepted = 0
+    outside = 0
+    for r in eng.generate(reqs):
+        assert r.error is None and len(r.tokens) == 4
+        samples[r.key[0]].append(r.tokens[:3])
+        drafted += r.stats.drafted_tokens
+        accepted += r.stats.accepted_tokens
+        outside += sum(t not in (1, 3, 5, 8, 11, 14) for t in r.tokens[:3])
+    assert drafted >= 2 * len(reqs) and 0.05 < accepted / drafted < 0.9, (accepted, drafted)
+    assert outside > 0  # tokens outside the drafting set still come out (from the residual / bonus)
+    failures = [f"{name} {t}: chi2 {s:.1f} on {dof} dof, p={p:.2g}"
+                for name in SETTINGS for t, s, dof, p in distribution_tests(samples[name], exact[name]) if p < P_OK]
+    assert not failures, failures
