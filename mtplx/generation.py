@@ -309,6 +309,25 @@ class Engine:
                 depths[i] = max(0, min(want, s.max_tokens - len(s.tokens) - 1))
         return depths
 
+    def _verify(self, tokens: mx.array, cache: BatchCache):
+        """The target model over `tokens` [W, L]: (logits, hidden, compiled?, parity failures per row)."""
+        if self.bank is not None:
+            return self.bank.verify(tokens, cache)
+        cache.set_capturing(True)
+        logits, hidden = self.runtime.forward(tokens, cache)
+        cache.set_capturing(False)
+        return logits, hidden, False, None
+
+    @staticmethod
+    def _record_forward(st: RowStats, i: int, compiled: bool, failures) -> None:
+        """Every decode forward of a row (drafting or not, plain rounds too) counts on one path."""
+        if compiled:
+            st.compiled_verify_calls += 1
+        else:
+            st.eager_verify_calls += 1
+        if failures is not None:
+            st.parity_failures += int(failures[i])
+
     def _plain_rounds(self, slots: List[Optional[_Row]], active: np.ndarray, cache: BatchCache):
         """Decoding without drafts, one round ahead: the next round is queued on the device before
         this round's tokens are read, so building one graph overlaps running the other (as
@@ -317,27 +336,24 @@ class Engine:
         n_active = int(active.sum())
         ones = active.astype(np.int64)
 
-        def launch(pending: mx.array) -> mx.array:
+        def launch(pending: mx.array):
             u = mx.array(np.array([s.rng.random() if s is not None else 0.0 for s in slots], dtype=np.float32))
-            if self.bank is not None:
-                logits = self.bank.verify(pending[:, None], cache)[0]
-            else:
-                cache.set_capturing(True)
-                logits = self.runtime.forward(pending[:, None], cache)[0]
-                cache.set_capturing(False)
+            logits, _, compiled, failures = self._verify(pending[:, None], cache)
             if sampler.all_greedy:
                 nxt = mx.argmax(logits[:, 0], axis=-1).astype(mx.int32)
             else:
                 nxt = sample_from(shaped_probs(logits, sampler)[:, 0], u)
             cache.commit(ones)
             mx.async_eval(nxt)
-            return nxt
+            return nxt, compiled, failures
 
-        def emit(tokens: np.ndarray):
+        def emit(launched):
+            tokens, compiled, failures = np.array(launched[0]), launched[1], launched[2]
             finished = []
             for i, row in enumerate(slots):
                 if row is None:
                     continue
+                self._record_forward(row.stats, i, compiled, failures)
                 row.rounds += 1
                 row.width_sum += n_active
                 row.pending = int(tokens[i])
@@ -350,10 +366,10 @@ class Engine:
 
         current = launch(mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32)))
         while True:
-            following = launch(current)
-            finished = emit(np.array(current))
+            following = launch(current[0])
+            finished = emit(current)
             if finished:
-                finished += emit(np.array(following))  # rows that go on keep the round in flight
+                finished += emit(following)  # rows that go on keep the round in flight
                 yield from finished
                 return
             current = following
@@ -379,14 +395,7 @@ class Engine:
         else:
             drafts, q = mx.zeros((W, 0), mx.int32), None
         verify_in = mx.concatenate([pending[:, None], drafts.astype(mx.int32)], axis=1)
-        failures = None
-        if self.bank is not None:
-            logits, hidden, compiled, failures = self.bank.verify(verify_in, cache)
-        else:
-            cache.set_capturing(True)
-            logits, hidden = self.runtime.forward(verify_in, cache)
-            cache.set_capturing(False)
-            compiled = False
+        logits, hidden, compiled, failures = self._verify(verify_in, cache)
         if sampler.all_greedy:
             n, nxt = accept_greedy(logits, drafts, limit)
         else:
@@ -419,12 +428,7 @@ class Engine:
                     st.accepted_by_depth += [0] * (self.spec.depth - len(st.accepted_by_depth))
                 for j in range(int(n_h[i])):
                     st.accepted_by_depth[j] += 1
-                if compiled:
-                    st.compiled_verify_calls += 1
-                else:
-                    st.eager_verify_calls += 1
-                if failures is not None:
-                    st.parity_failures += int(failures[i])
+            self._record_forward(st, i, compiled, failures)
             reason = self._emit(row, list(drafts_h[i, : n_h[i]]) + [int(nxt_h[i])])
             row.pending = int(nxt_h[i])
             if reason is not None:

@@ -62,8 +62,18 @@ class RowStats:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
-    def tokens_per_verify(self) -> float:
-        return self.completion_tokens / self.verify_calls if self.verify_calls else 0.0
+    def tokens_per_verify(self) -> Optional[float]:
+        return tokens_per_verify(self.accepted_tokens, self.verify_calls)
+
+
+def tokens_per_verify(accepted_tokens: int, verify_calls: int) -> Optional[float]:
+    """Tokens committed per drafting verify: its accepted drafts plus the one token the target
+    model adds, (accepted + verifies) / verifies. Only verifies that drafted count (the prefill
+    token and rounds that drafted nothing are not verifies of a draft); None without any.
+
+    The one definition behind the `tokens_per_verify` column, `status`, `report` and progress.
+    """
+    return (accepted_tokens + verify_calls) / verify_calls if verify_calls else None
 
 
 @dataclass

@@ -151,6 +151,42 @@ def test_parity2_counts_instead_of_raising(targets):
     assert eng.bank.stats["parity_failures"] == 0 and all(r.stats.parity_failures == 0 for r in results)
 
 
+def _rounds(r):
+    """Decode rounds of a plain-decoded row: one token each, plus the round that drew EOS."""
+    return len(r.tokens) - 1 + (r.finish_reason == "stop")
+
+
+def test_parity2_counts_plain_rounds_per_row(targets):
+    """Plain decoding goes through the bank too: each row's parity failures and compiled calls
+    are recorded for every round (they were not recorded at all without drafting)."""
+    t = targets("qwen3")
+    eng = t.engine("parity2", method="none", perturb=True)
+    results = t.run(eng)
+    t.check(results)
+    for r in results:
+        assert r.stats.verify_calls == 0
+        assert r.stats.compiled_verify_calls == _rounds(r) > 0
+        assert r.stats.parity_failures == r.stats.compiled_verify_calls
+    assert eng.bank.stats["parity_failures"] >= sum(r.stats.parity_failures for r in results)
+    eng = t.engine("off", method="none")
+    for r in t.run(eng):
+        assert r.stats.compiled_verify_calls == 0 and r.stats.eager_verify_calls == _rounds(r)
+
+
+def test_parity2_counts_rounds_that_drafted_nothing(targets):
+    """max_tokens 2: the prefill gives the first token and the one round left drafts nothing
+    (a row never drafts past its own max_tokens); that round still ran through the bank."""
+    t = targets("qwen3")
+    eng = t.engine("parity2", perturb=True)
+    reqs = [Request(i, list(p), SamplingParams(max_tokens=2)) for i, p in enumerate(t.prompts)]
+    results = list(eng.generate(reqs))
+    assert len(results) == len(t.prompts)
+    for r in results:
+        assert r.stats.drafted_tokens == 0 and r.stats.verify_calls == 0
+        assert r.stats.compiled_verify_calls == _rounds(r) == 1
+        assert r.stats.parity_failures == 1
+
+
 @pytest.fixture(scope="module")
 def six_bit(tiny_model):
     bundle = load(tiny_model("llama"))  # every input dim (64, 128) divides the group size

@@ -58,6 +58,32 @@ def spec_run(tmp_path_factory, model):
     return job
 
 
+def test_tokens_per_verify_is_one_figure_everywhere(spec_run):
+    """The column, `status` and `report` all show tokens committed per drafting verify,
+    (accepted + verifies) / verifies: not completion tokens (the prefill token and rounds that
+    drafted nothing are no verify of a draft) over verifies."""
+    from pipelines.report import collect
+    from pipelines.status import run_status
+
+    out = [r for r in read_output(spec_run.output.dir) if r["finish_reason"] != "error"]
+    for r in out:
+        want = (r["accepted_tokens"] + r["verify_calls"]) / r["verify_calls"] if r["verify_calls"] else None
+        assert r["tokens_per_verify"] == want, r["id"]
+    assert any(r["completion_tokens"] > r["accepted_tokens"] + r["verify_calls"] for r in out if r["verify_calls"])
+    accepted, verifies = sum(r["accepted_tokens"] for r in out), sum(r["verify_calls"] for r in out)
+    want = (accepted + verifies) / verifies
+    assert run_status(spec_run.output.dir)["tokens_per_verify"] == pytest.approx(want)
+    assert collect(spec_run.output.dir).tokens_per_verify == pytest.approx(want)
+
+
+def test_columns_doc_lists_every_output_column():
+    from pipelines.sink import OUTPUT_COLUMNS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "columns.md").read_text(encoding="utf-8")
+    documented = re.findall(r"^\| `(\w+)` \|", doc, flags=re.M)
+    assert sorted(documented) == sorted(n for n, _ in OUTPUT_COLUMNS)
+
+
 def test_error_kinds():
     assert error_kind("in.jsonl line 3 is not valid JSON (x); fix or drop the line") == "unreadable input row"
     assert error_kind("data.csv line 4 has 3 fields, the header has 2") == "unreadable input row"
@@ -82,7 +108,10 @@ def test_report_on_run_with_errors_and_speculation(spec_run):
     assert st.drafted == sum(r["drafted_tokens"] for r in ok) > 0
     assert st.accepted == sum(r["accepted_tokens"] for r in ok) > 0, "the repeated prompt should accept drafts"
     assert st.by_depth == [sum(r["accepted_by_depth"][d] for r in ok if r["accepted_by_depth"]) for d in range(3)]
-    assert st.compiled_calls + st.eager_calls == st.verify_calls == sum(r["verify_calls"] for r in ok)
+    assert st.verify_calls == sum(r["verify_calls"] for r in ok)
+    # every decode round of a row is one forward on one path, drafting or not
+    assert st.compiled_calls + st.eager_calls >= st.verify_calls
+    assert st.tokens_per_verify == (st.accepted + st.verify_calls) / st.verify_calls
     assert sum(n for _, n in st.verify_histogram()) == st.verify_calls
     assert sum((k - 1) * n for k, n in st.verify_histogram()) == st.accepted
     assert dict(st.error_kinds) == {"bad prompt": 1, "too long for context": 1, "unreadable input row": 1,

@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Any, Callable, Deque, Dict, Optional, TextIO, Tuple
 
+from mtplx.request import tokens_per_verify
+
 RATE_WINDOW = 30.0  # seconds of history behind the tokens/s used by the ETA
 DEFAULT_LOG_EVERY = 30.0
 
@@ -193,8 +195,8 @@ class Progress:
 
     @property
     def tokens_per_verify(self) -> Optional[float]:
-        # every verify emits its accepted drafts plus one token from the target model
-        return round((self.accepted + self.verify_calls) / self.verify_calls, 3) if self.verify_calls else None
+        tpv = tokens_per_verify(self.accepted, self.verify_calls)
+        return None if tpv is None else round(tpv, 3)
 
     def recent_rate(self) -> float:
         """Generated tokens per second over about the last RATE_WINDOW seconds."""

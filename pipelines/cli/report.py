@@ -38,6 +38,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pyarrow.parquet as pq
 
+from mtplx.request import tokens_per_verify
+
 from ..io.checkpoint import JOB_FILE, read_manifest
 from ..errors import JobError
 
@@ -133,7 +135,7 @@ class RunStats:
 
     @property
     def tokens_per_verify(self) -> Optional[float]:
-        return (self.accepted + self.verify_calls) / self.verify_calls if self.verify_calls else None
+        return tokens_per_verify(self.accepted, self.verify_calls)
 
     def depth_rates(self) -> List[Tuple[int, float, Optional[float]]]:
         """(depth, P(accepted at depth), P(accepted at depth | accepted at depth-1)) for d = 1..D."""
@@ -356,8 +358,7 @@ def plot_tokens_per_verify(st: RunStats, plt) -> Optional[bytes]:
     ax.set_xticks(ks)
     ax.set_xlabel("tokens emitted by one verify (accepted drafts + 1)")
     ax.set_ylabel("verify calls")
-    ax.set_title(f"Tokens per verify ({st.verify_calls} verifies; {st.compiled_calls} compiled, "
-                 f"{st.eager_calls} eager)")
+    ax.set_title(f"Tokens per verify ({st.verify_calls} verifies that drafted)")
     ax.grid(axis="y", alpha=0.3)
     png = _png(fig)
     plt.close(fig)
@@ -488,6 +489,7 @@ def render_html(st: RunStats, images: Dict[str, bytes]) -> str:
         parts.append(f"<p>No drafted tokens in this run (speculative.method: "
                      f"{html.escape(str(spec.get('method', 'none')))}); nothing to show.</p>")
     else:
+        decode = st.compiled_calls + st.eager_calls
         parity = (f"<span class='bad'>{st.parity_failures}</span> (compiled verify disagreed with eager)"
                   if st.parity_failures else "<span class='ok'>0</span>")
         parts.append(_table([
@@ -495,9 +497,10 @@ def render_html(st: RunStats, images: Dict[str, bytes]) -> str:
                                            f"{' (adaptive)' if spec.get('adaptive_depth') else ''}")),
             ("acceptance rate", f"{st.acceptance_rate:.1%} ({_fmt(st.accepted)} of {_fmt(st.drafted)} drafted tokens)"),
             ("tokens per verify", _fmt(st.tokens_per_verify, 2)),
-            ("verify calls", f"{_fmt(st.verify_calls)}: {_fmt(st.compiled_calls)} compiled, "
-                             f"{_fmt(st.eager_calls)} eager"
-                             + (f" ({st.compiled_calls / st.verify_calls:.0%} compiled)" if st.verify_calls else "")),
+            ("verify calls", f"{_fmt(st.verify_calls)} (rounds that drafted)"),
+            ("decode forwards", f"{_fmt(st.compiled_calls)} compiled, {_fmt(st.eager_calls)} eager"
+                                + (f" ({st.compiled_calls / decode:.0%} compiled)" if decode else "")
+                                + " (every round, drafting or not)"),
             ("parity failures", parity),
         ]))
         parts.append(_grid(["depth", "verifies accepted at depth", "share of verifies", "given previous depth"],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+from mtplx.request import tokens_per_verify
+
 from ..io.checkpoint import read_manifest, totals
 
 
@@ -25,7 +27,7 @@ def run_status(run_dir: str) -> Dict:
         "prompt_tokens": t["prompt_tokens"],
         "completion_tokens": t["completion_tokens"],
         "acceptance_rate": t["accepted_tokens"] / t["drafted_tokens"] if t["drafted_tokens"] else None,
-        "tokens_per_verify": t["completion_tokens"] / t["verify_calls"] if t["verify_calls"] else None,
+        "tokens_per_verify": tokens_per_verify(t["accepted_tokens"], t["verify_calls"]),
         "tokens_per_second": t["completion_tokens"] / t["elapsed"] if t["elapsed"] else 0.0,
         "rows_per_second": rate,
         "active_seconds": t["elapsed"],
