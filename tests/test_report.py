@@ -62,8 +62,8 @@ def test_tokens_per_verify_is_one_figure_everywhere(spec_run):
     """The column, `status` and `report` all show tokens committed per drafting verify,
     (accepted + verifies) / verifies: not completion tokens (the prefill token and rounds that
     drafted nothing are no verify of a draft) over verifies."""
-    from pipelines.report import collect
-    from pipelines.status import run_status
+    from pipelines.cli.report import collect
+    from pipelines.cli.status import run_status
 
     out = [r for r in read_output(spec_run.output.dir) if r["finish_reason"] != "error"]
     for r in out:
@@ -77,7 +77,7 @@ def test_tokens_per_verify_is_one_figure_everywhere(spec_run):
 
 
 def test_columns_doc_lists_every_output_column():
-    from pipelines.sink import OUTPUT_COLUMNS
+    from pipelines.io.sink import OUTPUT_COLUMNS
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "columns.md").read_text(encoding="utf-8")
     documented = re.findall(r"^\| `(\w+)` \|", doc, flags=re.M)
