@@ -28,7 +28,7 @@ from .models.loading import ModelBundle, context_length, load
 from .models.mtp import has_trunk_split, project_logits, trunk_hidden
 from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
 from .request import Request, Result, RowStats
-from .sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs
+from .sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs, uniforms
 
 # -- memory ----------------------------------------------------------------------------------------
 def device_memory_bytes() -> int:
@@ -337,7 +337,7 @@ class Engine:
         ones = active.astype(np.int64)
 
         def launch(pending: mx.array):
-            u = mx.array(np.array([s.rng.random() if s is not None else 0.0 for s in slots], dtype=np.float32))
+            u = mx.array(np.array([uniforms(s.rng) if s is not None else 0.0 for s in slots], dtype=np.float32))
             logits, _, compiled, failures = self._verify(pending[:, None], cache)
             if sampler.all_greedy:
                 nxt = mx.argmax(logits[:, 0], axis=-1).astype(mx.int32)
@@ -386,7 +386,7 @@ class Engine:
         draws = np.zeros((W, 2 * D + 1), dtype=np.float32)
         for i, s in enumerate(slots):
             if s is not None:
-                draws[i] = s.rng.random(2 * D + 1)
+                draws[i] = uniforms(s.rng, 2 * D + 1)
         u = mx.array(draws)
         limit = mx.array(depths.astype(np.int32))
         pending = mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32))

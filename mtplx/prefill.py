@@ -23,7 +23,7 @@ import numpy as np
 from .cache import BatchCache
 from .drafters import MtpDrafter
 from .models.mtp import project_logits, trunk_hidden
-from .sampling import SamplerBatch, sample_from, shaped_probs
+from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
 
 MIN_PREFIX_TOKENS = 8  # shorter shared prefixes are not worth a snapshot
 PREFIX_STORE_SIZE = 4  # rows arrive grouped by prefix, so a few recent prefixes suffice
@@ -141,7 +141,7 @@ class Prefiller:
     def _first_tokens(self, rows, last: mx.array) -> List[int]:
         logits = project_logits(self.model, last) if self.engine.runtime.split else last
         sampler = SamplerBatch.from_params([r.req.params for r in rows])
-        u = mx.array(np.array([r.rng.random() for r in rows], dtype=np.float32))
+        u = mx.array(np.array([uniforms(r.rng) for r in rows], dtype=np.float32))
         return np.array(sample_from(shaped_probs(logits, sampler)[:, 0], u)).tolist()
 
     def run(self, rows) -> List[Tuple[BatchCache, object, int]]:

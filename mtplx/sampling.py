@@ -70,6 +70,16 @@ def shaped_probs(logits: mx.array, s: SamplerBatch) -> mx.array:
     return mx.where(greedy, one_hot, p)
 
 
+def uniforms(rng: np.random.Generator, n: Optional[int] = None):
+    """`n` uniforms (one if None) in [0, 1) as float32, drawn as float32: always < 1.
+
+    A float64 draw cast to float32 rounds values >= 1 - 2**-25 up to 1.0, and `sample_from`
+    would then return the last token id whatever its probability (even 0).
+    """
+    u = rng.random(n, dtype=np.float32)
+    return np.float32(u) if n is None else u
+
+
 def sample_from(probs: mx.array, u: mx.array) -> mx.array:
     """Inverse-CDF sampling: [..., V] probabilities and [...] uniforms in [0, 1) -> token ids."""
     cdf = mx.cumsum(probs, axis=-1)

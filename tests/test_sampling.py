@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mtplx.request import SamplingParams
-from mtplx.sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs
+from mtplx.sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs, uniforms
 
 V, K, N = 8, 3, 20000
 P_OK = 1e-3  # a correct sampler fails this with probability 1e-3 (seeds are fixed: deterministic)
@@ -220,6 +220,33 @@ def test_greedy_acceptance_keeps_the_argmax_prefix():
     u = mx.array(rng.random((5, K)).astype(np.float32))
     n2, nxt2 = accept_sampled(mx.array(onehot), mx.array(drafts.astype(np.int32)), None, u, mx.array(rng.random(5).astype(np.float32)))
     assert np.array(n2).tolist() == cut.tolist() and np.array(nxt2).tolist() == np.array(nxt).tolist()
+
+
+def _generator_about_to_draw_one():
+    """A generator whose next float64 draw is >= 1 - 2**-25 (it rounds to 1.0 in float32)."""
+    rng, skipped = np.random.default_rng(0), 0
+    while True:
+        x = rng.random(1 << 22)
+        hit = np.nonzero(x >= 1 - 2.0**-25)[0]
+        if hit.size:
+            g = np.random.default_rng(0)
+            g.bit_generator.advance(skipped + int(hit[0]))  # one 64-bit step per float64 draw
+            return g
+        skipped += x.size
+
+
+def test_uniforms_are_below_one():
+    """A row's uniforms never reach 1, whatever its generator's state: at u = 1, `sample_from`
+    returns the last token id even when its probability is 0."""
+    g = _generator_about_to_draw_one()
+    old = np.random.Generator(type(g.bit_generator)())
+    old.bit_generator.state = g.bit_generator.state
+    assert np.float32(old.random()) == 1.0  # what a float64 draw cast to float32 gives here
+    probs = mx.array([[0.5, 0.5, 0.0, 0.0]])
+    assert np.array(sample_from(probs, mx.array([1.0]))).tolist() == [3]  # the bug's consequence
+    u = np.concatenate([np.atleast_1d(uniforms(g)), uniforms(g, 1 << 22)])
+    assert u.dtype == np.float32 and u.max() < 1.0
+    assert set(np.array(sample_from(mx.broadcast_to(probs, (u.size, 4)), mx.array(u))).tolist()) == {0, 1}
 
 
 def test_sample_from_inverse_cdf():
