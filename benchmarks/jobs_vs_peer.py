@@ -21,7 +21,8 @@ from mlx_lm.sample_utils import make_sampler
 from mtplx.prefill import PrefixStore
 from pipelines.job.config import load_job
 from pipelines.io.rows import prepare
-from pipelines.execution.runner import load_engine, open_job, run_job
+from pipelines.execution.opening import load_engine, open_job
+from pipelines.execution.session import run_job
 
 from .common import device_name, save_json, sync, table, versions
 from .real_models import mlx_batch

@@ -20,7 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from pipelines.job.config import load_job
-from pipelines.execution.runner import load_engine, run_job
+from pipelines.execution.opening import load_engine
+from pipelines.execution.session import run_job
 
 from .common import device_name, save_json, sync, table
 

@@ -129,7 +129,7 @@ def _serve() -> None:
     import mtplx.generation  # noqa: F401
     import mtplx.models.loading  # noqa: F401
     import pipelines.cli.commands  # noqa: F401
-    import pipelines.execution.runner  # noqa: F401
+    import pipelines.execution.session  # noqa: F401
     import pipelines.cli.validate  # noqa: F401
     import pyarrow.parquet  # noqa: F401
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-import pipelines.execution.runner
+import pipelines.execution.opening
 from jobkit import job_dict, read_output, write_job
 from pipelines.cli.commands import main
 
@@ -189,14 +189,14 @@ def shared_engine():
 
 @pytest.fixture
 def one_engine(monkeypatch, shared_engine):
-    real = pipelines.execution.runner.load_engine
+    real = pipelines.execution.opening.load_engine
 
     def load(job):
         if "engine" not in shared_engine:
             shared_engine["engine"] = real(job)
         return shared_engine["engine"]
 
-    monkeypatch.setattr(pipelines.execution.runner, "load_engine", load)
+    monkeypatch.setattr(pipelines.execution.opening, "load_engine", load)
 
 
 def cli(*args):

@@ -32,13 +32,13 @@ def job_file(tmp_path, llama):
 def no_weights(monkeypatch):
     """Fails the test if anything loads model weights."""
     import mtplx.models.loading
-    import pipelines.execution.runner
+    import pipelines.execution.opening
 
     def boom(*a, **k):
         raise AssertionError("model weights were loaded")
 
     monkeypatch.setattr(mtplx.models.loading, "load", boom)
-    monkeypatch.setattr(pipelines.execution.runner, "load_engine", boom)
+    monkeypatch.setattr(pipelines.execution.opening, "load_engine", boom)
 
 
 def cli(*args):

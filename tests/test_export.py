@@ -11,7 +11,7 @@ from pipelines.cli.commands import main
 from pipelines.job.config import build_job
 from pipelines.errors import JobError
 from pipelines.io.export import OrderedRun, export_run
-from pipelines.execution.runner import run_job
+from pipelines.execution.session import run_job
 
 OUTPUT_KEYS = {"id", "row", "sample", "completion", "finish_reason", "error", "prompt_tokens", "completion_tokens",
                "accepted_by_depth", "acceptance_rate", "decode_seconds", "topic"}

@@ -14,7 +14,7 @@ from pipelines.errors import JobError
 from pipelines.io.export import export_run
 from pipelines.io.openai_batch import RowParams, parse_request
 from pipelines.io.prompts import RowError
-from pipelines.execution.runner import run_job
+from pipelines.execution.session import run_job
 from pipelines.cli.validate import validate_job
 
 
@@ -189,9 +189,9 @@ def test_samples_become_choices_and_validate_lists_bad_requests(tmp_path, model)
 
 
 def test_validate_counts_without_weights(tmp_path, model, monkeypatch):
-    import pipelines.execution.runner as runner
+    import pipelines.execution.opening as opening
 
-    monkeypatch.setattr(runner, "load_engine", lambda job: pytest.fail("validate must not load weights"))
+    monkeypatch.setattr(opening, "load_engine", lambda job: pytest.fail("validate must not load weights"))
     data = write_jsonl(tmp_path / "b.jsonl", batch_lines())
     raw = job_dict(model, data, tmp_path / "run")
     raw["input"] = {"format": "openai-batch", "path": str(data)}

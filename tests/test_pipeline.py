@@ -11,7 +11,7 @@ from pipelines.job.config import InputConfig, build_job
 from pipelines.errors import JobError, RunError
 from pipelines.execution.ordering import common_prefix, length_order, ordered, prefix_groups
 from pipelines.io.prompts import Field, PromptRenderer, RowError, parse_template
-from pipelines.execution.runner import run_job
+from pipelines.execution.session import run_job
 
 try:
     from mtplx.generation import Engine
@@ -285,12 +285,12 @@ def test_limit_then_continue(tmp_path, llama, engine):
 
 
 def test_invalid_input_refused_before_weights_load(tmp_path, llama, monkeypatch):
-    import pipelines.execution.runner as runner
+    import pipelines.execution.opening as opening
 
     def boom(job):
         raise AssertionError("weights must not load for an invalid job")
 
-    monkeypatch.setattr(runner, "load_engine", boom)
+    monkeypatch.setattr(opening, "load_engine", boom)
     with pytest.raises(JobError, match="no column 'question'"):
         run_job(make_job(tmp_path, llama, input={"prompt_column": "question"}))
     with pytest.raises(JobError, match="in.parquet: no column 'nope'"):
@@ -302,9 +302,9 @@ def test_invalid_input_refused_before_weights_load(tmp_path, llama, monkeypatch)
 
 
 def test_job_yaml_in_run_dir_is_the_resolved_job(tmp_path, llama, monkeypatch):
-    import pipelines.execution.runner as runner
+    import pipelines.execution.opening as opening
 
-    monkeypatch.setattr(runner, "load_engine", lambda job: (_ for _ in ()).throw(RunError("no engine here")))
+    monkeypatch.setattr(opening, "load_engine", lambda job: (_ for _ in ()).throw(RunError("no engine here")))
     job = make_job(tmp_path, llama)
     with pytest.raises(RunError):
         run_job(job)

@@ -25,8 +25,8 @@ pytest.importorskip("ray.data")
 from jobkit import job_dict, read_output, sample_rows, write_job, write_jsonl, write_parquet  # noqa: E402
 from pipelines.job.config import build_job  # noqa: E402
 from pipelines.execution.ray_engine import MTPLXPredictor  # noqa: E402
-from pipelines.execution.runner import run_job  # noqa: E402
-from pipelines.io.sink import output_schema  # noqa: E402
+from pipelines.execution.session import run_job  # noqa: E402
+from pipelines.io.columns import output_schema  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # Everything that must agree between executors (timings and batch widths may differ).

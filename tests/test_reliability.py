@@ -362,6 +362,7 @@ def test_write_failure_inside_pyarrow_removes_the_partial_file(tmp_path, monkeyp
 
     import pipelines.io.sink as sink
     from pipelines.io.checkpoint import RunDir
+    from pipelines.io.columns import output_schema
     from pipelines.errors import RunError
 
     run = RunDir.prepare(str(tmp_path / "run"), "name: x\n", {"p": "1"}, log=lambda m: None)
@@ -372,8 +373,8 @@ def test_write_failure_inside_pyarrow_removes_the_partial_file(tmp_path, monkeyp
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(sink.pq, "write_table", half_then_full)
-    w = sink.ShardWriter(run, sink.output_schema(), 2)
-    row = {name: None for name in sink.output_schema().names}
+    w = sink.ShardWriter(run, output_schema(), 2)
+    row = {name: None for name in output_schema().names}
     with pytest.raises(RunError, match="the disk is full"):
         w.add({**row, "row": 0, "sample": 0, "finish_reason": "stop"})
         w.add({**row, "row": 1, "sample": 0, "finish_reason": "stop"})

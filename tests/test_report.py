@@ -14,7 +14,7 @@ from pipelines.cli.commands import main
 from pipelines.job.config import build_job
 from pipelines.cli.progress import Progress
 from pipelines.cli.report import error_kind, write_report
-from pipelines.execution.runner import run_job
+from pipelines.execution.session import run_job
 
 pytest.importorskip("matplotlib")
 

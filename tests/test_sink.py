@@ -12,7 +12,8 @@ from pipelines.io.checkpoint import RunDir, read_manifest, totals
 from pipelines.errors import JobError
 from pipelines.job.fingerprint import fingerprint
 from pipelines.io.fsutil import sha256_file
-from pipelines.io.sink import OUTPUT_COLUMNS, ShardWriter, empty_row, output_schema
+from pipelines.io.columns import OUTPUT_COLUMNS, output_schema
+from pipelines.io.sink import ShardWriter, empty_row
 
 PARTS = {"generation.max_tokens": "8", "input.files": "abc"}
 

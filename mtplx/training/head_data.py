@@ -203,7 +203,7 @@ def _job_data(bundle: ModelBundle, path: str, cfg: TrainConfig, quiet: bool) -> 
     from pipelines.job.config import load_job
     from pipelines.errors import JobError
     from pipelines.io.rows import prepare
-    from pipelines.execution.runner import open_job
+    from pipelines.execution.opening import open_job
 
     try:
         job = load_job(path)

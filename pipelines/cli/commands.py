@@ -82,7 +82,7 @@ def _terminate_as_interrupt(signum, frame):
 
 def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool = False,
          log_every: float = 30.0) -> None:
-    from ..execution.runner import run_job
+    from ..execution.session import run_job
 
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     if log_json:

@@ -15,8 +15,8 @@ from ..io.checkpoint import MANIFEST, OWN_FILES, _shard_files, read_manifest, to
 from ..job.config import JobConfig
 from ..errors import JobError
 from ..job.fingerprint import diff_fingerprint_parts, fingerprint, fingerprint_parts
-from ..io.rows import context_from_config, prepare
-from ..execution.runner import load_tokenizer, open_job, resolve_model_dir
+from ..io.rows import prepare
+from ..execution.opening import load_tokenizer, model_max_context, open_job, resolve_model_dir
 
 MAX_EXAMPLES = 10
 
@@ -47,15 +47,13 @@ class ValidationReport:
 
 
 def validate_job(job: JobConfig, limit: Optional[int] = None) -> ValidationReport:
-    from mtplx.models.loading import model_config
-
     if limit is None:
         limit = job.input.limit
     tokenizer = load_tokenizer(job)
     prep = open_job(job, tokenizer)
     prep.source.count_rows()  # a file that cannot be read to the end is refused, as `run` refuses it
     model_dir = resolve_model_dir(job)
-    max_context = context_from_config(model_config(job.model.path))
+    max_context = model_max_context(job)
     rep = ValidationReport(job=job.name, files=len(prep.source.files), max_context=max_context,
                            samples=job.generation.n, max_tokens=job.generation.max_tokens)
     rep.run_dir, rep.refused = _run_dir_state(job, fingerprint_parts(job, model_dir, prep.source.files))

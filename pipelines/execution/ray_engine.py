@@ -32,20 +32,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.request import Request, SamplingParams, derive_seed
+from mtplx.request import SamplingParams
 
+from ..io.columns import OUTPUT_COLUMNS, output_schema
+from ..io.prompts import PromptRenderer, RowError
+from ..io.rows import Item, check_context, content_id, row_id
 from ..job.config import GenerationConfig, InputConfig
 from .ordering import order_window
-from ..io.prompts import PromptRenderer, RowError
-from ..io.rows import Item, content_id, row_id
-from .runner import _output_row
-from ..io.sink import OUTPUT_COLUMNS, output_schema
+from .work import Work, engine_rows
 
 # Columns the job's reader adds for JobPredictor (not output columns; never written to shards).
 TOKENS_COL = "_mtplx_tokens"
@@ -55,17 +55,6 @@ PARAMS_COL = "_mtplx_params"  # JSON of a row's own SamplingParams (openai-batch
 SEED_COL = "_mtplx_seed"  # a row's own job seed (openai-batch `seed`), or null
 
 Batch = Union[Dict[str, np.ndarray], pa.Table]
-
-
-@dataclasses.dataclass
-class Work:
-    """One input row for the engine: which samples to generate, with what."""
-
-    item: Item  # item.index: the row's key (batch position, or the input row index)
-    samples: Sequence[int]
-    prefix: int = 0  # stable prefix length (prefill splits there; shared prefixes are reused)
-    params: Optional[SamplingParams] = None  # None: the predictor's generation settings
-    seed_base: Optional[int] = None  # None: generation.seed
 
 
 def _as(cls, value):
@@ -171,10 +160,7 @@ class MTPLXPredictor:
                     tokens = self.renderer.tokens(data)
                 if not tokens:
                     raise RowError("the prompt has no tokens")
-                if len(tokens) + 1 > max_context:
-                    raise RowError(f"prompt is {len(tokens)} tokens; the model's context holds {max_context} "
-                                   "(prompt + at least 1 generated token)")
-                item.tokens = tokens
+                item.tokens = check_context(tokens, max_context)
             except RowError as e:
                 item.error = e.reason
             out.append(Work(item, range(self.generation.n)))
@@ -191,34 +177,8 @@ class MTPLXPredictor:
     def generate_work(self, work: Iterable[Work]) -> List[Dict[str, Any]]:
         """Output rows (DESIGN.md columns, `row` = item.index) for every (item, sample), ordered
         by (item.index, sample). Per-row problems are error rows; an engine crash raises."""
-        gen = self.generation
-        rows: Dict[Tuple[int, int], Dict[str, Any]] = {}
-        inflight: Dict[Tuple[int, int], Tuple[Item, int]] = {}
-
-        def requests():
-            for w in work:
-                item = w.item
-                base = gen.seed if w.seed_base is None else w.seed_base
-                for s in w.samples:
-                    seed = derive_seed(base, item.id, s) if item.id is not None else 0
-                    if item.tokens is None:
-                        rows[(item.index, s)] = _output_row(item, s, seed, error=item.error)
-                        continue
-                    inflight[(item.index, s)] = (item, seed)
-                    yield Request(key=(item.index, s), prompt_tokens=item.tokens,
-                                  params=self.params if w.params is None else w.params,
-                                  seed=seed, stable_prefix_len=w.prefix)
-
-        feed = requests()
-        for result in self.engine.generate(feed):
-            key = tuple(result.key)
-            item, seed = inflight.pop(key)
-            rows[key] = _output_row(item, key[1], seed, result=result)
-        for _ in feed:
-            pass
-        if inflight:
-            raise RuntimeError(f"the engine stopped with {len(inflight)} requests unanswered")
-        return [rows[k] for k in sorted(rows)]
+        rows = engine_rows(self.engine, work, self.params, self.generation.seed)
+        return sorted((row for row, _ in rows), key=lambda r: (r["row"], r["sample"]))
 
     def __call__(self, batch: Batch) -> Batch:
         names, rows = _batch_rows(batch)
@@ -270,11 +230,11 @@ class JobPredictor(MTPLXPredictor):
 
     Input (pyarrow): `row`, `id`, `error`, `_mtplx_tokens`, `_mtplx_samples`, `_mtplx_prefix`,
     then the job's keep_columns. Output: the shard schema (`output_schema(keep_types)`), one row
-    per (row, sample), built by the same `_output_row` the local runner uses.
+    per (row, sample), built by the same `engine_rows` the local executor runs.
     """
 
     def __init__(self, job, max_context: int):
-        from .runner import load_engine
+        from .opening import load_engine
 
         engine = load_engine(job)
         if engine.max_context != max_context:

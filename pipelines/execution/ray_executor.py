@@ -5,10 +5,10 @@
     per-row errors, order;       actors, `num_gpus` each); returns       commits shards through
     committed keys skipped       output rows, writes nothing             RunDir (manifest.json)
 
-Who writes what: the driver (this process) is the only writer of the run directory. It opens
-the run with `RunDir.prepare` (fingerprint check, lock, leftover cleanup) and commits shards with
-the local runner's `ShardWriter`, so the temp-write / fsync / rename / manifest-record sequence is
-the same code on both executors. Actors only return result batches.
+Who writes what: the driver (this process) is the only writer of the run directory. The job
+session (session.py) opens the run and commits shards, the same code as on the local executor;
+this module only supplies the stream of output rows (`ray_rows`). Actors only return result
+batches.
 
 Why the input is read by one Ray task running the job's own reader rather than by
 `ray.data.read_parquet` / `read_json` / `read_csv`: an output row is keyed by (input row index,
@@ -33,40 +33,26 @@ import importlib
 import logging
 import os
 import sys
-import time
 from typing import Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import pyarrow as pa
 
-from ..io.checkpoint import RunDir
-from ..job.config import ExecutorConfig, JobConfig
 from ..errors import JobError, RunError
-from ..job.fingerprint import fingerprint_parts
-from .ordering import ordered
+from ..job.config import ExecutorConfig, JobConfig
+from .opening import load_tokenizer, model_max_context, open_job
 from .ray_engine import PARAMS_COL, PREFIX_COL, SAMPLES_COL, SEED_COL, TOKENS_COL, JobPredictor, params_to_json
-from ..io.rows import prepare
-from .runner import RunSummary, load_tokenizer, open_job, resolve_model_dir
-from ..io.sink import ShardWriter, output_schema
-
-try:
-    from ..cli.progress import DEFAULT_LOG_EVERY, Progress
-except ImportError:  # pragma: no cover - older trees without pipelines/cli/progress.py
-    DEFAULT_LOG_EVERY, Progress = 30.0, None
+from .work import plan
 
 READ_BLOCK_ROWS = 256  # prepared rows per block handed from the reader to the actors
 READER_CPUS = 0.5  # differs from the actors' 1 CPU on purpose: Ray does not fuse the two stages
 
 
-def engine_max_context(job: JobConfig) -> int:
-    """The context length `Engine` will use for this model (the reader checks prompts against it;
-    each actor checks that its engine agrees)."""
-    from mtplx.models.loading import context_length, model_config
-
+def check_ray() -> None:
     try:
-        return context_length(model_config(job.model.path))
-    except Exception as e:
-        raise JobError(f"model.path: cannot read config.json of {job.model.path!r}: {e}")
+        importlib.import_module("ray.data")
+    except ImportError as e:
+        raise JobError(f"executor: ray needs Ray Data ({e}): pip install 'mtplx-batch[ray]'")
 
 
 def actor_batch_rows(job: JobConfig) -> int:
@@ -85,33 +71,21 @@ def reader_schema(keep_types) -> pa.Schema:
 
 def read_prepared(job: JobConfig, committed: np.ndarray, limit: Optional[int], max_context: int,
                   block_rows: int = READ_BLOCK_ROWS) -> Iterator[pa.Table]:
-    """The input as prepared, ordered rows still to do, in blocks of `reader_schema`.
-
-    The same steps as the local runner, with the same code: source rows -> `prepare` (row index,
-    id, duplicate ids, tokens, per-row errors) -> skip (row, sample) keys already committed
-    (`committed` holds row * n + sample) -> `ordered` (prefix groups / length, stable prefixes).
-    """
+    """The job's rows still to do (`work.plan`, the local executor's code), in blocks of
+    `reader_schema`; `committed` holds row * n + sample of every committed key."""
     tokenizer = load_tokenizer(job)
     prep = open_job(job, tokenizer)
     if hasattr(prep.renderer, "warn"):  # openai-batch: ignored request fields, once each
         prep.renderer.warn = lambda msg: print(msg, file=sys.stderr)
-    row_params = getattr(prep.renderer, "row_params", None)  # a request's own settings (openai-batch)
-    base = job.generation.sampling_params()
     n = job.generation.n
-    done = set(committed.tolist())
-    items = prepare(prep.source.rows(), prep.renderer, job.input.id_column, job.output.keep_columns,
-                    max_context, prep.check_keep, limit)
-    pending = ((it, [s for s in range(n) if it.index * n + s not in done]) for it in items)
-    order = ordered((p for p in pending if p[1]), job.schedule.order, lambda p: p[0].tokens,
-                    job.ordering.window_rows, job.ordering.min_prefix_tokens, n)
+    done = {(int(k) // n, int(k) % n) for k in committed.tolist()}
     schema = reader_schema(prep.keep_types)
     block: List[Dict] = []
-    for (item, samples), plen in order:
-        own = row_params(item.id) if row_params is not None and item.tokens is not None else None
+    for w in plan(job, prep, done, limit, max_context):
+        item = w.item
         row = {"row": item.index, "id": item.id, "error": item.error, TOKENS_COL: item.tokens,
-               SAMPLES_COL: samples, PREFIX_COL: plen,
-               PARAMS_COL: params_to_json(own.apply(base)) if own is not None else None,
-               SEED_COL: own.seed if own is not None else None}
+               SAMPLES_COL: list(w.samples), PREFIX_COL: w.prefix, PARAMS_COL: params_to_json(w.params),
+               SEED_COL: w.seed_base}
         row.update(item.keep)
         block.append(row)
         if len(block) >= block_rows:
@@ -132,7 +106,7 @@ def build_dataset(job: JobConfig, committed_keys, limit: Optional[int] = None):
 
     n = job.generation.n
     committed = np.fromiter((r * n + s for r, s in committed_keys), dtype=np.int64, count=len(committed_keys))
-    max_context = engine_max_context(job)
+    max_context = model_max_context(job)
     ex = job.executor
     seed = ray.data.from_items([{"part": 0}])  # one reader task; see the module docstring
     prepared = seed.map_batches(
@@ -212,80 +186,28 @@ def _quiet_ray_data(quiet: bool):
         logger.setLevel(level)
 
 
-class _NoProgress:
-    def __init__(self, *a, **k):
-        pass
-
-    def __getattr__(self, name):
-        return lambda *a, **k: None
-
-
-def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, quiet: bool = True,
-            log: Optional[Callable[[str], None]] = None, log_json: bool = False,
-            log_every: float = DEFAULT_LOG_EVERY) -> RunSummary:
-    """Run (or resume) `job` on Ray; same contract as `pipelines.execution.runner.run_job`."""
+def ray_rows(session) -> Iterator[tuple]:
+    """The session's output rows from a Ray Data pipeline (never via this process's engine).
+    A Ray task retry can deliver a batch twice: keys already seen are dropped here."""
+    job, log = session.job, session.log
+    seen = set(session.committed)
+    repeats = 0
     try:
-        importlib.import_module("ray.data")
-    except ImportError as e:
-        raise JobError(f"executor: ray needs Ray Data ({e}): pip install 'mtplx-batch[ray]'")
-    log = log or ((lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr)))
-    tokenizer = load_tokenizer(job)
-    prep = open_job(job, tokenizer)  # every fatal input problem is refused here, before Ray starts
-    parts = fingerprint_parts(job, resolve_model_dir(job), prep.source.files)
-    n = job.generation.n
-    with RunDir.prepare(job.output.dir, job.to_yaml(), parts, restart=restart, log=log) as run:
-        committed = run.committed_keys()
-        total_rows = prep.source.count_rows()
-        run.update(input_rows=total_rows, samples=n)
-        wanted = None if total_rows is None else min(total_rows, limit if limit is not None else total_rows) * n
-        done_before = sum(1 for r, _ in committed if limit is None or r < limit)
-        summary = RunSummary(run_dir=run.path, skipped=len(committed))
-        progress = (Progress or _NoProgress)(wanted, min(done_before, wanted or done_before),
-                                             mode="json" if log_json else "off" if quiet else "bars",
-                                             log_every=log_every)
-
-        def on_commit(entry):
-            summary.count_shard(entry)
-            progress.committed(entry)
-
-        sink = ShardWriter(run, output_schema(prep.keep_types), job.output.shard_rows, on_commit)
-        written: set = set()
-        repeats = 0
-        started = time.monotonic()
-        status, error = "failed", None
-        try:
-            with ray_session(job.executor, quiet, log), _quiet_ray_data(quiet):
-                ds = build_dataset(job, committed, limit)
-                progress.start(run_dir=run.path, job=job.name, executor="ray")
-                try:
-                    for table in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-                        for row in table.to_pylist():
-                            key = (row["row"], row["sample"])
-                            if key in written or key in committed:
-                                repeats += 1  # a retried Ray task delivered this row again
-                                continue
-                            written.add(key)
-                            sink.add(row)
-                            progress.finished(row, via_engine=False)
-                finally:
-                    sink.flush()  # finished rows are committed even when the run stops early
-            if repeats:
-                log(f"ray: dropped {repeats} rows delivered twice by retried tasks")
-            if wanted is not None and done_before + len(written) < wanted:
-                raise RunError(f"the Ray pipeline ended with {wanted - done_before - len(written)} rows "
-                               "missing; they were not committed and a resume will generate them")
-            status = "done"
-        except KeyboardInterrupt:
-            status = "interrupted"
-            raise
-        except (JobError, RunError) as e:
-            error = f"{type(e).__name__}: {e}"
-            raise
-        except Exception as e:  # a failed actor (engine crash, model load) or Ray itself
-            error = f"{type(e).__name__}: {e}"
-            raise RunError(f"the Ray pipeline failed: {type(e).__name__}: {e}. Committed shards are "
-                           "kept; run the same command again to continue") from e
-        finally:
-            summary.seconds = time.monotonic() - started
-            progress.close(summary, status, error)
-    return summary
+        with ray_session(job.executor, session.quiet, log), _quiet_ray_data(session.quiet):
+            ds = build_dataset(job, session.committed, session.limit)
+            session.begin(executor="ray")
+            for table in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+                for row in table.to_pylist():
+                    key = (row["row"], row["sample"])
+                    if key in seen:
+                        repeats += 1
+                        continue
+                    seen.add(key)
+                    yield row, False
+    except (JobError, RunError):
+        raise
+    except Exception as e:  # a failed actor (engine crash, model load) or Ray itself
+        raise RunError(f"the Ray pipeline failed: {type(e).__name__}: {e}. Committed shards are "
+                       "kept; run the same command again to continue") from e
+    if repeats:
+        log(f"ray: dropped {repeats} rows delivered twice by retried tasks")

@@ -100,6 +100,16 @@ def keep_checker(types: Sequence[Tuple[str, pa.DataType]]):
     return check
 
 
+def check_context(tokens: List[int], max_context: Optional[int]) -> List[int]:
+    """`tokens`, or a RowError when the prompt leaves no room to generate one token."""
+    if max_context is not None and len(tokens) + 1 > max_context:
+        raise RowError(
+            f"prompt is {len(tokens)} tokens; the model's context holds {max_context} "
+            "(prompt + at least 1 generated token). Shorten the prompt or use a longer-context model"
+        )
+    return tokens
+
+
 def prepare(rows: Iterable[SourceRow], renderer: PromptRenderer, id_column: Optional[str],
             keep_columns: Sequence[str], max_context: Optional[int], check_keep=None,
             limit: Optional[int] = None) -> Iterator[Item]:
@@ -118,20 +128,7 @@ def prepare(rows: Iterable[SourceRow], renderer: PromptRenderer, id_column: Opti
             dupes.check(item.id, hashed=id_column is None)
             if check_keep is not None:
                 check_keep(item.keep)
-            tokens = renderer.tokens(data)
-            if max_context is not None and len(tokens) + 1 > max_context:
-                raise RowError(
-                    f"prompt is {len(tokens)} tokens; the model's context holds {max_context} "
-                    "(prompt + at least 1 generated token). Shorten the prompt or use a longer-context model"
-                )
-            item.tokens = tokens
+            item.tokens = check_context(renderer.tokens(data), max_context)
         except RowError as e:
             item.error = e.reason
         yield item
-
-
-def context_from_config(config: Dict[str, Any]) -> Optional[int]:
-    """The model's context length from config.json: the engine's own rule, before weights load."""
-    from mtplx.models.loading import context_length
-
-    return context_length(config)

@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -20,37 +20,6 @@ import pyarrow.parquet as pq
 from . import faults
 from .checkpoint import RunDir, io_failure
 from .fsutil import publish, remove_quietly, sha256_file
-
-I64, F64, STR = pa.int64(), pa.float64(), pa.string()
-OUTPUT_COLUMNS: List[Tuple[str, pa.DataType]] = [
-    ("id", STR),
-    ("row", I64),  # index of the input row (0-based, in input order): join key back to the input
-    ("sample", I64),
-    ("completion", STR),  # null for error rows
-    ("finish_reason", STR),  # stop | length | error
-    ("error", STR),
-    ("prompt_tokens", I64),
-    ("completion_tokens", I64),
-    ("cached_prompt_tokens", I64),
-    ("prefill_chunks", I64),
-    ("verify_calls", I64),
-    ("drafted_tokens", I64),
-    ("accepted_tokens", I64),
-    ("acceptance_rate", F64),
-    ("tokens_per_verify", F64),
-    ("accepted_by_depth", pa.list_(I64)),
-    ("compiled_verify_calls", I64),
-    ("eager_verify_calls", I64),
-    ("parity_failures", I64),
-    ("seed", I64),
-    ("batch_width", I64),
-    ("decode_seconds", F64),
-]
-
-
-def output_schema(keep: Sequence[Tuple[str, pa.DataType]] = ()) -> pa.Schema:
-    return pa.schema([pa.field(n, t) for n, t in OUTPUT_COLUMNS] + [pa.field(n, t) for n, t in keep])
-
 
 def empty_row(schema: pa.Schema) -> Dict[str, Any]:
     return {name: None for name in schema.names}

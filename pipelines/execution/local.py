@@ -1,0 +1,21 @@
+"""`executor: local`: one engine in this process generates the job's rows."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, Tuple
+
+from . import opening
+from .work import engine_rows, plan
+
+
+def local_rows(session, engine=None) -> Iterator[Tuple[Dict[str, Any], bool]]:
+    """The session's output rows from `engine` (loaded here, after the run directory opened,
+    when none is given), each with whether it reached the engine."""
+    job = session.job
+    if engine is None:
+        session.log(f"loading {job.model.path}")
+        engine = opening.load_engine(job)
+    session.begin()
+    work = plan(job, session.prep, session.committed, session.limit, engine.max_context)
+    yield from engine_rows(engine, work, job.generation.sampling_params(), job.generation.seed,
+                           on_submit=session.progress.submitted)

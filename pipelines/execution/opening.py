@@ -1,0 +1,110 @@
+"""Opening a job before any weights load: the model's files, its tokenizer, the input and prompt
+rendering. Every problem found here is a JobError (exit 2), so `run` and `validate` refuse the
+same jobs with the same messages. `load_engine` is the one place weights load."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..errors import JobError, RunError
+from ..io.prompts import PromptRenderer
+from ..io.rows import keep_checker
+from ..io.sources import Source, open_source
+from ..job.config import JobConfig
+
+
+def load_engine(job: JobConfig):
+    try:
+        from mtplx.generation import Engine
+    except ImportError as e:
+        raise RunError(f"the generation engine is not available ({e})")
+    return Engine.load(job.model.path, job.speculative, job.schedule,
+                       trust_remote_code=job.model.trust_remote_code)
+
+
+def check_remote_code(job: JobConfig) -> None:
+    """Refuse (before anything loads) a model whose config.json names a Python file to run
+    (`model_file`, which mlx-lm would import), unless the job sets model.trust_remote_code."""
+    if job.model.trust_remote_code:
+        return
+    path = os.path.join(resolve_model_dir(job), "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # a missing or broken config.json is reported by the loader
+    if isinstance(config, dict) and config.get("model_file") is not None:
+        raise JobError(
+            f"model.path: {path} sets model_file: {config['model_file']!r}, Python code shipped with the "
+            "model that would run on load; running it is off by default. If you trust this model, set "
+            "model.trust_remote_code: true in the job"
+        )
+
+
+def load_tokenizer(job: JobConfig):
+    from mtplx.models.loading import load_tokenizer_only
+
+    check_remote_code(job)
+    try:
+        return load_tokenizer_only(job.model.path)
+    except Exception as e:  # missing dir, bad tokenizer files: all mean the job cannot run
+        raise JobError(f"model.path: cannot load a tokenizer from {job.model.path!r}: {e}")
+
+
+def resolve_model_dir(job: JobConfig) -> str:
+    from mtplx.models.loading import resolve_model_path
+
+    try:
+        return str(resolve_model_path(job.model.path))
+    except Exception as e:
+        raise JobError(f"model.path: {e}")
+
+
+def model_max_context(job: JobConfig) -> Optional[int]:
+    """The context length the engine will use for this model, from its config.json alone (the
+    engine's own rule), so prompts can be checked against it before weights load."""
+    from mtplx.models.loading import context_length, model_config
+
+    try:
+        return context_length(model_config(job.model.path))
+    except Exception as e:
+        raise JobError(f"model.path: cannot read config.json of {job.model.path!r}: {e}")
+
+
+@dataclass
+class Prepared:
+    """Everything checked and opened before any weights load."""
+
+    source: Source
+    renderer: PromptRenderer
+    keep_types: list
+    check_keep: Optional[Callable]
+
+
+def open_job(job: JobConfig, tokenizer) -> Prepared:
+    """Open the input and prompt rendering; any problem here is a JobError (exit 2)."""
+    if job.input.format == "openai-batch":
+        from ..io.openai_batch import OpenAIBatchRenderer  # refuses rows with unsupported body fields
+
+        renderer = OpenAIBatchRenderer(job.input, tokenizer, job.generation.n)
+    else:
+        renderer = PromptRenderer(job.input, tokenizer)
+    keep = job.output.keep_columns
+    # The row id hashes the whole row when there is no id column, so then every column is read.
+    if job.input.id_column is None:
+        columns = None
+    else:
+        columns = list(dict.fromkeys(renderer.columns + [job.input.id_column] + list(keep)))
+    source = open_source(job.input, columns)
+    schema = source.schema()
+    if schema is not None:
+        missing = [c for c in keep if c not in schema.names]
+        if missing:
+            raise JobError(f"output.keep_columns: the input has no column {missing[0]!r} "
+                           f"(has: {', '.join(schema.names)})")
+    keep_types = [(c, source.column_type(c)) for c in keep]
+    check_keep = keep_checker(keep_types) if schema is None and keep_types else None
+    return Prepared(source, renderer, keep_types, check_keep)

@@ -1,0 +1,182 @@
+"""Running a job: one session, whichever executor generates the rows; resumable at any point.
+
+    run_job()      open the job (tokenizer, input, prompt rendering), fingerprint it, open the
+                   run directory (RunDir.prepare: create, resume or refuse), count what is done
+    executor       the stream of output rows still to do: `local_rows` (one engine here) or
+                   `ray_rows` (Ray Data actors); each reads the job through `work.plan`
+    ShardWriter    every output row, committed shard by shard through the manifest
+    Progress       bars or JSON lines; RunSummary: what this session did
+
+The pipeline is a chain of generators, so rows stream through and only one ordering window
+plus the engine's in-flight requests are held in memory.
+
+Exactly-once: an output row is keyed by (row index, sample). Keys in committed shards are
+skipped; everything else is (re)generated. Row indices are stable because the fingerprint pins
+the input files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
+
+from ..cli.progress import DEFAULT_LOG_EVERY, Progress, json_logger
+from ..errors import RunError
+from ..io.checkpoint import RunDir
+from ..io.columns import output_schema
+from ..io.sink import ShardWriter
+from ..job.config import JobConfig
+from ..job.fingerprint import fingerprint_parts
+from .opening import Prepared, load_tokenizer, open_job, resolve_model_dir
+
+Rows = Iterator[Tuple[Dict[str, Any], bool]]  # (output row, reached the engine)
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    outputs: int = 0  # output rows committed by this session
+    errors: int = 0  # of those, error rows
+    skipped: int = 0  # (row, sample) pairs already committed by an earlier session
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    shards: int = 0  # shards committed by this session
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds else 0.0
+
+    def count_shard(self, entry: dict) -> None:
+        """Add a committed shard's manifest entry to this session's totals."""
+        self.shards += 1
+        self.outputs += entry["rows"]
+        self.errors += entry["errors"]
+        self.completion_tokens += entry["completion_tokens"]
+
+
+@dataclass
+class Session:
+    """One session of a run: what an executor reads (`job`, `prep`, `committed`, `limit`) and
+    what it calls (`log`, `begin` once generation starts, `progress.submitted`)."""
+
+    job: JobConfig
+    prep: Prepared
+    run: RunDir
+    committed: Set[Tuple[int, int]]
+    limit: Optional[int]
+    total_rows: Optional[int]
+    log: Callable[[str], None]
+    quiet: bool = True
+    progress_mode: str = "off"
+    log_every: float = DEFAULT_LOG_EVERY
+    progress: Optional[Progress] = None
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def wanted(self) -> Optional[int]:
+        """Output rows this run has when done (None: the input cannot say without reading it)."""
+        if self.total_rows is None:
+            return None
+        rows = self.total_rows if self.limit is None else min(self.total_rows, self.limit)
+        return rows * self.job.generation.n
+
+    @property
+    def done_before(self) -> int:
+        """Rows within `limit` committed by earlier sessions."""
+        return sum(1 for r, _ in self.committed if self.limit is None or r < self.limit)
+
+    def _new_progress(self) -> Progress:
+        wanted, done = self.wanted, self.done_before
+        return Progress(wanted, min(done, wanted or done), mode=self.progress_mode, log_every=self.log_every)
+
+    def begin(self, **fields: Any) -> None:
+        """Generation starts now (the engine or the cluster is up): the clock and the progress."""
+        self.started = time.monotonic()
+        self.progress = self._new_progress()
+        self.progress.start(run_dir=self.run.path, job=self.job.name, **fields)
+
+
+def executor_rows(job: JobConfig, engine=None) -> Callable[[Session], Rows]:
+    """The executor the job names (`engine` given: that engine, here)."""
+    if engine is not None or job.executor.type == "local":
+        from .local import local_rows
+
+        return functools.partial(local_rows, engine=engine)
+    from .ray_executor import check_ray, ray_rows
+
+    check_ray()
+    return ray_rows
+
+
+def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, engine=None,
+            quiet: bool = True, log: Optional[Callable[[str], None]] = None, log_json: bool = False,
+            log_every: float = DEFAULT_LOG_EVERY) -> RunSummary:
+    """Run (or resume) `job`; returns what this session did.
+
+    Raises JobError (nothing ran, no weights loaded) when the job, its input or its run
+    directory is refused, and RunError when the run breaks; committed shards stay valid either
+    way. `engine` (anything with `tokenizer`, `max_context` and `generate(requests)`) replaces
+    the one `job.model`/`speculative`/`schedule` would load; `limit` takes the first N rows.
+    Progress (pipelines/cli/progress.py): tqdm bars on a terminal unless `quiet`; with `log_json`
+    JSON lines on stderr instead (start, shard commits, progress every `log_every` s, summary).
+    """
+    if limit is None:
+        limit = job.input.limit
+    if log_json and log is None:
+        log = json_logger()
+    log = log or ((lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr)))
+    rows = executor_rows(job, engine)
+    tokenizer = engine.tokenizer if engine is not None else load_tokenizer(job)
+    prep = open_job(job, tokenizer)  # every fatal input problem is refused here, before any write
+    if hasattr(prep.renderer, "warn"):
+        prep.renderer.warn = log  # openai-batch: one line per ignored request field
+    parts = fingerprint_parts(job, resolve_model_dir(job), prep.source.files)
+    total_rows = prep.source.count_rows()  # reads the input to the end: refuses a truncated file before any write
+    with RunDir.prepare(job.output.dir, job.to_yaml(), parts, restart=restart, log=log) as run:
+        committed = run.committed_keys()
+        run.update(input_rows=total_rows, samples=job.generation.n)
+        s = Session(job, prep, run, committed, limit, total_rows, log, quiet,
+                    "json" if log_json else "off" if quiet else "bars", log_every)
+        summary = RunSummary(run_dir=run.path, skipped=len(committed))
+
+        def on_commit(entry):
+            summary.count_shard(entry)
+            if s.progress is not None:
+                s.progress.committed(entry)
+
+        sink = ShardWriter(run, output_schema(prep.keep_types), job.output.shard_rows, on_commit)
+        added = 0
+        status, error = "failed", None
+        try:
+            with contextlib.closing(rows(s)) as stream:
+                for row, via_engine in stream:
+                    sink.add(row)
+                    s.progress.finished(row, via_engine)
+                    added += 1
+            missing = (s.wanted or 0) - s.done_before - added
+            if s.wanted is not None and missing > 0:
+                raise RunError(f"the run ended with {missing} rows missing; they were not committed "
+                               "and a resume will generate them")
+            status = "done"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            try:
+                sink.flush()  # finished rows are committed even when the run stops early
+            except BaseException as e:
+                status, error = "failed", error or f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                summary.seconds = time.monotonic() - s.started
+                if s.progress is None:  # stopped before generation began: still one summary
+                    s.progress = s._new_progress()
+                s.progress.close(summary, status, error)
+    return summary
