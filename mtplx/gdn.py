@@ -2,7 +2,7 @@
 
 A verify forward runs [last, d1..dk] through the hybrid model before we know how many drafts
 each row keeps. Attention KV rolls back by moving an index; the recurrent state does not. This
-layer computes exactly what mlx-lm's Qwen3-Next layer computes, step by step, and hands the
+layer computes exactly what mlx-lm's Qwen3-Next and Qwen3.5 layers compute, step by step, and hands the
 conv window and the state after each position to the RowStateCache, which keeps the one at
 each row's accepted position. No padding, no re-forward.
 """
@@ -16,15 +16,27 @@ from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normaliz
 from .cache import RowStateCache
 
 
+def _mixed_qkv_z_b_a(self, inputs):
+    """(conv input [B, S, conv_dim], z [B, S, Hv, Dv], b, a) for either Gated DeltaNet flavour:
+    Qwen3-Next packs q/k/v/z and b/a per key head (`in_proj_qkvz`, `in_proj_ba`); Qwen3.5 has
+    one projection per part (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`)."""
+    B, S, _ = inputs.shape
+    if hasattr(self, "in_proj_qkvz"):
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
+        mixed = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        return mixed, z, b, a
+    z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+    return self.in_proj_qkv(inputs), z, self.in_proj_b(inputs), self.in_proj_a(inputs)
+
+
 def _capturing_call(self, inputs, mask=None, cache=None):
     if not (isinstance(cache, RowStateCache) and cache.capturing):
         return type(self).__mro__[1].__call__(self, inputs, mask, cache)
     B, S, _ = inputs.shape
-    q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
+    mixed_qkv, z, b, a = _mixed_qkv_z_b_a(self, inputs)
     conv_state = cache[0]
     if conv_state is None:
         conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
-    mixed_qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
     conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)
     conv_out = nn.silu(self.conv1d(conv_input))
     q, k, v = [
@@ -66,7 +78,7 @@ def install_capture(model) -> int:
         count += 1
         if type(gdn) in _capture_classes.values():
             continue  # installed by an earlier engine on the same model
-        if not hasattr(gdn, "fix_query_key_value_ordering"):
+        if not (hasattr(gdn, "fix_query_key_value_ordering") or hasattr(gdn, "in_proj_qkv")):
             raise ValueError(f"no capture backend for linear-attention layer {type(gdn).__name__}")
         base = type(gdn)
         if base not in _capture_classes:

@@ -6,18 +6,20 @@ a directory holding one), which is converted once into an mlx-lm directory under
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
+
+from .mtp_layouts import is_mtp_key
 
 
 @dataclass
@@ -27,6 +29,7 @@ class ModelBundle:
     config: dict
     path: Path
     mtp_weights: Dict[str, mx.array] = field(default_factory=dict)
+    shapes: Dict[str, tuple] = field(default_factory=dict)  # checkpoint tensor shapes, as stored
 
     @property
     def model_type(self) -> str:
@@ -39,20 +42,6 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mtplx"
     )
     return Path(root)
-
-
-def is_mtp_key(key: str, config: dict) -> bool:
-    """True for weights of multi-token-prediction modules, in either checkpoint layout.
-
-    Qwen3-Next / Qwen3.5 keep them under `mtp.`; DeepSeek-V3 / GLM-4.5 append NextN layers after
-    the trunk (`model.layers.{num_hidden_layers + i}.`).
-    """
-    if key.startswith("mtp.") or key.startswith("model.mtp."):
-        return True
-    if key.startswith("model.layers."):
-        layer = int(key.split(".")[2])
-        return layer >= config.get("num_hidden_layers", 1 << 30)
-    return False
 
 
 def _classes_without_mtp(config: dict):
@@ -108,12 +97,27 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
     return out
 
 
-def load_mtp_weights(model_path: Path, config: dict) -> Dict[str, mx.array]:
+def tensor_index(model_path: Path) -> Dict[str, Tuple[str, tuple]]:
+    """Every tensor of the checkpoint's *.safetensors files (shards, a head in a file of its own):
+    key -> (file name, shape), read from the file headers without loading any weights."""
+    index = {}
+    for wf in sorted(Path(model_path).glob("*.safetensors")):
+        with open(wf, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        for k, meta in header.items():
+            if k != "__metadata__":
+                index[k] = (wf.name, tuple(meta["shape"]))
+    return index
+
+
+def load_mtp_weights(model_path: Path, config: dict, index: Optional[Dict[str, Tuple[str, tuple]]] = None):
+    """The checkpoint's raw MTP weights (only the files that hold some are read)."""
+    index = tensor_index(model_path) if index is None else index
+    files = sorted({f for k, (f, _) in index.items() if is_mtp_key(k, config)})
     weights = {}
-    for wf in sorted(glob.glob(str(model_path / "*.safetensors"))):
-        for k, v in mx.load(wf).items():
-            if is_mtp_key(k, config):
-                weights[k] = v
+    for name in files:
+        weights.update({k: v for k, v in mx.load(str(Path(model_path) / name)).items() if is_mtp_key(k, config)})
     return weights
 
 
@@ -126,8 +130,10 @@ def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = 
         trust_remote_code=trust_remote_code,
     )
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
-    mtp = load_mtp_weights(model_path, config)
-    return ModelBundle(model=model, tokenizer=tokenizer, config=config, path=model_path, mtp_weights=mtp)
+    index = tensor_index(model_path)
+    mtp = load_mtp_weights(model_path, config, index)
+    return ModelBundle(model=model, tokenizer=tokenizer, config=config, path=model_path, mtp_weights=mtp,
+                       shapes={k: shape for k, (_, shape) in index.items()})
 
 
 def load_tokenizer_only(path: str | os.PathLike) -> TokenizerWrapper:

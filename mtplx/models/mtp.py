@@ -16,54 +16,70 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .loading import ModelBundle
+from .mtp_layouts import (ZERO_CENTRED_BLOCK_NORMS, ZERO_CENTRED_HEAD_NORMS, ModuleWeights, split_modules,
+                          text_config)
 
 SIDECAR_META = "mtp_head.json"
 SIDECAR_WEIGHTS = "mtp_head.safetensors"
 
 
+def text_model(model) -> nn.Module:
+    """The module holding `args`, `model` and `lm_head`: the model itself, or the text model inside
+    a multimodal wrapper (Qwen3.5 keeps it at `language_model`, and its `args` there)."""
+    return getattr(model, "language_model", model)
+
+
 def trunk_hidden(model, tokens: mx.array, cache) -> mx.array:
     """The trunk's final (normed) hidden states, without projecting to the vocabulary."""
-    return model.model(tokens, cache=cache)
+    return text_model(model).model(tokens, cache=cache)
 
 
 def project_logits(model, hidden: mx.array) -> mx.array:
-    if hasattr(model, "lm_head"):
-        return model.lm_head(hidden)
-    return model.model.embed_tokens.as_linear(hidden)
+    lm = text_model(model)
+    if hasattr(lm, "lm_head"):
+        return lm.lm_head(hidden)
+    return lm.model.embed_tokens.as_linear(hidden)
 
 
 def has_trunk_split(model) -> bool:
     """Whether the model exposes `model.model` (hidden states) and a separable output head."""
-    inner = getattr(model, "model", None)
+    lm = text_model(model)
+    inner = getattr(lm, "model", None)
     return inner is not None and hasattr(inner, "embed_tokens") and (
-        hasattr(model, "lm_head") or hasattr(inner.embed_tokens, "as_linear")
+        hasattr(lm, "lm_head") or hasattr(inner.embed_tokens, "as_linear")
     )
 
 
-def make_block(model, index: int) -> nn.Module:
-    """A fresh decoder block of the trunk's own kind, built as if it were layer `index`."""
-    layers = model.layers
-    full = [l for l in layers if not getattr(l, "is_linear", False)] or layers
-    cls = type(full[-1])
+def _attention_layer_index(model) -> int:
+    """The index of the trunk's last full-attention layer (MTP layers are full attention)."""
+    full = [i for i, l in enumerate(model.layers) if not getattr(l, "is_linear", False)]
+    return full[-1] if full else len(model.layers) - 1
+
+
+def make_block(model, index: Optional[int] = None) -> nn.Module:
+    """A fresh decoder block of the trunk's own kind, built as its last full-attention layer
+    (`index`, where given, for trunks whose layer class takes one and has no linear layers)."""
+    full = _attention_layer_index(model)
+    cls = type(model.layers[full])
     params = inspect.signature(cls.__init__).parameters
-    args = model.args
+    args = text_model(model).args
     if "layer_idx" in params:
-        if getattr(args, "model_type", "") == "qwen3_next":
-            index = args.full_attention_interval - 1  # an index whose layer is full attention
-        return cls(args, index)
+        hybrid = any(getattr(l, "is_linear", False) for l in model.layers)
+        return cls(args, full if hybrid or index is None else index)
     return cls(args)
 
 
 class MTPHead(nn.Module):
-    def __init__(self, model, n_layers: int = 1, own_head: bool = False, block_index: Optional[int] = None):
+    def __init__(self, model, n_layers: int = 1, own_head: bool = False, block_index: Optional[int] = None,
+                 hidden_first: bool = False):
         super().__init__()
-        args = model.args
+        args = text_model(model).args
         dim = args.hidden_size
         eps = getattr(args, "rms_norm_eps", 1e-6)
         self.norm_embedding = nn.RMSNorm(dim, eps=eps)
@@ -74,11 +90,12 @@ class MTPHead(nn.Module):
         self.norm = nn.RMSNorm(dim, eps=eps)
         if own_head:
             self.head = nn.Linear(dim, args.vocab_size, bias=False)
+        self.hidden_first = hidden_first  # fc over [hidden, embedding] (MiMo)
         # The trunk's embedding and head are shared, not owned: keep them out of parameters().
         self._trunk = [model]
 
     def embed(self, tokens):
-        return self._trunk[0].model.embed_tokens(tokens)
+        return text_model(self._trunk[0]).model.embed_tokens(tokens)
 
     def logits(self, h):
         return self.head(h) if "head" in self else project_logits(self._trunk[0], h)
@@ -90,7 +107,8 @@ class MTPHead(nn.Module):
     def hidden(self, hidden: mx.array, tokens: mx.array, caches=None, mask=None) -> mx.array:
         """The head's output hidden state h' alone (drafting projects only the positions it needs)."""
         e = self.norm_embedding(self.embed(tokens))
-        x = self.fc(mx.concatenate([e, self.norm_hidden(hidden)], axis=-1))
+        parts = [self.norm_hidden(hidden), e] if self.hidden_first else [e, self.norm_hidden(hidden)]
+        x = self.fc(mx.concatenate(parts, axis=-1))
         caches = caches or [None] * len(self.layers)
         if mask is None and caches[0] is not None:  # rows have their own lengths: always mask
             mask = caches[0].make_mask(x.shape[1])
@@ -99,67 +117,49 @@ class MTPHead(nn.Module):
         return self.norm(x)
 
 
-def _split_layouts(weights: Dict[str, mx.array], config: dict):
-    """(head-level weights by our names, block weights per layer by block-relative names)."""
-    head, blocks, extra = {}, {}, {}
-    if any(k.startswith("mtp.") for k in weights):
-        names = {"pre_fc_norm_embedding": "norm_embedding", "pre_fc_norm_hidden": "norm_hidden", "fc": "fc", "norm": "norm"}
-        for k, v in weights.items():
-            rest = k[len("mtp."):]
-            if rest.startswith("layers."):
-                _, i, sub = rest.split(".", 2)
-                blocks.setdefault(int(i), {})[sub] = v
-            else:
-                mod, param = rest.split(".", 1)
-                if mod not in names:
-                    raise ValueError(f"unknown MTP weight {k!r}")
-                head[f"{names[mod]}.{param}"] = v
-        return head, blocks, extra
-    n = config["num_hidden_layers"]
-    # A sidecar head with several blocks keeps block i at model.layers.{N+i} (block keys only).
-    sidecar_blocks = int(config.get("mtp_sidecar_blocks", 1))
-    names = {"enorm": "norm_embedding", "hnorm": "norm_hidden", "eh_proj": "fc", "shared_head.norm": "norm", "shared_head.head": "head"}
-    for k, v in weights.items():
-        _, _, i, rest = k.split(".", 3)
-        depth = int(i) - n
-        if 0 < depth < sidecar_blocks:
-            blocks.setdefault(depth, {})[rest] = v
-            continue
-        if depth != 0:
-            continue  # deeper NextN modules: drafting recurses on the first one
-        for src, dst in names.items():
-            if rest.startswith(src + "."):
-                head[f"{dst}.{rest[len(src) + 1:]}"] = v
-                break
-        else:
-            if rest.startswith("embed_tokens."):
-                extra[rest] = v
-            else:
-                blocks.setdefault(0, {})[rest] = v
-    return head, blocks, extra
+def _block_params(model, block: Dict[str, mx.array], zero_centred: bool) -> Dict[str, mx.array]:
+    """One block's weights run through the trunk's own sanitize (expert stacking, MLA splits, the
+    multimodal wrapper's renames, ...), as if they were its last full-attention layer's."""
+    idx = _attention_layer_index(model)
+    marker = f"layers.{idx}."
+    as_trunk = {f"model.{marker}{k}": v for k, v in block.items()}
+    clean = model.sanitize(as_trunk) if hasattr(model, "sanitize") else as_trunk
+    out = {k[k.index(marker) + len(marker):]: v for k, v in clean.items() if marker in k}
+    if zero_centred:
+        out = {k: v + 1.0 if v.ndim == 1 and ("." + k).endswith(ZERO_CENTRED_BLOCK_NORMS) else v
+               for k, v in out.items()}
+    return out
 
 
-def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Optional[dict] = None) -> MTPHead:
-    model, config = bundle.model, config or bundle.config
-    head_w, blocks, _ = _split_layouts(weights, config)
-    if not blocks:
+def _zero_centred(bundle: ModelBundle, modules: List[ModuleWeights]) -> Tuple[bool, bool]:
+    """(shift the head's own norms, shift its blocks' norms) by +1, as mlx-lm does the trunk's.
+
+    Qwen3-Next: mlx-lm shifts only MoE checkpoints, and its sanitize shifts the block's norms itself.
+    Qwen3.5: mlx-lm shifts checkpoints still in the HF layout (conv1d stored as [C, 1, K]); its
+    sanitize sees no conv1d in an MTP block, so both shifts are ours."""
+    kind = bundle.model_type
+    if kind == "qwen3_next":
+        moe = any(k.endswith("mlp.experts.0.up_proj.weight") for m in modules for b in m.blocks.values() for k in b)
+        return moe, False
+    if kind in ("qwen3_5", "qwen3_5_moe"):
+        hf = any(k.endswith("conv1d.weight") and s[-1] != 1 for k, s in bundle.shapes.items())
+        return hf, hf
+    return False, False
+
+
+def _build_module(bundle: ModelBundle, mod: ModuleWeights, shift: Tuple[bool, bool]) -> MTPHead:
+    model = bundle.model
+    if not mod.blocks:
         raise ValueError("MTP weights hold no decoder layer")
-    trunk_idx = len(model.layers) - 1
-    head = MTPHead(model, n_layers=len(blocks), own_head=any(k.startswith("head.") for k in head_w))
-    # Run block weights through the trunk's own sanitize (expert stacking, norm offsets, ...).
-    params = dict(head_w)
-    for i, block in sorted(blocks.items()):
-        as_trunk = {f"model.layers.{trunk_idx}.{k}": v for k, v in block.items()}
-        clean = model.sanitize(as_trunk) if hasattr(model, "sanitize") else as_trunk
-        prefix = f"model.layers.{trunk_idx}."
-        for k, v in clean.items():
-            params[f"layers.{i}.{k[len(prefix):]}"] = v
-    if bundle.model_type == "qwen3_next" and _norms_offset(model, blocks):
-        for k in ("norm_embedding.weight", "norm_hidden.weight", "norm.weight"):
-            if k in params:
-                params[k] = params[k] + 1.0
+    head = MTPHead(model, n_layers=len(mod.blocks), own_head=any(k.startswith("head.") for k in mod.head),
+                   hidden_first=mod.hidden_first)
+    params = dict(mod.head)
+    if shift[0]:
+        params = {k: v + 1.0 if k in ZERO_CENTRED_HEAD_NORMS else v for k, v in params.items()}
+    for i, block in sorted(mod.blocks.items()):
+        params.update({f"layers.{i}.{k}": v for k, v in _block_params(model, block, shift[1]).items()})
     head.load_weights(list(params.items()), strict=True)
-    norm = getattr(getattr(model, "model", None), "norm", None)
+    norm = getattr(text_model(model).model, "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None:
         head.set_dtype(norm.weight.dtype)  # a bf16 sidecar on an fp32 trunk runs in fp32 (and back)
     head.eval()
@@ -167,9 +167,15 @@ def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Option
     return head
 
 
-def _norms_offset(model, blocks) -> bool:
-    """mlx-lm adds 1 to Qwen3-Next norms only for MoE checkpoints; do the same for the head's."""
-    return any(k.endswith("mlp.experts.0.up_proj.weight") for b in blocks.values() for k in b)
+def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Optional[dict] = None):
+    """The head of raw MTP `weights` (deeper modules, where the checkpoint has them, are left out:
+    drafting recurses on the first)."""
+    modules = split_modules(weights, config or bundle.config)
+    if not modules:
+        raise ValueError("MTP weights hold no MTP module")
+    shift = _zero_centred(bundle, modules)
+    built = [_build_module(bundle, m, shift) for m in modules[:1]]
+    return built[0]
 
 
 def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
@@ -191,7 +197,7 @@ def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
 
 
 def trunk_signature(bundle: ModelBundle) -> dict:
-    cfg = bundle.config
+    cfg = text_config(bundle.config)
     return {
         "model_type": cfg.get("model_type"),
         "hidden_size": cfg.get("hidden_size"),
@@ -206,8 +212,8 @@ PROBE_DIMS = 32
 
 def trunk_probe(bundle: ModelBundle) -> list:
     """A few embedding values (dequantized, rounded): same-shaped trunks with other weights differ."""
-    emb = bundle.model.model.embed_tokens
-    vocab = int(bundle.config.get("vocab_size") or emb.weight.shape[0])
+    emb = text_model(bundle.model).model.embed_tokens
+    vocab = int(text_config(bundle.config).get("vocab_size") or emb.weight.shape[0])
     ids = mx.array([(i * 7919 + 13) % vocab for i in range(PROBE_TOKENS)], dtype=mx.int32)
     vals = emb(ids)[:, :PROBE_DIMS].astype(mx.float32)
     return [round(float(x), 5) for x in vals.reshape(-1).tolist()]

@@ -1,0 +1,115 @@
+"""Where each family's checkpoint keeps its MTP head, read into one shape.
+
+A head is one or more MTP modules (one per draft depth, as the checkpoints train them). Each
+module is: RMSNorm on the embedding of token t+1 and on the trunk's hidden state h_t, a linear
+`fc` over their concatenation, decoder blocks of the trunk's own kind, a final RMSNorm, and the
+trunk's output head (or its own copy). The layouts:
+
+- Qwen3-Next / Qwen3.5 (`mtp.*`): `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`, `norm`
+  shared by the layers `mtp.layers.{i}`; layer i drafts depth i (`mtp_num_hidden_layers`).
+- DeepSeek-V3 / V3.2 / GLM-4.5 NextN (`model.layers.{N + i}`, after the N trunk layers): each a
+  full module with `enorm`, `hnorm`, `eh_proj`, the block's keys, `shared_head.norm`,
+  `shared_head.head` (and a copy of `embed_tokens`, unused: the trunk's is the same).
+- MiMo (`model.mtp_layers.{i}`): `token_layernorm`, `hidden_layernorm`, `input_proj` (over
+  [hidden, embedding]: the other order), the block's keys, `final_layernorm`.
+- Sidecar heads from `mtplx-batch train-head`: the NextN layout; a head of several blocks in
+  series keeps block i at `model.layers.{N + i}` (block keys only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+import mlx.core as mx
+
+QWEN_HEAD = {"pre_fc_norm_embedding": "norm_embedding", "pre_fc_norm_hidden": "norm_hidden", "fc": "fc", "norm": "norm"}
+NEXTN_HEAD = {"enorm": "norm_embedding", "hnorm": "norm_hidden", "eh_proj": "fc", "shared_head.norm": "norm",
+              "shared_head.head": "head"}
+MIMO_HEAD = {"token_layernorm": "norm_embedding", "hidden_layernorm": "norm_hidden", "input_proj": "fc",
+             "final_layernorm": "norm"}
+MIMO_PREFIX = "model.mtp_layers."
+
+
+@dataclass
+class ModuleWeights:
+    """One MTP module: head-level weights by our names, block weights (block-relative names) per block."""
+
+    head: Dict[str, mx.array] = field(default_factory=dict)
+    blocks: Dict[int, Dict[str, mx.array]] = field(default_factory=dict)
+    hidden_first: bool = False  # fc reads [hidden, embedding] (MiMo), not [embedding, hidden]
+
+
+def text_config(config: dict) -> dict:
+    """The text model's config (Qwen3.5 nests it under `text_config`)."""
+    return config.get("text_config") or config
+
+
+def is_mtp_key(key: str, config: dict) -> bool:
+    """True for weights of multi-token-prediction modules, in any of the layouts above."""
+    if key.startswith(("mtp.", "model.mtp.", MIMO_PREFIX)):
+        return True
+    if key.startswith("model.layers."):
+        return int(key.split(".")[2]) >= text_config(config).get("num_hidden_layers", 1 << 30)
+    return False
+
+
+def _take(names: Dict[str, str], rest: str, v, module: ModuleWeights) -> bool:
+    for src, dst in names.items():
+        if rest.startswith(src + "."):
+            module.head[f"{dst}.{rest[len(src) + 1:]}"] = v
+            return True
+    return False
+
+
+def _qwen(weights) -> List[ModuleWeights]:
+    shared, blocks = {}, {}
+    for k, v in weights.items():
+        rest = k[len("model.mtp."):] if k.startswith("model.mtp.") else k[len("mtp."):]
+        if rest.startswith("layers."):
+            _, i, sub = rest.split(".", 2)
+            blocks.setdefault(int(i), {})[sub] = v
+            continue
+        mod, param = rest.split(".", 1)
+        if mod not in QWEN_HEAD:
+            raise ValueError(f"unknown MTP weight {k!r}")
+        shared[f"{QWEN_HEAD[mod]}.{param}"] = v
+    # each layer drafts its own depth, all of them behind the same fc and norms
+    return [ModuleWeights(head=dict(shared), blocks={0: blocks[i]}) for i in sorted(blocks)]
+
+
+def _per_layer(weights, prefix: str, first: int, names, hidden_first: bool, serial_blocks: int = 1):
+    modules: Dict[int, ModuleWeights] = {}
+    for k, v in weights.items():
+        if not k.startswith(prefix):
+            continue
+        i, rest = k[len(prefix):].split(".", 1)
+        depth = int(i) - first
+        if serial_blocks > 1:  # a sidecar: blocks 1.. of module 0 sit at the following indices
+            if 0 < depth < serial_blocks:
+                modules.setdefault(0, ModuleWeights()).blocks.setdefault(depth, {})[rest] = v
+                continue
+        module = modules.setdefault(depth, ModuleWeights(hidden_first=hidden_first))
+        if not _take(names, rest, v, module) and not rest.startswith("embed_tokens."):
+            module.blocks.setdefault(0, {})[rest] = v
+    return [modules[d] for d in sorted(modules)]
+
+
+def split_modules(weights: Dict[str, mx.array], config: dict) -> List[ModuleWeights]:
+    """The MTP modules of a checkpoint's raw MTP weights, in draft-depth order."""
+    if any(k.startswith(("mtp.", "model.mtp.")) for k in weights):
+        return _qwen(weights)
+    if any(k.startswith(MIMO_PREFIX) for k in weights):
+        return _per_layer(weights, MIMO_PREFIX, 0, MIMO_HEAD, hidden_first=True)
+    serial = int(config.get("mtp_sidecar_blocks", 0))
+    n = config.get("num_hidden_layers") or text_config(config)["num_hidden_layers"]  # a sidecar's is on top
+    modules = _per_layer(weights, "model.layers.", int(n), NEXTN_HEAD,
+                         hidden_first=False, serial_blocks=serial)
+    return modules[:1] if serial else modules
+
+
+# Qwen3-Next / Qwen3.5 checkpoints store RMSNorm weights as offsets from 1 (zero-centred);
+# mlx-lm's sanitize adds the 1 back to the trunk's, so the head's must get it too.
+ZERO_CENTRED_BLOCK_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
+                            ".k_norm.weight")
+ZERO_CENTRED_HEAD_NORMS = ("norm_embedding.weight", "norm_hidden.weight", "norm.weight")
