@@ -1,7 +1,7 @@
 """Hybrid (Gated DeltaNet) rollback: after a partial accept the state is exactly the accepted text's.
 
-Drives the cache directly on the tiny qwen3_next model (3 Gated DeltaNet layers + 1 attention
-layer): prefill a prompt into a BatchCache, run a capturing verify forward over
+Drives the cache directly on the tiny qwen3_next, qwen3_5 and qwen3_5_moe models (3 Gated
+DeltaNet layers + 1 attention layer each): prefill a prompt into a BatchCache, run a capturing verify forward over
 [pending, d1..dK], commit a partial count, feed one more token, and compare its logits with a
 fresh forward (no cache at all) of prompt + accepted tokens + that token. The verify forward
 runs eagerly or through the CompiledVerifyBank's shadow cache (the engine's default path).
@@ -30,9 +30,16 @@ class _Runtime:
         return self.model(tokens, cache=cache.layers), None
 
 
-@pytest.fixture(scope="module")
-def hybrid(tiny_model):
-    bundle = load(tiny_model("qwen3_next"))
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def hybrid(request, tiny_model, tmp_path_factory):
+    """Qwen3-Next (tiny_models) and Qwen3.5 / Qwen3.5-MoE (mtp_fixtures: other projections)."""
+    if request.param == "qwen3_next":
+        path = tiny_model("qwen3_next")
+    else:
+        from mtp_fixtures import make_mtp_model
+
+        path = make_mtp_model(tmp_path_factory.mktemp(request.param), request.param)
+    bundle = load(path)
     model = bundle.model
     assert install_capture(model) == 3
     return model

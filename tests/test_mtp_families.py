@@ -1,0 +1,159 @@
+"""Native MTP heads of the families people run, from tiny checkpoints in each one's real HF layout.
+
+For qwen3_5, qwen3_5_moe, mimo and glm4_moe (tests/mtp_fixtures.py), `method: mtp` greedy output
+is token-identical to plain decoding (mlx-lm's own `generate_step`) at widths 1 and 7 (8 rows, two
+sharing a prefix) and depths 1-4, with the native head drafting; the head's weights mean what the checkpoint means (zero-
+centred norms shifted, MiMo's [hidden, embedding] order, the lm_head under `language_model`);
+sharded checkpoints and heads in a file of their own load the same head; and a checkpoint
+without MTP weights is refused with the ways forward.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.generation import Engine
+from mtplx.models.loading import load
+from mtplx.models.mtp import load_head, project_logits
+from mtplx.request import Request, SamplingParams
+
+from mtp_fixtures import make_mtp_model
+from tiny_models import reference_tokens
+
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "mimo", "glm4_moe"]
+PROMPTS = [
+    ("def fibonacci(n):\n    if n < 2:", 7),
+    ("import os", 6),
+    ("the quick brown fox jumps over the lazy dog. the quick", 8),
+    ("class Stack:\n    def push(self, x):\n", 5),
+    ("Question: What is the capital of France?\nAnswer:", 7),
+    ("You are a helpful assistant.", 6),
+    ("json", 8),
+    ("def fibonacci(n):\n    if n < 2:\n        return n", 6),  # shares row 0's prefix (prefilled once)
+]
+
+
+@pytest.fixture(scope="module")
+def fixture_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("mtp_families")
+
+
+@pytest.fixture(scope="module")
+def family_model(fixture_dir):
+    built = {}
+
+    def get(family, **kw):
+        key = (family, tuple(sorted(kw.items())))
+        if key not in built:
+            tag = "-".join(f"{k}{v}" for k, v in sorted(kw.items()))
+            path = make_mtp_model(fixture_dir / f"{family}-{tag}", family, **kw)
+            bundle = load(path)
+            tok = bundle.tokenizer
+            eos = set(tok.eos_token_ids)
+            prompts = [tok.encode(p) for p, _ in PROMPTS]
+            refs = [reference_tokens(bundle.model, p, m, eos) for p, (_, m) in zip(prompts, PROMPTS)]
+            built[key] = (path, bundle, prompts, refs)
+        return built[key]
+
+    return get
+
+
+def run(bundle, prompts, method, depth, width, compiled="off"):
+    spec = SpeculativeConfig(method=method, depth=depth, adaptive_depth=False, compiled_verify=compiled)
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
+    reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m))
+            for i, (p, (_, m)) in enumerate(zip(prompts, PROMPTS))]
+    out = {r.key: r for r in eng.generate(reqs)}
+    return [out[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mtp_greedy_identity(family_model, family, depth):
+    _, bundle, prompts, refs = family_model(family)
+    for width in (1, 7):
+        compiled = "on" if (depth + width) % 2 else "off"
+        results = run(bundle, prompts, "mtp", depth, width, compiled)
+        for i, (res, ref) in enumerate(zip(results, refs)):
+            assert res.error is None, res.error
+            assert res.tokens == ref, f"{family} depth {depth} width {width}: row {i}\n ref {ref}\n got {res.tokens}"
+        assert sum(r.stats.drafted_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mimo"])
+def test_tied_embeddings(family_model, family):
+    _, bundle, prompts, refs = family_model(family, tie=True)
+    results = run(bundle, prompts, "mtp", 3, 7, "on")
+    assert [r.tokens for r in results] == refs
+    assert sum(r.stats.drafted_tokens for r in results) > 0
+
+
+def _raw(path, key):
+    from mtplx.models.loading import tensor_index
+
+    name, _ = tensor_index(path)[key]
+    return mx.load(str(path / name))[key]
+
+
+def test_qwen3_5_head_means_what_the_checkpoint_means(family_model):
+    """Zero-centred norms come back as 1 + w (head and block), the untied lm_head under
+    `language_model` is the one the head projects with, and its block is a full-attention layer."""
+    path, bundle, _, _ = family_model("qwen3_5")
+    head = load_head(bundle)
+    for ours, theirs in [("norm_embedding", "mtp.pre_fc_norm_embedding"), ("norm_hidden", "mtp.pre_fc_norm_hidden"),
+                         ("norm", "mtp.norm"), ("layers.0.input_layernorm", "mtp.layers.0.input_layernorm"),
+                         ("layers.0.self_attn.q_norm", "mtp.layers.0.self_attn.q_norm")]:
+        got = dict(tree_flatten(head.parameters()))[f"{ours}.weight"]
+        np.testing.assert_allclose(np.array(got), np.array(_raw(path, f"{theirs}.weight")) + 1.0, atol=1e-6)
+    assert not getattr(head.layers[0], "is_linear", True)
+    h = mx.random.normal((1, 2, 64))
+    want = h @ _raw(path, "lm_head.weight").T
+    np.testing.assert_allclose(np.array(project_logits(bundle.model, h)), np.array(want), atol=1e-4)
+    np.testing.assert_allclose(np.array(head.logits(h)), np.array(want), atol=1e-4)
+
+
+def test_mimo_head_reads_hidden_then_embedding(family_model):
+    path, bundle, _, _ = family_model("mimo")
+    head = load_head(bundle)
+    assert head.hidden_first
+    np.testing.assert_array_equal(np.array(head.fc.weight), np.array(_raw(path, "model.mtp_layers.0.input_proj.weight")))
+    np.testing.assert_array_equal(np.array(head.norm_embedding.weight),
+                                  np.array(_raw(path, "model.mtp_layers.0.token_layernorm.weight")))
+    # fc over [hidden, embedding]: the hidden half of the weight multiplies the hidden state
+    tok = mx.array([[5]])
+    h0 = mx.zeros((1, 1, 64))
+    h1 = mx.random.normal((1, 1, 64))
+    out0, _ = head(h0, tok)
+    out1, _ = head(h1, tok)
+    assert not np.allclose(np.array(out0), np.array(out1))
+
+
+@pytest.mark.parametrize("layout", [{"shards": 3}, {"head_file": "mtp.safetensors"}, {"shards": 2, "head_file": "model-mtp.safetensors"}])
+def test_sharded_checkpoints_and_heads_in_their_own_file(family_model, fixture_dir, layout):
+    import mlx_lm
+
+    path, bundle, prompts, refs = family_model("qwen3_5")
+    other = make_mtp_model(fixture_dir / ("split-" + "-".join(f"{k}{v}" for k, v in sorted(layout.items()))), "qwen3_5", **layout)
+    assert (other / "model.safetensors.index.json").exists()
+    mlx_lm.load(str(other))  # plain mlx-lm still loads it
+    split = load(other)
+    assert sorted(split.mtp_weights) == sorted(bundle.mtp_weights)
+    a = dict(tree_flatten(load_head(bundle).parameters()))
+    b = dict(tree_flatten(load_head(split).parameters()))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+    results = run(split, prompts, "mtp", 2, 7, "on")
+    assert [r.tokens for r in results] == refs
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mimo", "glm4_moe"])
+def test_no_mtp_weights_names_the_ways_forward(fixture_dir, family):
+    path = make_mtp_model(fixture_dir / f"{family}-trunk-only", family, with_mtp=False)
+    bundle = load(path)
+    assert not bundle.mtp_weights
+    with pytest.raises(ValueError, match="train-head") as err:
+        load_head(bundle)
+    assert "ngram" in str(err.value)
