@@ -272,6 +272,53 @@ def test_training_the_draft_recursion_keeps_acceptance_at_depth(tiny_model, tmp_
     print(f"\nheld-out acceptance at draft depths 1-3: trained on depth 1 {np.round(by_depth[1], 3).tolist()}, "
           f"through depth 2 {np.round(by_depth[2], 3).tolist()}")
     one, two = by_depth[1], by_depth[2]
-    assert len(two) == 3
+    assert len(two) == 4
     assert two[1] > one[1] + 0.03 and two[2] > one[2] + 0.03
     assert two[2] / two[0] > one[2] / one[0]  # acceptance falls less with depth
+
+
+def test_recipe_sample_sampled_continuations_text_and_other_heldout(tiny_model, tmp_path):
+    """The recipe's pieces end to end through the CLI: a seeded sample of the job's rows, greedy +
+    sampled continuations (a prompt's continuations are held out together), general text for
+    training only, a second dataset evaluated only, a drafting vocabulary, the report printed."""
+    model = tiny_model("llama")
+    prompts = _write_prompts(tmp_path / "prompts.jsonl", 40, seed=5)
+    other = _write_prompts(tmp_path / "other.jsonl", 12, seed=9)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.py").write_text("def f(x):\n    return x + 1\n" * 40)
+    (tmp_path / "text" / "b.md").write_text("the quick brown fox answer question " * 60)
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: th\nmodel: {{path: {model}}}\n"
+        f"input: {{format: jsonl, path: {prompts}, id_column: id, prompt_column: prompt}}\n"
+        f"generation: {{max_tokens: 24}}\noutput: {{dir: {tmp_path / 'runs'}}}\n"
+    )
+    out = tmp_path / "head"
+    args = [str(model), "--data", str(job), "--out", str(out), "--sample", "24", "--samples-per-prompt", "1",
+            "--text", str(tmp_path / "text"), "--text-tokens", "600", "--heldout-data", str(other),
+            "--heldout-rows", "8", "--draft-vocab", "64", "--hidden-weight", "0.1", "--steps", "20",
+            "--batch-size", "4", "--seq-len", "64", "--heldout", "0.2", "--eval-every", "10"]
+    res = CliRunner().invoke(train_head_cmd, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    meta = json.loads((out / SIDECAR_META).read_text())
+    rows = meta["sample_rows"]
+    assert len(rows) == 24 and rows == sorted(set(rows)) and rows != list(range(24)) and max(rows) < 40
+    assert "text:" in meta["data"] and meta["draft_vocab"] == 64
+    assert len(meta["heldout_acceptance_by_depth"]) == 4
+    assert meta["heldout_other"]["data"].startswith("jsonl-prompts:") and meta["heldout_other"]["sequences"] == 8
+    assert len(meta["heldout_other"]["acceptance_by_depth"]) == 4
+    assert "held-out other dataset" in res.output and "tokens per verify" in res.output
+    ids = np.load(out / "mtp_draft_vocab.npy")
+    assert len(ids) == 64
+    data = TrainData.load(out / "checkpoint" / "data.npz")
+    held = set(data.heldout)
+    for i, g in enumerate(data.groups):  # a prompt's greedy and sampled continuations stay together
+        assert (i in held) == any(j in held for j, h in enumerate(data.groups) if h == g)
+    assert 2 * 24 <= len(data.sequences) and all(data.starts[i] == 0 for i in range(48, len(data.sequences)))
+    assert not held & set(range(48, len(data.sequences)))  # general text is never held out
+    # the head drafts among those ids in the engine, and output stays exact
+    bundle = load(model)
+    prompts = _prompts(4, seed=77)
+    plain = _generate(bundle, SpeculativeConfig(method="none"), prompts, 16)
+    spec = _generate(bundle, SpeculativeConfig(method="mtp", mtp_head=str(out), depth=3), prompts, 16)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]

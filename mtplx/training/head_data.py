@@ -52,18 +52,24 @@ class TrainData:
     source: str  # what they came from, for the metadata
     starts: Optional[List[int]] = None  # None: every position is scored
     heldout: List[int] = field(default_factory=list)  # indices of held-out sequences
+    rows: Optional[List[int]] = None  # the job rows (input indices) the prompts came from, when sampled
+    groups: Optional[List[int]] = None  # sequences of one prompt share a group: held out together
 
     def __post_init__(self):
         if self.starts is None:
             self.starts = [0] * len(self.sequences)
+        if self.groups is None:
+            self.groups = list(range(len(self.sequences)))
 
     def clip(self, seq_len: int, limit: Optional[int] = None) -> "TrainData":
         """Cut sequences to seq_len tokens, drop those left with no scored position, keep `limit`."""
-        keep = [(s[:seq_len], st) for s, st in zip(self.sequences, self.starts) if min(len(s), seq_len) - 2 > st]
+        keep = [(s[:seq_len], st, g) for s, st, g in zip(self.sequences, self.starts, self.groups)
+                if min(len(s), seq_len) - 2 > st]
         if limit:
             keep = keep[:limit]
-        self.sequences = [s for s, _ in keep]
-        self.starts = [st for _, st in keep]
+        self.sequences = [s for s, _, _ in keep]
+        self.starts = [st for _, st, _ in keep]
+        self.groups = [g for _, _, g in keep]
         return self
 
     def split(self, fraction: float, seed: int):
@@ -73,10 +79,14 @@ class TrainData:
                 f"the data gave {n} usable sequence(s); need at least 2 (one is held out): give more "
                 "prompts or text"
             )
-        k = min(64, max(1, int(round(n * fraction))))
-        k = min(k, n - 1)
-        order = np.random.default_rng(seed).permutation(n)
-        self.heldout = sorted(int(i) for i in order[:k])
+        groups = sorted(set(self.groups))
+        if len(groups) < 2:
+            raise TrainHeadError("the data holds one prompt's continuations only; need at least 2 prompts (one is held out)")
+        k = min(64, max(1, int(round(len(groups) * fraction))))
+        k = min(k, len(groups) - 1)
+        order = np.random.default_rng(seed).permutation(len(groups))
+        out = {groups[int(i)] for i in order[:k]}
+        self.heldout = [i for i, g in enumerate(self.groups) if g in out]
 
     def save(self, path: Path, key: Optional[dict] = None):
         lens = np.array([len(s) for s in self.sequences], dtype=np.int64)
@@ -84,7 +94,8 @@ class TrainData:
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, tokens=flat, lengths=lens, starts=np.array(self.starts, dtype=np.int64),
                  heldout=np.array(self.heldout, dtype=np.int64), source=np.array(self.source),
-                 key=np.array(json.dumps(key, sort_keys=True)))
+                 key=np.array(json.dumps(key, sort_keys=True)), rows=np.array(json.dumps(self.rows)),
+                 groups=np.array(self.groups, dtype=np.int64))
         os.replace(tmp, path)
 
     @classmethod
@@ -93,7 +104,18 @@ class TrainData:
         offsets = np.concatenate([[0], np.cumsum(z["lengths"])])
         flat = z["tokens"]
         seqs = [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(z["lengths"]))]
-        return cls(seqs, str(z["source"]), [int(i) for i in z["starts"]], [int(i) for i in z["heldout"]])
+        rows = json.loads(str(z["rows"])) if "rows" in z.files else None
+        groups = [int(g) for g in z["groups"]] if "groups" in z.files else None
+        return cls(seqs, str(z["source"]), [int(i) for i in z["starts"]], [int(i) for i in z["heldout"]], rows, groups)
+
+    def extend(self, other: "TrainData") -> "TrainData":
+        """Append `other`'s sequences as training data (never held out)."""
+        base = max(self.groups, default=-1) + 1
+        self.sequences += other.sequences
+        self.starts += other.starts
+        self.groups += [base + g for g in other.groups]
+        self.source = f"{self.source} + {other.source}"
+        return self
 
     @staticmethod
     def stored_key(path: Path) -> Optional[dict]:
@@ -130,22 +152,26 @@ def _encode_text(tok, text: str, piece_chars: int = 4000) -> List[int]:
 
 
 def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 max_batch: int = 32, seq_len: Optional[int] = None, quiet: bool = True) -> TrainData:
-    """prompt + the model's own greedy continuation, for every prompt (batched, plain decoding);
-    scored from the first generated token on."""
+                 max_batch: int = 32, seq_len: Optional[int] = None, quiet: bool = True,
+                 samples: int = 0, temperature: float = 0.8, seed: int = 0) -> TrainData:
+    """prompt + the model's own greedy continuation for every prompt, plus `samples` sampled ones
+    (at `temperature`, seeded) that show the head other paths the trunk takes (batched, plain
+    decoding); scored from the first generated token on."""
     from ..config import ScheduleConfig, SpeculativeConfig
     from ..generation import Engine
     from ..request import Request, SamplingParams
 
     engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"),
                     ScheduleConfig(order="input", max_batch=max_batch))
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    prompts = [list(p) for p in prompts]
+    kinds = [SamplingParams(max_tokens=max_new_tokens, temperature=0.0)]
+    kinds += [SamplingParams(max_tokens=max_new_tokens, temperature=temperature)] * max(samples, 0)
     reqs = []
     for i, p in enumerate(prompts):
+        p = list(p)
         if seq_len is not None and len(p) > seq_len - 2:
             p = p[: max(1, seq_len - 2)]  # the tail would be cut off anyway
-        reqs.append(Request(key=i, prompt_tokens=p, params=params))
+        for j, params in enumerate(kinds):
+            reqs.append(Request(key=len(reqs), prompt_tokens=p, params=params, seed=seed * 1_000_003 + i * 101 + j))
     out: Dict[int, List[int]] = {}
     bar = _bar(len(reqs), "generating", not quiet)
     for res in engine.generate(reqs):
@@ -155,7 +181,62 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
     bar.close()
     seqs = [out[i] for i in range(len(reqs))]
     # t = P-1 is the first position the head drafts from: (h_{P-1}, x_P = the trunk's first token) -> x_{P+1}
-    return TrainData(seqs, "self-distilled", [max(len(r.prompt_tokens) - 1, 0) for r in reqs])
+    return TrainData(seqs, "self-distilled", [max(len(r.prompt_tokens) - 1, 0) for r in reqs],
+                     groups=[k // len(kinds) for k in range(len(reqs))])
+
+
+def sample_rows(rows, n: Optional[int], seed: int):
+    """A seeded uniform sample of n of `rows` (reservoir: one pass, n rows held), in input order;
+    all rows when n is None."""
+    if n is None:
+        return list(rows)
+    rng = np.random.default_rng(seed)
+    keep: list = []
+    for i, row in enumerate(rows):
+        if i < n:
+            keep.append((i, row))
+        else:
+            j = int(rng.integers(0, i + 1))
+            if j < n:
+                keep[j] = (i, row)
+    return [row for _, row in sorted(keep, key=lambda t: t[0])]
+
+
+def text_files(path: str) -> List[Path]:
+    """The text files of `path`: itself, every text file under a directory, or for `stdlib` the
+    running Python's standard library source (on every machine)."""
+    if path == "stdlib":
+        import sysconfig
+
+        path = sysconfig.get_paths()["stdlib"]
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise TrainHeadError(f"--text {path!r} does not exist: give a text file, a directory of them, or stdlib")
+    skip = ("test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3")
+    return sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES
+                  and not any(part in skip for part in f.relative_to(p).parts))
+
+
+def text_data(bundle: ModelBundle, paths: Sequence[str], max_tokens: int, seq_len: int, seed: int) -> TrainData:
+    """Windows of general text (a seeded shuffle of the files, up to `max_tokens` tokens): every
+    position scored against the trunk's own next-token distribution."""
+    files = [f for p in paths for f in text_files(p)]
+    order = np.random.default_rng(seed).permutation(len(files))
+    seqs: List[List[int]] = []
+    total = 0
+    for k in order:
+        try:
+            text = files[k].read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        for w in _windows(_encode_text(bundle.tokenizer, text), seq_len):
+            seqs.append(w)
+            total += len(w)
+            if total >= max_tokens:
+                return TrainData(seqs, f"text:{','.join(paths)}")
+    return TrainData(seqs, f"text:{','.join(paths)}")
 
 
 def _table_rows(path: str, fmt: str):
@@ -210,22 +291,25 @@ def _job_data(bundle: ModelBundle, path: str, cfg: TrainConfig, quiet: bool) -> 
         prep = open_job(job, bundle.tokenizer)
     except JobError as e:
         raise TrainHeadError(str(e))
-    items = prepare(prep.source.rows(), prep.renderer, job.input.id_column, [], None, None, cfg.max_rows)
-    prompts = [it.tokens for it in items if it.tokens]
+    rows = sample_rows(prep.source.rows(), cfg.sample, cfg.seed) if cfg.sample else prep.source.rows()
+    items = [it for it in prepare(rows, prep.renderer, job.input.id_column, [], None, None, cfg.max_rows) if it.tokens]
+    prompts = [it.tokens for it in items]
     if not prompts:
         raise TrainHeadError(f"{path}: the job's input gave no usable prompts")
     max_new = job.generation.max_tokens
     if cfg.max_new_tokens is not None:
         max_new = min(max_new, cfg.max_new_tokens)
-    data = self_distill(bundle, prompts, max_new, cfg.gen_batch, cfg.seq_len, quiet)
+    data = self_distill(bundle, prompts, max_new, cfg.gen_batch, cfg.seq_len, quiet, cfg.samples_per_prompt,
+                        cfg.temperature, cfg.seed)
     data.source = f"job:{os.path.abspath(path)}"
+    data.rows = [it.index for it in items]
     return data.clip(cfg.seq_len)
 
 
 def _table_data(bundle: ModelBundle, path: str, fmt: str, cfg: TrainConfig, quiet: bool) -> TrainData:
     tok = bundle.tokenizer
     rows = []
-    for data in _table_rows(path, fmt):
+    for data in sample_rows(_table_rows(path, fmt), cfg.sample, cfg.seed) if cfg.sample else _table_rows(path, fmt):
         rows.append(data)
         if cfg.max_rows and len(rows) >= cfg.max_rows:
             break
@@ -239,7 +323,8 @@ def _table_data(bundle: ModelBundle, path: str, fmt: str, cfg: TrainConfig, quie
         inp = InputConfig(path=path, format=fmt, messages_column="messages" if "prompt" not in cols else None)
         renderer = PromptRenderer(inp, tok)
         prompts = [renderer.tokens(r) for r in rows]
-        data = self_distill(bundle, prompts, cfg.max_new_tokens or 256, cfg.gen_batch, cfg.seq_len, quiet)
+        data = self_distill(bundle, prompts, cfg.max_new_tokens or 256, cfg.gen_batch, cfg.seq_len, quiet,
+                            cfg.samples_per_prompt, cfg.temperature, cfg.seed)
         data.source = f"{fmt}-prompts:{os.path.abspath(path)}"
         return data.clip(cfg.seq_len)
     if "text" in cols:

@@ -33,7 +33,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -42,25 +42,30 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.base import create_causal_mask
 
 from .head_data import (TrainData, TrainHeadError, Features, _bar, build_data, self_distill,  # noqa: F401
-                        trunk_features)
+                        text_data, trunk_features)
+from .head_eval import _batch, _causal, _unrolled, acceptance_by_depth, evaluate, tokens_per_verify  # noqa: F401
 from ..models.loading import ModelBundle, load
-from ..models.mtp import (SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, has_trunk_split, trunk_probe,
-                          trunk_signature)
+from ..mtp_draft import DRAFT_VOCAB_FILE, frequent_tokens, save_draft_vocab
+from ..models.mtp import (SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, has_trunk_split, project_logits,
+                          trunk_probe, trunk_signature)
 
 CHECKPOINT_DIR = "checkpoint"
 DATA_FILE = "data.npz"
+OTHER_FILE = "heldout_other.npz"
 STATE_DIR = "latest"
 
 # head parameter names -> DeepSeek NextN names (under model.layers.{N}.)
 NEXTN_NAMES = {"norm_embedding": "enorm", "norm_hidden": "hnorm", "fc": "eh_proj", "norm": "shared_head.norm"}
 
+LOSSES = ("kl", "argmax", "tokens")
+
+
 @dataclass
 class TrainConfig:
     depth_layers: int = 1  # decoder blocks in the head
-    draft_depths: int = 2  # draft depths trained (depth k feeds the head its own depth k-1 output)
+    draft_depths: int = 3  # draft depths trained (depth k feeds the head its own depth k-1 output)
     steps: int = 1000  # optimizer steps (the cosine schedule spans exactly these)
     batch_size: int = 8  # sequences per step
     seq_len: int = 512  # longest training sequence (tokens); text is cut into windows of this
@@ -74,6 +79,16 @@ class TrainConfig:
     max_new_tokens: Optional[int] = None  # self-distillation: cap on tokens generated per prompt
     gen_batch: int = 32  # self-distillation: rows decoded together
     init: str = "random"  # random (MLX default init) | trunk: blocks start as copies of the trunk's last layer
+    loss: str = "kl"  # kl: to the trunk's next-token distribution | argmax: CE to the trunk's argmax | tokens: CE to the data
+    hidden_weight: float = 0.0  # weight of a regression of the head's hidden state onto the trunk's (EAGLE)
+    draft_vocab: int = 8192  # drafting vocabulary: the N most frequent training tokens (0: the whole vocabulary)
+    sample: Optional[int] = None  # job / table data: a seeded sample of N rows (None: all, up to max_rows)
+    samples_per_prompt: int = 0  # self-distillation: sampled continuations per prompt besides the greedy one
+    temperature: float = 0.8  # self-distillation: temperature of the sampled continuations
+    text: Tuple[str, ...] = ()  # general text mixed into training: files, directories, or "stdlib"
+    text_tokens: int = 200_000  # tokens of general text at most
+    heldout_data: Optional[str] = None  # a second, different dataset evaluated (never trained on)
+    heldout_rows: int = 32  # rows of heldout_data
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
     seed: int = 0
     eval_every: int = 100  # steps between held-out evaluations (progress bar, log)
@@ -81,7 +96,7 @@ class TrainConfig:
 
     # Keys that change what is trained: a resume with different values is refused.
     RESUME_KEYS = ("depth_layers", "draft_depths", "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
-                   "weight_decay", "grad_clip", "init", "dtype", "seed")
+                   "weight_decay", "grad_clip", "init", "dtype", "seed", "loss", "hidden_weight")
 
     def check(self):
         problems = []
@@ -99,6 +114,14 @@ class TrainConfig:
             problems.append(f"heldout must be a fraction in (0, 1), got {self.heldout}")
         if self.init not in ("trunk", "random"):
             problems.append(f"init must be trunk or random, got {self.init!r}")
+        if self.loss not in LOSSES:
+            problems.append(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.hidden_weight < 0:
+            problems.append(f"hidden_weight must be >= 0, got {self.hidden_weight}")
+        if self.draft_vocab < 0:
+            problems.append(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
+        if self.sample is not None and self.sample < 1:
+            problems.append(f"sample must be >= 1 rows, got {self.sample}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if problems:
@@ -129,104 +152,36 @@ class TrainResult:
     resumed_from: int = 0
     seconds: float = 0.0
     history: List[dict] = field(default_factory=list)
+    acceptance_by_depth: List[float] = field(default_factory=list)
+    heldout_other: Optional[dict] = None
 
 
-def _batch(feats: Features, idx: Sequence[int], compute_dtype):
-    """(hidden [B, L-2, D], tokens in [B, L-2], targets [B, L-2], mask [B, L-2], greedy targets or None)."""
-    L = max(len(feats.tokens[k]) for k in idx)
-    B = len(idx)
-    x = np.zeros((B, L), dtype=np.int32)
-    m = np.zeros((B, L - 2), dtype=np.float32)
-    g = np.zeros((B, L - 2), dtype=np.int32)
-    hs = []
-    have_greedy = all(feats.greedy[k] is not None for k in idx)
-    for r, k in enumerate(idx):
-        n = len(feats.tokens[k])
-        x[r, :n] = feats.tokens[k]
-        m[r, feats.starts[k] : n - 2] = 1.0
-        h = feats.hidden[k][: n - 2]
-        if n < L:
-            h = mx.pad(h, [(0, L - n), (0, 0)])
-        hs.append(h)
-        if have_greedy:
-            g[r, : n - 2] = feats.greedy[k][1 : n - 1]  # the trunk's own token after x_{t+1}
-    hidden = mx.stack(hs).astype(compute_dtype)
-    return hidden, mx.array(x[:, 1:-1]), mx.array(x[:, 2:]), mx.array(m), (mx.array(g) if have_greedy else None)
-
-
-def _causal(head: MTPHead, L: int):
-    """The attention mask for L positions: "causal" (fused) where the block takes it, else an array."""
-    if getattr(head, "_array_mask", None) is None:
-        try:
-            D = head.fc.weight.shape[0]
-            mx.eval(head.layers[0](mx.zeros((1, 2, D)), "causal", None))
-            head._array_mask = False
-        except (TypeError, ValueError):
-            head._array_mask = True
-    if L == 1:
-        return None
-    return create_causal_mask(L) if head._array_mask else "causal"
-
-
-def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int):
-    """Logits, targets and masks at draft depths 1..`depths`. Depth k+1 at position i takes the
-    head's own depth-k output there and the token that depth k predicts (teacher-forced)."""
-    out = []
-    for _ in range(depths):
-        if tokens.shape[1] == 0:
-            break
-        hidden, logits = head(hidden, tokens, mask=_causal(head, tokens.shape[1]))
-        out.append((logits, targets, mask))
-        hidden, tokens, targets, mask = hidden[:, :-1], targets[:, :-1], targets[:, 1:], mask[:, :-1] * mask[:, 1:]
-    return out
-
-
-def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1):
+def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1, teacher=None, kind: str = "tokens",
+          hidden_weight: float = 0.0):
+    """Mean over depths of: cross-entropy to the trunk's distribution (kl; equal to the KL up to the
+    trunk's entropy), to its argmax, or to the data's tokens; plus `hidden_weight` x the squared
+    error between the head's hidden state and the trunk's at the same position (depth k at i
+    stands for the trunk at i + k)."""
     total = 0.0
     levels = _unrolled(head, hidden, tokens, targets, mask, depths)
-    for logits, tgt, m in levels:
-        ce = nn.losses.cross_entropy(logits.astype(mx.float32), tgt, reduction="none")
-        total = total + (ce * m).sum() / mx.maximum(m.sum(), 1.0)
+    for d, (logits, tgt, m, h) in enumerate(levels):
+        logp = logits.astype(mx.float32)
+        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+        t = None if teacher is None else mx.stop_gradient(teacher[:, d : d + tgt.shape[1]])
+        if kind == "tokens" or t is None:
+            ce = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+        else:
+            t_logits = project_logits(head._trunk[0], t).astype(mx.float32)
+            if kind == "kl":
+                ce = -(mx.softmax(t_logits, axis=-1) * logp).sum(axis=-1)
+            else:
+                ce = -mx.take_along_axis(logp, mx.argmax(t_logits, axis=-1)[..., None], axis=-1)[..., 0]
+        level = (ce * m).sum() / mx.maximum(m.sum(), 1.0)
+        if hidden_weight and t is not None:
+            err = mx.square(h.astype(mx.float32) - t.astype(mx.float32)).mean(axis=-1)
+            level = level + hidden_weight * (err * m).sum() / mx.maximum(m.sum(), 1.0)
+        total = total + level
     return total / len(levels)
-
-
-def acceptance_by_depth(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
-                        batch_size: int = 8) -> List[float]:
-    """Held-out share of positions where the head's depth-k argmax is the trunk's own greedy token
-    (teacher-forced: the tokens before it are the sequence's)."""
-    hits, counts = np.zeros(depths), np.zeros(depths)
-    idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
-    for s in range(0, len(idx), batch_size):
-        hidden, tok, tgt, m, g = _batch(feats, idx[s : s + batch_size], compute_dtype)
-        ref = g if g is not None else tgt
-        for k, (logits, _, mk) in enumerate(_unrolled(head, hidden, tok, tgt, m, depths)):
-            hit = (mx.argmax(logits, axis=-1) == ref[:, k:]).astype(mx.float32)
-            h, n = (hit * mk).sum(), mk.sum()
-            mx.eval(h, n)
-            hits[k] += h.item()
-            counts[k] += n.item()
-    return [float(h / c) if c else 0.0 for h, c in zip(hits, counts)]
-
-
-def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_size: int = 8) -> Tuple[float, float]:
-    """(mean cross-entropy against x_{t+2}, acceptance against the trunk's greedy token) over all
-    held-out positions."""
-    total_loss = total_hit = total_n = 0.0
-    idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
-    for s in range(0, len(idx), batch_size):
-        hidden, tok, tgt, m, g = _batch(feats, idx[s : s + batch_size], compute_dtype)
-        _, logits = head(hidden, tok, mask=_causal(head, tok.shape[1]))
-        ce = nn.losses.cross_entropy(logits.astype(mx.float32), tgt, reduction="none")
-        ref = g if g is not None else tgt
-        hit = (mx.argmax(logits, axis=-1) == ref).astype(mx.float32)
-        l, h, n = (ce * m).sum(), (hit * m).sum(), m.sum()
-        mx.eval(l, h, n)
-        total_loss += l.item()
-        total_hit += h.item()
-        total_n += n.item()
-    if not total_n:
-        return float("nan"), 0.0
-    return total_loss / total_n, total_hit / total_n
 
 
 # -- sidecar ---------------------------------------------------------------------------------------
@@ -347,7 +302,9 @@ def data_key(data, cfg: TrainConfig) -> Optional[dict]:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return {"path": os.path.abspath(data), "sha256": h.hexdigest()[:16], "max_rows": cfg.max_rows,
-            "max_new_tokens": cfg.max_new_tokens, "seq_len": cfg.seq_len, "heldout": cfg.heldout, "seed": cfg.seed}
+            "max_new_tokens": cfg.max_new_tokens, "seq_len": cfg.seq_len, "heldout": cfg.heldout, "seed": cfg.seed,
+            "sample": cfg.sample, "samples_per_prompt": cfg.samples_per_prompt, "temperature": cfg.temperature,
+            "text": list(cfg.text), "text_tokens": cfg.text_tokens}
 
 
 def _resolve_bundle(model) -> ModelBundle:
@@ -448,6 +405,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     else:
         tdata = build_data(bundle, data, cfg, quiet).clip(cfg.seq_len)
         tdata.split(cfg.heldout, cfg.seed)
+        if cfg.text:  # general text: training only, so the held-out split stays the data's own
+            tdata.extend(text_data(bundle, cfg.text, cfg.text_tokens, cfg.seq_len, cfg.seed).clip(cfg.seq_len))
         ck.mkdir(parents=True, exist_ok=True)
         tdata.save(data_file, dkey)
     held = set(tdata.heldout)
@@ -461,8 +420,9 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                              store_dtype, False, desc="trunk (train)", quiet=quiet)
     held_f = trunk_features(mdl, [tdata.sequences[i] for i in tdata.heldout], [tdata.starts[i] for i in tdata.heldout],
                             store_dtype, True, desc="trunk (held-out)", quiet=quiet)
+    other, other_f = _other_heldout(bundle, cfg, ck, store_dtype, quiet)
     log(f"{len(train_idx)} training sequences ({train_f.positions} positions), {len(tdata.heldout)} held out "
-        f"({held_f.positions} positions)")
+        f"({held_f.positions} positions)" + (f", {other_f.positions} positions of {cfg.heldout_data} held out" if other else ""))
     passes = cfg.steps * min(cfg.batch_size, len(train_idx)) / len(train_idx)
     if passes > 30:
         log(f"note: {cfg.steps} steps x {cfg.batch_size} sequences pass over the training data {passes:.0f} times; "
@@ -497,8 +457,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     loss_and_grad = nn.value_and_grad(head, _loss)
 
     def train_step(batch):
-        hidden, tok, tgt, m, _ = batch
-        loss, grads = loss_and_grad(head, hidden, tok, tgt, m, cfg.draft_depths)
+        hidden, tok, tgt, m, _, teacher = batch
+        loss, grads = loss_and_grad(head, hidden, tok, tgt, m, cfg.draft_depths, teacher, cfg.loss, cfg.hidden_weight)
         if cfg.grad_clip:
             grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(head, grads)
@@ -545,7 +505,14 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         history.append(last_eval)
     if checkpoint_step(out) != step:
         _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
-    by_depth = acceptance_by_depth(head, held_f, max(cfg.draft_depths, 3), compute_dtype)
+    vocab = _draft_vocab(bundle, head, tdata, train_idx, cfg)
+    depths = max(cfg.draft_depths, 4)
+    by_depth = acceptance_by_depth(head, held_f, depths, compute_dtype, vocab=vocab)
+    other_meta = None
+    if other is not None:
+        other_meta = {"data": other.source, "sequences": len(other.sequences), "positions": other_f.positions,
+                      "acceptance_by_depth": acceptance_by_depth(head, other_f, depths, compute_dtype, vocab=vocab)}
+        other_meta["tokens_per_verify"] = {str(k): tokens_per_verify(other_meta["acceptance_by_depth"], k) for k in (1, 2, 3, 4)}
     meta = {
         "steps": step,
         "train_loss": train_loss,
@@ -554,22 +521,74 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         "initial_heldout_loss": initial["heldout_loss"],
         "initial_heldout_acceptance": initial["heldout_acceptance"],
         "heldout_acceptance_by_depth": by_depth,
+        "heldout_tokens_per_verify": {str(k): tokens_per_verify(by_depth, k) for k in (1, 2, 3, 4)},
+        "heldout_other": other_meta,
+        "draft_vocab": None if vocab is None else len(vocab),
         "data": tdata.source,
         "data_digest": tdata.digest(),
+        "sample_rows": tdata.rows,
         "sequences": len(tdata.sequences),
         "heldout_sequences": len(tdata.heldout),
         "train_positions": train_f.positions,
         "heldout_positions": held_f.positions,
+        "seconds": round(time.monotonic() - started, 1),
         "config": asdict(cfg),
     }
     save_sidecar(bundle, head, out, meta)
+    remove = Path(out) / DRAFT_VOCAB_FILE
+    if vocab is not None:
+        save_draft_vocab(out, vocab)
+    elif remove.exists():
+        remove.unlink()  # a retrained head without one drafts over the whole vocabulary
     log(f"held-out loss {initial['heldout_loss']:.4f} -> {last_eval['heldout_loss']:.4f}, acceptance "
-        f"{initial['heldout_acceptance']:.3f} -> {last_eval['heldout_acceptance']:.3f} "
-        f"(by draft depth {', '.join(f'{a:.3f}' for a in by_depth)}); wrote {out}")
+        f"{initial['heldout_acceptance']:.3f} -> {last_eval['heldout_acceptance']:.3f}; wrote {out}")
     return TrainResult(
         out_dir=str(out), steps=step, train_loss=train_loss, heldout_loss=last_eval["heldout_loss"],
         heldout_acceptance=last_eval["heldout_acceptance"], initial_heldout_loss=initial["heldout_loss"],
         initial_heldout_acceptance=initial["heldout_acceptance"], sequences=len(tdata.sequences),
         train_tokens=train_f.positions, heldout_tokens=held_f.positions, resumed_from=resumed_from,
-        seconds=time.monotonic() - started, history=history,
+        seconds=time.monotonic() - started, history=history, acceptance_by_depth=by_depth,
+        heldout_other=other_meta,
     )
+
+
+def acceptance_report(meta: dict) -> List[str]:
+    """Held-out acceptance by draft depth (the data's own split, and the other dataset's), as printed."""
+    def line(name, by_depth):
+        tpv = ", ".join(f"depth {k}: {tokens_per_verify(by_depth, k):.2f}" for k in (1, 2, 3))
+        return f"{name}: acceptance by draft depth {' '.join(f'{a:.3f}' for a in by_depth)}; tokens per verify {tpv}"
+
+    vocab = f" (drafting among {meta['draft_vocab']} tokens)" if meta.get("draft_vocab") else ""
+    out = [line(f"held-out rows of {meta['data']}{vocab}", meta["heldout_acceptance_by_depth"])]
+    other = meta.get("heldout_other")
+    if other:
+        out.append(line(f"held-out other dataset {other['data']}", other["acceptance_by_depth"]))
+    return out
+
+
+def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx, cfg: TrainConfig):
+    """The drafting vocabulary: the most frequent tokens the head is trained to predict (plus eos)."""
+    V = int(head.logits(mx.zeros((1, head.fc.weight.shape[0]))).shape[-1])
+    if not 0 < cfg.draft_vocab < V:
+        return None
+    eos = list(getattr(bundle.tokenizer, "eos_token_ids", None) or [])
+    return frequent_tokens([tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
+                           cfg.draft_vocab, V, eos)
+
+
+def _other_heldout(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool):
+    """A second dataset (`heldout_data`), self-distilled like the training data but never trained on."""
+    if not cfg.heldout_data:
+        return None, None
+    path = ck / OTHER_FILE
+    key = {"heldout_data": os.path.abspath(cfg.heldout_data), "rows": cfg.heldout_rows, "seq_len": cfg.seq_len}
+    if path.exists() and TrainData.stored_key(path) == key:
+        other = TrainData.load(path)
+    else:
+        ocfg = replace(cfg, sample=cfg.heldout_rows, max_rows=cfg.heldout_rows, samples_per_prompt=0)
+        other = build_data(bundle, cfg.heldout_data, ocfg, quiet).clip(cfg.seq_len)
+        ck.mkdir(parents=True, exist_ok=True)
+        other.save(path, key)
+    feats = trunk_features(bundle.model, other.sequences, other.starts, store_dtype, True,
+                           desc="trunk (other held-out)", quiet=quiet)
+    return other, feats

@@ -16,6 +16,10 @@ Examples:
   mtplx-batch train-head models/smollm2 --data jobs/eval.yaml --out heads/smollm2
   mtplx-batch train-head models/smollm2 --data corpus.txt --out heads/smollm2 --steps 2000
   mtplx-batch train-head models/smollm2 --data prompts.jsonl --out heads/smollm2 --max-new-tokens 128
+  # the recipe (docs/train-head.md): a sample of the job, greedy + sampled continuations, general
+  # text, depths 1-3 unrolled, a second dataset held out
+  mtplx-batch train-head smollm2-135m-instruct --data jobs/eval.yaml --sample 100 --samples-per-prompt 1 \
+      --text stdlib --heldout-data jobs/gsm8k.yaml --out heads/smollm2
 
 \b
 --data is a job YAML (its prompts + this model's own greedy continuations: self-distillation),
@@ -41,7 +45,7 @@ def _terminate_as_interrupt(signum, frame):
               help="Where the head (mtp_head.safetensors, mtp_head.json) and its checkpoint go.")
 @click.option("--depth-layers", type=click.IntRange(1, 8), default=1, show_default=True,
               help="Decoder blocks in the head.")
-@click.option("--draft-depths", type=click.IntRange(1, 8), default=2, show_default=True,
+@click.option("--draft-depths", type=click.IntRange(1, 8), default=3, show_default=True,
               help="Draft depths trained: depth k feeds the head its own depth k-1 output, as drafting does. "
                    "1 trains the next-but-one token only (cheaper; deeper drafts then rarely pass).")
 @click.option("--steps", type=click.IntRange(min=0), default=1000, show_default=True, help="Optimizer steps.")
@@ -56,6 +60,30 @@ def _terminate_as_interrupt(signum, frame):
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="Self-distillation: tokens generated per prompt (default: the job's generation.max_tokens, "
                    "or 256).")
+@click.option("--sample", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Job or table data: train on a seeded random sample of N of its rows (their indices go to "
+                   "mtp_head.json as sample_rows).")
+@click.option("--samples-per-prompt", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Self-distillation: sampled continuations per prompt besides the greedy one.")
+@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=0.8, show_default=True,
+              help="Self-distillation: temperature of the sampled continuations.")
+@click.option("--text", multiple=True, metavar="PATH|stdlib",
+              help="General text mixed into training (repeatable): a file, a directory of .py/.md/.rst/.txt, or "
+                   "'stdlib' (this Python's standard library source). Scored against the trunk's own predictions.")
+@click.option("--text-tokens", type=click.IntRange(min=1), default=200_000, show_default=True,
+              help="Tokens of --text at most.")
+@click.option("--heldout-data", metavar="JOB.yaml|PATH", default=None,
+              help="A second, different dataset: self-distilled and evaluated only; its acceptance by depth "
+                   "goes to mtp_head.json (heldout_other) beside the training data's own held-out split.")
+@click.option("--heldout-rows", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Rows (sampled) of --heldout-data.")
+@click.option("--loss", type=click.Choice(["kl", "argmax", "tokens"]), default="kl", show_default=True,
+              help="kl: match the trunk's next-token distribution; argmax: its greedy token; tokens: the data's.")
+@click.option("--hidden-weight", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Weight of a regression of the head's hidden state onto the trunk's (as EAGLE heads).")
+@click.option("--draft-vocab", type=click.IntRange(min=0), default=8192, show_default=True,
+              help="Draft among the N most frequent training tokens (mtp_draft_vocab.npy; exact either way); "
+                   "0: the whole vocabulary.")
 @click.option("--init", type=click.Choice(["random", "trunk"]), default="random", show_default=True,
               help="Start the head's blocks at random, or as copies of the trunk's last layer.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
@@ -68,7 +96,9 @@ def _terminate_as_interrupt(signum, frame):
 @click.option("--restart", is_flag=True, help="Discard HEAD_DIR/checkpoint/ and start over.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or messages; errors only.")
 def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_depths: int, steps: int, batch_size: int, seq_len: int,
-               lr: float, heldout: float, max_rows: Optional[int], max_new_tokens: Optional[int], init: str,
+               lr: float, heldout: float, max_rows: Optional[int], max_new_tokens: Optional[int], sample: Optional[int],
+               samples_per_prompt: int, temperature: float, text, text_tokens: int, heldout_data: Optional[str],
+               heldout_rows: int, loss: str, hidden_weight: float, draft_vocab: int, init: str,
                dtype: str, seed: int, eval_every: int, checkpoint_every: int, restart: bool, quiet: bool):
     """Train a multi-token-prediction head for MODEL (it predicts token t+2 from the trunk's hidden
     state at t and token t+1) and write it to HEAD_DIR as a sidecar for speculative decoding."""
@@ -79,7 +109,10 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
 
     cfg = TrainConfig(depth_layers=depth_layers, draft_depths=draft_depths, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
                       heldout=heldout, max_rows=max_rows, max_new_tokens=max_new_tokens, init=init, dtype=dtype,
-                      seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every)
+                      seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every, sample=sample,
+                      samples_per_prompt=samples_per_prompt, temperature=temperature, text=tuple(text),
+                      text_tokens=text_tokens, heldout_data=heldout_data, heldout_rows=heldout_rows, loss=loss,
+                      hidden_weight=hidden_weight, draft_vocab=draft_vocab)
     log = None if quiet else (lambda m: click.echo(m, err=True))
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
@@ -95,6 +128,14 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
         where = f"checkpoint at step {step}" if step is not None else "no checkpoint yet"
         click.echo(f"interrupted ({where}): run the same command again to continue", err=True)
         sys.exit(130)
+    import json
+    from pathlib import Path
+
+    from mtplx.models.mtp import SIDECAR_META
+    from mtplx.training.train_head import acceptance_report
+
+    for line in acceptance_report(json.loads((Path(res.out_dir) / SIDECAR_META).read_text())):
+        click.echo(line)
     if not quiet:
         click.echo(
             f"done: {res.steps} steps ({res.steps - res.resumed_from} this run) in {res.seconds:.1f}s; held-out loss "

@@ -1,0 +1,132 @@
+"""The head over the frozen trunk's features: batches, the unrolled draft recursion, held-out metrics.
+
+Shared by training (`train_head.py`) and its reports: a batch of sequences gives the trunk's hidden
+states, the tokens the head is fed and the targets; `_unrolled` runs the head through draft
+depths 1..k as drafting does (depth k+1 takes the head's own depth-k hidden state);
+`evaluate` and `acceptance_by_depth` measure held-out loss and acceptance.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.base import create_causal_mask
+
+from ..models.mtp import MTPHead
+from .head_data import Features
+
+
+def _batch(feats: Features, idx: Sequence[int], compute_dtype):
+    """(hidden [B, L-2, D], tokens in [B, L-2], targets [B, L-2], mask [B, L-2], greedy targets or None,
+    teacher [B, L-1, D]: the trunk's hidden at positions 1..L-1, whose projection is its distribution
+    over the token after each)."""
+    L = max(len(feats.tokens[k]) for k in idx)
+    B = len(idx)
+    x = np.zeros((B, L), dtype=np.int32)
+    m = np.zeros((B, L - 2), dtype=np.float32)
+    g = np.zeros((B, L - 2), dtype=np.int32)
+    hs, ts = [], []
+    have_greedy = all(feats.greedy[k] is not None for k in idx)
+    for r, k in enumerate(idx):
+        n = len(feats.tokens[k])
+        x[r, :n] = feats.tokens[k]
+        m[r, feats.starts[k] : n - 2] = 1.0
+        h = feats.hidden[k][: n - 2]
+        if n < L:
+            h = mx.pad(h, [(0, L - n), (0, 0)])
+        hs.append(h)
+        t = feats.hidden[k][1:n]
+        ts.append(mx.pad(t, [(0, L - n), (0, 0)]) if n < L else t)
+        if have_greedy:
+            g[r, : n - 2] = feats.greedy[k][1 : n - 1]  # the trunk's own token after x_{t+1}
+    hidden = mx.stack(hs).astype(compute_dtype)
+    teacher = mx.stack(ts).astype(compute_dtype)
+    return (hidden, mx.array(x[:, 1:-1]), mx.array(x[:, 2:]), mx.array(m), (mx.array(g) if have_greedy else None),
+            teacher)
+
+
+def _causal(head: MTPHead, L: int):
+    """The attention mask for L positions: "causal" (fused) where the block takes it, else an array."""
+    if getattr(head, "_array_mask", None) is None:
+        try:
+            D = head.fc.weight.shape[0]
+            mx.eval(head.layers[0](mx.zeros((1, 2, D)), "causal", None))
+            head._array_mask = False
+        except (TypeError, ValueError):
+            head._array_mask = True
+    if L == 1:
+        return None
+    return create_causal_mask(L) if head._array_mask else "causal"
+
+
+def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int):
+    """(logits, targets, mask, head hidden) at draft depths 1..`depths`. Depth k+1 at position i takes
+    the head's own depth-k output there and the token that depth k predicts (teacher-forced)."""
+    out = []
+    for _ in range(depths):
+        if tokens.shape[1] == 0:
+            break
+        hidden, logits = head(hidden, tokens, mask=_causal(head, tokens.shape[1]))
+        out.append((logits, targets, mask, hidden))
+        hidden, tokens, targets, mask = hidden[:, :-1], targets[:, :-1], targets[:, 1:], mask[:, :-1] * mask[:, 1:]
+    return out
+
+
+def acceptance_by_depth(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
+                        batch_size: int = 8, vocab: Optional[Sequence[int]] = None) -> List[float]:
+    """Held-out share of positions where the head's depth-k argmax (among `vocab` when given: the
+    drafting vocabulary) is the trunk's own greedy token (teacher-forced: the tokens before it are
+    the sequence's)."""
+    hits, counts = np.zeros(depths), np.zeros(depths)
+    idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
+    outside = None
+    for s in range(0, len(idx), batch_size):
+        hidden, tok, tgt, m, g, _ = _batch(feats, idx[s : s + batch_size], compute_dtype)
+        ref = g if g is not None else tgt
+        for k, (logits, _, mk, _) in enumerate(_unrolled(head, hidden, tok, tgt, m, depths)):
+            if vocab is not None:
+                if outside is None:
+                    keep = np.zeros(logits.shape[-1], dtype=bool)
+                    keep[np.asarray(vocab)] = True
+                    outside = mx.array(~keep)
+                logits = mx.where(outside, -mx.inf, logits)
+            hit = (mx.argmax(logits, axis=-1) == ref[:, k:]).astype(mx.float32)
+            h, n = (hit * mk).sum(), mk.sum()
+            mx.eval(h, n)
+            hits[k] += h.item()
+            counts[k] += n.item()
+    return [float(h / c) if c else 0.0 for h, c in zip(hits, counts)]
+
+
+def tokens_per_verify(by_depth: Sequence[float], depth: int) -> float:
+    """Expected tokens per verify drafting `depth` tokens, reading the held-out acceptance at depth k
+    as the chance that draft k passes once draft k-1 has (the drafts before it were teacher-forced)."""
+    total, run = 1.0, 1.0
+    for a in list(by_depth)[:depth]:
+        run *= a
+        total += run
+    return total
+
+
+def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_size: int = 8) -> Tuple[float, float]:
+    """(mean cross-entropy against x_{t+2}, acceptance against the trunk's greedy token) over all
+    held-out positions."""
+    total_loss = total_hit = total_n = 0.0
+    idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
+    for s in range(0, len(idx), batch_size):
+        hidden, tok, tgt, m, g, _ = _batch(feats, idx[s : s + batch_size], compute_dtype)
+        _, logits = head(hidden, tok, mask=_causal(head, tok.shape[1]))
+        ce = nn.losses.cross_entropy(logits.astype(mx.float32), tgt, reduction="none")
+        ref = g if g is not None else tgt
+        hit = (mx.argmax(logits, axis=-1) == ref).astype(mx.float32)
+        l, h, n = (ce * m).sum(), (hit * m).sum(), m.sum()
+        mx.eval(l, h, n)
+        total_loss += l.item()
+        total_hit += h.item()
+        total_n += n.item()
+    if not total_n:
+        return float("nan"), 0.0
+    return total_loss / total_n, total_hit / total_n
