@@ -212,6 +212,13 @@ class RowStateCache:
         self.cache = [c[idx] if c is not None else None for c in self.cache]
 
     def row_slice(self, row: int, length: int):
+        """A copy of one row's state. Recurrent state exists only after the row's last token: it
+        cannot be cut back to an earlier `length` (copy it when the row is at that length)."""
+        if length != int(self.rows.host[row]):
+            raise ValueError(
+                f"recurrent state of row {row} is at position {int(self.rows.host[row])}, not {length}: "
+                "snapshot it when the row is at that length"
+            )
         return [mx.array(c[row : row + 1]) if c is not None else None for c in self.cache]
 
     def write_row(self, row: int, arrays, batch: int):

@@ -1,7 +1,9 @@
 """Draft sources behind one small interface: prompt lookup, a draft model, MTP heads.
 
 A drafter keeps per-slot state that mirrors the engine's batch slots:
-- `prefill_row(tokens, hidden, first_token, prefix)` builds one row's state after its prompt;
+- `prefill_row(tokens, hidden, first_token, prefix, edge)` builds one row's state after its prompt
+  (`prefix`: a snapshot to start from; `edge`: the stable-prefix edge, where `snapshot` may be asked
+  for the state: a drafter with recurrent state keeps a copy there, it cannot be cut back later);
 - `reset()`, `extend(states)` / `write(slot, state)` / `take(keep)` move rows in and out of the batch;
 - `propose(K, pending, sampler, u)` returns drafts [W, K] and their proposal distribution q
   ([W, K, V], or None when drafts are deterministic, i.e. a point mass);
@@ -55,7 +57,7 @@ class NgramDrafter:
                 index[(size,) + tuple(tokens[end - size : end])] = end
         return index
 
-    def prefill_row(self, tokens, hidden, first_token, prefix=None):
+    def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
         history = list(tokens) + [int(first_token)]
         return history, self._index(history)
 
@@ -122,7 +124,7 @@ class _CachedDrafter:
             self.extra = [mx.concatenate([a, b]) for a, b in zip(self.extra, extra)]
 
     def write(self, slot, state):
-        cache, extra = state
+        cache, extra = state[0], state[1]
         self.cache.write_row(slot, cache.snapshot_row(0))
         for j, a in enumerate(extra):
             self.extra[j][slot : slot + 1] = a
@@ -146,20 +148,29 @@ class DraftModelDrafter(_CachedDrafter):
         self.cache: Optional[BatchCache] = None
         self.extra: List[mx.array] = []
 
-    def prefill_row(self, tokens, hidden, first_token, prefix=None):
+    def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
+        """(cache, [], snapshot at `edge` or None). The prefill splits at the edge; a hybrid draft's
+        recurrent state is copied there (it cannot be cut back to the edge afterwards)."""
         cache = BatchCache.for_model(self.model, 1)
         start = 0
         if prefix is not None:
             cache.write_row(0, prefix)
             start = prefix[0]
-        for s in range(start, len(tokens), self.chunk):
-            chunk = mx.array(tokens[s : s + self.chunk], dtype=mx.int32)[None]
-            self.model(chunk, cache=cache.layers)
-            cache.commit([chunk.shape[1]])
+        cut = [edge] if start < edge < len(tokens) else []
+        bounds = sorted({*range(start, len(tokens), self.chunk), *cut, len(tokens)})
+        at_edge = None
+        for s, e in zip(bounds, bounds[1:]):
+            self.model(mx.array(tokens[s:e], dtype=mx.int32)[None], cache=cache.layers)
+            cache.commit([e - s])
             cache.eval()
-        return cache, []
+            if cut and e == edge and any(isinstance(c, RowStateCache) for c in cache.layers):
+                at_edge = cache.snapshot_row(0)
+        return cache, [], at_edge
 
     def snapshot(self, state, length):
+        at_edge = state[2]
+        if at_edge is not None and at_edge[0] == length:
+            return at_edge
         return state[0].snapshot_row(0, length)
 
     def _begin(self):
@@ -237,7 +248,7 @@ class MtpDrafter(_CachedDrafter):
     def _new_cache(self):
         return BatchCache(["kv"] * len(self.head.layers), [0])
 
-    def prefill_row(self, tokens, hidden, first_token, prefix=None):
+    def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
         """`hidden` holds the trunk's hidden states for positions start..n-1 of `tokens`."""
         cache = self._new_cache()
         start = 0

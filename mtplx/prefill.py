@@ -254,7 +254,7 @@ class Prefiller:
         state = None
         drafter_snap = None
         if drafter is not None:
-            state = drafter.prefill_row(toks, hidden, first, hit[1] if hit is not None else None)
+            state = drafter.prefill_row(toks, hidden, first, hit[1] if hit is not None else None, edge=edge)
             if target_snap is not None:
                 if isinstance(drafter, MtpDrafter):
                     drafter_snap = drafter.snapshot(state, edge, hidden[:, edge - 1 : edge])

@@ -61,7 +61,7 @@ class OracleDrafter(NgramDrafter):
         super().__init__()
         self.refs, self.vocab, self.round = refs, vocab, 0
 
-    def prefill_row(self, tokens, hidden, first_token, prefix=None):
+    def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
         return {"ref": self.refs[tuple(tokens)], "out": [int(first_token)]}
 
     def propose(self, K, pending, sampler, u):

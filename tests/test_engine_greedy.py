@@ -139,7 +139,7 @@ class OracleDrafter(NgramDrafter):
         self.expected = []
         self.checked = []  # (expected, accepted) per row and round
 
-    def prefill_row(self, tokens, hidden, first_token, prefix=None):
+    def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
         return {"ref": self.long[tuple(tokens)], "out": [int(first_token)], "max_tokens": self.budget[tuple(tokens)]}
 
     def propose(self, K, pending, sampler, u):

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtplx.cache import BatchCache, RowStateCache
+from mtplx.cache import BatchCache, RowKVCache, RowStateCache
 from mtplx.gdn import install_capture
 from mtplx.graphbank import CompiledVerifyBank
 from mtplx.models.loading import load
@@ -174,3 +174,48 @@ def test_hybrid_draft_model_rolls_back_after_a_partial_accept(tiny_model):
     fresh = drafter_for(accepted)
     _, q_fresh = fresh.propose(2, mx.array(nxt), sampler, u2)
     np.testing.assert_allclose(np.array(q[:, 0]), np.array(q_fresh[:, 0]), atol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["qwen3_next", "llama"])
+def test_hybrid_draft_model_prefix_sharing_snapshots_at_the_edge(tiny_model, target):
+    """Rows sharing a stable prefix start the draft model from the leader's state at the prefix
+    edge, not after the leader's whole prompt. The draft is the hybrid qwen3_next itself: its
+    drafts are the target's own greedy tokens when its state is right, so every draft of every
+    row is accepted (with a state from past the edge, followers' drafts were mostly rejected).
+    The recurrent state cannot be cut back to the edge afterwards: asking for it is an error."""
+    from mtplx.config import ScheduleConfig, SpeculativeConfig
+    from mtplx.generation import Engine
+    from mtplx.request import Request, SamplingParams
+
+    draft_path = tiny_model("qwen3_next")
+    target_path = draft_path if target == "qwen3_next" else tiny_model("llama")
+    bundle = load(target_path)
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(3, 500, 40).tolist()
+    rows = [prefix + rng.integers(3, 500, int(n)).tolist() for n in (6, 11, 17, 9, 14)]
+    spec = SpeculativeConfig(method="draft", draft_model=str(draft_path), depth=3, adaptive_depth=False)
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=2))
+    reqs = [Request(i, p, SamplingParams(max_tokens=12), stable_prefix_len=len(prefix)) for i, p in enumerate(rows)]
+    results = {r.key: r for r in eng.generate(reqs)}
+    assert sum(r.stats.cached_prompt_tokens for r in results.values()) == len(prefix) * (len(rows) - 1)
+    if target == "qwen3_next":
+        for i, r in results.items():
+            assert r.stats.drafted_tokens > 0
+            assert r.stats.accepted_tokens == r.stats.drafted_tokens, (i, r.stats)
+    else:  # a different target: the followers' draft states equal fresh prefills of their prompts
+        d = eng.drafter
+        for p in rows[1:]:
+            leader = d.prefill_row(rows[0], None, 0, edge=len(prefix))
+            follower = d.prefill_row(p, None, 0, prefix=d.snapshot(leader, len(prefix)))
+            fresh = d.prefill_row(p, None, 0)
+            for a, b in zip(follower[0].layers, fresh[0].layers):
+                for x, y in zip(a.state_arrays(), b.state_arrays()):
+                    if x is not None:
+                        n = min(x.shape[2], y.shape[2]) if isinstance(a, RowKVCache) else None
+                        xs, ys = (x[:, :, : len(p)], y[:, :, : len(p)]) if n else (x, y)
+                        np.testing.assert_allclose(np.array(xs), np.array(ys), atol=1e-4)
+    full = BatchCache.for_model(load(draft_path).model, 1)
+    full.layers[0].cache = [mx.zeros((1, 2)), mx.zeros((1, 2))]
+    full.commit([5])
+    with pytest.raises(ValueError, match="cannot|not 3"):
+        full.snapshot_row(0, 3)
