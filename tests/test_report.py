@@ -77,7 +77,7 @@ def test_tokens_per_verify_is_one_figure_everywhere(spec_run):
 
 
 def test_columns_doc_lists_every_output_column():
-    from pipelines.io.sink import OUTPUT_COLUMNS
+    from pipelines.io.columns import OUTPUT_COLUMNS
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "columns.md").read_text(encoding="utf-8")
     documented = re.findall(r"^\| `(\w+)` \|", doc, flags=re.M)
