@@ -7,9 +7,10 @@ row's length, and `commit(counts)` moves each row's length forward by what it ac
 Rejected entries are simply left past the row's length and overwritten later: rollback of
 attention KV is free and nothing is copied.
 
-Recurrent (Gated DeltaNet) layers cannot be rolled back by moving an index, so during a
-verify forward they capture their state after every position (`capture_backend="gdn"`), and
-`commit` picks each row's state at its accepted position.
+Recurrent layers (Gated DeltaNet, conv, SSM) cannot be rolled back by moving an index, so
+during a verify forward they capture their state after every position (gdn.py, recurrent.py),
+and `commit` picks each row's state at its accepted position. Sliding-window attention keeps
+every entry and masks by window; mlx-lm's CacheList becomes a RowCacheList of leaf caches.
 """
 
 from __future__ import annotations
@@ -155,20 +156,21 @@ class RowKVCache:
 
 
 class RowStateCache:
-    """Recurrent state (conv window + Gated DeltaNet state) for a batch of rows (one layer).
+    """Recurrent state (conv window, SSM / Gated DeltaNet state) for a batch of rows (one layer).
 
-    Looks like mlx-lm's ArraysCache to the model (`cache[0]`, `cache[1]`, `advance`).
-    While `capturing`, the capture-backend layer records the state after every position;
-    `commit(counts)` then keeps, per row, the state after its last accepted position.
+    Looks like mlx-lm's ArraysCache to the model (`cache[i]`, `advance`, `lengths`), with `size`
+    slots. While `capturing`, the layer's capture (gdn.py for Gated DeltaNet, recurrent.py for
+    conv/SSM layers) records every slot's value after each position of the forward instead of
+    overwriting the state; `commit(counts)` then keeps, per row, the value after its last
+    accepted position (a row with count 0 keeps its state).
     """
 
-    def __init__(self, lengths: RowLengths):
+    def __init__(self, lengths: RowLengths, size: int = 2):
         self.rows = lengths
-        self.cache: List[Optional[mx.array]] = [None, None]
+        self.cache: List[Optional[mx.array]] = [None] * size
         self.lengths = None  # mlx-lm's right-padding hook; unused here
         self.capturing = False
-        self._conv_input: Optional[mx.array] = None  # [B, k-1+L, C]
-        self._states: Optional[mx.array] = None  # [B, L, ...] state after each position
+        self._steps: Optional[List[mx.array]] = None  # per slot: [B, L, ...] value after each position
 
     def __getitem__(self, i):
         return self.cache[i]
@@ -186,24 +188,29 @@ class RowStateCache:
         return None
 
     def record(self, conv_input: mx.array, states: mx.array):
-        self._conv_input, self._states = conv_input, states
+        """Gated DeltaNet capture: the conv input [B, k-1+L, C] and the state after each position."""
+        L = states.shape[1]
+        n_keep = conv_input.shape[1] - L
+        windows = mx.stack([conv_input[:, t + 1 : t + 1 + n_keep] for t in range(L)], axis=1)
+        self._steps = [windows, states]
+
+    def record_steps(self, steps: List[mx.array]):
+        """Every slot's value after each position: one [B, L, ...] array per slot."""
+        self._steps = list(steps)
 
     def commit(self, counts: mx.array):
         """Keep each row's state after `counts[b]` positions of the captured forward."""
-        if self._states is None:
+        if self._steps is None:
             return
-        B = self._states.shape[0]
-        n_keep = self._conv_input.shape[1] - self._states.shape[1]
-        conv_idx = (counts[:, None] + mx.arange(n_keep, dtype=mx.int32))[:, :, None]
-        self.cache[0] = mx.take_along_axis(self._conv_input, conv_idx, axis=1)
-        prev = self.cache[1]
-        at = mx.maximum(counts - 1, 0).reshape((B,) + (1,) * (self._states.ndim - 1))
-        chosen = mx.take_along_axis(self._states, at, axis=1).squeeze(1)
-        if prev is not None:
-            keep_prev = (counts == 0).reshape((B,) + (1,) * (chosen.ndim - 1))
-            chosen = mx.where(keep_prev, prev, chosen)
-        self.cache[1] = chosen
-        self._conv_input = self._states = None
+        for i, steps in enumerate(self._steps):
+            B = steps.shape[0]
+            at = mx.maximum(counts - 1, 0).reshape((B,) + (1,) * (steps.ndim - 1))
+            chosen = mx.take_along_axis(steps, at, axis=1).squeeze(1)
+            prev = self.cache[i]
+            if prev is not None:
+                chosen = mx.where((counts == 0).reshape((B,) + (1,) * (chosen.ndim - 1)), prev, chosen)
+            self.cache[i] = chosen
+        self._steps = None
 
     def state_arrays(self):
         return list(self.cache)
@@ -242,13 +249,48 @@ class RowStateCache:
         return sum(c.nbytes for c in self.cache if c is not None)
 
 
-class BatchCache:
-    """All layers' caches for a batch of rows, plus their shared per-row lengths."""
+class RowCacheList:
+    """mlx-lm's CacheList (several caches for one layer, e.g. falcon_h1's mamba + attention)."""
 
-    def __init__(self, layer_kinds: Sequence[str], lengths: Sequence[int]):
-        self.rows = RowLengths(lengths)
+    def __init__(self, caches):
+        self.caches = list(caches)
+
+    def __getitem__(self, i):
+        return self.caches[i]
+
+    def __len__(self):
+        return len(self.caches)
+
+
+# Layer kinds: "kv" (attention), "state<n>" (recurrent, n slots; plain "state" is 2), or a tuple
+# of those (a CacheList).
+def state_size(kind: str) -> int:
+    return int(kind[len("state"):] or 2)
+
+
+def flat_kinds(kinds) -> List[str]:
+    return [k for kind in kinds for k in (kind if isinstance(kind, tuple) else (kind,))]
+
+
+def new_leaf(kind: str, rows: RowLengths):
+    return RowKVCache(rows) if kind == "kv" else RowStateCache(rows, state_size(kind))
+
+
+class BatchCache:
+    """All layers' caches for a batch of rows, plus their shared per-row lengths.
+
+    `layers` is what the model reads (one entry per cache of mlx-lm's `make_cache`, a
+    RowCacheList where mlx-lm has a CacheList); `leaves` are the caches themselves, flat.
+    """
+
+    def __init__(self, layer_kinds: Sequence, lengths: Sequence[int] = (), rows: Optional[RowLengths] = None):
+        self.rows = RowLengths(lengths) if rows is None else rows
         self.kinds = list(layer_kinds)
-        self.layers = [RowKVCache(self.rows) if k == "kv" else RowStateCache(self.rows) for k in self.kinds]
+        self.leaves = [new_leaf(k, self.rows) for k in flat_kinds(self.kinds)]
+        self.layers = self.leaves
+        if any(isinstance(k, tuple) for k in self.kinds):
+            it = iter(self.leaves)
+            self.layers = [RowCacheList([next(it) for _ in k]) if isinstance(k, tuple) else next(it) for k in self.kinds]
 
     @classmethod
     def for_model(cls, model, batch: int = 1) -> "BatchCache":
@@ -263,12 +305,12 @@ class BatchCache:
         return self.rows.host
 
     def set_attend_len(self, n: Optional[int]):
-        for c in self.layers:
+        for c in self.leaves:
             if isinstance(c, RowKVCache):
                 c.attend_len = n
 
     def set_capturing(self, on: bool):
-        for c in self.layers:
+        for c in self.leaves:
             if isinstance(c, RowStateCache):
                 c.capturing = on
 
@@ -276,7 +318,7 @@ class BatchCache:
         """Advance each row by counts[b] tokens of the last forward."""
         counts = np.asarray(counts, dtype=np.int64)
         dev = mx.array(counts, dtype=mx.int32)
-        for c in self.layers:
+        for c in self.leaves:
             if isinstance(c, RowStateCache):
                 c.commit(dev)
         self.rows.set(self.rows.host + counts)
@@ -287,18 +329,18 @@ class BatchCache:
 
     def take_rows(self, keep: Sequence[int]):
         idx = mx.array(np.asarray(keep, dtype=np.int32))
-        for c in self.layers:
+        for c in self.leaves:
             c.take_rows(idx)
         self.rows.set(self.rows.host[np.asarray(keep, dtype=np.int64)])
 
     def snapshot_row(self, row: int, length: Optional[int] = None):
         """A copy of one row's state (its first `length` entries): a prefix to reuse later."""
         n = int(self.rows.host[row]) if length is None else length
-        return n, [c.row_slice(row, n) for c in self.layers]
+        return n, [c.row_slice(row, n) for c in self.leaves]
 
     def write_row(self, row: int, snapshot):
         n, parts = snapshot
-        for c, p in zip(self.layers, parts):
+        for c, p in zip(self.leaves, parts):
             c.write_row(row, p, self.batch)
         host = self.rows.host.copy()
         host[row] = n
@@ -309,14 +351,14 @@ class BatchCache:
         """One batch cache from single-row caches."""
         lengths = [int(c.lengths[0]) for c in caches]
         out = cls(caches[0].kinds, lengths)
-        for i, layer in enumerate(out.layers):
-            layer.stack_rows([c.layers[i] for c in caches], lengths)
+        for i, leaf in enumerate(out.leaves):
+            leaf.stack_rows([c.leaves[i] for c in caches], lengths)
         return out
 
     def extend(self, other: "BatchCache"):
         """Append the rows of `other` (copies both caches: used only while a batch ramps up)."""
         merged = BatchCache.stack([self.single(i) for i in range(self.batch)] + [other.single(i) for i in range(other.batch)])
-        self.rows, self.layers = merged.rows, merged.layers
+        self.rows, self.leaves, self.layers = merged.rows, merged.leaves, merged.layers
 
     def single(self, row: int) -> "BatchCache":
         n, parts = self.snapshot_row(row)
@@ -325,28 +367,44 @@ class BatchCache:
         return out
 
     def eval(self):
-        mx.eval([a for c in self.layers for a in c.state_arrays() if a is not None])
+        mx.eval([a for c in self.leaves for a in c.state_arrays() if a is not None])
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.layers)
+        return sum(c.nbytes for c in self.leaves)
 
 
-def layer_kinds(model) -> List[str]:
-    """'kv' or 'state' per layer, from the model's own cache layout."""
-    from mlx_lm.models.cache import ArraysCache, KVCache
+def layer_kinds(model) -> List:
+    """Each cache's kind, from the model's own cache layout (mlx-lm's `make_cache`).
 
-    if hasattr(model, "make_cache"):
-        kinds = []
-        for c in model.make_cache():
-            if isinstance(c, KVCache):
-                kinds.append("kv")
-            elif isinstance(c, ArraysCache):
-                kinds.append("state")
-            else:
-                raise ValueError(
-                    f"cache type {type(c).__name__} is not supported by the batched engine "
-                    "(sliding-window and quantized KV caches are not yet handled)"
-                )
-        return kinds
-    return ["kv"] * len(model.layers)
+    KVCache -> "kv"; RotatingKVCache (sliding-window attention) -> "kv" too: every entry is
+    kept and the model's window mask (`make_mask(window_size=...)`) hides what falls out of the
+    window, so rollback stays an index move; ArraysCache of n slots -> "state<n>"; CacheList ->
+    a tuple. Any other cache class is refused, naming the architecture: running it could give
+    wrong text without an error.
+    """
+    if not hasattr(model, "make_cache"):
+        return ["kv"] * len(model.layers)
+    return [_kind(c, model) for c in model.make_cache()]
+
+
+def _kind(c, model):
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+    if type(c) is KVCache or (type(c) is RotatingKVCache and c.keep == 0):
+        return "kv"
+    if isinstance(c, ArraysCache) and type(c).__name__ in ("ArraysCache", "MambaCache"):
+        return "state" if len(c.cache) == 2 else f"state{len(c.cache)}"
+    if type(c) is CacheList:
+        return tuple(_kind(sub, model) for sub in c.caches)
+    arch = getattr(model, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
+    detail = f" (keep={c.keep})" if isinstance(c, RotatingKVCache) else ""
+    raise UnsupportedArchitecture(
+        f"architecture {arch!r}: cache type {type(c).__name__}{detail} is not supported by the batched "
+        "engine, so the model is refused rather than run (it could give wrong text): use mlx-lm directly, "
+        "or file an issue naming the architecture"
+    )
+
+
+class UnsupportedArchitecture(ValueError):
+    """A model whose layer or cache kind the engine does not know: refused before any row runs."""

@@ -177,7 +177,7 @@ class DraftModelDrafter(_CachedDrafter):
         self.start_lengths = self.cache.lengths.copy()
         # Recurrent (Gated DeltaNet) layers of a hybrid draft cannot rewind by length: keep
         # their state after every feed of this round, and pick each row's at commit.
-        self._state_layers = [c for c in self.cache.layers if isinstance(c, RowStateCache)]
+        self._state_layers = [c for c in self.cache.leaves if isinstance(c, RowStateCache)]
         self._steps = [[list(c.cache) for c in self._state_layers]] if self._state_layers else []
 
     def _feed(self, tok):

@@ -22,7 +22,7 @@ from .cache import BatchCache, RowKVCache
 from .config import ScheduleConfig, SpeculativeConfig
 from .depth import DepthController
 from .drafters import MtpDrafter, make_drafter
-from .gdn import install_capture
+from .architectures import prepare
 from .graphbank import CompiledVerifyBank
 from .models.loading import ModelBundle, context_length, load
 from .models.mtp import has_trunk_split, project_logits, trunk_hidden
@@ -108,7 +108,7 @@ class Engine:
         self.vocab_size = int(cfg.get("vocab_size") or self.model.model.embed_tokens.weight.shape[0])
         self.max_context = context_length(cfg)
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
-        self.hybrid = install_capture(self.model) > 0
+        self.hybrid = prepare(self.model, bundle.model_type)  # refuses what it cannot batch exactly
         self.drafter = make_drafter(self.spec.method, self)
         self.runtime = _Runtime(self.model, want_hidden=isinstance(self.drafter, MtpDrafter))
         self.weight_bytes = _tree_bytes(self.model.parameters())
@@ -141,8 +141,8 @@ class Engine:
         probe = BatchCache.for_model(self.model, 1)
         self.model(mx.array([[0]], dtype=mx.int32), cache=probe.layers)
         probe.eval()
-        per_token = sum(c.nbytes / c.keys.shape[2] for c in probe.layers if isinstance(c, RowKVCache) and c.keys is not None)
-        per_row = sum(c.nbytes for c in probe.layers if not isinstance(c, RowKVCache))
+        per_token = sum(c.nbytes / c.keys.shape[2] for c in probe.leaves if isinstance(c, RowKVCache) and c.keys is not None)
+        per_row = sum(c.nbytes for c in probe.leaves if not isinstance(c, RowKVCache))
         return per_token, per_row
 
     def row_bytes(self, prompt_tokens: int, max_tokens: int) -> int:

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import BatchCache, RowKVCache, RowLengths, RowStateCache
+from .cache import BatchCache, RowKVCache, RowLengths
 
 UNSUPPORTED_BITS = (6,)
 
@@ -57,32 +57,25 @@ class _ShadowRows(RowLengths):
 
 
 def _shadow_cache(kinds, lengths: mx.array, arrays) -> BatchCache:
-    cache = BatchCache.__new__(BatchCache)
-    cache.kinds = list(kinds)
-    cache.rows = _ShadowRows(lengths)
-    cache.layers = []
+    cache = BatchCache(kinds, rows=_ShadowRows(lengths))
     it = iter(arrays)
-    for kind in kinds:
-        a, b = next(it), next(it)
-        if kind == "kv":
-            layer = RowKVCache(cache.rows)
-            layer.keys, layer.values = a, b
-            layer.attend_len = a.shape[2]  # the whole capacity bucket, masked: shape-derived
+    for layer in cache.leaves:
+        if isinstance(layer, RowKVCache):
+            layer.keys, layer.values = next(it), next(it)
+            layer.attend_len = layer.keys.shape[2]  # the whole capacity bucket, masked: shape-derived
         else:
-            layer = RowStateCache(cache.rows)
-            layer.cache = [a, b]
+            layer.cache = [next(it) for _ in layer.cache]
             layer.capturing = True
-        cache.layers.append(layer)
     return cache
 
 
 def _shadow_outputs(cache: BatchCache):
     out = []
-    for layer in cache.layers:
+    for layer in cache.leaves:
         if isinstance(layer, RowKVCache):
             out += [layer.keys, layer.values]
         else:
-            out += [layer._conv_input, layer._states]
+            out += layer._steps
     return out
 
 
@@ -150,17 +143,17 @@ class CompiledVerifyBank:
                 self.max_verify_len = L
             else:
                 reason = f"verify length {L} over MTPLX_COMPILED_VERIFY_MAX_LEN={self.growth_limit}"
-        if reason is None and any(isinstance(c, RowKVCache) and c.keys is None for c in cache.layers):
+        if reason is None and any(a is None for c in cache.leaves for a in c.state_arrays()):
             reason = "empty cache"
         if reason is not None:
             self._fallback(reason)
             logits, hidden = self.eager(tokens, cache)
             return logits, hidden, False, None
-        for c in cache.layers:  # room for L more entries, in capacity buckets
-            if isinstance(c, RowKVCache):
-                c._ensure_capacity(W, c.keys, c.values, cache.rows.max + L)
-        arrays = [a for c in cache.layers for a in c.state_arrays()]
-        key = (W, L, max((a.shape[2] for a, k in zip(arrays[::2], cache.kinds) if k == "kv"), default=0))
+        kv = [c for c in cache.leaves if isinstance(c, RowKVCache)]
+        for c in kv:  # room for L more entries, in capacity buckets
+            c._ensure_capacity(W, c.keys, c.values, cache.rows.max + L)
+        arrays = [a for c in cache.leaves for a in c.state_arrays()]
+        key = (W, L, max((c.keys.shape[2] for c in kv), default=0))
         if key in self._broken:
             self._fallback(self._broken[key])
             logits, hidden = self.eager(tokens, cache)
@@ -205,12 +198,11 @@ class CompiledVerifyBank:
     @staticmethod
     def _mirror(cache: BatchCache, arrays):
         it = iter(arrays)
-        for layer in cache.layers:
-            a, b = next(it), next(it)
+        for layer in cache.leaves:
             if isinstance(layer, RowKVCache):
-                layer.keys, layer.values = a, b
+                layer.keys, layer.values = next(it), next(it)
             else:
-                layer.record(a, b)
+                layer.record_steps([next(it) for _ in layer.cache])
 
     def _tol(self, logits) -> float:
         if self.tolerance is not None:

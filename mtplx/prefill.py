@@ -189,7 +189,7 @@ class Prefiller:
             cache.commit([e - s])
             if self.engine.runtime.want_hidden:
                 hiddens.append(h)
-            mx.eval(h, [a for c in cache.layers for a in c.state_arrays() if a is not None])
+            mx.eval(h, [a for c in cache.leaves for a in c.state_arrays() if a is not None])
             row.stats.prefill_chunks += 1
             if key and hit is None and e == edge:
                 snap = cache.snapshot_row(0)  # exactly at the edge: recurrent state included
@@ -223,7 +223,7 @@ class Prefiller:
                 counts[b] = len(part)
             h = self._hidden(mx.array(grid), cache)
             cache.commit(counts)
-            mx.eval(h, [a for layer in cache.layers for a in layer.state_arrays() if a is not None])
+            mx.eval(h, [a for layer in cache.leaves for a in layer.state_arrays() if a is not None])
             for b in range(B):
                 if counts[b]:
                     rows[b].stats.prefill_chunks += 1

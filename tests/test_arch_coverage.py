@@ -36,15 +36,6 @@ PROMPTS = [
 # What does not pass yet, and why (strict: a fix must remove its entry).
 XFAIL = {
     "qwen3_5": "Gated DeltaNet capture for qwen3_5 (issue 21 part B) and its fixture",
-    "lfm2": "conv state not rolled back after a rejected draft / padded prefill",
-    "nemotron_h": "conv/SSM state not rolled back after a rejected draft / padded prefill",
-    "gemma3_text": "RotatingKVCache (sliding window) refused",
-    "gpt_oss": "RotatingKVCache (sliding window) refused",
-    "falcon_h1": "CacheList refused",
-}
-XFAIL_BATCHED = {
-    "gemma2": "mask broadcast in GQA attention when batched",
-    "internlm3": "DynamicNTKScalingRoPE with per-row offsets",
 }
 
 CASES = [("none", 1, "on"), ("none", 4, "on"), ("ngram", 1, "on"), ("ngram", 4, "on"), ("ngram", 4, "off")]
@@ -83,7 +74,7 @@ def arch_models(tmp_path_factory):
 def _params():
     for arch in ARCHITECTURES:
         for method, width, compiled in CASES:
-            reason = XFAIL.get(arch) or (XFAIL_BATCHED.get(arch) if width > 1 else None)
+            reason = XFAIL.get(arch)
             marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
             yield pytest.param(arch, method, width, compiled, marks=marks, id=f"{arch}-{method}-w{width}-{compiled}")
 

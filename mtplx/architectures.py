@@ -1,0 +1,96 @@
+"""What the engine does to an mlx-lm model before it batches it, and what it refuses.
+
+`prepare(model, arch)` runs once per model, before any row:
+  1. every cache of the model's `make_cache` must be a kind the batch cache knows
+     (cache.layer_kinds: attention, sliding-window attention, ArraysCache, CacheList);
+  2. recurrent layers get their capture backend (gdn.py: Gated DeltaNet; recurrent.py: conv
+     and SSM layers) and batching adapters are installed (adapters.py);
+  3. a probe checks the engine's own path against mlx-lm's: two rows of different lengths are
+     prefilled, verified with a partial accept, and stepped once more, and every logit must
+     match a fresh cache-less forward of the accepted text. A recurrent cache no capture
+     backend recorded names the layer class that wrote it.
+Anything that fails is refused with `UnsupportedArchitecture`, naming the architecture: an
+unknown layer that runs could give wrong text without an error, the worst outcome.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+from .adapters import install_adapters
+from .cache import BatchCache, RowStateCache, UnsupportedArchitecture, flat_kinds, layer_kinds
+from .gdn import install_capture
+from .recurrent import install_stepping
+
+PROBE = [5, 17, 3, 11, 8, 2, 9, 4, 13, 6]
+
+
+def prepare(model, arch: str) -> bool:
+    """Make `model` ready for batching, or refuse it. Returns whether it has recurrent layers."""
+    kinds = flat_kinds(layer_kinds(model))
+    try:
+        install_capture(model)
+    except ValueError as e:
+        raise UnsupportedArchitecture(f"architecture {arch!r}: {e}; refused rather than run") from None
+    install_stepping(model)
+    install_adapters(model)
+    _probe(model, arch)
+    return any(k != "kv" for k in kinds)
+
+
+class _ProbeStateCache(RowStateCache):
+    """A RowStateCache that remembers which module class wrote its slots directly."""
+
+    def __setitem__(self, i, v):
+        caller = sys._getframe(1).f_locals.get("self")
+        self.writers = getattr(self, "writers", set()) | {type(caller).__name__}
+        super().__setitem__(i, v)
+
+
+def _forward(model, tokens, cache, capturing=False):
+    cache.set_capturing(capturing)
+    try:
+        return model(mx.array(tokens, dtype=mx.int32), cache=cache.layers)
+    finally:
+        cache.set_capturing(False)
+
+
+def _probe(model, arch: str):
+    vocab = int(model.model.embed_tokens.weight.shape[0]) if hasattr(getattr(model, "model", None), "embed_tokens") else 2
+    toks = [t % max(vocab, 2) for t in PROBE]
+    rows = [toks[:6], toks[:4]]  # different lengths
+    singles = []
+    for r in rows:
+        c = BatchCache.for_model(model, 1)
+        _forward(model, [r], c)
+        c.commit([len(r)])
+        singles.append(c)
+    cache = BatchCache.stack(singles)
+    for leaf in cache.leaves:
+        if isinstance(leaf, RowStateCache):
+            leaf.__class__ = _ProbeStateCache
+    verify = [toks[6:9], toks[4:7]]
+    _forward(model, verify, cache, capturing=True)
+    for i, leaf in enumerate(cache.leaves):
+        if isinstance(leaf, RowStateCache) and (leaf._steps is None or getattr(leaf, "writers", None)):
+            who = ", ".join(sorted(getattr(leaf, "writers", set()))) or "no layer"
+            raise UnsupportedArchitecture(
+                f"architecture {arch!r}: recurrent cache {i} is written by {who}, which has no capture "
+                "backend (its state could not be rolled back after a rejected draft); refused rather than run"
+            )
+    counts = np.array([2, 1])
+    cache.commit(counts)
+    nxt = [[toks[9]], [toks[9]]]
+    got = _forward(model, nxt, cache)[:, -1]
+    for b, (r, v) in enumerate(zip(rows, verify)):
+        ref = model(mx.array([r + v[: counts[b]] + nxt[b]], dtype=mx.int32))[0, -1]
+        scale = max(float(mx.abs(ref).max()), 1.0)
+        err = float(mx.abs(got[b].astype(mx.float32) - ref.astype(mx.float32)).max()) / scale
+        if err > (1e-3 if ref.dtype == mx.float32 else 5e-2):
+            raise UnsupportedArchitecture(
+                f"architecture {arch!r}: the batched engine's logits differ from mlx-lm's own forward "
+                f"(row {b}, relative error {err:.2g} after a partial accept); refused rather than run"
+            )

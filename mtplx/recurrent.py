@@ -1,0 +1,101 @@
+"""The "steps" capture backend: conv and SSM layers that record their state after every position.
+
+A verify forward runs [pending, d1..dk] before we know how many drafts each row keeps, and a
+conv window or SSM state cannot be rolled back by moving an index. A captured layer runs the
+verify one position at a time through the layer's own mlx-lm code (exactly what mlx-lm's
+single-row decoding does) on a scratch copy of its cache, and hands every slot's value after
+each position to the RowStateCache, whose `commit` keeps the one at each row's accepted
+position. The layer's own state is untouched until then, so a rejected draft never enters it.
+
+Any layer whose whole state lives in its ArraysCache slots is captured this way; the
+classes known to do so (each covered by tests/test_arch_coverage.py) are listed in
+`STEPPED_LAYERS` (mlx-lm module, class name).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import mlx.core as mx
+
+from .cache import RowStateCache
+
+STEPPED_LAYERS = {
+    ("mlx_lm.models.lfm2", "ShortConv"),
+    ("mlx_lm.models.nemotron_h", "NemotronHMamba2Mixer"),
+    ("mlx_lm.models.falcon_h1", "FalconH1Mixer"),
+}
+
+
+class _Scratch:
+    """What the layer sees for one step: mlx-lm's ArraysCache surface over plain slots."""
+
+    lengths = None
+
+    def __init__(self, slots):
+        self.cache = list(slots)
+
+    def __getitem__(self, i):
+        return self.cache[i]
+
+    def __setitem__(self, i, v):
+        self.cache[i] = v
+
+    def __bool__(self):
+        return True
+
+    def advance(self, n):
+        pass
+
+    def make_mask(self, N, **kwargs):
+        return None
+
+
+def _stepping_call(self, *args, **kwargs):
+    """The layer's own call, one position at a time while its cache captures."""
+    base = type(self).__mro__[1].__call__
+    if not args:  # the input passed by name (falcon_h1: `input_states=`)
+        name = type(self)._input_name
+        args, kwargs = (kwargs[name],), {k: v for k, v in kwargs.items() if k != name}
+    x, args = args[0], args[1:]
+    named = "cache" in kwargs
+    cache = kwargs["cache"] if named else next((a for a in args if isinstance(a, RowStateCache)), None)
+    if not (isinstance(cache, RowStateCache) and cache.capturing):
+        return base(self, x, *args, **kwargs)
+    scratch = _Scratch(cache.cache)
+    if named:
+        kwargs = dict(kwargs, cache=scratch)
+    else:
+        args = tuple(scratch if a is cache else a for a in args)
+    outs, steps = [], []
+    for t in range(x.shape[1]):
+        outs.append(base(self, x[:, t : t + 1], *args, **kwargs))
+        steps.append(list(scratch.cache))
+    cache.record_steps([mx.stack([s[i] for s in steps], axis=1) for i in range(len(cache.cache))])
+    return mx.concatenate(outs, axis=1)
+
+
+_stepping_classes = {}
+
+
+def is_stepped(module) -> bool:
+    cls = type(module)
+    return cls in _stepping_classes.values() or (cls.__module__, cls.__name__) in STEPPED_LAYERS
+
+
+def install_stepping(model) -> int:
+    """Give every known conv/SSM layer of `model` the steps capture. Returns how many it has."""
+    count = 0
+    for _, module in model.named_modules():
+        cls = type(module)
+        if cls in _stepping_classes.values():
+            count += 1  # installed by an earlier engine on the same model
+        elif (cls.__module__, cls.__name__) in STEPPED_LAYERS:
+            if cls not in _stepping_classes:
+                first = list(inspect.signature(cls.__call__).parameters)[1]
+                _stepping_classes[cls] = type(
+                    f"Stepping{cls.__name__}", (cls,), {"__call__": _stepping_call, "_input_name": first}
+                )
+            module.__class__ = _stepping_classes[cls]
+            count += 1
+    return count
