@@ -13,7 +13,8 @@ scaled so greedy text varies and next-token distributions are not flat.
 Every config is small (hidden 64, 2-6 layers, vocab 512): the whole set builds and loads in a
 few seconds on a CPU. Layer stacks mix each family's layer kinds (sliding-window and global
 attention, conv/SSM and attention layers) so every cache kind the family uses is exercised.
-`qwen3_next` and `qwen3_5` use `tiny_models.make_tiny_model` (their Hugging Face layout).
+`qwen3_next` comes from `tiny_models`, the native-MTP families (qwen3_5, qwen3_5_moe, mimo,
+glm4_moe, deepseek_v32) from `mtp_fixtures`, both in the Hugging Face layout.
 """
 
 from __future__ import annotations
@@ -79,11 +80,12 @@ ARCH_CONFIGS: Dict[str, dict] = {
 # (greedy text then repeats one token): stronger layers.
 ARCH_GAIN = {"qwen3": 2.5, "gemma3_text": 0.6, "gemma2": 1.0}
 
-# From tiny_models (Hugging Face layout, the engine's own hybrid fixture); qwen3_5 is added there
-# when its capture backend lands.
-TINY_MODELS_ARCHS = ("qwen3_next", "qwen3_5")
+# Written in their Hugging Face layout by the engine's own fixtures: tiny_models (qwen3_next)
+# and mtp_fixtures (the native-MTP families; their heads are ignored by `none` / `ngram`).
+TINY_MODELS_ARCHS = ("qwen3_next",)
+MTP_FIXTURE_ARCHS = ("qwen3_5", "qwen3_5_moe", "mimo", "glm4_moe", "deepseek_v32")
 
-ARCHITECTURES = tuple(ARCH_CONFIGS) + TINY_MODELS_ARCHS
+ARCHITECTURES = tuple(ARCH_CONFIGS) + TINY_MODELS_ARCHS + MTP_FIXTURE_ARCHS
 
 
 def _model_class(config: dict):
@@ -118,6 +120,10 @@ def make_arch_model(out_dir, arch: str, seed: int = 0, gain: float = None) -> Pa
     out = Path(out_dir)
     if arch in TINY_MODELS_ARCHS:
         return make_tiny_model(out, arch, seed=seed)
+    if arch in MTP_FIXTURE_ARCHS:
+        from mtp_fixtures import make_mtp_model
+
+        return make_mtp_model(out, arch, seed=seed)
     config = dict(ARCH_CONFIGS[arch])
     model_cls, args_cls = _model_class(config)
     model = model_cls(args_cls.from_dict(config))

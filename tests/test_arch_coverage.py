@@ -34,9 +34,7 @@ PROMPTS = [
 ]
 
 # What does not pass yet, and why (strict: a fix must remove its entry).
-XFAIL = {
-    "qwen3_5": "Gated DeltaNet capture for qwen3_5 (issue 21 part B) and its fixture",
-}
+XFAIL = {}
 
 CASES = [("none", 1, "on"), ("none", 4, "on"), ("ngram", 1, "on"), ("ngram", 4, "on"), ("ngram", 4, "off")]
 
