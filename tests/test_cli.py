@@ -117,6 +117,27 @@ def test_run_status_resume_and_refusals(tmp_path, job_file):
     assert cli("resume", tmp_path).exit_code == 2
 
 
+def test_sampled_resume_refuses_changed_speculative_settings(tmp_path, job_file):
+    """Sampled text depends on the speculative method and depth (they consume the row's draws
+    differently): resuming a sampled job under other settings is refused, naming the key; a
+    greedy job may change them (its text is the same under all of them)."""
+    sampled = ["--set", "generation.temperature=0.8", "--set", "speculative.method=ngram"]
+    assert cli("run", job_file, *sampled, "--limit", "4", "-q").exit_code == 0
+    for change, key in (("speculative.depth=2", "speculative.depth"), ("speculative.method=none", "speculative.method"),
+                        ("speculative.ngram_size=2", "speculative.ngram_size")):
+        out = cli("run", job_file, *sampled, "--set", change)
+        assert out.exit_code == 2 and key in out.output and "random draws" in out.output, out.output
+        out = cli("validate", job_file, *sampled, "--set", change)
+        assert out.exit_code == 2 and key in out.output and "random draws" in out.output, out.output
+    assert cli("run", job_file, *sampled, "--set", "schedule.max_batch=2").exit_code == 0  # speed only
+    out = cli("run", job_file, *sampled, "--set", "speculative.depth=2", "--restart")
+    assert out.exit_code == 0 and "moved the previous run" in out.output
+    greedy = tmp_path / "greedy"
+    assert cli("run", job_file, "--set", f"output.dir={greedy}", "--limit", "4", "-q").exit_code == 0
+    out = cli("run", job_file, "--set", f"output.dir={greedy}", "--set", "speculative.method=ngram")
+    assert out.exit_code == 0, out.output
+
+
 def test_partial_run_status_shows_rows_left(tmp_path, job_file):
     assert cli("run", job_file, "--limit", "5", "-q").exit_code == 0
     st = json.loads(cli("status", tmp_path / "run", "--json").output)

@@ -14,7 +14,7 @@ import os
 from ..io.checkpoint import MANIFEST, OWN_FILES, _shard_files, read_manifest, totals, verify_shards
 from ..job.config import JobConfig
 from ..errors import JobError
-from ..job.fingerprint import diff_fingerprint_parts, fingerprint, fingerprint_parts
+from ..job.fingerprint import diff_fingerprint_parts, fingerprint, fingerprint_parts, refusal_note
 from ..io.rows import prepare
 from ..execution.opening import load_tokenizer, model_max_context, open_job, resolve_model_dir
 
@@ -86,8 +86,8 @@ def _run_dir_state(job: JobConfig, parts) -> Tuple[str, bool]:
         return str(e), True
     if m.get("fingerprint") != fingerprint(parts):
         changed = diff_fingerprint_parts(m.get("fingerprint_parts", {}), parts)
-        return f"{out} holds a run of a different job (changed: {', '.join(changed)}): run would refuse it " \
-               "unless --restart", True
+        return f"{out} holds a run of a different job (changed: {', '.join(changed)}){refusal_note(changed)}: " \
+               "run would refuse it unless --restart", True
     try:
         verify_shards(out, m)  # read-only: what run would refuse on opening the directory
     except JobError as e:

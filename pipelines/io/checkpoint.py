@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Set, Tuple
 import pyarrow.parquet as pq
 
 from ..errors import JobError, RunError
-from ..job.fingerprint import diff_fingerprint_parts, fingerprint
+from ..job.fingerprint import diff_fingerprint_parts, fingerprint, refusal_note
 from .fsutil import atomic_write, sha256_file
 
 MANIFEST = "manifest.json"
@@ -109,7 +109,8 @@ class RunDir:
                 if old.get("fingerprint") != fp:
                     changed = diff_fingerprint_parts(old.get("fingerprint_parts", {}), parts)
                     raise JobError(
-                        f"{path} holds a run of a different job; changed: {', '.join(changed) or 'fingerprint'}. "
+                        f"{path} holds a run of a different job; changed: {', '.join(changed) or 'fingerprint'}"
+                        f"{refusal_note(changed)}. "
                         "Use another output.dir, undo the change, or pass --restart to move the old run "
                         "aside and start over"
                     )

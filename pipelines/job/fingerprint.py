@@ -7,9 +7,13 @@ It covers everything that decides *which rows exist and what text each one gets*
 - prompt rendering (prompt/messages column, template, chat template mode, id column);
 - the input: format, path, split, and each file's path, size and content hash;
 - output.keep_columns (they change the shard schema).
-Speed-only settings (speculative, schedule, shard size, executor) are left out: greedy output
-is the same under all of them, and sampled output follows the same distribution, so a resume may
-change them. Each part is kept by name in the manifest so a refusal can say what changed.
+- for sampled jobs only, the speculative settings that decide the text (`SAMPLED_SPECULATIVE`).
+Speed-only settings (schedule, shard size, executor; speculative settings of a greedy job) are left
+out: greedy output is the same under all of them, so a resume may change them. Sampled output
+follows the same distribution under every method, but not the same text: each method and depth
+consumes the row's random draws differently, so a resumed sampled job keeps its speculative
+settings (or starts over with --restart). Each part is kept by name in the manifest so a
+refusal can say what changed.
 """
 
 from __future__ import annotations
@@ -61,7 +65,31 @@ def fingerprint_parts(job: JobConfig, model_dir: str, input_files: Sequence[str]
         parts[f"input.{key}"] = json.dumps(getattr(inp, key))
     parts["input.files"] = input_files_digest(input_files)
     parts["output.keep_columns"] = json.dumps(job.output.keep_columns)
+    if sampled(job):
+        spec = job.speculative
+        for key in ("method",) + SAMPLED_SPECULATIVE[spec.method]:
+            parts[f"speculative.{key}"] = json.dumps(getattr(spec, key))
     return parts
+
+
+# The speculative keys a sampled row's text depends on, by method (`method` itself always).
+SAMPLED_SPECULATIVE = {"none": (), "ngram": ("depth", "ngram_size"), "draft": ("depth", "draft_model"),
+                       "mtp": ("depth", "mtp_head")}
+SAMPLED_SPECULATIVE_NOTE = (
+    "A sampled job's text depends on its speculative settings: the target distribution is the same "
+    "under every method and depth, but each consumes the row's random draws differently, so the text "
+    "of the remaining rows cannot be made identical to what the run wrote so far"
+)
+
+
+def sampled(job: JobConfig) -> bool:
+    """Whether rows may be sampled: temperature > 0, or an OpenAI batch file (rows carry their own)."""
+    return job.generation.temperature > 0 or job.input.format == "openai-batch"
+
+
+def refusal_note(changed: Sequence[str]) -> str:
+    """An explanation to add to a refusal, for changes whose reason is not obvious from the key."""
+    return f" ({SAMPLED_SPECULATIVE_NOTE})" if any(k.startswith("speculative.") for k in changed) else ""
 
 
 def fingerprint(parts: Dict[str, str]) -> str:
