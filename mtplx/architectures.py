@@ -28,7 +28,7 @@ from .recurrent import install_stepping
 PROBE = [5, 17, 3, 11, 8, 2, 9, 4, 13, 6]
 
 
-def prepare(model, arch: str) -> bool:
+def prepare(model, arch: str, vocab_size: int = 2) -> bool:
     """Make `model` ready for batching, or refuse it. Returns whether it has recurrent layers."""
     kinds = flat_kinds(layer_kinds(model))
     try:
@@ -37,7 +37,7 @@ def prepare(model, arch: str) -> bool:
         raise UnsupportedArchitecture(f"architecture {arch!r}: {e}; refused rather than run") from None
     install_stepping(model)
     install_adapters(model)
-    _probe(model, arch)
+    _probe(model, arch, vocab_size)
     return any(k != "kv" for k in kinds)
 
 
@@ -58,9 +58,8 @@ def _forward(model, tokens, cache, capturing=False):
         cache.set_capturing(False)
 
 
-def _probe(model, arch: str):
-    vocab = int(model.model.embed_tokens.weight.shape[0]) if hasattr(getattr(model, "model", None), "embed_tokens") else 2
-    toks = [t % max(vocab, 2) for t in PROBE]
+def _probe(model, arch: str, vocab_size: int):
+    toks = [t % max(vocab_size, 2) for t in PROBE]
     rows = [toks[:6], toks[:4]]  # different lengths
     singles = []
     for r in rows:

@@ -408,3 +408,5 @@ def _kind(c, model):
 
 class UnsupportedArchitecture(ValueError):
     """A model whose layer or cache kind the engine does not know: refused before any row runs."""
+
+    exit_code = 2  # like an invalid job: the model, not the run, is the problem

@@ -320,6 +320,9 @@ def make_drafter(method: str, engine) -> Optional[object]:
                 f"draft model {engine.spec.draft_model} has a different tokenizer "
                 f"(vocab {draft.config.get('vocab_size')} vs {engine.bundle.config.get('vocab_size')})"
             )
+        from .architectures import prepare
+
+        prepare(draft.model, draft.model_type, engine.vocab_size)  # batching adapters; refuses what it cannot batch
         return DraftModelDrafter(draft.model, engine.vocab_size)
     if method == "mtp":
         from .models.mtp import load_head

@@ -108,7 +108,7 @@ class Engine:
         self.vocab_size = int(cfg.get("vocab_size") or self.model.model.embed_tokens.weight.shape[0])
         self.max_context = context_length(cfg)
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
-        self.hybrid = prepare(self.model, bundle.model_type)  # refuses what it cannot batch exactly
+        self.hybrid = prepare(self.model, bundle.model_type, self.vocab_size)  # refuses what it cannot batch exactly
         self.drafter = make_drafter(self.spec.method, self)
         self.runtime = _Runtime(self.model, want_hidden=isinstance(self.drafter, MtpDrafter))
         self.weight_bytes = _tree_bytes(self.model.parameters())

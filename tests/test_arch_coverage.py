@@ -5,7 +5,8 @@ layout, loaded by `mlx_lm.load`): six prompts of different lengths (5 to 94 toke
 27 and 30 tokens are prefilled together as one padded batch; several are longer than the
 sliding windows), `method: none` and `ngram` (depth 3), batch widths 1 and 4 (4 < 6 rows: rows
 join as others finish), the compiled verify (the default) and for ngram also eager. The
-reference is mlx-lm's single-row `generate_step`, row by row, stopping at eos.
+reference is mlx-lm's single-row `generate_step`, row by row, stopping at eos. A few families
+also draft with a different-seed model of their own architecture (`method: draft`).
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ CASES = [("none", 1, "on"), ("none", 4, "on"), ("ngram", 1, "on"), ("ngram", 4, 
 class Arch:
     def __init__(self, root, arch):
         self.bundle = load(make_arch_model(root / arch, arch))
+        self.draft = lambda: make_arch_model(root / f"{arch}-draft", arch, seed=1)
         tok = self.bundle.tokenizer
         eos = set(tok.eos_token_ids)
         self.prompts = [tok.encode(p) for p, _ in PROMPTS]
         self.refs = [reference_tokens(self.bundle.model, p, m, eos) for p, (_, m) in zip(self.prompts, PROMPTS)]
 
-    def run(self, method, width, compiled):
-        spec = SpeculativeConfig(method=method, depth=3, compiled_verify=compiled)
+    def run(self, method, width, compiled, draft_model=None):
+        spec = SpeculativeConfig(method=method, depth=3, compiled_verify=compiled,
+                                 draft_model=str(draft_model) if draft_model else None)
         eng = Engine(self.bundle, spec, ScheduleConfig(max_batch=width))
         reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m))
                 for i, (p, (_, m)) in enumerate(zip(self.prompts, PROMPTS))]
@@ -86,3 +89,15 @@ def test_greedy_text_matches_mlx_lm(arch_models, arch, method, width, compiled):
         assert res.tokens == ref, f"{arch} {method} width {width} row {i} ({len(a.prompts[i])} prompt tokens)"
     if method == "ngram":
         assert sum(r.stats.drafted_tokens for r in results) > 0  # the drafter really drafted
+
+
+# The draft model runs batched too (one token per row per feed, rows at their own offsets).
+DRAFT_ARCHS = ["gemma2", "internlm3", "lfm2", "nemotron_h", "gemma3_text", "falcon_h1"]
+
+
+@pytest.mark.parametrize("arch", DRAFT_ARCHS)
+def test_draft_model_of_the_same_architecture(arch_models, arch):
+    a = arch_models(arch)
+    results = a.run("draft", 4, "on", draft_model=a.draft())
+    assert [r.tokens for r in results] == a.refs
+    assert sum(r.stats.drafted_tokens for r in results) > 0

@@ -118,3 +118,20 @@ def test_dynamic_ntk_rope_per_row_past_the_trained_context():
     got = holder.rope(x, offset=mx.array(offsets, dtype=mx.int32))
     for b, off in enumerate(offsets):
         np.testing.assert_allclose(np.array(got[b]), np.array(plain(x[b : b + 1], offset=off)[0]), atol=1e-4)
+
+
+def test_cli_run_refuses_an_unknown_layer_before_any_row(arch_dir, tmp_path, monkeypatch):
+    """`mtplx-batch run` on a model the engine would get wrong: exit 2, the architecture and the
+    layer named, no row written."""
+    from click.testing import CliRunner
+
+    from jobkit import job_dict, write_job, write_jsonl
+    from pipelines.cli import main
+
+    monkeypatch.setattr(recurrent, "STEPPED_LAYERS", recurrent.STEPPED_LAYERS - {("mlx_lm.models.lfm2", "ShortConv")})
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(3)])
+    job = write_job(tmp_path / "job.yaml", job_dict(arch_dir("lfm2"), data, tmp_path / "run", fmt="jsonl"))
+    res = CliRunner().invoke(main, ["run", str(job), "-q"], catch_exceptions=False)
+    assert res.exit_code == 2, res.output
+    assert "architecture 'lfm2'" in res.output and "ShortConv" in res.output
+    assert not list((tmp_path / "run").glob("shards/*.parquet"))

@@ -107,6 +107,11 @@ def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool =
     except Exception as e:  # an engine or I/O failure: say so plainly, keep the traceback for a bug report
         import traceback
 
+        from mtplx.cache import UnsupportedArchitecture
+
+        if isinstance(e, UnsupportedArchitecture):  # refused before any row ran: nothing to resume
+            _fail(e, log_json)
+
         msg = (f"the run failed: {type(e).__name__}: {e}. Committed shards are kept; "
                "run the same command again to continue")
         if log_json:
