@@ -130,6 +130,7 @@ class Engine:
         self._bytes_per_token, self._bytes_per_row = self._measure_cache()
         self.depth_control = DepthController(self.spec.depth if self.drafter is not None else 0, self.spec.adaptive_depth)
         self.counters = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "rounds": 0}
+        self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
 
     @classmethod
     def load(cls, model_path, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None, trust_remote_code: bool = False):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections import OrderedDict
 from typing import Iterable, List, Optional, Sequence, Tuple
 
@@ -164,6 +165,8 @@ class Prefiller:
                 out[i] = res
         for row in rows:
             row.stats.prompt_tokens = len(row.req.prompt_tokens)
+        if self.engine.first_token_at is None:
+            self.engine.first_token_at = time.perf_counter()  # the startup phases end here
         return out
 
     def _restore(self, cache: BatchCache, b: int, row, key) -> Tuple[int, Optional[tuple]]:

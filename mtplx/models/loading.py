@@ -2,22 +2,28 @@
 
 A model is an mlx-lm directory (config.json + *.safetensors + tokenizer files) or a GGUF file (or
 a directory holding one), which is converted once into an mlx-lm directory under the cache.
+
+Startup is seconds, not tens of them: mlx_lm.utils imports transformers (and torch where it is
+installed), so the common case - safetensors, unquantized or MLX-quantized, no custom model code -
+loads here with mlx-lm's model classes alone (`_load_weights`), and the tokenizer with
+`tokenizers` (tokenizer.py). Anything else goes through mlx-lm's own loaders.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib
 import json
 import os
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from .mtp_layouts import is_mtp_key
 
@@ -25,11 +31,12 @@ from .mtp_layouts import is_mtp_key
 @dataclass
 class ModelBundle:
     model: nn.Module
-    tokenizer: TokenizerWrapper
+    tokenizer: Any  # tokenizer.FastTokenizer, or mlx-lm's TokenizerWrapper
     config: dict
     path: Path
     mtp_weights: Dict[str, mx.array] = field(default_factory=dict)
     shapes: Dict[str, tuple] = field(default_factory=dict)  # checkpoint tensor shapes, as stored
+    phases: Dict[str, float] = field(default_factory=dict)  # seconds per startup phase (config, tokenizer, weights)
 
     @property
     def model_type(self) -> str:
@@ -42,6 +49,31 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mtplx"
     )
     return Path(root)
+
+
+def _mlx_lm_tables() -> Dict[str, dict]:
+    """mlx-lm's model-type remappings, read from mlx_lm/utils.py without importing it."""
+    spec = importlib.util.find_spec("mlx_lm.utils")
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    names = ("MODEL_REMAPPING", "MODEL_ARCHITECTURE_REMAPPING")
+    return {n.targets[0].id: ast.literal_eval(n.value) for n in tree.body
+            if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and n.targets[0].id in names}
+
+
+def _get_classes(config: dict):
+    """The mlx-lm Model / ModelArgs classes for a config (mlx_lm.utils._get_classes's rule)."""
+    tables = _mlx_lm_tables()
+    model_type = config["model_type"]
+    archs = config.get("architectures") or ()
+    archs = (archs,) if isinstance(archs, str) else archs
+    by_arch = tables.get("MODEL_ARCHITECTURE_REMAPPING", {})
+    remapped = next((by_arch[(model_type, a)] for a in archs if (model_type, a) in by_arch), None)
+    model_type = remapped or tables.get("MODEL_REMAPPING", {}).get(model_type, model_type)
+    try:
+        arch = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except ImportError as e:
+        raise ValueError(f"Model type {model_type} not supported.") from e
+    return arch.Model, arch.ModelArgs
 
 
 def _classes_without_mtp(config: dict):
@@ -57,6 +89,97 @@ def _classes_without_mtp(config: dict):
     TrunkOnly.__name__ = model_class.__name__
     TrunkOnly.__module__ = model_class.__module__
     return TrunkOnly, args_class
+
+
+def _untag_floats(obj):
+    """transformers writes non-finite floats as {"__float__": "Infinity"}; undo that."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(obj["__float__"].lower().replace("infinity", "inf"))
+        return {k: _untag_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_untag_floats(v) for v in obj]
+    return obj
+
+
+def load_config(model_path: Path) -> dict:
+    """config.json, with generation_config.json's eos_token_id (mlx-lm's rule)."""
+    config = _untag_floats(json.loads((model_path / "config.json").read_text(encoding="utf-8")))
+    gen = model_path / "generation_config.json"
+    if gen.exists():
+        try:
+            eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        except ValueError:
+            eos = None
+        if eos:
+            config["eos_token_id"] = eos
+    return config
+
+
+def _plain_checkpoint(model_path: Path, config: dict) -> bool:
+    """True when `_load_weights` loads this checkpoint exactly as mlx-lm's load_model would."""
+    text = config.get("text_config") or {}
+    quant = config.get("quantization")
+    return (
+        config.get("model_file") is None
+        and not config.get("quantize_activations")
+        and (quant is not None or ("quantization_config" not in config and "quantization_config" not in text))
+        and not (model_path / "hf_quant_config.json").exists()
+        and (quant is None or quant.get("mode", "affine") == "affine")
+    )
+
+
+def _load_weights(model_path: Path, config: dict, lazy: bool) -> nn.Module:
+    """mlx-lm's model class, its sanitize, affine quantization as config.json's `quantization`
+    names it (per layer, else the packing read off the saved scales), then the weights."""
+    model_class, args_class = _classes_without_mtp(config)
+    weights = {}
+    for wf in sorted(model_path.glob("model*.safetensors")):
+        weights.update(mx.load(str(wf)))
+    if not weights:
+        raise FileNotFoundError(f"No safetensors found in {model_path}")
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    quant = config.get("quantization")
+    if quant is not None:
+
+        def packing(path, module):
+            if path in quant:
+                return quant[path]
+            if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+                return False
+            in_dims = module.weight.shape[-1]
+            bits = weights[f"{path}.weight"].shape[-1] * 32 // in_dims
+            return {"group_size": in_dims // weights[f"{path}.scales"].shape[-1], "bits": bits, "mode": "affine"}
+
+        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], mode="affine",
+                    class_predicate=packing)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    if not lazy:
+        mx.eval(model.parameters())
+    return model
+
+
+_TOKENIZERS: Dict[tuple, Any] = {}  # a run reads the tokenizer before the weights: load it once
+
+
+def _load_tokenizer(model_path: Path, config: dict):
+    from .tokenizer import load_fast_tokenizer
+
+    files = sorted(model_path.glob("tokenizer*")) + sorted(model_path.glob("chat_template*"))
+    key = (str(model_path.resolve()), str(config.get("eos_token_id")),
+           tuple((f.name, f.stat().st_mtime_ns) for f in files))
+    if key not in _TOKENIZERS:
+        tok = load_fast_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+        if tok is None:
+            from mlx_lm.utils import load_tokenizer
+
+            tok = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+        _TOKENIZERS.clear()
+        _TOKENIZERS[key] = tok
+    return _TOKENIZERS[key]
 
 
 def resolve_model_path(path: str | os.PathLike) -> Path:
@@ -122,25 +245,33 @@ def load_mtp_weights(model_path: Path, config: dict, index: Optional[Dict[str, T
 
 
 def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = False) -> ModelBundle:
-    model_path = resolve_model_path(path)
-    model, config = load_model(
-        model_path,
-        lazy=lazy,
-        get_model_classes=_classes_without_mtp,
-        trust_remote_code=trust_remote_code,
-    )
-    tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
-    index = tensor_index(model_path)
-    mtp = load_mtp_weights(model_path, config, index)
-    return ModelBundle(model=model, tokenizer=tokenizer, config=config, path=model_path, mtp_weights=mtp,
-                       shapes={k: shape for k, (_, shape) in index.items()})
-
-
-def load_tokenizer_only(path: str | os.PathLike) -> TokenizerWrapper:
-    """The tokenizer without the weights, for `validate` and ordering before the model loads."""
+    phases = {}
+    t = time.perf_counter()
     model_path = resolve_model_path(path)
     config = load_config(model_path)
-    return load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+    phases["config"] = time.perf_counter() - t
+    t = time.perf_counter()
+    tokenizer = _load_tokenizer(model_path, config)
+    phases["tokenizer"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if _plain_checkpoint(model_path, config):
+        model = _load_weights(model_path, config, lazy)
+    else:
+        from mlx_lm.utils import load_model
+
+        model, config = load_model(model_path, lazy=lazy, get_model_classes=_classes_without_mtp,
+                                   trust_remote_code=trust_remote_code)
+    index = tensor_index(model_path)
+    mtp = load_mtp_weights(model_path, config, index)
+    phases["weights"] = time.perf_counter() - t
+    return ModelBundle(model=model, tokenizer=tokenizer, config=config, path=model_path, mtp_weights=mtp,
+                       shapes={k: shape for k, (_, shape) in index.items()}, phases=phases)
+
+
+def load_tokenizer_only(path: str | os.PathLike):
+    """The tokenizer without the weights, for `validate` and ordering before the model loads."""
+    model_path = resolve_model_path(path)
+    return _load_tokenizer(model_path, load_config(model_path))
 
 
 DEFAULT_CONTEXT = 32768  # when config.json names no context length

@@ -15,6 +15,9 @@ def local_rows(session, engine=None) -> Iterator[Tuple[Dict[str, Any], bool]]:
     if engine is None:
         session.log(f"loading {job.model.path}")
         engine = opening.load_engine(job)
+        session.startup.engine_loaded(engine)
+    else:
+        session.startup.engine = engine
     session.begin()
     work = plan(job, session.prep, session.committed, session.limit, engine.max_context)
     yield from engine_rows(engine, work, job.generation.sampling_params(), job.generation.seed,

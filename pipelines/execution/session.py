@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
-from ..cli.progress import DEFAULT_LOG_EVERY, Progress, json_logger
+from ..cli.progress import DEFAULT_LOG_EVERY, Progress, json_line, json_logger
 from ..errors import RunError
 from ..io.checkpoint import RunDir
 from ..io.columns import output_schema
@@ -32,6 +32,7 @@ from ..io.sink import ShardWriter
 from ..job.config import JobConfig
 from ..job.fingerprint import fingerprint_parts
 from .opening import Prepared, load_tokenizer, open_job, resolve_model_dir
+from .startup import Startup
 
 Rows = Iterator[Tuple[Dict[str, Any], bool]]  # (output row, reached the engine)
 
@@ -75,6 +76,12 @@ class Session:
     log_every: float = DEFAULT_LOG_EVERY
     progress: Optional[Progress] = None
     started: float = field(default_factory=time.monotonic)
+    startup: Startup = field(default_factory=Startup)
+
+    def report_startup(self) -> None:
+        """With --log-json: the `startup` line, once the first token is out."""
+        if self.progress_mode == "json":
+            self.startup.report(json_line)
 
     @property
     def wanted(self) -> Optional[int]:
@@ -124,13 +131,16 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
     Progress (pipelines/cli/progress.py): tqdm bars on a terminal unless `quiet`; with `log_json`
     JSON lines on stderr instead (start, shard commits, progress every `log_every` s, summary).
     """
+    startup = Startup()
     if limit is None:
         limit = job.input.limit
     if log_json and log is None:
         log = json_logger()
     log = log or ((lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr)))
     rows = executor_rows(job, engine)
+    startup.lap("config")
     tokenizer = engine.tokenizer if engine is not None else load_tokenizer(job)
+    startup.lap("tokenizer")
     prep = open_job(job, tokenizer)  # every fatal input problem is refused here, before any write
     if hasattr(prep.renderer, "warn"):
         prep.renderer.warn = log  # openai-batch: one line per ignored request field
@@ -140,10 +150,12 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
         committed = run.committed_keys()
         run.update(input_rows=total_rows, samples=job.generation.n)
         s = Session(job, prep, run, committed, limit, total_rows, log, quiet,
-                    "json" if log_json else "off" if quiet else "bars", log_every)
+                    "json" if log_json else "off" if quiet else "bars", log_every, startup=startup)
+        startup.lap("config")
         summary = RunSummary(run_dir=run.path, skipped=len(committed))
 
         def on_commit(entry):
+            s.report_startup()
             summary.count_shard(entry)
             if s.progress is not None:
                 s.progress.committed(entry)
@@ -157,6 +169,7 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
                     sink.add(row)
                     s.progress.finished(row, via_engine)
                     added += 1
+            s.report_startup()
             missing = (s.wanted or 0) - s.done_before - added
             if s.wanted is not None and missing > 0:
                 raise RunError(f"the run ended with {missing} rows missing; they were not committed "

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 import pyarrow as pa
 
 from .prompts import PromptRenderer, RowError
-from .sources import SourceRow
+from .sources import SourceRow, plain_type
 
 
 @dataclass
@@ -89,7 +89,7 @@ def keep_checker(types: Sequence[Tuple[str, pa.DataType]]):
     def check(keep: Dict[str, Any]) -> None:
         for name, t in types:
             v = keep.get(name)
-            if v is None:
+            if v is None or plain_type([v]) == t:
                 continue
             try:
                 pa.array([v], type=t)

@@ -38,6 +38,21 @@ BATCH_ROWS = 1024
 # (zlib.error) stream.
 READ_ERRORS = (OSError, EOFError, zlib.error, pa.ArrowException)
 INFER_ROWS = 1000  # rows sampled to type keep_columns of schema-less formats (jsonl)
+INT64 = range(-(2**63), 2**63)
+
+
+def plain_type(values: Sequence[Any]) -> Optional[pa.DataType]:
+    """The type `pa.array(values)` infers when every value is a str, a bool, an int64 or a float
+    (ints among floats: float64), or None for anything else. `pa.array` imports pandas when it is
+    installed (a quarter of a second of startup), so the common cases skip it."""
+    kinds = {type(v) for v in values}
+    if kinds == {str}:
+        return pa.string()
+    if kinds == {bool}:
+        return pa.bool_()
+    if kinds and kinds <= {int, float} and all(v in INT64 for v in values if type(v) is int):
+        return pa.float64() if float in kinds else pa.int64()
+    return None
 EXTENSIONS = {
     "parquet": (".parquet", ".pq"),
     "arrow": (".arrow", ".feather", ".ipc"),
@@ -135,7 +150,7 @@ class Source:
             if row.index >= INFER_ROWS:
                 break
         try:
-            t = pa.array(values).type if values else pa.string()
+            t = plain_type(values) or (pa.array(values).type if values else pa.string())
         except (pa.ArrowException, TypeError, OverflowError):
             raise JobError(f"output.keep_columns: column {name!r} mixes value types in the first "
                            f"{INFER_ROWS} rows; make it consistent or use a typed format (parquet)")

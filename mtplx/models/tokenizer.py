@@ -1,0 +1,165 @@
+"""A tokenizer that loads in milliseconds: tokenizer.json through `tokenizers`, the chat template
+through jinja2.
+
+mlx-lm's tokenizer goes through transformers (and, where it is installed, torch): seconds of
+imports before the first token. For a model whose tokenizer is a plain tokenizer.json with a plain
+chat template, `FastTokenizer` gives the same ids, text and rendered prompts as mlx-lm's wrapper
+(tests/test_startup.py compares the two) without importing transformers.
+
+`load_fast_tokenizer` returns None when a model needs more than that, and the caller uses
+mlx-lm's: no tokenizer.json, a template that takes a thinking switch or a `{% generation %}`
+block, mlx-lm's own template or tool-parser types, text clean-up after decoding, settings with
+which transformers rebuilds the pre-tokenizer (`legacy`, or an `add_prefix_space` that differs
+from tokenizer.json's), or a post-processor that disagrees with `add_bos_token`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence, Set
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Words in a template (or keys in tokenizer_config.json) that mean it needs mlx-lm's wrapper.
+NEEDS_WRAPPER = ("thinking", "{% generation", "{%- generation")
+WRAPPER_KEYS = ("chat_template_type", "tool_parser_type", "legacy")
+
+
+def _token_text(value) -> Optional[str]:
+    """A special token from tokenizer_config.json: a string, or a serialized AddedToken."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _template_env():
+    """The environment transformers renders chat templates in: sandboxed, trimmed blocks,
+    loop controls, a tojson that keeps non-ASCII text, raise_exception and strftime_now."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class FastTokenizer:
+    """The part of mlx-lm's TokenizerWrapper the engine and pipelines use (and enough of a
+    transformers tokenizer for mlx-lm's generate functions to wrap it)."""
+
+    def __init__(self, backend, config: dict, chat_template: Optional[str], eos_token_ids: Iterable[int]):
+        self._backend = backend
+        self.special_tokens_map = {n: t for n in SPECIAL_TOKEN_NAMES if (t := _token_text(config.get(n)))}
+        self.bos_token = self.special_tokens_map.get("bos_token")
+        self.eos_token = self.special_tokens_map.get("eos_token")
+        self.eos_token_id = backend.token_to_id(self.eos_token) if self.eos_token else None
+        self.bos_token_id = backend.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_ids: Set[int] = set(eos_token_ids)
+        if self.eos_token_id is not None:
+            self.eos_token_ids.add(self.eos_token_id)
+        self.chat_template = chat_template
+        self.has_chat_template = bool(chat_template)
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=False)
+
+    def __len__(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def convert_tokens_to_ids(self, token: str) -> Optional[int]:
+        return self._backend.token_to_id(token)
+
+    def get_vocab(self) -> dict:
+        """Token -> id; with this, mlx-lm's own generate functions accept the tokenizer too."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True, **kwargs):
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        if self._template is None:
+            self._template = _template_env().from_string(self.chat_template)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        text = self._template.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt,
+                                     **{**self.special_tokens_map, **kwargs})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _chat_template(model_path: Path, config: dict):
+    """The template string, None when there is none, or False when it is in a form left to mlx-lm."""
+    jinja_file = model_path / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8")
+    if (model_path / "chat_template.json").exists():
+        return False
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    return False  # a list of named templates
+
+
+def _prefix_space_agrees(tok_file: Path, want: bool) -> bool:
+    """True when every pre-tokenizer step in tokenizer.json already adds (or not) a prefix space
+    as tokenizer_config.json's `add_prefix_space` asks."""
+    found = []
+
+    def scan(node):
+        if isinstance(node, dict):
+            if "add_prefix_space" in node:
+                found.append(bool(node["add_prefix_space"]))
+            if "prepend_scheme" in node:
+                found.append(node["prepend_scheme"] != "never")
+            for v in node.values():
+                scan(v)
+        elif isinstance(node, list):
+            for v in node:
+                scan(v)
+
+    scan(json.loads(tok_file.read_text(encoding="utf-8")).get("pre_tokenizer"))
+    return bool(found) and all(f == want for f in found)
+
+
+def load_fast_tokenizer(model_path: Path, eos_token_ids=None) -> Optional[FastTokenizer]:
+    """The fast tokenizer for `model_path`, or None when mlx-lm's wrapper is needed (see above)."""
+    model_path = Path(model_path)
+    tok_file, cfg_file = model_path / "tokenizer.json", model_path / "tokenizer_config.json"
+    if not tok_file.exists():
+        return None
+    config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.exists() else {}
+    if any(config.get(k) for k in WRAPPER_KEYS) or config.get("clean_up_tokenization_spaces"):
+        return None
+    if "add_prefix_space" in config and not _prefix_space_agrees(tok_file, bool(config["add_prefix_space"])):
+        return None
+    template = _chat_template(model_path, config)
+    if template is False or (template and any(w in template for w in NEEDS_WRAPPER)):
+        return None
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(tok_file))
+    if isinstance(eos_token_ids, int):
+        eos_token_ids = [eos_token_ids]
+    tok = FastTokenizer(backend, config, template, eos_token_ids or [])
+    for flag, token_id, pos in (("add_bos_token", tok.bos_token_id, 0), ("add_eos_token", tok.eos_token_id, -1)):
+        if flag in config and token_id is not None:
+            ids = tok.encode("a", add_special_tokens=True)
+            if bool(config[flag]) != (bool(ids) and ids[pos] == token_id):
+                return None  # transformers would rebuild the post-processor: leave it to mlx-lm
+    return tok
