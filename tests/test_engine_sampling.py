@@ -6,7 +6,8 @@ all 16^2 two-token continuations of the prompt, each step shaped by the row's sa
 (temperature, top-k, top-p) in numpy. Many rows with different seeds run in one batched
 generate per method; the empirical joint distributions of (t1, t2) and (t2, t3) and the marginal
 of t3 are chi-square tested against the exact ones, for plain sampling (method none) and for
-speculative sampling (ngram: point-mass drafts; draft: a different-seed draft model). Token 1
+speculative sampling (ngram: point-mass drafts; draft: a different-seed draft model; mtp: a random
+sidecar MTP head drafting over the whole vocabulary, its q from the head). Token 1
 comes from the prefill; tokens 2 and 3 come from the first speculative round (depth 2), i.e.
 from accepted drafts, residual resamples and bonus tokens. A run with a deliberately wrong
 residual shows the test rejects what it should.
@@ -105,19 +106,23 @@ def distribution_tests(samples, joint):
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model):
+def setup(tiny_model, tmp_path_factory):
+    from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
+
     target = tiny_model("small_vocab")
     draft = tiny_model("small_vocab", seed=1)
     bundle = load(target)
     assert bundle.model.model.embed_tokens.weight.shape[0] == V and not bundle.tokenizer.eos_token_ids
+    head = tmp_path_factory.mktemp("mtp_head")
+    save_sidecar(bundle, _init_head(bundle.model, TrainConfig(seed=2)), head, {})
     exact = {name: exact_joint(bundle.model, params) for name, params in SETTINGS.items()}
-    return bundle, draft, exact
+    return bundle, {"draft": str(draft), "mtp": str(head)}, exact
 
 
 def run_rows(bundle, draft, method, seed_base, rows=ROWS_PER_SETTING):
     spec = SpeculativeConfig(
         method=method, depth=2, adaptive_depth=False, compiled_verify="off",
-        draft_model=str(draft) if method == "draft" else None,
+        draft_model=draft["draft"] if method == "draft" else None, mtp_head=draft["mtp"] if method == "mtp" else None,
     )
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=128))
     requests = []
@@ -134,10 +139,10 @@ def run_rows(bundle, draft, method, seed_base, rows=ROWS_PER_SETTING):
     return samples, stats
 
 
-SEEDS = {"none": 0, "ngram": 10**6, "draft": 2 * 10**6}
+SEEDS = {"none": 0, "ngram": 10**6, "draft": 2 * 10**6, "mtp": 3 * 10**6}
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "mtp"])
 def test_sampled_output_follows_the_target_distribution(setup, method):
     bundle, draft, exact = setup
     samples, stats = run_rows(bundle, draft, method, SEEDS[method])
@@ -159,7 +164,7 @@ def _wrong_residual(p, drafts, q, u_accept, u_next, limit=None):
     return n, sample_from(mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0], u_next)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "mtp"])
 def test_a_wrong_residual_is_detected(setup, method, monkeypatch):
     bundle, draft, exact = setup
     monkeypatch.setattr(mtplx.generation, "accept_sampled", _wrong_residual)
@@ -168,14 +173,15 @@ def test_a_wrong_residual_is_detected(setup, method, monkeypatch):
     assert max(worst.values()) < P_REJECT, f"a wrong residual went unnoticed: {worst}"
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "mtp"])
 def test_a_sampled_row_does_not_depend_on_its_batch_mates(setup, method):
     """A row's seed alone fixes its sampled text: alone, or next to other rows of other lengths."""
     bundle, draft, _ = setup
 
     def run(requests):
         spec = SpeculativeConfig(method=method, depth=3, adaptive_depth=False, compiled_verify="off",
-                                 draft_model=str(draft) if method == "draft" else None)
+                                 draft_model=draft["draft"] if method == "draft" else None,
+                                 mtp_head=draft["mtp"] if method == "mtp" else None)
         eng = Engine(bundle, spec, ScheduleConfig(max_batch=8))
         return {r.key: r.tokens for r in eng.generate(requests)}
 

@@ -7,6 +7,11 @@ distributed as p[0], and after an accepted first draft d1 the next emitted token
 A chi-square test decides; the same test applied to a deliberately wrong residual (resampling
 from p instead of max(0, p - q)) must reject, which shows the sample size has the power to
 catch the bug it is meant to catch.
+
+The bonus token (drawn from p after every draft passed) and the token at a row's own depth limit
+(rows of one call drafting different counts) are tested the same way against targets fixed per
+position, with their own negative controls: a bonus drawn from the residual max(0, p - q), and a
+limit applied by cutting the accepted count after the fact, must both be rejected.
 """
 
 from __future__ import annotations
@@ -286,3 +291,104 @@ def test_shaped_probs_matches_reference():
             else:
                 want = _np_shaped(logits[i, j], t, k, tp)
             np.testing.assert_allclose(got[i, j], want, atol=1e-5)
+
+
+# ------------------------------------------------------------------ the bonus token and per-row limits
+
+
+class FixedCase:
+    """N rows with one target p[j] and one proposal q[j] per position j (the same for every row,
+    whatever the drafts: a target that depends on position only is still a target), drafts drawn
+    from q, and a per-row draft limit. A row that keeps all of its `limit` drafts emits its next
+    token from p[limit] (the bonus when limit = K): no proposal was made there, so nothing may be
+    subtracted from p."""
+
+    def __init__(self, seed, limits=None):
+        rng = np.random.default_rng(seed)
+        self.p = _dirichlet(rng, (K + 1,), zeros=2)
+        noise = _dirichlet(rng, (K,))
+        self.q = (0.75 * self.p[:K] + 0.25 * noise).astype(np.float32)  # close to p: drafts often all pass
+        self.q /= self.q.sum(-1, keepdims=True)
+        self.drafts = np.stack([_draw(rng, np.broadcast_to(self.q[j], (N, V))) for j in range(K)], 1).astype(np.int32)
+        self.limit = np.full(N, K, np.int64) if limits is None else rng.choice(limits, N)
+        self.u_accept = mx.array(rng.random((N, K)).astype(np.float32))
+        self.u_next = mx.array(rng.random(N).astype(np.float32))
+
+    def run(self, accept=accept_sampled):
+        p = mx.array(np.broadcast_to(self.p, (N, K + 1, V)).copy())
+        q = mx.array(np.broadcast_to(self.q, (N, K, V)).copy())
+        n, nxt = accept(p, mx.array(self.drafts), q, self.u_accept, self.u_next, mx.array(self.limit.astype(np.int32)))
+        return np.array(n), np.array(nxt)
+
+    def after_all_kept(self, accept=accept_sampled):
+        """Pooled chi-square, over limit values, of the token after a row kept all its drafts."""
+        n, nxt = self.run(accept)
+        assert (n <= self.limit).all(), "a row kept drafts past its own limit"
+        stat, dof, rows = 0.0, 0, 0
+        for m in np.unique(self.limit):
+            sel = (self.limit == m) & (n == m)
+            if sel.sum() < 300:
+                continue
+            s, d, _ = chi2_test(np.bincount(nxt[sel], minlength=V), self.p[m])
+            stat, dof, rows = stat + s, dof + d, rows + int(sel.sum())
+        assert dof > 0 and rows > N // 10, "too few rows kept all their drafts: nothing was tested"
+        return stat, dof, chi2_pvalue(stat, dof)
+
+
+def residual_bonus_accept(p, drafts, q, u_accept, u_next, limit=None):
+    """The bug to catch: the token after the kept drafts drawn from the residual max(0, p - q)
+    with the last proposal's q, as if a draft had been rejected there."""
+    n, nxt = accept_sampled(p, drafts, q, u_accept, u_next, limit)
+    B, K1, _ = p.shape
+    at = n[:, None, None]
+    p_at = mx.take_along_axis(p, at, axis=1)[:, 0]
+    q_last = mx.take_along_axis(q, mx.maximum(at - 1, 0), axis=1)[:, 0]
+    res = mx.maximum(p_at - q_last, 0.0)
+    res = mx.where(res.sum(-1, keepdims=True) > 0, res, p_at)
+    lim = limit if limit is not None else mx.full((B,), K1 - 1, mx.int32)
+    return n, mx.where((n == lim) & (n > 0), sample_from(res, u_next), nxt)
+
+
+def unlimited_accept(p, drafts, q, u_accept, u_next, limit=None):
+    """The bug to catch: the limit applied by cutting the accepted count after the fact, so the
+    token at a row's limit is resampled from the residual of a draft it never proposed."""
+    n, nxt = accept_sampled(p, drafts, q, u_accept, u_next)
+    cut = mx.minimum(n, limit)
+    B = p.shape[0]
+    at = cut[:, None, None]
+    p_at = mx.take_along_axis(p, at, axis=1)[:, 0]
+    q_pad = mx.concatenate([q, mx.zeros((B, 1, p.shape[-1]), q.dtype)], axis=1)
+    res = mx.maximum(p_at - mx.take_along_axis(q_pad, at, axis=1)[:, 0], 0.0)
+    res = mx.where(res.sum(-1, keepdims=True) > 0, res, p_at)
+    return cut, mx.where(cut < n, sample_from(res, u_next), nxt)
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+def test_bonus_token_follows_target(seed):
+    case = FixedCase(seed)
+    stat, dof, pv = case.after_all_kept()
+    assert pv > P_OK, f"bonus token: chi2 {stat:.1f} on {dof} dof, p={pv:.2g}"
+    # and the first emitted token (kept draft or residual) still follows p[0]
+    n, nxt = case.run()
+    first = np.where(n >= 1, case.drafts[:, 0], nxt)
+    _, _, pv0 = chi2_test(np.bincount(first, minlength=V), case.p[0])
+    assert pv0 > P_OK
+
+
+def test_bonus_from_a_residual_is_rejected():
+    stat, dof, pv = FixedCase(7).after_all_kept(residual_bonus_accept)
+    assert pv < P_REJECT, f"a residual bonus passed: chi2 {stat:.1f} on {dof} dof, p={pv:.2g}"
+
+
+@pytest.mark.parametrize("seed", [9, 10])
+def test_token_at_a_rows_depth_limit_follows_target(seed):
+    """Rows of one call drafted 0..K tokens each (the rest of the [B, K] drafts is padding)."""
+    case = FixedCase(seed, limits=[0, 1, 2, K])
+    stat, dof, pv = case.after_all_kept()
+    assert pv > P_OK, f"token at the row's limit: chi2 {stat:.1f} on {dof} dof, p={pv:.2g}"
+
+
+def test_a_limit_applied_after_acceptance_is_rejected():
+    case = FixedCase(9, limits=[1, 2])
+    stat, dof, pv = case.after_all_kept(unlimited_accept)
+    assert pv < P_REJECT, f"a cut-after-the-fact limit passed: chi2 {stat:.1f} on {dof} dof, p={pv:.2g}"
