@@ -4,7 +4,11 @@ import importlib.util
 import sys
 import types
 
+from .blas import use_openblas
+
 __version__ = "0.1.0"
+
+use_openblas()  # before anything imports mlx.core (mtplx/blas.py says why)
 
 
 class _DeferredPackage(types.ModuleType):

@@ -16,6 +16,7 @@ for _p in (str(_TESTS), str(_TESTS.parent)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import mtplx  # noqa: E402,F401  (before mlx.core: the tests run on OpenBLAS too, mtplx/blas.py)
 from tiny_models import make_small_vocab_model, make_tiny_model  # noqa: E402
 
 

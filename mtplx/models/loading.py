@@ -25,6 +25,7 @@ from typing import Any, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..paths import cache_dir  # noqa: F401  (mtplx.models.loading.cache_dir is the public name)
 from .mtp_layouts import is_mtp_key
 
 
@@ -41,14 +42,6 @@ class ModelBundle:
     @property
     def model_type(self) -> str:
         return self.config["model_type"]
-
-
-def cache_dir() -> Path:
-    """Where converted models and fetched assets live (MTPLX_CACHE overrides)."""
-    root = os.environ.get("MTPLX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mtplx"
-    )
-    return Path(root)
 
 
 def _mlx_lm_tables() -> Dict[str, dict]:

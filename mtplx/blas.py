@@ -1,0 +1,172 @@
+"""OpenBLAS for MLX on a Linux CPU, loaded into the process before mlx.core.
+
+MLX's Linux CPU wheel (mlx-cpu) links a reference BLAS: a matmul runs at ~6 GFLOP/s on one core,
+so prefill and batched decode are 10-20x slower than they need to be. OpenBLAS defines the same
+symbols (cblas_sgemm, sgetrf_, ...). Opened with RTLD_GLOBAL before libmlx loads, it comes first
+in the process's global symbol scope, so libmlx's BLAS calls bind to it; the results are the
+same float32 matmuls, rounded by a different kernel. `use_openblas()` does this once;
+`import mtplx` calls it.
+
+Where OpenBLAS comes from (the first that loads wins):
+  1. an OpenBLAS already in the process (LD_PRELOAD, or a library that loaded one);
+  2. the `ngsolve-openblas` wheel, which the `cpu` extra pins on Linux x86_64: a DYNAMIC_ARCH
+     build (kernels picked for the CPU at load time) whose one outside need is libgfortran.so.5.
+     Where the system has none, it is offered mlx-cpu's own copy under that name: a directory of
+     symbolic links in the cache holds the OpenBLAS and the libgfortran, and the wheel's RPATH
+     ($ORIGIN) resolves from where the library was opened;
+  3. the system's libopenblas.so.0 (Debian/Ubuntu `apt-get install libopenblas0-pthread`).
+
+OPENBLAS_NUM_THREADS defaults to 1: one BLAS thread is the ~95 GFLOP/s measured in
+docs and leaves the other core to tokenizing, sampling and the job machinery. To run on MLX's
+bundled BLAS instead, uninstall ngsolve-openblas (or import mlx.core before mtplx).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import List, Optional
+
+SYSTEM_OPENBLAS = ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+                   "/usr/lib64/libopenblas.so.0", "/usr/lib/libopenblas.so.0")
+PIP_PACKAGE = "ngsolve-openblas"
+
+
+@dataclass(frozen=True)
+class BlasInfo:
+    library: Optional[str]  # the OpenBLAS MLX uses; None: MLX's bundled reference BLAS
+    detail: str  # OpenBLAS's own config string, or why none is in use
+    fix: str = (f"install OpenBLAS with: pip install {PIP_PACKAGE} (the `cpu` extra has it), "
+                "or apt-get install libopenblas0-pthread")
+
+    @property
+    def fast(self) -> bool:
+        return self.library is not None or not sys.platform.startswith("linux")
+
+
+_info: Optional[BlasInfo] = None
+
+
+def use_openblas() -> BlasInfo:
+    """Load OpenBLAS for MLX if it can still bind (see the module doc); what is in use."""
+    global _info
+    if _info is None:
+        _info = _load()
+    return _info
+
+
+def slow_blas_notice() -> Optional[str]:
+    """One line for the user when MLX's CPU matmuls run on the slow bundled BLAS, else None."""
+    info = use_openblas()
+    if info.fast:
+        return None
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return None
+    return f"note: MLX is using its bundled reference BLAS, about 15x slower on a CPU ({info.detail}); {info.fix}"
+
+
+def _load() -> BlasInfo:
+    if not sys.platform.startswith("linux"):
+        return BlasInfo(None, "not Linux: MLX uses the platform's BLAS")
+    mapped = _mapped_openblas()
+    if mapped is not None:
+        return BlasInfo(mapped, _config(ctypes.CDLL(mapped)))
+    if "mlx.core" in sys.modules:
+        return BlasInfo(None, "mlx.core was imported before mtplx, too late to bind OpenBLAS",
+                        "import mtplx before mlx.core")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    errors: List[str] = []
+    candidates = _pip_openblas() + [p for p in SYSTEM_OPENBLAS if os.path.exists(p)]
+    for path in candidates:
+        try:
+            lib = _open(path)
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        return BlasInfo(lib._name, _config(lib))  # the path opened: the link directory's, if one was needed
+    return BlasInfo(None, "; ".join(errors) or "no OpenBLAS installed")
+
+
+def _mapped_openblas() -> Optional[str]:
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                path = line.rstrip("\n").split(" ", 5)[-1].strip()
+                if "libopenblas" in os.path.basename(path):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _package_dir(name: str) -> Optional[str]:
+    try:
+        spec = importlib.util.find_spec(name)  # finds a top-level package without importing it
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def _pip_openblas() -> List[str]:
+    where = _package_dir(PIP_PACKAGE.replace("-", "_"))
+    return sorted(glob.glob(os.path.join(where, "libopenblas*.so*"))) if where else []
+
+
+def _open(path: str) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        if "libgfortran.so.5" not in str(e):
+            raise
+        return ctypes.CDLL(os.path.join(_link_dir(path), "libopenblas.so.0"), mode=ctypes.RTLD_GLOBAL)
+
+
+def _link_dir(openblas: str) -> str:
+    """A cache directory of links: libopenblas.so.0 -> `openblas`, libgfortran.so.5 -> mlx-cpu's
+    libgfortran, plus that one's own dependencies (libquadmath) under the names it asks for."""
+    mlx = _package_dir("mlx")
+    bundled = sorted(glob.glob(os.path.join(os.path.dirname(mlx), "mlx_cpu.libs", "*.so*"))) if mlx else []
+    gfortran = [p for p in bundled if os.path.basename(p).startswith("libgfortran")]
+    if not gfortran:
+        raise OSError(f"{openblas} needs libgfortran.so.5, which neither the system nor mlx-cpu has "
+                      "(apt-get install libgfortran5)")
+    links = {"libopenblas.so.0": openblas, "libgfortran.so.5": gfortran[0]}
+    links.update({os.path.basename(p): p for p in bundled
+                  if not os.path.basename(p).startswith(("libblas", "liblapack", "libgfortran"))})
+    from .paths import cache_dir
+
+    key = hashlib.sha256(repr(sorted(links.items())).encode()).hexdigest()[:12]
+    parent = cache_dir() / "openblas"
+    final = parent / key
+    if not final.is_dir():
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
+        for name, target in links.items():
+            os.symlink(target, os.path.join(tmp, name))
+        try:
+            os.rename(tmp, final)  # atomic: concurrent processes agree on one complete directory
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not final.is_dir():
+                raise
+    return str(final)
+
+
+def _config(lib: ctypes.CDLL) -> str:
+    try:
+        fn = lib.openblas_get_config
+    except AttributeError:
+        return "OpenBLAS"
+    fn.restype = ctypes.c_char_p
+    return (fn() or b"OpenBLAS").decode(errors="replace").strip()
