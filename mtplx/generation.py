@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -99,6 +99,9 @@ class _Batch:
 
 class Engine:
     def __init__(self, bundle: ModelBundle, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None):
+        # Progress hook: on_progress("prefill", n) after each prefill span (n prompt tokens), and
+        # on_progress("decode", n) after each decode round (n tokens generated over all rows).
+        self.on_progress: Optional[Callable[[str, int], None]] = None
         self.bundle = bundle
         self.model = bundle.model
         self.tokenizer = bundle.tokenizer
@@ -135,6 +138,10 @@ class Engine:
     @classmethod
     def load(cls, model_path, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None, trust_remote_code: bool = False):
         return cls(load(model_path, trust_remote_code=trust_remote_code), spec, schedule)
+
+    def _progress(self, kind: str, tokens: int) -> None:
+        if self.on_progress is not None and tokens:
+            self.on_progress(kind, int(tokens))
 
     # -- memory admission --------------------------------------------------------------------------
     def _measure_cache(self) -> Tuple[float, int]:
@@ -262,7 +269,9 @@ class Engine:
         if not admitted:
             return False
         grow, finished_early = [], False
-        for row, (row_cache, state, first) in zip(admitted, self.prefiller.run(admitted)):
+        prefilled = self.prefiller.run(admitted)
+        self._progress("decode", sum(1 for _, _, first in prefilled if first not in self.eos))
+        for row, (row_cache, state, first) in zip(admitted, prefilled):
             reason = self._emit(row, [first])
             if reason is not None:
                 finished_early = True
@@ -350,7 +359,7 @@ class Engine:
 
         def emit(launched):
             tokens, compiled, failures = np.array(launched[0]), launched[1], launched[2]
-            finished = []
+            finished, emitted = [], 0
             for i, row in enumerate(slots):
                 if row is None:
                     continue
@@ -358,11 +367,14 @@ class Engine:
                 row.rounds += 1
                 row.width_sum += n_active
                 row.pending = int(tokens[i])
+                before = len(row.tokens)
                 reason = self._emit(row, [row.pending])
+                emitted += len(row.tokens) - before
                 if reason is not None:
                     slots[i] = None
                     finished.append(self._finish(row, reason))
             self.counters["rounds"] += 1
+            self._progress("decode", emitted)
             return finished
 
         current = launch(mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32)))
@@ -413,6 +425,7 @@ class Engine:
             tried = int(np.minimum(n_h + 1, depths)[greedy].sum())
             self.depth_control.record(n_active, K, time.perf_counter() - started,
                                       int(n_h[greedy].sum()), tried)
+        emitted = 0
         for i, row in enumerate(slots):
             if row is None:
                 continue
@@ -430,8 +443,11 @@ class Engine:
                 for j in range(int(n_h[i])):
                     st.accepted_by_depth[j] += 1
             self._record_forward(st, i, compiled, failures)
+            before = len(row.tokens)
             reason = self._emit(row, list(drafts_h[i, : n_h[i]]) + [int(nxt_h[i])])
+            emitted += len(row.tokens) - before
             row.pending = int(nxt_h[i])
             if reason is not None:
                 slots[i] = None
                 yield self._finish(row, reason)
+        self._progress("decode", emitted)

@@ -193,6 +193,7 @@ class Prefiller:
             if self.engine.runtime.want_hidden:
                 hiddens.append(h)
             mx.eval(h, [a for c in cache.leaves for a in c.state_arrays() if a is not None])
+            self.engine._progress("prefill", e - s)
             row.stats.prefill_chunks += 1
             if key and hit is None and e == edge:
                 snap = cache.snapshot_row(0)  # exactly at the edge: recurrent state included
@@ -227,6 +228,7 @@ class Prefiller:
             h = self._hidden(mx.array(grid), cache)
             cache.commit(counts)
             mx.eval(h, [a for layer in cache.leaves for a in layer.state_arrays() if a is not None])
+            self.engine._progress("prefill", int(counts.sum()))
             for b in range(B):
                 if counts[b]:
                     rows[b].stats.prefill_chunks += 1

@@ -81,7 +81,7 @@ def test_run_prints_one_line_notice_on_the_bundled_blas(tiny_model, tmp_path):
     job = write_job(tmp_path / "job.yaml", job_dict(model, data, tmp_path / "run", generation={"max_tokens": 2}))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("LD_PRELOAD", None)
-    slow = "import mlx.core, sys; from pipelines.cli import main; main(sys.argv[1:])"
+    slow = "import mlx.core, sys; from pipelines.cli.commands import main; main(sys.argv[1:])"
     out = subprocess.run([sys.executable, "-c", slow, "run", str(job)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -75,6 +75,21 @@ def _fail(err: Exception, as_json: bool = False) -> None:
     sys.exit(code)
 
 
+def _blas_notice(log_json: bool, quiet: bool) -> None:
+    """One line when MLX's CPU matmuls would run on the slow bundled BLAS (mtplx/blas.py)."""
+    from mtplx.blas import slow_blas_notice
+
+    note = slow_blas_notice()
+    if note is None or quiet:
+        return
+    if log_json:
+        from .progress import json_line
+
+        json_line("log", message=note)
+    else:
+        click.echo(note, err=True)
+
+
 def _terminate_as_interrupt(signum, frame):
     # SIGTERM (a scheduler stopping us) takes the same path as Ctrl-C: finished rows get committed.
     raise KeyboardInterrupt
@@ -89,6 +104,7 @@ def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool =
         log = None  # the runner writes {"event": "log"} lines
     else:
         log = None if quiet else lambda m: click.echo(m, err=True)
+    _blas_notice(log_json, quiet)
     try:
         summary = run_job(job, restart=restart, limit=limit, quiet=quiet or log_json, log=log,
                           log_json=log_json, log_every=log_every)
@@ -126,7 +142,8 @@ def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool =
         click.echo(
             f"done: {summary.outputs} rows written ({summary.errors} errors), {summary.skipped} already done, "
             f"{summary.completion_tokens} tokens in {summary.seconds:.1f}s "
-            f"({summary.tokens_per_second:.1f} tok/s) -> {summary.run_dir}",
+            f"({summary.tokens_per_second:.1f} tok/s), peak memory {summary.peak_rss_bytes / 1e9:.2f} GB "
+            f"-> {summary.run_dir}",
             err=True,
         )
 
@@ -270,8 +287,7 @@ Files written to the report directory:
   lengths.png              prompt and completion lengths
 
 \b
-It works on a run in progress too: only committed shards are read. Plots need matplotlib:
-  pip install 'mtplx-batch[report]'
+It works on a run in progress too: only committed shards are read.
 """
 
 
@@ -304,6 +320,7 @@ def report(run_dir: str, out_dir: Optional[str], open_browser: bool, top: int):
 
 EPILOG_EXPORT = """\b
 Examples:
+  mtplx-batch export runs/eval --format jsonl      # -> runs/eval/export/results.jsonl
   mtplx-batch export runs/eval --format jsonl --out eval.jsonl
   mtplx-batch export runs/batch --format openai-batch --out results.jsonl
         # also writes results_errors.jsonl (failed rows); choose it with --errors-out
@@ -322,7 +339,8 @@ Formats:
 
 \b
 Rows come out in input order. A run in progress exports what is committed so far, and the
-command says how many rows are still missing. An existing --out is refused unless --overwrite.
+command says how many rows are still missing. An existing --out is refused unless --overwrite
+(the default paths under RUN_DIR/export/ are replaced).
 """
 
 
@@ -330,11 +348,13 @@ command says how many rows are still missing. An existing --out is refused unles
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--format", "fmt", type=click.Choice(["openai-batch", "jsonl", "hf"]), required=True,
               help="Output format (see below).")
-@click.option("--out", required=True, type=click.Path(), help="Output file (jsonl, openai-batch) or directory (hf).")
+@click.option("--out", default=None, type=click.Path(),
+              help="Output file (jsonl, openai-batch) or directory (hf) [default: RUN_DIR/export/results.jsonl, "
+                   "RUN_DIR/export/openai-batch.jsonl, RUN_DIR/export/hf; replaced on each export].")
 @click.option("--errors-out", type=click.Path(dir_okay=False), default=None,
               help="openai-batch: file for failed rows [default: OUT with _errors before the extension].")
 @click.option("--overwrite", is_flag=True, help="Replace --out (and --errors-out) if they exist.")
-def export(run_dir: str, fmt: str, out: str, errors_out: Optional[str], overwrite: bool):
+def export(run_dir: str, fmt: str, out: Optional[str], errors_out: Optional[str], overwrite: bool):
     """Write the committed output of RUN_DIR as OpenAI Batch results, JSONL, or a Hugging Face dataset."""
     from ..io.export import export_run
 
@@ -344,6 +364,7 @@ def export(run_dir: str, fmt: str, out: str, errors_out: Optional[str], overwrit
         res = export_run(run_dir, fmt, out, errors_out=errors_out, overwrite=overwrite)
     except JobError as e:
         _fail(e)
+    out = res.files[0] if fmt != "hf" else os.path.dirname(res.files[-1])  # the path written (--out or default)
     if fmt == "openai-batch":
         click.echo(f"exported {res.written} responses and {res.failed} failed requests "
                    f"({res.rows} output rows) -> {res.files[0]}, errors -> {res.files[1]}")
@@ -365,37 +386,8 @@ def _register_extra_commands():
 
 _register_extra_commands()
 
-OPENBLAS_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-                       "/usr/lib64/libopenblas.so.0")
-
-
-def _openblas_env():
-    """The environment to re-run under OpenBLAS, or None.
-
-    MLX's CPU build links a slow reference BLAS; on a Linux CPU, preloading an installed OpenBLAS
-    makes prefill and batched decode 5-25x faster with the same fp32 results. Opt out with
-    MTPLX_OPENBLAS=0; install with `apt-get install libopenblas0-pthread`.
-    """
-    if not sys.platform.startswith("linux") or os.environ.get("MTPLX_OPENBLAS") == "0":
-        return None
-    preload = os.environ.get("LD_PRELOAD", "")
-    lib = next((p for p in OPENBLAS_CANDIDATES if os.path.exists(p)), None)
-    if lib is None or "openblas" in preload:
-        return None
-    import mlx.core as mx
-
-    if mx.default_device() != mx.cpu:
-        return None
-    env = dict(os.environ, LD_PRELOAD=f"{lib}:{preload}" if preload else lib, MTPLX_OPENBLAS="0")
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    return env
-
-
 def entry():
     """The `mtplx-batch` console script."""
-    env = _openblas_env()
-    if env is not None:
-        os.execve(sys.executable, [sys.executable, "-m", "pipelines.cli", *sys.argv[1:]], env)
     main(prog_name="mtplx-batch")
 
 

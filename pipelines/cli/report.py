@@ -4,7 +4,8 @@ Written to RUN_DIR/report/ (or --out DIR):
     index.html               self-contained (plots embedded as base64 PNG); open it in a browser
     summary.json             every number on the page, for scripts
     errors.jsonl             every errored output row: id, row, sample, kind, error
-    throughput.png           tokens/s and rows committed over wall-clock time (from shard commits)
+    throughput.png           generated tokens/s over wall-clock time, per interval of the progress the
+                             run recorded (RUN_DIR/progress.jsonl), and rows committed (shard commits)
     acceptance_by_depth.png  share of verifies whose draft survived to depth d   (speculative runs)
     tokens_per_verify.png    histogram of tokens emitted per verify            (speculative runs)
     lengths.png              prompt and completion token counts per row
@@ -40,8 +41,9 @@ import pyarrow.parquet as pq
 
 from mtplx.request import tokens_per_verify
 
-from ..io.checkpoint import JOB_FILE, read_manifest
+from ..io.checkpoint import JOB_FILE, planned_outputs, read_manifest
 from ..errors import JobError
+from .progress import PROGRESS_FILE
 
 TOP_SLOW = 20
 MAX_ERRORS_SHOWN = 200
@@ -119,6 +121,7 @@ class RunStats:
     completion_lengths: List[int] = field(default_factory=list)
     timeline: List[Dict[str, Any]] = field(default_factory=list)  # one entry per shard, commit order
     sessions: List[float] = field(default_factory=list)
+    progress: List[Dict[str, Any]] = field(default_factory=list)  # RUN_DIR/progress.jsonl, in time order
 
     # ------------------------------------------------------------------ derived
     @property
@@ -193,9 +196,9 @@ def collect(run_dir: str, top: int = TOP_SLOW) -> RunStats:
     """Streams the committed shards of RUN_DIR into RunStats."""
     manifest = read_manifest(run_dir)
     st = RunStats(run_dir=os.path.abspath(run_dir), job=read_job(run_dir), manifest=manifest)
-    if manifest.get("input_rows") is not None:
-        st.expected_rows = manifest["input_rows"] * (manifest.get("samples") or 1)
+    st.expected_rows = planned_outputs(manifest)
     st.sessions = sorted(s.get("started", 0.0) for s in manifest.get("sessions", []))
+    st.progress = read_progress(run_dir)
     heap: List[Tuple[float, int, Dict[str, Any]]] = []
     k = 0
     for entry in manifest.get("shards", []):
@@ -254,13 +257,40 @@ def collect(run_dir: str, top: int = TOP_SLOW) -> RunStats:
     return st
 
 
+def read_progress(run_dir: str) -> List[Dict[str, Any]]:
+    """The progress lines a run recorded (pipelines/progress.py), oldest first; torn lines skipped."""
+    out = []
+    try:
+        with open(os.path.join(run_dir, PROGRESS_FILE), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    p = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a crash
+                if isinstance(p, dict) and {"ts", "session", "generated"} <= p.keys():
+                    out.append(p)
+    except OSError:
+        return []
+    return sorted(out, key=lambda p: p["ts"])
+
+
+def throughput_intervals(progress: List[Dict[str, Any]]) -> List[Tuple[float, float, float]]:
+    """(start ts, end ts, generated tok/s) for each recorded interval, within each session."""
+    out = []
+    for prev, cur in zip(progress, progress[1:]):
+        dt = cur["ts"] - prev["ts"]
+        if cur["session"] == prev["session"] and dt > 0:
+            out.append((prev["ts"], cur["ts"], max(cur["generated"] - prev["generated"], 0) / dt))
+    return out
+
+
 # ------------------------------------------------------------------------------ plots
 def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise JobError("report needs matplotlib for its plots: pip install 'mtplx-batch[report]' "
-                       "(or pip install matplotlib)")
+        raise JobError("report needs matplotlib for its plots (a dependency of mtplx-batch): "
+                       "pip install matplotlib")
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
@@ -280,18 +310,31 @@ def plot_throughput(st: RunStats, plt) -> Optional[bytes]:
     t0 = min([points[0]["committed"] - (points[0]["elapsed"] or 0)] + [s for s in st.sessions[:1]])
     span = max(p["committed"] for p in points) - t0
     unit, scale = ("min", 60.0) if span > 180 else ("s", 1.0)
+    intervals = throughput_intervals(st.progress)
+    if intervals:
+        t0 = min(t0, intervals[0][0])
+        span = max(span, max(p["committed"] for p in points) - t0, intervals[-1][1] - t0)
+        unit, scale = ("min", 60.0) if span > 180 else ("s", 1.0)
     xs = [(p["committed"] - t0) / scale for p in points]
-    rate = [p["completion_tokens"] / p["elapsed"] if p["elapsed"] else 0.0 for p in points]
     cum, total = [], 0
     for p in points:
         total += p["rows"]
         cum.append(total)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 5.2), sharex=True)
-    ax1.plot(xs, rate, marker="o", color="#1f77b4")
-    ax1.set_ylabel("generated tok/s\n(per shard)")
+    if intervals:
+        # a step per recorded interval: the tokens generated in it over its length
+        for a, b, r in intervals:
+            ax1.plot([(a - t0) / scale, (b - t0) / scale], [r, r], color="#1f77b4")
+        ax1.set_ylabel("generated tok/s")
+        how = f"{len(intervals)} intervals of recorded progress"
+    else:  # a run recorded before progress.jsonl existed: one point per shard
+        rate = [p["completion_tokens"] / p["elapsed"] if p["elapsed"] else 0.0 for p in points]
+        ax1.plot(xs, rate, marker="o", color="#1f77b4")
+        ax1.set_ylabel("generated tok/s\n(per shard)")
+        how = f"{len(points)} shard commits"
     ax1.set_ylim(bottom=0)
     ax1.grid(alpha=0.3)
-    ax1.set_title(f"Throughput over time ({len(points)} shard commits, mean {st.tokens_per_second:.1f} tok/s)")
+    ax1.set_title(f"Throughput over time ({how}, mean {st.tokens_per_second:.1f} tok/s)")
     ax2.step([0.0] + xs, [0] + cum, where="post", color="#2ca02c")
     ax2.plot(xs, cum, "o", color="#2ca02c", markersize=4)
     if st.expected_rows:
@@ -511,8 +554,9 @@ def render_html(st: RunStats, images: Dict[str, bytes]) -> str:
 
     # --------------------------------------------------------------- throughput
     parts.append("<h2>Throughput over time</h2>")
-    parts.append("<p class='note'>One point per committed shard: its generated tokens over the active time it "
-                 "took. Dashed red lines mark later sessions (resumes).</p>")
+    parts.append("<p class='note'>Generated tokens per second in each interval of the progress the run "
+                 f"recorded ({PROGRESS_FILE}; one point per committed shard for runs without it), and rows "
+                 "committed. Dashed red lines mark later sessions (resumes).</p>")
     parts.append(img("throughput", "throughput over time") or "<p>No shards committed yet.</p>")
     parts.append(img("lengths", "prompt and completion lengths"))
 

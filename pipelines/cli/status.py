@@ -6,15 +6,13 @@ from typing import Dict, Optional
 
 from mtplx.request import tokens_per_verify
 
-from ..io.checkpoint import read_manifest, totals
+from ..io.checkpoint import planned_outputs, read_manifest, totals
 
 
 def run_status(run_dir: str) -> Dict:
     m = read_manifest(run_dir)
     t = totals(m)
-    expected: Optional[int] = None
-    if m.get("input_rows") is not None:
-        expected = m["input_rows"] * (m.get("samples") or 1)
+    expected = planned_outputs(m)
     left = None if expected is None else max(expected - t["rows"], 0)
     rate = t["rows"] / t["elapsed"] if t["elapsed"] else 0.0
     return {
@@ -24,6 +22,8 @@ def run_status(run_dir: str) -> Dict:
         "rows_errored": t["errors"],
         "rows_left": left,
         "rows_expected": expected,
+        "input_rows": m.get("input_rows"),
+        "limit": m.get("limit"),
         "prompt_tokens": t["prompt_tokens"],
         "completion_tokens": t["completion_tokens"],
         "acceptance_rate": t["accepted_tokens"] / t["drafted_tokens"] if t["drafted_tokens"] else None,
@@ -43,13 +43,19 @@ def _duration(s: Optional[float]) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _limited(st: Dict) -> str:
+    if st.get("limit") is None or st.get("input_rows") is None or st["limit"] >= st["input_rows"]:
+        return ""
+    return f" (limit: the first {st['limit']} of {st['input_rows']} input rows)"
+
+
 def format_status(st: Dict) -> str:
     left = "unknown" if st["rows_left"] is None else st["rows_left"]
     acc = "n/a (no drafting)" if st["acceptance_rate"] is None else f"{st['acceptance_rate']:.1%}"
     tpv = "" if st["tokens_per_verify"] is None else f", {st['tokens_per_verify']:.2f} tokens/verify"
     return "\n".join([
         f"run: {st['run_dir']} ({st['shards']} shards){'  COMPLETE' if st['complete'] else ''}",
-        f"rows: {st['rows_done']} done, {st['rows_errored']} errored, {left} left",
+        f"rows: {st['rows_done']} done, {st['rows_errored']} errored, {left} left{_limited(st)}",
         f"tokens: {st['prompt_tokens']} prompt, {st['completion_tokens']} generated",
         f"acceptance: {acc}{tpv}",
         f"throughput: {st['tokens_per_second']:.1f} tok/s, {st['rows_per_second']:.2f} rows/s "

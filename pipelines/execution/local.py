@@ -20,5 +20,12 @@ def local_rows(session, engine=None) -> Iterator[Tuple[Dict[str, Any], bool]]:
         session.startup.engine = engine
     session.begin()
     work = plan(job, session.prep, session.committed, session.limit, engine.max_context)
-    yield from engine_rows(engine, work, job.generation.sampling_params(), job.generation.seed,
-                           on_submit=session.progress.submitted)
+    hook = hasattr(engine, "on_progress")  # the mtplx Engine: live tokens from every round
+    if hook:
+        engine.on_progress = session.progress.engine_event
+    try:
+        yield from engine_rows(engine, work, job.generation.sampling_params(), job.generation.seed,
+                               on_submit=session.progress.submitted)
+    finally:
+        if hook:
+            engine.on_progress = None

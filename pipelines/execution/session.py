@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
-from ..cli.progress import DEFAULT_LOG_EVERY, Progress, json_line, json_logger
+from ..cli.progress import DEFAULT_LOG_EVERY, PROGRESS_FILE, Progress, json_line, json_logger
 from ..errors import RunError
 from ..io.checkpoint import RunDir
 from ..io.columns import output_schema
@@ -46,10 +47,18 @@ class RunSummary:
     completion_tokens: int = 0
     seconds: float = 0.0
     shards: int = 0  # shards committed by this session
+    peak_rss_bytes: int = 0  # the process's peak resident memory (what the OS counts)
+    peak_mlx_bytes: int = 0  # MLX's own peak: weights, caches, activations (0 before MLX loads)
 
     @property
     def tokens_per_second(self) -> float:
         return self.completion_tokens / self.seconds if self.seconds else 0.0
+
+    def measure_memory(self) -> None:
+        self.peak_rss_bytes = peak_rss_bytes()
+        mx = sys.modules.get("mlx.core")
+        if mx is not None and hasattr(mx, "get_peak_memory"):
+            self.peak_mlx_bytes = int(mx.get_peak_memory())
 
     def count_shard(self, entry: dict) -> None:
         """Add a committed shard's manifest entry to this session's totals."""
@@ -57,6 +66,13 @@ class RunSummary:
         self.outputs += entry["rows"]
         self.errors += entry["errors"]
         self.completion_tokens += entry["completion_tokens"]
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
 
 
 @dataclass
@@ -98,7 +114,18 @@ class Session:
 
     def _new_progress(self) -> Progress:
         wanted, done = self.wanted, self.done_before
-        return Progress(wanted, min(done, wanted or done), mode=self.progress_mode, log_every=self.log_every)
+        return Progress(wanted, min(done, wanted or done), mode=self.progress_mode, log_every=self.log_every,
+                        max_tokens=self.job.generation.max_tokens,
+                        record_path=os.path.join(self.run.path, PROGRESS_FILE))
+
+    @property
+    def finished(self) -> bool:
+        """Every output row this session wants is committed already (nothing to load or run)."""
+        if self.total_rows is None:
+            return False
+        rows = self.total_rows if self.limit is None else min(self.total_rows, self.limit)
+        n = self.job.generation.n
+        return all((i, k) in self.committed for i in range(rows) for k in range(n))
 
     def begin(self, **fields: Any) -> None:
         """Generation starts now (the engine or the cluster is up): the clock and the progress."""
@@ -148,11 +175,24 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
     total_rows = prep.source.count_rows()  # reads the input to the end: refuses a truncated file before any write
     with RunDir.prepare(job.output.dir, job.to_yaml(), parts, restart=restart, log=log) as run:
         committed = run.committed_keys()
-        run.update(input_rows=total_rows, samples=job.generation.n)
+        # The run's plan is the stored job's (input.limit, which `resume` keeps); --limit only
+        # bounds this session. status / report / export read planned_rows.
+        job_limit = job.input.limit
+        planned = None if total_rows is None else min(total_rows, total_rows if job_limit is None else job_limit)
+        run.update(input_rows=total_rows, samples=job.generation.n, planned_rows=planned, limit=job_limit)
         s = Session(job, prep, run, committed, limit, total_rows, log, quiet,
                     "json" if log_json else "off" if quiet else "bars", log_every, startup=startup)
         startup.lap("config")
         summary = RunSummary(run_dir=run.path, skipped=len(committed))
+        if s.finished:  # checked before any model loads
+            log(f"finished: all {s.wanted} output rows are committed in {run.path}; nothing to do "
+                "(--restart starts over)")
+            summary.measure_memory()
+            if log_json:
+                done = Progress(s.wanted, s.wanted, mode="json", log_every=0)
+                done.start(run_dir=run.path, job=job.name)
+                done.close(summary, "done")
+            return summary
 
         def on_commit(entry):
             s.report_startup()
@@ -189,6 +229,7 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
                 raise
             finally:
                 summary.seconds = time.monotonic() - s.started
+                summary.measure_memory()
                 if s.progress is None:  # stopped before generation began: still one summary
                     s.progress = s._new_progress()
                 s.progress.close(summary, status, error)

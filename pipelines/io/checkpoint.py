@@ -21,7 +21,7 @@ import platform
 import re
 import shutil
 import time
-from typing import Callable, Dict, List, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import pyarrow.parquet as pq
 
@@ -277,6 +277,13 @@ def _shard_files(path: str) -> List[str]:
     except OSError:
         return []
     return [n for n in names if n.endswith(".parquet") and not n.startswith(".")]
+
+
+def planned_outputs(manifest: Dict) -> Optional[int]:
+    """Output rows the run is to write: the input rows it plans (`planned_rows`, fewer than
+    `input_rows` under input.limit / --limit) x samples per row; None while unknown."""
+    rows = manifest.get("planned_rows", manifest.get("input_rows"))
+    return None if rows is None else rows * (manifest.get("samples") or 1)
 
 
 def totals(manifest: Dict) -> Dict[str, float]:

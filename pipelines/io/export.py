@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .checkpoint import read_manifest
+from .checkpoint import planned_outputs, read_manifest
 from ..errors import JobError
 
 FORMATS = ("openai-batch", "jsonl", "hf")
@@ -75,7 +75,7 @@ class OrderedRun:
         self._row, self._sample, self._shard, self._offset = cat(rows), cat(samples), cat(shard), cat(offset)
         self.order = np.lexsort((self._sample, self._row))
         m = self.manifest
-        self.expected = m["input_rows"] * (m.get("samples") or 1) if m.get("input_rows") is not None else None
+        self.expected = planned_outputs(m)
         commits = [e.get("committed") for e in m.get("shards", []) if e.get("committed")]
         self.finished = int(max(commits)) if commits else int(time.time())
 
@@ -345,11 +345,26 @@ ok = ds.filter(lambda r: r["finish_reason"] != "error")
 """
 
 
-def export_run(run_dir: str, fmt: str, out: str, errors_out: Optional[str] = None,
+DEFAULT_OUT = {"jsonl": "results.jsonl", "openai-batch": "openai-batch.jsonl", "hf": "hf"}
+
+
+def default_out(run_dir: str, fmt: str) -> str:
+    """Where `export` writes without --out: RUN_DIR/export/results.jsonl, .../openai-batch.jsonl
+    (+ openai-batch_errors.jsonl), or the directory .../hf."""
+    return os.path.join(run_dir, "export", DEFAULT_OUT[fmt])
+
+
+def export_run(run_dir: str, fmt: str, out: Optional[str] = None, errors_out: Optional[str] = None,
                overwrite: bool = False) -> ExportResult:
+    """Export the committed rows of `run_dir`. Without `out`, into RUN_DIR/export/ (`default_out`),
+    replacing an earlier export there."""
     if fmt not in FORMATS:
         raise JobError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     run = OrderedRun(run_dir)
+    if out is None:
+        out = default_out(run_dir, fmt)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        overwrite = True
     if fmt == "hf":
         _check_target(out, overwrite, is_dir=True)
         return export_hf(run, out)

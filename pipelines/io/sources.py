@@ -388,9 +388,10 @@ class HfSource(Source):
     def __init__(self, inp, columns):
         super().__init__(inp, columns)
         try:
-            import datasets  # optional dependency: pip install 'mtplx-batch[hf]'
+            import datasets
         except ImportError:
-            raise JobError("input.format: hf needs the `datasets` package: pip install 'mtplx-batch[hf]'")
+            raise JobError("input.format: hf needs the `datasets` package (a dependency of mtplx-batch): "
+                           "pip install datasets")
         path = inp.path
         self.files = []
         try:
