@@ -282,9 +282,9 @@ class MtpDrafter(_CachedDrafter):
         tok, q = pick(first_logits, sampler, u[:, 0], self.vocab)
         drafts, qs = [tok], [q]
         for j in range(1, K):
-            h = self.head.hidden(h[:, None], tok[:, None], self.cache.layers)[:, 0]
+            h = self.head.hidden(h[:, None], tok[:, None], self.cache.layers, step=j)[:, 0]
             self.cache.commit(ones)
-            tok, q = pick(project(self.head, self.vocab, h), sampler, u[:, j], self.vocab)
+            tok, q = pick(project(self.head, self.vocab, h, j), sampler, u[:, j], self.vocab)
             drafts.append(tok)
             qs.append(q)
         self.cache.rewind_to(start)

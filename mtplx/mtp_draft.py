@@ -95,9 +95,9 @@ def load_draft_vocab(head: MTPHead, sidecar: Optional[str], vocab_size: int) -> 
 
 
 # -- the draft math, shared by the eager and the compiled paths -----------------------------------
-def project(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array) -> mx.array:
+def project(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, step: int = 0) -> mx.array:
     """Head logits over the drafting vocabulary (the whole one when `vocab` is None)."""
-    return head.logits(h) if vocab is None else vocab.logits(h)
+    return head.logits(h, step) if vocab is None else vocab.logits(h)
 
 
 def pick(logits: mx.array, sampler: SamplerBatch, u: mx.array, vocab: Optional[DraftVocab]):
@@ -194,9 +194,9 @@ class CompiledDraftBank:
                 arrays = list(arrays)
                 for j in range(1, K):
                     shadow = _shadow_cache(kinds, lengths + (j - 1), arrays)
-                    h = head.hidden(h[:, None], tok[:, None], shadow.layers)[:, 0]
+                    h = head.hidden(h[:, None], tok[:, None], shadow.layers, step=j)[:, 0]
                     arrays = _shadow_outputs(shadow)
-                    tok, q = pick(project(head, vocab, h), s, u[:, j], vocab)
+                    tok, q = pick(project(head, vocab, h, j), s, u[:, j], vocab)
                     drafts.append(tok)
                     qs.append(q)
                 d, q = stack_drafts(drafts, qs)

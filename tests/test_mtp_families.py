@@ -4,7 +4,8 @@ For qwen3_5, qwen3_5_moe, mimo and glm4_moe (tests/mtp_fixtures.py), `method: mt
 is token-identical to plain decoding (mlx-lm's own `generate_step`) at widths 1 and 7 (8 rows, two
 sharing a prefix) and depths 1-4, with the native head drafting; the head's weights mean what the checkpoint means (zero-
 centred norms shifted, MiMo's [hidden, embedding] order, the lm_head under `language_model`);
-sharded checkpoints and heads in a file of their own load the same head; and a checkpoint
+heads of several MTP layers draft depth i with layer i (and recurse on the last); sharded
+checkpoints and heads in a file of their own load the same head; and a checkpoint
 without MTP weights is refused with the ways forward.
 """
 
@@ -15,11 +16,14 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from mtplx.cache import BatchCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.drafters import MtpDrafter
 from mtplx.generation import Engine
 from mtplx.models.loading import load
-from mtplx.models.mtp import load_head, project_logits
+from mtplx.models.mtp import MTPHeadStack, load_head, project_logits, trunk_hidden
 from mtplx.request import Request, SamplingParams
+from mtplx.sampling import SamplerBatch
 
 from mtp_fixtures import make_mtp_model
 from tiny_models import reference_tokens
@@ -157,3 +161,65 @@ def test_no_mtp_weights_names_the_ways_forward(fixture_dir, family):
     with pytest.raises(ValueError, match="train-head") as err:
         load_head(bundle)
     assert "ngram" in str(err.value)
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+@pytest.mark.parametrize("family", ["qwen3_5", "mimo", "glm4_moe"])
+def test_multi_layer_heads_greedy_identity(family_model, family, depth):
+    _, bundle, prompts, refs = family_model(family, mtp_layers=3)
+    assert isinstance(load_head(bundle), MTPHeadStack)
+    for width in (1, 7):
+        results = run(bundle, prompts, "mtp", depth, width, "on" if width == 7 else "off")
+        assert [r.tokens for r in results] == refs, (family, depth, width)
+        assert sum(r.stats.drafted_tokens for r in results) > 0
+
+
+def _drafts(head, bundle, rows, K, compiled):
+    d = MtpDrafter(head, compiled=compiled)
+    d.reset()
+    firsts, states = [], []
+    for p in rows:
+        H = trunk_hidden(bundle.model, mx.array([p]), None)
+        firsts.append(int(mx.argmax(project_logits(bundle.model, H[:, -1]), axis=-1).item()))
+        states.append(d.prefill_row(p, H, firsts[-1]))
+    d.extend(states)
+    sampler = SamplerBatch.from_params([SamplingParams()] * len(rows))
+    drafts, _ = d.propose(K, mx.array(firsts), sampler, mx.zeros((len(rows), K)))
+    return np.array(drafts), firsts
+
+
+def _reference_drafts(stack, bundle, p, first, K):
+    """Module k alone, on a cache of its own: depth j is drafted by module min(j, n - 1)."""
+    H = trunk_hidden(bundle.model, mx.array([p]), None)
+    nxt = mx.array([p[1:] + [first]])
+    caches, outs = [], []
+    for m in stack.depths:
+        c = BatchCache(["kv"] * len(m.layers), [0])
+        outs.append(m.hidden(H, nxt, c.layers))
+        c.commit([len(p)])
+        caches.append(c)
+    h = outs[0][:, -1:]
+    tok = int(mx.argmax(stack.depths[0].logits(h)[0, -1]).item())
+    drafts = [tok]
+    for j in range(1, K):
+        k = min(j, len(stack.depths) - 1)
+        h = stack.depths[k].hidden(h, mx.array([[tok]]), caches[k].layers)
+        caches[k].commit([1])
+        tok = int(mx.argmax(stack.depths[k].logits(h)[0, -1]).item())
+        drafts.append(tok)
+    return drafts
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("family", ["qwen3_5", "mimo", "glm4_moe"])
+def test_each_mtp_layer_drafts_its_own_depth(family_model, family, compiled):
+    """A 3-layer head drafts depth 0 with layer 0, depth 1 with layer 1, depths 2.. with layer 2,
+    each attending to its own entries: exactly what each layer gives on a cache of its own."""
+    _, bundle, prompts, _ = family_model(family, mtp_layers=3)
+    stack = load_head(bundle)
+    rows, K = prompts[:4], 5
+    got, firsts = _drafts(stack, bundle, rows, K, compiled)
+    want = np.array([_reference_drafts(stack, bundle, p, f, K) for p, f in zip(rows, firsts)])
+    np.testing.assert_array_equal(got, want)
+    alone, _ = _drafts(stack.depths[0], bundle, rows, K, compiled)  # layer 0 recursing: other drafts
+    assert (alone[:, 1:] != got[:, 1:]).any()

@@ -97,15 +97,16 @@ class MTPHead(nn.Module):
     def embed(self, tokens):
         return text_model(self._trunk[0]).model.embed_tokens(tokens)
 
-    def logits(self, h):
+    def logits(self, h, step: int = 0):
         return self.head(h) if "head" in self else project_logits(self._trunk[0], h)
 
     def __call__(self, hidden: mx.array, tokens: mx.array, caches=None, mask=None):
         h = self.hidden(hidden, tokens, caches, mask)
         return h, self.logits(h)
 
-    def hidden(self, hidden: mx.array, tokens: mx.array, caches=None, mask=None) -> mx.array:
-        """The head's output hidden state h' alone (drafting projects only the positions it needs)."""
+    def hidden(self, hidden: mx.array, tokens: mx.array, caches=None, mask=None, step=None) -> mx.array:
+        """The head's output hidden state h' alone (drafting projects only the positions it needs).
+        `step` (the draft depth, for MTPHeadStack) is the same module here at every depth."""
         e = self.norm_embedding(self.embed(tokens))
         parts = [self.norm_hidden(hidden), e] if self.hidden_first else [e, self.norm_hidden(hidden)]
         x = self.fc(mx.concatenate(parts, axis=-1))
@@ -115,6 +116,80 @@ class MTPHead(nn.Module):
         for layer, c in zip(self.layers, caches):
             x = layer(x, mask, c)
         return self.norm(x)
+
+
+class _ShiftedRows:
+    """A module's view of the draft cache's per-row lengths, `shift` entries back."""
+
+    def __init__(self, rows, shift: int):
+        self.device = rows.device - shift
+        self.host = None if rows.host is None else rows.host - shift
+
+    @property
+    def max(self) -> int:
+        return int(self.host.max()) if self.host is not None and self.host.size else 0
+
+
+def _run_shifted(module, hidden, tokens, caches, shift: int):
+    """Run `module` on KV caches whose rows look `shift` entries shorter (it writes there)."""
+    from ..cache import RowKVCache
+
+    views = []
+    for c in caches:
+        v = RowKVCache(_ShiftedRows(c.rows, shift))
+        v.keys, v.values, v.attend_len = c.keys, c.values, c.attend_len
+        views.append(v)
+    out = module.hidden(hidden, tokens, views)
+    for c, v in zip(caches, views):
+        c.keys, c.values = v.keys, v.values
+    return out
+
+
+class MTPHeadStack(nn.Module):
+    """A head of one MTP module per draft depth (`mtp_num_hidden_layers` / `num_nextn_predict_layers`
+    > 1): module i drafts depth i, the last one every depth past them (recursing on its own output).
+
+    Every module keeps KV entries for every committed position: prefill and commit run each over
+    the same (trunk hidden, next token) inputs (`step=None`, returning module 0's output, which
+    drafts depth 0). At draft step j the round's cache holds j-1 draft entries; module
+    k = min(j, n-1) joined at step k, so it sees the rows k-1 entries shorter: its own entries of
+    the round sit right after the committed ones, as if it had drafted alone."""
+
+    def __init__(self, modules: List[MTPHead]):
+        super().__init__()
+        self.depths = modules
+
+    @property
+    def layers(self):
+        return [b for m in self.depths for b in m.layers]
+
+    @property
+    def fc(self):
+        return self.depths[0].fc
+
+    @property
+    def norm(self):
+        return self.depths[0].norm
+
+    def _caches(self, caches, k):
+        start = sum(len(m.layers) for m in self.depths[:k])
+        return caches[start : start + len(self.depths[k].layers)]
+
+    def logits(self, h, step: int = 0):
+        return self.depths[min(step, len(self.depths) - 1)].logits(h)
+
+    def __call__(self, hidden, tokens, caches=None, mask=None):
+        h = self.hidden(hidden, tokens, caches, mask)
+        return h, self.logits(h)
+
+    def hidden(self, hidden, tokens, caches=None, mask=None, step=None):
+        if caches is None:
+            return self.depths[min(step or 0, len(self.depths) - 1)].hidden(hidden, tokens, None, mask)
+        if step is None:
+            outs = [m.hidden(hidden, tokens, self._caches(caches, k), mask) for k, m in enumerate(self.depths)]
+            return outs[0]
+        k = min(step, len(self.depths) - 1)
+        return _run_shifted(self.depths[k], hidden, tokens, self._caches(caches, k), max(k - 1, 0))
 
 
 def _block_params(model, block: Dict[str, mx.array], zero_centred: bool) -> Dict[str, mx.array]:
@@ -168,14 +243,14 @@ def _build_module(bundle: ModelBundle, mod: ModuleWeights, shift: Tuple[bool, bo
 
 
 def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Optional[dict] = None):
-    """The head of raw MTP `weights` (deeper modules, where the checkpoint has them, are left out:
-    drafting recurses on the first)."""
+    """The head of raw MTP `weights`: an MTPHead, or an MTPHeadStack where the checkpoint has one
+    module per draft depth."""
     modules = split_modules(weights, config or bundle.config)
     if not modules:
         raise ValueError("MTP weights hold no MTP module")
     shift = _zero_centred(bundle, modules)
-    built = [_build_module(bundle, m, shift) for m in modules[:1]]
-    return built[0]
+    built = [_build_module(bundle, m, shift) for m in modules]
+    return built[0] if len(built) == 1 else MTPHeadStack(built)
 
 
 def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
