@@ -11,11 +11,21 @@
      backend recorded names the layer class that wrote it.
 Anything that fails is refused with `UnsupportedArchitecture`, naming the architecture: an
 unknown layer that runs could give wrong text without an error, the worst outcome.
+
+The probe's verdict depends only on the config, the device and dtype, mlx / mlx-lm and the
+engine's own code (`probe_key`). For a model the engine converted itself (under the cache
+directory) a passed probe is remembered beside it (`PASSED_FILE`) and not run again: on a CPU it
+costs seconds of startup. Other model directories are not written to and are probed every time.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
 import sys
+from pathlib import Path
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -28,8 +38,26 @@ from .recurrent import install_stepping
 PROBE = [5, 17, 3, 11, 8, 2, 9, 4, 13, 6]
 
 
-def prepare(model, arch: str, vocab_size: int = 2) -> bool:
-    """Make `model` ready for batching, or refuse it. Returns whether it has recurrent layers."""
+def probe_key(config: dict, model) -> str:
+    """What the probe's verdict depends on: config, device, weight dtype, versions, engine code."""
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
+    h.update(f"{mx.default_device()}|{dtypes}".encode())
+    for pkg in ("mlx", "mlx-lm"):
+        h.update(importlib.metadata.version(pkg).encode())
+    for f in sorted(Path(__file__).parent.rglob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:24]
+
+
+PASSED_FILE = "mtplx_probe_passed"  # holds the probe_key of the last passed probe
+
+
+def prepare(model, arch: str, vocab_size: int = 2, remember: Optional[Tuple[Path, str]] = None) -> bool:
+    """Make `model` ready for batching, or refuse it. Returns whether it has recurrent layers.
+    `remember` = (file, probe_key): a probe passed before under the same key is not run again."""
     kinds = flat_kinds(layer_kinds(model))
     try:
         install_capture(model)
@@ -37,7 +65,18 @@ def prepare(model, arch: str, vocab_size: int = 2) -> bool:
         raise UnsupportedArchitecture(f"architecture {arch!r}: {e}; refused rather than run") from None
     install_stepping(model)
     install_adapters(model)
-    _probe(model, arch, vocab_size)
+    passed, key = remember or (None, None)
+    try:
+        known = passed is not None and passed.read_text().strip() == key
+    except OSError:
+        known = False
+    if not known:
+        _probe(model, arch, vocab_size)
+        if passed is not None:
+            try:
+                passed.write_text(key + "\n")
+            except OSError:
+                pass  # read-only: probe again next time
     return any(k != "kv" for k in kinds)
 
 

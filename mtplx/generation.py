@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -22,9 +23,9 @@ from .cache import BatchCache, RowKVCache
 from .config import ScheduleConfig, SpeculativeConfig
 from .depth import DepthController
 from .drafters import MtpDrafter, make_drafter
-from .architectures import prepare
+from .architectures import PASSED_FILE, prepare, probe_key
 from .graphbank import CompiledVerifyBank
-from .models.loading import ModelBundle, context_length, load
+from .models.loading import ModelBundle, cache_dir, context_length, load
 from .models.mtp import has_trunk_split, project_logits, trunk_hidden
 from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
 from .request import Request, Result, RowStats
@@ -111,7 +112,8 @@ class Engine:
         self.vocab_size = int(cfg.get("vocab_size") or self.model.model.embed_tokens.weight.shape[0])
         self.max_context = context_length(cfg)
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
-        self.hybrid = prepare(self.model, bundle.model_type, self.vocab_size)  # refuses what it cannot batch exactly
+        self.hybrid = prepare(self.model, bundle.model_type, self.vocab_size,  # refuses what it cannot batch exactly
+                              remember=self._probe_memory(bundle))
         self.drafter = make_drafter(self.spec.method, self)
         self.runtime = _Runtime(self.model, want_hidden=isinstance(self.drafter, MtpDrafter))
         self.weight_bytes = _tree_bytes(self.model.parameters())
@@ -134,6 +136,15 @@ class Engine:
         self.depth_control = DepthController(self.spec.depth if self.drafter is not None else 0, self.spec.adaptive_depth)
         self.counters = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "rounds": 0}
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
+
+    @staticmethod
+    def _probe_memory(bundle: ModelBundle):
+        """Where a passed architecture probe is remembered: only beside a model we converted."""
+        try:
+            ours = Path(bundle.path).resolve().is_relative_to(cache_dir().resolve())
+        except (OSError, TypeError):
+            ours = False
+        return (Path(bundle.path) / PASSED_FILE, probe_key(bundle.config, bundle.model)) if ours else None
 
     @classmethod
     def load(cls, model_path, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None, trust_remote_code: bool = False):

@@ -155,3 +155,28 @@ def test_run_reports_startup_phases_without_transformers_or_pandas(tmp_path):
         assert phases[name] >= 0, name
     parts = sum(phases[n] for n in ("import", "config", "tokenizer", "weights", "engine", "first_token"))
     assert abs(parts - phases["total"]) < 0.05
+
+
+def test_architecture_probe_is_remembered_only_beside_a_converted_model(tmp_path, monkeypatch):
+    """A passed probe is not run again for a model under the cache directory (a converted one),
+    while any other model directory is probed on every load; a changed config probes again."""
+    import mtplx.architectures as arch
+    from mtplx.generation import Engine
+    from mtplx.models.loading import cache_dir, load
+
+    calls = []
+    real = arch._probe
+    monkeypatch.setattr(arch, "_probe", lambda *a: (calls.append(a[1]), real(*a)))
+    elsewhere = make_tiny_model(tmp_path / "m", "llama")
+    converted = make_tiny_model(cache_dir() / "converted" / f"tiny-{tmp_path.name}", "llama")
+    for _ in range(2):
+        Engine(load(elsewhere))
+    assert len(calls) == 2 and not (elsewhere / arch.PASSED_FILE).exists()
+    for _ in range(2):
+        Engine(load(converted))
+    assert len(calls) == 3 and (converted / arch.PASSED_FILE).exists()
+    cfg = json.loads((converted / "config.json").read_text())
+    cfg["rope_theta"] = cfg.get("rope_theta", 10000.0) * 2
+    (converted / "config.json").write_text(json.dumps(cfg))
+    Engine(load(converted))
+    assert len(calls) == 4
