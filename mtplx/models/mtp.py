@@ -254,8 +254,13 @@ def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Option
 
 
 def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
-    """The model's own MTP head, or the sidecar at `sidecar` (refusing a mismatched trunk)."""
+    """The model's own MTP head (raw checkpoint weights, or the built head `mtplx-batch convert`
+    wrote), or the sidecar at `sidecar` (refusing a mismatched trunk)."""
     if sidecar is None:
+        from .convert import has_built_head, load_built_head
+
+        if has_built_head(bundle.path):
+            return load_built_head(bundle)
         if not bundle.mtp_weights:
             raise ValueError(
                 f"model {bundle.path} ships no multi-token-prediction weights: use speculative.method "

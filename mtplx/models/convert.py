@@ -1,0 +1,164 @@
+"""An MLX copy of a safetensors checkpoint that keeps its MTP head (mlx-lm's own convert drops it).
+
+The trunk is written as mlx-lm writes it (sanitized, optionally quantized, `model*.safetensors`,
+config.json with its `quantization`), so plain `mlx_lm.load` reads the directory and never sees
+the head. The head is rebuilt from the checkpoint's own layout (mtp_layouts.py), quantized like
+the trunk (same bits, group size and per-layer rules) or kept in bfloat16, and written already
+built, beside the trunk:
+
+    mtplx_head.safetensors   the head's parameters by MTPHead / MTPHeadStack names
+    mtplx_head.json          how to rebuild the modules, and their quantization
+
+`load_built_head` reads it back; `mtplx.models.mtp.load_head` does so for any model directory
+that has one. config.json records what the copy was made from (`mtplx_convert`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
+
+from .loading import ModelBundle, load, tensor_index
+
+HEAD_META = "mtplx_head.json"
+HEAD_WEIGHTS = "mtplx_head.safetensors"
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja",
+                   "chat_template.json", "generation_config.json", "added_tokens.json")
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def _quant_rules(model, group_size: int, bits: int):
+    """(class_predicate for nn.quantize, per-path overrides it chose): the rules mlx-lm applies to
+    the trunk (only layers that can be quantized with this group size; the model's own
+    quant_predicate, e.g. 8-bit MoE routers)."""
+    rule = getattr(model, "quant_predicate", None)
+    overrides = {}
+
+    def predicate(path, module):
+        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % group_size:
+            return False
+        choice = rule(path, module) if rule is not None else True
+        if isinstance(choice, dict):
+            overrides[path] = choice
+        return choice
+
+    return predicate, overrides
+
+
+def _heads_of(head):
+    return list(head.depths) if hasattr(head, "depths") else [head]
+
+
+def save_head(head, out_dir: Path, trunk_model, quantize: Optional[int], group_size: int, keep_bf16: bool) -> dict:
+    """Write a built head (quantized like the trunk, or in bfloat16) into `out_dir`."""
+    quant = None
+    if keep_bf16:
+        head.set_dtype(mx.bfloat16)
+    elif quantize:
+        predicate, overrides = _quant_rules(trunk_model, group_size, quantize)
+        nn.quantize(head, group_size, quantize, class_predicate=predicate)
+        quant = {"group_size": group_size, "bits": quantize, "overrides": overrides}
+    meta = {
+        "format": 1,
+        "modules": [{"layers": len(m.layers), "own_head": "head" in m, "hidden_first": bool(m.hidden_first)}
+                    for m in _heads_of(head)],
+        "stack": hasattr(head, "depths"),
+        "quantization": quant,
+        "dtype": "bfloat16" if keep_bf16 else None,
+    }
+    mx.save_safetensors(str(out_dir / HEAD_WEIGHTS), dict(tree_flatten(head.parameters())))
+    (out_dir / HEAD_META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    return meta
+
+
+def has_built_head(path) -> bool:
+    return (Path(path) / HEAD_META).exists()
+
+
+def load_built_head(bundle: ModelBundle):
+    """The head `save_head` wrote beside the trunk of `bundle`."""
+    from .mtp import MTPHead, MTPHeadStack, text_model
+
+    meta = json.loads((bundle.path / HEAD_META).read_text())
+    if meta.get("format") != 1:
+        raise ValueError(f"{bundle.path / HEAD_META}: unknown head format {meta.get('format')!r}; "
+                         "convert the checkpoint again with this version of `mtplx-batch convert`")
+    weights = mx.load(str(bundle.path / HEAD_WEIGHTS))
+    modules = [MTPHead(bundle.model, n_layers=m["layers"], own_head=m["own_head"], hidden_first=m["hidden_first"])
+               for m in meta["modules"]]
+    head = MTPHeadStack(modules) if meta["stack"] else modules[0]
+    quant = meta.get("quantization")
+    if quant:
+        overrides = quant.get("overrides", {})
+        nn.quantize(head, quant["group_size"], quant["bits"],
+                    class_predicate=lambda p, m: f"{p}.scales" in weights and overrides.get(p, True))
+    head.load_weights(list(weights.items()), strict=True)
+    norm = getattr(text_model(bundle.model).model, "norm", None)
+    if norm is not None and getattr(norm, "weight", None) is not None:
+        head.set_dtype(norm.weight.dtype)  # non-quantized parameters run in the trunk's float type
+    head.eval()
+    mx.eval(head.parameters())
+    return head
+
+
+def _source_record(src: Path, bundle: ModelBundle) -> dict:
+    """What the copy was made from: the directory, its config's digest, its weight files."""
+    files = sorted({f for f, _ in tensor_index(src).values()})
+    return {
+        "source": str(src.resolve()),
+        "source_config_sha256": hashlib.sha256((src / "config.json").read_bytes()).hexdigest(),
+        "source_files": {f: (src / f).stat().st_size for f in files},
+        "model_type": bundle.model_type,
+    }
+
+
+def convert_hf(src, out_dir, quantize: Optional[int] = None, group_size: int = 64, keep_head_bf16: bool = False,
+               dtype: Optional[str] = None) -> Path:
+    """Convert the safetensors checkpoint in `src` into an MLX directory `out_dir` that keeps its head."""
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    src, out = Path(src), Path(out_dir)
+    if quantize not in (None, 4, 8):
+        raise ValueError(f"--quantize takes 4 or 8 (bits), not {quantize!r}")
+    if not (src / "config.json").exists() or not any(src.glob("*.safetensors")):
+        raise ValueError(f"{src} is not a safetensors checkpoint (config.json and *.safetensors)")
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"output directory {out} is not empty; give a new one")
+    bundle = load(src)
+    model, config = bundle.model, dict(bundle.config)
+    head = None
+    if bundle.mtp_weights:
+        from .mtp import build_head
+
+        head = build_head(bundle, bundle.mtp_weights)
+    if dtype is not None:
+        cast = getattr(model, "cast_predicate", lambda _: True)
+        model.update(tree_map_with_path(
+            lambda k, v: v.astype(DTYPES[dtype]) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
+            model.parameters()))
+        if head is not None and not keep_head_bf16:
+            head.set_dtype(DTYPES[dtype])
+    if quantize:
+        model, config = quantize_model(model, config, group_size, quantize)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(out, model)
+    record = _source_record(src, bundle)
+    record.update({"quantize": quantize, "group_size": group_size if quantize else None, "dtype": dtype,
+                   "head": None})
+    if head is not None:
+        meta = save_head(head, out, model, quantize, group_size, keep_head_bf16)
+        record["head"] = "bfloat16" if keep_head_bf16 else (f"{quantize}-bit" if quantize else "float")
+        record["head_modules"] = len(meta["modules"])
+    config["mtplx_convert"] = record
+    save_config(config, out / "config.json", keep_vision_config=False)
+    for f in sorted(src.iterdir()):  # the tokenizer and generation settings, as they are
+        if f.is_file() and any(f.match(g) for g in TOKENIZER_FILES):
+            shutil.copy(f, out / f.name)
+    return out
