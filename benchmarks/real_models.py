@@ -158,6 +158,8 @@ def main():
     ap.add_argument("--widths", default="8,32")
     ap.add_argument("--depths", default="1,2,3,4")
     ap.add_argument("--compiled", default="on")
+    ap.add_argument("--ngram-depths", default="2,4", help="single-stream prompt-lookup depths ('' for none)")
+    ap.add_argument("--batch-methods", default="none,ngram,mtp,draft", help="methods run at the batched widths")
     ap.add_argument("--torch", action="store_true", help="also PyTorch + transformers generate on the same weights (CUDA)")
     ap.add_argument("--repeats", type=int, default=1, help="single-stream runs per setting; tok/s is their median")
     ap.add_argument("--out", default="bench-out")
@@ -171,7 +173,7 @@ def main():
     prompts = load_prompts(args.prompts, tok, max(args.rows, 32))
     single_prompts = prompts[:single_rows]
 
-    methods = [("none", 1)] + [("ngram", d) for d in (2, 4)]
+    methods = [("none", 1)] + [("ngram", int(d)) for d in args.ngram_depths.split(",") if d]
     if args.head:
         methods += [("mtp", int(d)) for d in args.depths.split(",")]
     if args.draft:
@@ -221,7 +223,8 @@ def main():
         entry = {"width": width, "rows": len(batch_prompts), "mlx-lm tok/s": pb["tok_s"],
                  "mlx-lm": "generate_step" if width == 1 else "batch_generate", "mlx-lm peak GB": pb["peak_gb"]}
         extra = ([("mtp", best_mtp["depth"])] if best_mtp else []) + ([("draft", 2)] if args.draft else [])
-        for method, depth in [("none", 1), ("ngram", 3)] + extra:
+        wanted = args.batch_methods.split(",")
+        for method, depth in [m for m in [("none", 1), ("ngram", 3)] + extra if m[0] in wanted or m[0] == "none"]:
             r = run_engine(bundle, batch_prompts, args.tokens, spec(method, depth, adaptive=method != "none"), width)
             entry[f"ours {method} tok/s"] = r["tok_s"]
             entry[f"ours {method} x peer"] = r["tok_s"] / pb["tok_s"]

@@ -93,6 +93,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 100  # steps between held-out evaluations (progress bar, log)
     checkpoint_every: int = 100  # steps between checkpoints
+    max_seconds: Optional[float] = None  # stop training after this much wall time (the head is evaluated and saved)
 
     # Keys that change what is trained: a resume with different values is refused.
     RESUME_KEYS = ("depth_layers", "draft_depths", "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
@@ -471,6 +472,9 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     interrupted = None
     try:
         while step < cfg.steps:
+            if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:
+                log(f"time limit of {cfg.max_seconds:.0f}s reached at step {step} of {cfg.steps}")
+                break
             idx = rng.choice(len(train_idx), size=min(cfg.batch_size, len(train_idx)), replace=False)
             loss = train_step(_batch(train_f, sorted(int(i) for i in idx), compute_dtype))
             mx.eval(loss, head.parameters(), opt.state)

@@ -93,13 +93,17 @@ def _terminate_as_interrupt(signum, frame):
               help="Steps between held-out evaluations.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=100, show_default=True,
               help="Steps between checkpoints.")
+@click.option("--max-seconds", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop training after this much wall time (data and trunk passes included); the head is "
+                   "evaluated and written as usual.")
 @click.option("--restart", is_flag=True, help="Discard HEAD_DIR/checkpoint/ and start over.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or messages; errors only.")
 def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_depths: int, steps: int, batch_size: int, seq_len: int,
                lr: float, heldout: float, max_rows: Optional[int], max_new_tokens: Optional[int], sample: Optional[int],
                samples_per_prompt: int, temperature: float, text, text_tokens: int, heldout_data: Optional[str],
                heldout_rows: int, loss: str, hidden_weight: float, draft_vocab: int, init: str,
-               dtype: str, seed: int, eval_every: int, checkpoint_every: int, restart: bool, quiet: bool):
+               dtype: str, seed: int, eval_every: int, checkpoint_every: int, max_seconds: Optional[float], restart: bool,
+               quiet: bool):
     """Train a multi-token-prediction head for MODEL (it predicts token t+2 from the trunk's hidden
     state at t and token t+1) and write it to HEAD_DIR as a sidecar for speculative decoding."""
     from mtplx.training.train_head import TrainConfig, TrainHeadError, checkpoint_step
@@ -112,7 +116,7 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
                       seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every, sample=sample,
                       samples_per_prompt=samples_per_prompt, temperature=temperature, text=tuple(text),
                       text_tokens=text_tokens, heldout_data=heldout_data, heldout_rows=heldout_rows, loss=loss,
-                      hidden_weight=hidden_weight, draft_vocab=draft_vocab)
+                      hidden_weight=hidden_weight, draft_vocab=draft_vocab, max_seconds=max_seconds)
     log = None if quiet else (lambda m: click.echo(m, err=True))
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:

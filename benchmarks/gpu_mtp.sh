@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Issue 18 on the H200: train the SmolLM2 MTP head with the recipe, then benchmark it on held-out
+# rows of the job it was trained on and on a second dataset. Each step fits one device call.
+# The files travel as in ../shared/GPU.md: .gpu-a (mlx, mlx-lm, CUDA wheel part 1), .gpu-b (CUDA
+# part 2, gguf wheel, humaneval + gsm8k-100 jsonl), .gpu-c / .gpu-d (the SmolLM2 GGUF in two parts);
+# a call per folder runs `cp .gpu-X/* ~/keep/`, and the next two steps follow on the same machine.
+#
+#   bash benchmarks/gpu_mtp.sh train   # install, assets, train-head (the recipe, <= 6 min) -> ~/keep/head and $OUT
+#   bash benchmarks/gpu_mtp.sh bench   # HumanEval rows the head never saw + GSM8K: ours vs mlx-lm; phase profile
+set -uo pipefail
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+export PYTHONPATH=~/site:$PWD MTPLX_CACHE=${MTPLX_CACHE:-/tmp/mtplx-cache} PYTHONUNBUFFERED=1
+KEEP=${KEEP:-$HOME/keep}
+MODEL=smollm2-135m-instruct
+HEAD=$KEEP/head
+
+case "${1:-}" in
+train)
+  if [ ! -d ~/site/mlx ]; then
+    cat "$KEEP"/cuda-aa "$KEEP"/cuda-ab > "$KEEP"/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+    rm -f "$KEEP"/cuda-a?
+    python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site "$KEEP"/*.whl || exit 1
+  fi
+  A=$MTPLX_CACHE/assets
+  mkdir -p "$A/$MODEL" "$A/humaneval" "$A/gsm8k-100"
+  [ -f "$A/$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf" ] || cat "$KEEP"/smol-aa "$KEEP"/smol-ab > "$A/$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf"
+  cp "$KEEP/humaneval.jsonl" "$A/humaneval/"; cp "$KEEP/gsm8k-100.jsonl" "$A/gsm8k-100/"
+  python3 -c "import mlx.core as mx; print(mx.default_device())"
+  # The recipe (docs/train-head.md): 100 sampled rows of the job, greedy + 1 sampled continuation
+  # each, 300k tokens of the standard library's source, depths 1-3 unrolled, KL to the trunk,
+  # a drafting vocabulary of 8192 tokens, GSM8K held out as the second dataset.
+  time python3 -m pipelines.cli train-head $MODEL --data jobs/eval.yaml --sample 100 --samples-per-prompt 1 \
+    --max-new-tokens 192 --text stdlib --text-tokens 300000 --heldout-data jobs/gsm8k.yaml --heldout-rows 32 \
+    --steps "${STEPS:-1500}" --batch-size 16 --seq-len 384 --draft-depths 3 --hidden-weight "${HW:-0.1}" \
+    --eval-every 250 --checkpoint-every 500 --max-seconds "${MAX_SECONDS:-330}" --out "$HEAD" --restart 2>&1 \
+    | grep -v "^\s*$" | tee "$OUT/train.log"
+  cp "$HEAD"/mtp_head.json "$HEAD"/mtp_head.safetensors "$HEAD"/mtp_draft_vocab.npy "$OUT"/ 2>/dev/null
+  ;;
+bench)
+  # prompts: HumanEval rows outside the head's training sample, and GSM8K (the gsm8k job's template)
+  python3 - "$HEAD" "$MTPLX_CACHE/assets" <<'EOF'
+import json, sys
+head, assets = sys.argv[1], sys.argv[2]
+seen = set(json.load(open(f"{head}/mtp_head.json"))["sample_rows"])
+rows = [json.loads(l) for l in open(f"{assets}/humaneval/humaneval.jsonl")]
+with open("/tmp/humaneval-heldout.jsonl", "w") as f:
+    for i, r in enumerate(rows):
+        if i not in seen:
+            f.write(json.dumps({"id": r.get("id", i), "prompt": r["prompt"]}) + "\n")
+with open("/tmp/gsm8k.jsonl", "w") as f:
+    for l in open(f"{assets}/gsm8k-100/gsm8k-100.jsonl"):
+        r = json.loads(l)
+        f.write(json.dumps({"prompt": r["question"] + "\nAnswer with the final number after 'The answer is'."}) + "\n")
+print(f"{len(rows) - len(seen)} held-out HumanEval rows")
+EOF
+  R="benchmarks.real_models --model $MODEL --head $HEAD --tokens 128 --ngram-depths 4 --batch-methods none,ngram,mtp"
+  timeout 260 python3 -m $R --prompts /tmp/humaneval-heldout.jsonl --rows 32 --widths 8,32 --depths 2,3,4 --out /tmp/b/he 2>&1 | tee "$OUT/bench.log"
+  cp /tmp/b/he/real_models.md "$OUT/humaneval.md"; cp /tmp/b/he/real_models.json "$OUT/humaneval.json"
+  timeout 150 python3 -m $R --prompts /tmp/gsm8k.jsonl --rows 32 --widths 32 --depths 3 --out /tmp/b/gsm 2>&1 | tee -a "$OUT/bench.log"
+  cp /tmp/b/gsm/real_models.md "$OUT/gsm8k.md"; cp /tmp/b/gsm/real_models.json "$OUT/gsm8k.json"
+  timeout 90 python3 -m benchmarks.phase_profile jobs/eval-mtp.yaml --set input.limit=8 --set schedule.max_batch=1 \
+    --set speculative.mtp_head="$HEAD" --out /tmp/b/prof 2>&1 | tail -30 | tee -a "$OUT/bench.log"
+  cat /tmp/b/prof/*.md > "$OUT/profile.md" 2>/dev/null
+  ;;
+*)
+  sed -n 2,9p "$0"; exit 2
+  ;;
+esac
