@@ -35,12 +35,13 @@ class SpeculativeConfig:
 @dataclass
 class ScheduleConfig:
     order: str = "prefix"  # prefix | length | input
-    max_batch: int = 32  # rows decoded together
+    max_batch: Union[str, int] = 32  # rows decoded together, or auto: from the calibration (calibrate.py)
     prefill_chunk: Union[str, int] = "auto"  # tokens per prefill span; MTPLX_PREFILL_CHUNK_SIZE overrides
     memory_budget: Union[str, int] = "auto"  # bytes, or auto: a safe share of device memory
+    calibration: Optional[str] = None  # a profile from `mtplx-batch calibrate`; default: beside the model
 
     def __post_init__(self):
         if self.order not in ("prefix", "length", "input"):
             raise ValueError(f"schedule.order must be prefix, length or input, got {self.order!r}")
-        if int(self.max_batch) < 1:
+        if self.max_batch != "auto" and int(self.max_batch) < 1:
             raise ValueError(f"schedule.max_batch must be >= 1, got {self.max_batch}")

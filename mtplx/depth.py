@@ -8,20 +8,27 @@ bucket, depth), extrapolates depths it has not tried, picks the depth with the m
 second, and now and then tries a neighbour so the estimates stay honest. Depth 0 (no drafting)
 is a candidate: when speculation does not pay, it stops speculating.
 
+A calibration profile (calibrate.py, `mtplx-batch calibrate`) gives the controller the shape of
+each width's cost curve measured on this machine (a verify of k + 1 tokens relative to one of 1),
+so it starts from those ratios instead of an assumed slope; its own round times set the scale.
+
 Only greedy rows follow it (their text cannot change); sampled rows keep `speculative.depth`.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import math
+from typing import Dict, List, Optional, Tuple
 
 EXPLORE_EVERY = 16  # rounds between tries of a neighbouring depth
 UNTRIED_SLOPE = 0.15  # assumed extra cost per drafted token before it is measured (optimistic)
 
 
 class DepthController:
-    def __init__(self, max_depth: int, adaptive: bool = True, acceptance: float = 0.7):
+    def __init__(self, max_depth: int, adaptive: bool = True, acceptance: float = 0.7,
+                 shapes: Optional[Dict[int, List[float]]] = None):
         self.max_depth = max_depth
+        self.shapes = dict(shapes or {})  # width -> relative verify cost by depth (calibrate.cost_shapes)
         self.adaptive = adaptive
         self.acceptance = acceptance  # per-token, EMA over rounds
         self.seconds: Dict[Tuple[int, int], float] = {}  # (width bucket, depth) -> EMA round time
@@ -32,14 +39,23 @@ class DepthController:
     def _bucket(width: int) -> int:
         return 1 << max(0, width - 1).bit_length()
 
+    def _shape(self, bucket: int, k: int) -> float:
+        """Relative cost of depth k at this width: the calibrated curve of the nearest width
+        (in log2) that reaches depth k, else the assumed slope."""
+        near = [w for w, c in self.shapes.items() if len(c) > k]
+        if not near:
+            return 1.0 + UNTRIED_SLOPE * k
+        w = min(near, key=lambda w: abs(math.log2(w) - math.log2(bucket)))
+        return self.shapes[w][k]
+
     def _cost(self, bucket: int, k: int) -> float:
         if (bucket, k) in self.seconds:
             return self.seconds[(bucket, k)]
         known = {d: t for (b, d), t in self.seconds.items() if b == bucket}
         if not known:
-            return 1.0 + UNTRIED_SLOPE * k  # nothing measured at this width: relative units
+            return self._shape(bucket, k)  # nothing measured at this width: relative units
         d0, t0 = min(known.items(), key=lambda kv: abs(kv[0] - k))
-        return t0 * (1.0 + UNTRIED_SLOPE * k) / (1.0 + UNTRIED_SLOPE * d0)
+        return t0 * self._shape(bucket, k) / self._shape(bucket, d0)
 
     def _rate(self, bucket: int, k: int) -> float:
         a = min(max(self.acceptance, 0.01), 0.99)

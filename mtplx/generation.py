@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import BatchCache, RowKVCache
+from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profile, profile_path
 from .config import ScheduleConfig, SpeculativeConfig
 from .depth import DepthController
 from .drafters import MtpDrafter, make_drafter
@@ -133,7 +134,11 @@ class Engine:
             )
         self.prefiller = Prefiller(self)
         self._bytes_per_token, self._bytes_per_row = self._measure_cache()
-        self.depth_control = DepthController(self.spec.depth if self.drafter is not None else 0, self.spec.adaptive_depth)
+        self.profile_file, profile = self._calibration(bundle)
+        self.max_batch = (auto_max_batch(profile, self.memory_budget, self.row_bytes(AUTO_ROW_TOKENS, 0))
+                          if str(self.schedule.max_batch) == "auto" else int(self.schedule.max_batch))
+        self.depth_control = DepthController(self.spec.depth if self.drafter is not None else 0, self.spec.adaptive_depth,
+                                             shapes=cost_shapes(profile))
         self.counters = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "rounds": 0}
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
 
@@ -145,6 +150,17 @@ class Engine:
         except (OSError, TypeError):
             ours = False
         return (Path(bundle.path) / PASSED_FILE, probe_key(bundle.config, bundle.model)) if ours else None
+
+    def _calibration(self, bundle: ModelBundle):
+        """(profile file, profile) from `schedule.calibration` or beside the model; (None, None) when
+        there is none for this device and model. A named profile that does not load is an error."""
+        named = self.schedule.calibration
+        path = Path(named) if named else profile_path(bundle.path)
+        profile = load_profile(path, bundle.config)
+        if named and profile is None:
+            raise ValueError(f"schedule.calibration: {named} is missing, unreadable, or was measured on another "
+                             f"device or model; make one with `mtplx-batch calibrate {bundle.path} --out {named}`")
+        return (str(path), profile) if profile is not None else (None, None)
 
     @classmethod
     def load(cls, model_path, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None, trust_remote_code: bool = False):
@@ -257,7 +273,7 @@ class Engine:
     def _admit(self, batch: "_Batch"):
         """One admission pass (a generator: yields error rows). Returns True if it should run again."""
         slots = batch.slots
-        free = [i for i, s in enumerate(slots) if s is None] + list(range(len(slots), int(self.schedule.max_batch)))
+        free = [i for i, s in enumerate(slots) if s is None] + list(range(len(slots), self.max_batch))
         live = [s for s in slots if s is not None]
         used_bytes = sum(self.row_bytes(len(s.req.prompt_tokens), s.max_tokens) for s in live)
         admitted = []

@@ -378,9 +378,10 @@ def export(run_dir: str, fmt: str, out: Optional[str], errors_out: Optional[str]
 
 def _register_extra_commands():
     from .assets import convert, fetch
+    from .calibrate import calibrate
     from .train_head import train_head
 
-    for command in (fetch, convert, train_head):
+    for command in (fetch, convert, train_head, calibrate):
         main.add_command(command)
 
 

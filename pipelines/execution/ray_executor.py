@@ -57,7 +57,8 @@ def check_ray() -> None:
 
 def actor_batch_rows(job: JobConfig) -> int:
     """Input rows per actor call: a few engine batches, so continuous batching stays full."""
-    return max(16, 4 * int(job.schedule.max_batch))
+    mb = job.schedule.max_batch
+    return max(16, 4 * (int(mb) if mb != "auto" else 32))
 
 
 def reader_schema(keep_types) -> pa.Schema:

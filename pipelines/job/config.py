@@ -164,6 +164,8 @@ def build_job(raw: Any, default_name: str = "job") -> JobConfig:
             problems.append(f"input.template: {e}, got {inp.template!r}")
     inp.path = _abspath_if_local(inp.path)
     sched = dict(s["schedule"])
+    if sched.get("calibration"):
+        sched["calibration"] = os.path.abspath(os.path.expanduser(sched["calibration"]))
     ordering = OrderingConfig(**{k: sched.pop(k) for k in ("window_rows", "min_prefix_tokens") if k in sched})
     output = OutputConfig(**{"dir": f"runs/{name}", **s["output"]})
     output.dir = os.path.abspath(os.path.expanduser(output.dir))

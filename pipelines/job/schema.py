@@ -164,7 +164,8 @@ SECTIONS: Dict[str, Dict[str, Check]] = {
     },
     "schedule": {
         "order": one_of(*ORDERS),
-        "max_batch": integer(1),
+        "max_batch": auto_or_int,
+        "calibration": optional(string),
         "prefill_chunk": auto_or_int,
         "memory_budget": auto_or_bytes,
         "window_rows": integer(1),
