@@ -114,10 +114,11 @@ def _probe(model, arch: str, vocab_size: int):
     _forward(model, verify, cache, capturing=True)
     for i, leaf in enumerate(cache.leaves):
         if isinstance(leaf, RowStateCache) and (leaf._steps is None or getattr(leaf, "writers", None)):
-            who = ", ".join(sorted(getattr(leaf, "writers", set()))) or "no layer"
+            who = ", ".join(sorted(getattr(leaf, "writers", set())))
+            how = f"is written by {who}, which has" if who else "is not written through the engine's cache by any layer:"
             raise UnsupportedArchitecture(
-                f"architecture {arch!r}: recurrent cache {i} is written by {who}, which has no capture "
-                "backend (its state could not be rolled back after a rejected draft); refused rather than run"
+                f"architecture {arch!r}: recurrent cache {i} {how} no capture backend (its state could not "
+                "be rolled back after a rejected draft); refused rather than run"
             )
     counts = np.array([2, 1])
     cache.commit(counts)

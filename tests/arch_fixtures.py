@@ -76,6 +76,13 @@ ARCH_CONFIGS: Dict[str, dict] = {
     "internlm3": _cfg("internlm3", rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
 }
 
+# Architectures mlx-lm runs that the engine does not (yet): refused at start-up, never run.
+UNSUPPORTED_CONFIGS: Dict[str, dict] = {
+    "mamba": {"model_type": "mamba", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+              "state_size": 8, "num_hidden_layers": 2, "conv_kernel": 4, "use_bias": False,
+              "use_conv_bias": True, "time_step_rank": 8, "tie_word_embeddings": True},
+}
+
 # Tied-embedding families whose token embedding would otherwise dominate the residual stream
 # (greedy text then repeats one token): stronger layers.
 ARCH_GAIN = {"qwen3": 2.5, "gemma3_text": 0.6, "gemma2": 1.0}
@@ -124,7 +131,7 @@ def make_arch_model(out_dir, arch: str, seed: int = 0, gain: float = None) -> Pa
         from mtp_fixtures import make_mtp_model
 
         return make_mtp_model(out, arch, seed=seed)
-    config = dict(ARCH_CONFIGS[arch])
+    config = dict(ARCH_CONFIGS.get(arch) or UNSUPPORTED_CONFIGS[arch])
     model_cls, args_cls = _model_class(config)
     model = model_cls(args_cls.from_dict(config))
     weights = _random_weights(model, seed, ARCH_GAIN.get(arch, 1.5) if gain is None else gain)

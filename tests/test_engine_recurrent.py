@@ -47,7 +47,7 @@ def arch_dir(tmp_path_factory):
 def test_partial_accept_then_next_token_matches_fresh_forward(arch_dir, arch, mode):
     bundle = load(arch_dir(arch))
     model = bundle.model
-    prepare(model, arch)
+    prepare(model, arch, 512)  # the start-up probe passes too
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, n).tolist() for n in (5, 13, 21)]  # past the sliding windows (8)
     singles = []
@@ -74,7 +74,14 @@ def test_partial_accept_then_next_token_matches_fresh_forward(arch_dir, arch, mo
         np.testing.assert_allclose(np.array(got[b]), np.array(ref), atol=1e-4, rtol=1e-4, err_msg=f"{arch} row {b}")
 
 
-def test_unknown_recurrent_layer_is_refused_naming_it(arch_dir, monkeypatch):
+def test_unknown_recurrent_layer_is_refused_naming_it(arch_dir):
+    """mlx-lm's mamba: its MambaBlock has no capture backend, so the probe refuses it."""
+    bundle = load(arch_dir("mamba"))
+    with pytest.raises(UnsupportedArchitecture, match=r"architecture 'mamba'.*no capture backend"):
+        Engine(bundle, SpeculativeConfig(method="none"))
+
+
+def test_a_layer_without_its_capture_is_refused_naming_it(arch_dir, monkeypatch):
     monkeypatch.setattr(recurrent, "STEPPED_LAYERS", recurrent.STEPPED_LAYERS - {("mlx_lm.models.lfm2", "ShortConv")})
     bundle = load(arch_dir("lfm2"))  # a fresh model: no capture installed on it yet
     with pytest.raises(UnsupportedArchitecture, match=r"architecture 'lfm2'.*ShortConv.*no capture backend"):
@@ -120,7 +127,7 @@ def test_dynamic_ntk_rope_per_row_past_the_trained_context():
         np.testing.assert_allclose(np.array(got[b]), np.array(plain(x[b : b + 1], offset=off)[0]), atol=1e-4)
 
 
-def test_cli_run_refuses_an_unknown_layer_before_any_row(arch_dir, tmp_path, monkeypatch):
+def test_cli_run_refuses_an_unknown_layer_before_any_row(arch_dir, tmp_path):
     """`mtplx-batch run` on a model the engine would get wrong: exit 2, the architecture and the
     layer named, no row written."""
     from click.testing import CliRunner
@@ -128,10 +135,9 @@ def test_cli_run_refuses_an_unknown_layer_before_any_row(arch_dir, tmp_path, mon
     from jobkit import job_dict, write_job, write_jsonl
     from pipelines.cli import main
 
-    monkeypatch.setattr(recurrent, "STEPPED_LAYERS", recurrent.STEPPED_LAYERS - {("mlx_lm.models.lfm2", "ShortConv")})
     data = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(3)])
-    job = write_job(tmp_path / "job.yaml", job_dict(arch_dir("lfm2"), data, tmp_path / "run", fmt="jsonl"))
+    job = write_job(tmp_path / "job.yaml", job_dict(arch_dir("mamba"), data, tmp_path / "run", fmt="jsonl"))
     res = CliRunner().invoke(main, ["run", str(job), "-q"], catch_exceptions=False)
     assert res.exit_code == 2, res.output
-    assert "architecture 'lfm2'" in res.output and "ShortConv" in res.output
+    assert "architecture 'mamba'" in res.output and "no capture backend" in res.output
     assert not list((tmp_path / "run").glob("shards/*.parquet"))
