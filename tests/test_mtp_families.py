@@ -223,3 +223,65 @@ def test_each_mtp_layer_drafts_its_own_depth(family_model, family, compiled):
     np.testing.assert_array_equal(got, want)
     alone, _ = _drafts(stack.depths[0], bundle, rows, K, compiled)  # layer 0 recursing: other drafts
     assert (alone[:, 1:] != got[:, 1:]).any()
+
+
+@pytest.fixture(scope="module")
+def small_vocab_qwen3_5(fixture_dir):
+    """A 16-token qwen3_5 (hybrid) with a 2-layer native head, for exact distribution tests."""
+    from test_engine_sampling import SETTINGS, V, exact_joint
+
+    bundle = load(make_mtp_model(fixture_dir / "q35-v16", "qwen3_5", vocab_size=V, small_vocab=True, mtp_layers=2))
+    assert isinstance(load_head(bundle), MTPHeadStack) and not bundle.tokenizer.eos_token_ids
+    return bundle, {name: exact_joint(bundle.model, params) for name, params in SETTINGS.items()}
+
+
+def test_sampled_native_mtp_follows_the_target_distribution(small_vocab_qwen3_5, compiled="on"):
+    """Sampled rows through the native (2-layer) head of a hybrid model: the first three tokens
+    (the second and third from the first speculative round: layer 0's and layer 1's drafts,
+    residual resamples, bonus tokens) follow the exact target distribution (chi-square)."""
+    from test_engine_sampling import P_OK, PROMPT, SETTINGS, distribution_tests
+
+    bundle, exact = small_vocab_qwen3_5
+    rows = 600
+    eng = Engine(bundle, SpeculativeConfig(method="mtp", depth=2, adaptive_depth=False, compiled_verify=compiled),
+                 ScheduleConfig(max_batch=128))
+    reqs = [Request(key=(name, i), prompt_tokens=list(PROMPT), params=params, seed=7 * 10**6 + 10**5 * (compiled == "on") + n)
+            for n, (name, params, i) in enumerate((nm, p, i) for nm, p in SETTINGS.items() for i in range(rows))]
+    samples = {name: [] for name in SETTINGS}
+    drafted = accepted = 0
+    for r in eng.generate(reqs):
+        assert r.error is None and len(r.tokens) == 4, (r.key, r.error)
+        samples[r.key[0]].append(r.tokens[:3])
+        drafted += r.stats.drafted_tokens
+        accepted += r.stats.accepted_tokens
+    assert drafted >= 2 * len(reqs) and 0.05 < accepted / drafted < 0.9, (drafted, accepted)
+    failures = [f"{name} {test}: chi2 {stat:.1f} on {dof} dof, p={p:.2g}"
+                for name in SETTINGS for test, stat, dof, p in distribution_tests(samples[name], exact[name]) if p < P_OK]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_a_job_asking_mtp_of_a_model_without_head_is_refused_before_weights_load(fixture_dir, tmp_path, monkeypatch,
+                                                                                   command):
+    from click.testing import CliRunner
+
+    import mtplx.models.loading
+    from jobkit import job_dict, sample_rows, write_job, write_parquet
+    from pipelines.cli.commands import main
+
+    trunk = make_mtp_model(fixture_dir / "qwen3_5-trunk-only", "qwen3_5", with_mtp=False)
+    data = write_parquet(tmp_path / "in.parquet", sample_rows(3))
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights loaded")
+
+    monkeypatch.setattr(mtplx.models.loading, "load", no_weights)
+    job = write_job(tmp_path / "job.yaml", job_dict(trunk, data, tmp_path / "run", speculative={"method": "mtp"}))
+    res = CliRunner().invoke(main, [command, str(job)])
+    assert res.exit_code == 2, res.output
+    assert "speculative.method: mtp" in res.output and "train-head" in res.output and "ngram" in res.output
+    # the same model with a head passes the check
+    with_head = write_job(tmp_path / "ok.yaml", job_dict(make_mtp_model(tmp_path / "h", "qwen3_5"), data,
+                                                         tmp_path / "run2", speculative={"method": "mtp"}))
+    res = CliRunner().invoke(main, ["validate", str(with_head)])
+    assert res.exit_code == 0, res.output

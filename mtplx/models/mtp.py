@@ -253,6 +253,27 @@ def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Option
     return built[0] if len(built) == 1 else MTPHeadStack(built)
 
 
+def no_head_message(path) -> str:
+    return (f"model {path} ships no multi-token-prediction weights (none of the layouts in docs/models.md: "
+            "mtp.*, model.mtp_layers.*, NextN layers after the trunk, or a head from `mtplx-batch convert`): "
+            "use speculative.method ngram (prompt lookup, no extra weights) or draft, or train a head with "
+            "`mtplx-batch train-head` and set speculative.mtp_head")
+
+
+def check_native_head(model_dir) -> None:
+    """Refuse, from the file headers alone (no weights load), a model directory without an MTP head."""
+    from .convert import has_built_head
+    from .loading import load_config, tensor_index
+    from .mtp_layouts import is_mtp_key
+
+    path = Path(model_dir)
+    if has_built_head(path):
+        return
+    config = load_config(path)
+    if not any(is_mtp_key(k, config) for k in tensor_index(path)):
+        raise ValueError(no_head_message(path))
+
+
 def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
     """The model's own MTP head (raw checkpoint weights, or the built head `mtplx-batch convert`
     wrote), or the sidecar at `sidecar` (refusing a mismatched trunk)."""
@@ -262,10 +283,7 @@ def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
         if has_built_head(bundle.path):
             return load_built_head(bundle)
         if not bundle.mtp_weights:
-            raise ValueError(
-                f"model {bundle.path} ships no multi-token-prediction weights: use speculative.method "
-                "ngram or draft, or train a head with `mtplx-batch train-head` and set speculative.mtp_head"
-            )
+            raise ValueError(no_head_message(bundle.path))
         return build_head(bundle, bundle.mtp_weights)
     path = Path(sidecar)
     meta = json.loads((path / SIDECAR_META).read_text())

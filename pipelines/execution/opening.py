@@ -44,10 +44,26 @@ def check_remote_code(job: JobConfig) -> None:
         )
 
 
+def check_mtp_head(job: JobConfig) -> None:
+    """`method: mtp` without `mtp_head` needs the model's own head: refuse, before weights load, a
+    checkpoint that has none (its safetensors headers name no MTP weights)."""
+    if job.speculative.method != "mtp" or job.speculative.mtp_head:
+        return
+    from mtplx.models.mtp import check_native_head
+
+    try:
+        check_native_head(resolve_model_dir(job))
+    except ValueError as e:
+        raise JobError(f"speculative.method: mtp: {e}")
+    except OSError:
+        return  # unreadable files are reported by the loader
+
+
 def load_tokenizer(job: JobConfig):
     from mtplx.models.loading import load_tokenizer_only
 
     check_remote_code(job)
+    check_mtp_head(job)
     try:
         return load_tokenizer_only(job.model.path)
     except Exception as e:  # missing dir, bad tokenizer files: all mean the job cannot run
