@@ -101,3 +101,23 @@ def test_draft_model_of_the_same_architecture(arch_models, arch):
     results = a.run("draft", 4, "on", draft_model=a.draft())
     assert [r.tokens for r in results] == a.refs
     assert sum(r.stats.drafted_tokens for r in results) > 0
+
+
+PREFIX_ARCHS = ["lfm2", "nemotron_h", "falcon_h1", "gemma3_text", "gpt_oss", "gemma2"]
+
+
+@pytest.mark.parametrize("arch", PREFIX_ARCHS)
+def test_rows_sharing_a_prefix(arch_models, arch):
+    """Rows whose prompts share a 30-token prefix: the first prefills it and keeps a snapshot at its
+    edge (recurrent state included), the others copy it and prefill only their suffix."""
+    a = arch_models(arch)
+    tok = a.bundle.tokenizer
+    shared = tok.encode("the quick brown fox jumps over the lazy dog. " * 3)[:30]
+    prompts = [shared + tok.encode(s) for s in (" one", " and then two more", " three, four")]
+    refs = [reference_tokens(a.bundle.model, p, 16, set(tok.eos_token_ids)) for p in prompts]
+    eng = Engine(a.bundle, SpeculativeConfig(method="ngram", depth=3), ScheduleConfig(max_batch=4))
+    reqs = [Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=16), stable_prefix_len=len(shared))
+            for i, p in enumerate(prompts)]
+    out = {r.key: r for r in eng.generate(reqs)}
+    assert [out[i].tokens for i in range(3)] == refs
+    assert sum(out[i].stats.cached_prompt_tokens for i in range(3)) == 2 * len(shared)
