@@ -1,24 +1,31 @@
-"""Draft sources behind one small interface: prompt lookup, a draft model, MTP heads.
+"""Draft sources behind one small interface (`Drafter`): prompt lookup, a draft model, MTP heads.
 
 A drafter keeps per-slot state that mirrors the engine's batch slots:
 - `prefill_row(tokens, hidden, first_token, prefix, edge)` builds one row's state after its prompt
   (`prefix`: a snapshot to start from; `edge`: the stable-prefix edge, where `snapshot` may be asked
   for the state: a drafter with recurrent state keeps a copy there, it cannot be cut back later);
+- `snapshot(state, length, hidden_at_edge)` the state of the first `length` prompt tokens, kept
+  with the target's snapshot for rows that share the prefix;
 - `reset()`, `extend(states)` / `write(slot, state)` / `take(keep)` move rows in and out of the batch;
 - `propose(K, pending, sampler, u)` returns drafts [W, K] and their proposal distribution q
   ([W, K, V], or None when drafts are deterministic, i.e. a point mass);
 - `commit(...)` tells it how many drafts each row kept and the token that followed.
-Everything stays on the device: one round is one lazy graph and one host sync.
+`needs_hidden`: the drafter reads the trunk's hidden states (`hidden` above; the engine computes
+them only then). Everything stays on the device: one round is one lazy graph and one host sync.
+
+A new draft method is one class with this interface and one line in `DRAFTERS`.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import BatchCache, RowStateCache
+from .config import SPEC_METHODS, SpeculativeConfig
+from .models.loading import ModelBundle
 from .models.mtp import MTPHead
 from .mtp_draft import CompiledDraftBank, DraftVocab, at_accepted, commit_inputs, pick, project, stack_drafts
 from .sampling import SamplerBatch, sample_from, shaped_probs
@@ -38,6 +45,30 @@ def _draw(probs: mx.array, sampler: SamplerBatch, u: mx.array) -> mx.array:
     if sampler.all_greedy:
         return mx.argmax(probs, axis=-1).astype(mx.int32)
     return sample_from(probs, u)
+
+
+class Drafter(Protocol):
+    name: str
+    needs_hidden: bool
+
+    def prefill_row(self, tokens: Sequence[int], hidden: Optional[mx.array], first_token: int,
+                    prefix: Optional[object] = None, edge: int = 0) -> object: ...
+
+    def snapshot(self, state: object, length: int, hidden_at_edge: Optional[mx.array]) -> object: ...
+
+    def reset(self) -> None: ...
+
+    def extend(self, states: Sequence[object]) -> None: ...
+
+    def write(self, slot: int, state: object) -> None: ...
+
+    def take(self, keep: Sequence[int]) -> None: ...
+
+    def propose(self, K: int, pending: mx.array, sampler: SamplerBatch,
+                u: mx.array) -> Tuple[mx.array, Optional[mx.array]]: ...
+
+    def commit(self, n_accept: np.ndarray, next_tokens: np.ndarray, drafts: np.ndarray, active: np.ndarray,
+               verify_in: Optional[mx.array] = None, hidden: Optional[mx.array] = None) -> None: ...
 
 
 class NgramDrafter:
@@ -61,7 +92,7 @@ class NgramDrafter:
         history = list(tokens) + [int(first_token)]
         return history, self._index(history)
 
-    def snapshot(self, state, length):
+    def snapshot(self, state, length, hidden_at_edge=None):
         return None
 
     def reset(self):
@@ -167,7 +198,7 @@ class DraftModelDrafter(_CachedDrafter):
                 at_edge = cache.snapshot_row(0)
         return cache, [], at_edge
 
-    def snapshot(self, state, length):
+    def snapshot(self, state, length, hidden_at_edge=None):
         at_edge = state[2]
         if at_edge is not None and at_edge[0] == length:
             return at_edge
@@ -304,31 +335,48 @@ class MtpDrafter(_CachedDrafter):
         self.extra = list(out)
 
 
-def make_drafter(method: str, engine) -> Optional[object]:
-    if method == "none":
+def _draft_model(spec: SpeculativeConfig, bundle: ModelBundle) -> DraftModelDrafter:
+    from .models.loading import load
+
+    draft = load(spec.draft_model)
+    if draft.tokenizer.vocab_size != bundle.tokenizer.vocab_size and abs(
+        draft.config.get("vocab_size", 0) - bundle.config.get("vocab_size", 0)
+    ) > 1024:
+        raise ValueError(
+            f"draft model {spec.draft_model} has a different tokenizer "
+            f"(vocab {draft.config.get('vocab_size')} vs {bundle.config.get('vocab_size')})"
+        )
+    from .architectures import prepare
+
+    prepare(draft.model, draft.model_type, bundle.vocab_size)  # batching adapters; refuses what it cannot batch
+    return DraftModelDrafter(draft.model, bundle.vocab_size)
+
+
+def _mtp(spec: SpeculativeConfig, bundle: ModelBundle) -> MtpDrafter:
+    from .models.mtp import load_head
+    from .mtp_draft import load_draft_vocab
+
+    head = load_head(bundle, spec.mtp_head)
+    vocab = load_draft_vocab(head, spec.mtp_head, bundle.vocab_size)
+    return MtpDrafter(head, vocab=vocab, compiled=spec.compiled_verify != "off")
+
+
+# speculative.method -> the drafter for a job's settings and the target model
+DRAFTERS: Dict[str, Callable[[SpeculativeConfig, ModelBundle], Drafter]] = {
+    "ngram": lambda spec, bundle: NgramDrafter(spec.ngram_size),
+    "draft": _draft_model,
+    "mtp": _mtp,
+}
+
+
+if set(DRAFTERS) != set(SPEC_METHODS) - {"none"}:  # the job schema checks methods without loading this module
+    raise ImportError(f"mtplx.config.SPEC_METHODS {SPEC_METHODS} and DRAFTERS {sorted(DRAFTERS)} disagree")
+
+
+def make_drafter(spec: SpeculativeConfig, bundle: ModelBundle) -> Optional[Drafter]:
+    """The drafter `spec.method` names; None for plain decoding (`none`)."""
+    if spec.method == "none":
         return None
-    if method == "ngram":
-        return NgramDrafter(engine.spec.ngram_size)
-    if method == "draft":
-        from .models.loading import load
-
-        draft = load(engine.spec.draft_model)
-        if draft.tokenizer.vocab_size != engine.tokenizer.vocab_size and abs(
-            draft.config.get("vocab_size", 0) - engine.bundle.config.get("vocab_size", 0)
-        ) > 1024:
-            raise ValueError(
-                f"draft model {engine.spec.draft_model} has a different tokenizer "
-                f"(vocab {draft.config.get('vocab_size')} vs {engine.bundle.config.get('vocab_size')})"
-            )
-        from .architectures import prepare
-
-        prepare(draft.model, draft.model_type, engine.vocab_size)  # batching adapters; refuses what it cannot batch
-        return DraftModelDrafter(draft.model, engine.vocab_size)
-    if method == "mtp":
-        from .models.mtp import load_head
-        from .mtp_draft import load_draft_vocab
-
-        head = load_head(engine.bundle, engine.spec.mtp_head)
-        vocab = load_draft_vocab(head, engine.spec.mtp_head, engine.vocab_size)
-        return MtpDrafter(head, vocab=vocab, compiled=engine.spec.compiled_verify != "off")
-    raise ValueError(f"unknown speculative method {method!r}")
+    if spec.method not in DRAFTERS:
+        raise ValueError(f"unknown speculative method {spec.method!r}")
+    return DRAFTERS[spec.method](spec, bundle)

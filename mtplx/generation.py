@@ -23,7 +23,7 @@ from .cache import BatchCache, RowKVCache
 from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profile, profile_path
 from .config import ScheduleConfig, SpeculativeConfig
 from .depth import DepthController
-from .drafters import MtpDrafter, make_drafter
+from .drafters import make_drafter
 from .architectures import PASSED_FILE, prepare, probe_key
 from .graphbank import CompiledVerifyBank
 from .models.loading import ModelBundle, cache_dir, context_length, load
@@ -110,13 +110,13 @@ class Engine:
         self.spec = spec or SpeculativeConfig()
         self.schedule = schedule or ScheduleConfig()
         cfg = bundle.config
-        self.vocab_size = int(cfg.get("vocab_size") or self.model.model.embed_tokens.weight.shape[0])
+        self.vocab_size = bundle.vocab_size
         self.max_context = context_length(cfg)
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         self.hybrid = prepare(self.model, bundle.model_type, self.vocab_size,  # refuses what it cannot batch exactly
                               remember=self._probe_memory(bundle))
-        self.drafter = make_drafter(self.spec.method, self)
-        self.runtime = _Runtime(self.model, want_hidden=isinstance(self.drafter, MtpDrafter))
+        self.drafter = make_drafter(self.spec, bundle)
+        self.runtime = _Runtime(self.model, want_hidden=self.drafter is not None and self.drafter.needs_hidden)
         self.weight_bytes = _tree_bytes(self.model.parameters())
         budget = self.schedule.memory_budget
         self.memory_budget = (
@@ -132,14 +132,14 @@ class Engine:
                 capture_backend="gdn" if self.hybrid else None,
                 parity={"on": False, "parity": "parity", "parity2": "parity2"}[self.spec.compiled_verify],
             )
-        self.prefiller = Prefiller(self)
+        self.counters = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "rounds": 0}
+        self.prefiller = Prefiller(self.runtime, self.prefill_chunk, self.hybrid, self.counters, self._progress)
         self._bytes_per_token, self._bytes_per_row = self._measure_cache()
         self.profile_file, profile = self._calibration(bundle)
         self.max_batch = (auto_max_batch(profile, self.memory_budget, self.row_bytes(AUTO_ROW_TOKENS, 0))
                           if str(self.schedule.max_batch) == "auto" else int(self.schedule.max_batch))
         self.depth_control = DepthController(self.spec.depth if self.drafter is not None else 0, self.spec.adaptive_depth,
                                              shapes=cost_shapes(profile))
-        self.counters = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "rounds": 0}
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
 
     @staticmethod
@@ -296,7 +296,9 @@ class Engine:
         if not admitted:
             return False
         grow, finished_early = [], False
-        prefilled = self.prefiller.run(admitted)
+        prefilled = self.prefiller.run(admitted, self.drafter)
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()  # the startup phases end here
         self._progress("decode", sum(1 for _, _, first in prefilled if first not in self.eos))
         for row, (row_cache, state, first) in zip(admitted, prefilled):
             reason = self._emit(row, [first])

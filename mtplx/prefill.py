@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from collections import OrderedDict
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import BatchCache
-from .drafters import MtpDrafter
 from .models.mtp import project_logits, trunk_hidden
 from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
 
@@ -125,9 +123,21 @@ def length_groups(lengths: Sequence[int], max_waste: float = PADDING_WASTE) -> L
 
 
 class Prefiller:
-    def __init__(self, engine):
-        self.engine = engine
-        self.model = engine.model
+    """Prompts into single-row caches (and the drafter's state), reusing shared prefixes.
+
+    `runtime`: the model and whether hidden states are kept (`split`, `want_hidden`); `chunk`: the
+    prefill span size (0: whole prompts); `hybrid`: recurrent layers, so rows prefill one by one;
+    `counters`: the engine's prefill_tokens / cached_prompt_tokens, added to here; `progress(kind,
+    tokens)`: told of every prefilled span."""
+
+    def __init__(self, runtime, chunk: int, hybrid: bool, counters: Dict[str, int],
+                 progress: Callable[[str, int], None] = lambda kind, tokens: None):
+        self.runtime = runtime
+        self.model = runtime.model
+        self.chunk = chunk
+        self.hybrid = hybrid
+        self.counters = counters
+        self.progress = progress
         self.store = PrefixStore()
 
     def _edge(self, row) -> int:
@@ -135,18 +145,18 @@ class Prefiller:
         return min(max(int(row.req.stable_prefix_len or 0), 0), n - 1)
 
     def _hidden(self, tokens: mx.array, cache: BatchCache) -> mx.array:
-        if self.engine.runtime.split:
+        if self.runtime.split:
             return trunk_hidden(self.model, tokens, cache.layers)
         return self.model(tokens, cache=cache.layers)  # logits stand in; only the last is used
 
     def _first_tokens(self, rows, last: mx.array) -> List[int]:
-        logits = project_logits(self.model, last) if self.engine.runtime.split else last
+        logits = project_logits(self.model, last) if self.runtime.split else last
         sampler = SamplerBatch.from_params([r.req.params for r in rows])
         u = mx.array(np.array([uniforms(r.rng) for r in rows], dtype=np.float32))
         return np.array(sample_from(shaped_probs(logits, sampler)[:, 0], u)).tolist()
 
-    def run(self, rows) -> List[Tuple[BatchCache, object, int]]:
-        """Prefill `rows`; returns (single-row cache, drafter state, first token) per row."""
+    def run(self, rows, drafter=None) -> List[Tuple[BatchCache, object, int]]:
+        """Prefill `rows`; returns (single-row cache, `drafter`'s state, first token) per row."""
         out = [None] * len(rows)
         keys = [PrefixStore.key(r.req.prompt_tokens, self._edge(r)) for r in rows]
         seen = set()
@@ -154,19 +164,17 @@ class Prefiller:
         for i, (row, key) in enumerate(zip(rows, keys)):
             leader = key is not None and self.store.get(key) is None and key not in seen
             seen.add(key)
-            (alone if leader or self.engine.hybrid else together).append(i)
-        for i in alone:
-            out[i] = self._one(rows[i], keys[i])
+            (alone if leader or self.hybrid else together).append(i)
+        for i in alone:  # leaders first: their prefixes are stored for the rows after them
+            out[i] = self._drafter_prefill(drafter, rows[i], keys[i], *self._one(rows[i], keys[i]))
         todo = [len(rows[i].req.prompt_tokens) - (self._edge(rows[i]) if self.store.get(keys[i]) else 0)
                 for i in together]
         for group in length_groups(todo):
             members = [together[g] for g in group]
             for i, res in zip(members, self._many([rows[i] for i in members], [keys[i] for i in members])):
-                out[i] = res
+                out[i] = self._drafter_prefill(drafter, rows[i], keys[i], *res)
         for row in rows:
             row.stats.prompt_tokens = len(row.req.prompt_tokens)
-        if self.engine.first_token_at is None:
-            self.engine.first_token_at = time.perf_counter()  # the startup phases end here
         return out
 
     def _restore(self, cache: BatchCache, b: int, row, key) -> Tuple[int, Optional[tuple]]:
@@ -184,24 +192,23 @@ class Prefiller:
         cache = BatchCache.for_model(self.model, 1)
         start, hit = self._restore(cache, 0, row, key)
         snap, hiddens, h = None, [], None
-        for s, e in _iter_prefill_chunk_spans(n, self.engine.prefill_chunk, (edge,) if key else ()):
+        for s, e in _iter_prefill_chunk_spans(n, self.chunk, (edge,) if key else ()):
             if e <= start:
                 continue
             s = max(s, start)
             h = self._hidden(mx.array(toks[s:e], dtype=mx.int32)[None], cache)
             cache.commit([e - s])
-            if self.engine.runtime.want_hidden:
+            if self.runtime.want_hidden:
                 hiddens.append(h)
             mx.eval(h, [a for c in cache.leaves for a in c.state_arrays() if a is not None])
-            self.engine._progress("prefill", e - s)
+            self.progress("prefill", e - s)
             row.stats.prefill_chunks += 1
             if key and hit is None and e == edge:
                 snap = cache.snapshot_row(0)  # exactly at the edge: recurrent state included
         self._count(n, start)
         first = self._first_tokens([row], h[:, -1:])[0]
         hidden = mx.concatenate(hiddens, axis=1) if hiddens else None
-        state = self._drafter_prefill(row, hidden, first, hit, key, snap)
-        return cache, state, first
+        return cache, hidden, first, hit, snap
 
     def _many(self, rows, keys):
         """Prefill rows together: each row's suffix padded to the longest, in chunk spans."""
@@ -214,7 +221,7 @@ class Prefiller:
             hits.append(hit)
         cache.rows.set(np.array(starts))
         todo = [len(r.req.prompt_tokens) - s for r, s in zip(rows, starts)]
-        chunk = self.engine.prefill_chunk or max(todo)
+        chunk = self.chunk or max(todo)
         last = [None] * B
         hiddens = [[] for _ in range(B)]
         for c in range(0, max(todo), chunk):
@@ -228,12 +235,12 @@ class Prefiller:
             h = self._hidden(mx.array(grid), cache)
             cache.commit(counts)
             mx.eval(h, [a for layer in cache.leaves for a in layer.state_arrays() if a is not None])
-            self.engine._progress("prefill", int(counts.sum()))
+            self.progress("prefill", int(counts.sum()))
             for b in range(B):
                 if counts[b]:
                     rows[b].stats.prefill_chunks += 1
                     last[b] = h[b : b + 1, counts[b] - 1 : counts[b]]
-                    if self.engine.runtime.want_hidden:
+                    if self.runtime.want_hidden:
                         hiddens[b].append(h[b : b + 1, : counts[b]])
         for row, s in zip(rows, starts):
             self._count(len(row.req.prompt_tokens), s)
@@ -244,27 +251,24 @@ class Prefiller:
             single.write_row(0, cache.snapshot_row(b))
             hidden = mx.concatenate(hiddens[b], axis=1) if hiddens[b] else None
             snap = single.snapshot_row(0, self._edge(row)) if keys[b] and hits[b] is None else None
-            state = self._drafter_prefill(row, hidden, firsts[b], hits[b], keys[b], snap)
-            out.append((single, state, firsts[b]))
+            out.append((single, hidden, firsts[b], hits[b], snap))
         return out
 
     def _count(self, n, start):
-        self.engine.counters["prefill_tokens"] += n - start
-        self.engine.counters["cached_prompt_tokens"] += start
+        self.counters["prefill_tokens"] += n - start
+        self.counters["cached_prompt_tokens"] += start
 
-    def _drafter_prefill(self, row, hidden, first, hit, key, target_snap):
-        """The drafter's own prefill, and the prefix snapshot (target + drafter) if this row leads."""
-        drafter = self.engine.drafter
+    def _drafter_prefill(self, drafter, row, key, cache, hidden, first, hit, target_snap):
+        """(cache, the drafter's state, first token), storing the prefix snapshot (target +
+        drafter) if this row leads."""
         toks, edge = row.req.prompt_tokens, self._edge(row)
         state = None
         drafter_snap = None
         if drafter is not None:
             state = drafter.prefill_row(toks, hidden, first, hit[1] if hit is not None else None, edge=edge)
             if target_snap is not None:
-                if isinstance(drafter, MtpDrafter):
-                    drafter_snap = drafter.snapshot(state, edge, hidden[:, edge - 1 : edge])
-                else:
-                    drafter_snap = drafter.snapshot(state, edge)
+                at_edge = hidden[:, edge - 1 : edge] if hidden is not None else None
+                drafter_snap = drafter.snapshot(state, edge, at_edge)
         if target_snap is not None:
             self.store.put(key, (target_snap, drafter_snap))
-        return state
+        return cache, state, first

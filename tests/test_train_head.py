@@ -28,6 +28,7 @@ from mtplx.models.mtp import SIDECAR_META, SIDECAR_WEIGHTS, load_head
 from mtplx.request import Request, SamplingParams
 from mtplx.training.train_head import TrainConfig, TrainData, TrainHeadError, checkpoint_step, train_head
 from pipelines.cli.train_head import train_head as train_head_cmd
+from pipelines.io.train_data import read_train_data
 
 WORDS = ("def class return import for while if else self value list dict print json "
          "the quick brown fox answer question").split()
@@ -154,7 +155,7 @@ def test_llama_table_prompts_two_blocks(tiny_model, tmp_path):
     out = tmp_path / "head"
     t0 = time.perf_counter()
     cfg = TrainConfig(**dict(FAST, steps=60, depth_layers=2), max_new_tokens=32)
-    res = train_head(bundle, str(prompts), out, cfg)
+    res = train_head(bundle, str(prompts), out, cfg, read=read_train_data)
     TIMINGS["llama train (2 blocks)"] = time.perf_counter() - t0
     print(f"\nllama (2 blocks): held-out loss {res.initial_heldout_loss:.3f} -> {res.heldout_loss:.3f}, "
           f"acceptance {res.initial_heldout_acceptance:.3f} -> {res.heldout_acceptance:.3f}, "

@@ -43,6 +43,10 @@ class ModelBundle:
     def model_type(self) -> str:
         return self.config["model_type"]
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.get("vocab_size") or self.model.model.embed_tokens.weight.shape[0])
+
 
 def _mlx_lm_tables() -> Dict[str, dict]:
     """mlx-lm's model-type remappings, read from mlx_lm/utils.py without importing it."""

@@ -1,7 +1,7 @@
 """Training data for MTP heads: token sequences, and the frozen trunk's features over them.
 
-`build_data` turns what `train-head --data` names (a job, a table of prompts or texts, plain text,
-token lists) into sequences: prompts followed by the model's own greedy continuations
+`build_data` turns what `train-head --data` names (a job's or a table's rows as read by the
+command, plain text, token lists) into sequences: prompts followed by the model's own greedy continuations
 (self-distillation), or text windows. `trunk_features` runs the frozen trunk once over them.
 """
 
@@ -239,23 +239,34 @@ def text_data(bundle: ModelBundle, paths: Sequence[str], max_tokens: int, seq_le
     return TrainData(seqs, f"text:{','.join(paths)}")
 
 
-def _table_rows(path: str, fmt: str):
-    from pipelines.job.config import InputConfig
-    from pipelines.io.sources import open_source
+@dataclass
+class ReadData:
+    """Rows the caller read (the `train-head` command reads jobs and tables the way a run does):
+    prompt token lists to self-distill, or texts to cut into windows. Plain data: the engine reads
+    no job files."""
 
-    src = open_source(InputConfig(path=path, format=fmt), None)
-    for row in src.rows():
-        if row.data is not None:
-            yield row.data
+    source: str  # what they came from, for the metadata
+    prompts: List[List[int]] = field(default_factory=list)
+    texts: List[str] = field(default_factory=list)
+    max_new_tokens: int = 256  # continuation length when self-distilling the prompts
+    rows: Optional[List[int]] = None  # the input rows the prompts came from, when sampled
+
+
+def is_job_or_table(path: str) -> bool:
+    low = str(path).lower()
+    return low.endswith((".yaml", ".yml")) or any(low.endswith(suf) for suf in TABLE_FORMATS)
 
 
 def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True) -> TrainData:
-    """Training sequences from `data`: a job YAML, a JSONL/Parquet/CSV table, a text file, a list of
-    strings (plain text), a list of token-id lists (every position scored), or a TrainData."""
+    """Training sequences from `data`: ReadData (a job's or a table's rows, read by the caller), a
+    text file, a list of strings (plain text), a list of token-id lists (every position scored), or
+    a TrainData."""
     tok = bundle.tokenizer
     limit = cfg.max_rows
     if isinstance(data, TrainData):
         return TrainData(list(data.sequences), data.source, list(data.starts)).clip(cfg.seq_len, limit)
+    if isinstance(data, ReadData):
+        return _read_data(bundle, data, cfg, quiet)
     if isinstance(data, (list, tuple)):
         if all(isinstance(x, str) for x in data):
             seqs = [w for text in data for w in _windows(_encode_text(tok, text), cfg.seq_len)]
@@ -265,12 +276,9 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True) 
     if not os.path.exists(path):
         raise TrainHeadError(f"--data {path!r} does not exist: give a job YAML, a JSONL/Parquet/CSV file "
                              "with a prompt or text column, or a plain text file")
-    low = path.lower()
-    if low.endswith((".yaml", ".yml")):
-        return _job_data(bundle, path, cfg, quiet)
-    fmt = next((f for suf, f in TABLE_FORMATS.items() if low.endswith(suf)), None)
-    if fmt is not None:
-        return _table_data(bundle, path, fmt, cfg, quiet)
+    if is_job_or_table(path):
+        raise TrainHeadError(f"--data {path!r}: a job or a table is read by the train-head command "
+                             "(pipelines.io.train_data.read_train_data); pass what it reads (ReadData)")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (UnicodeDecodeError, IsADirectoryError) as e:
@@ -280,59 +288,14 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True) 
     return TrainData(seqs, f"text:{os.path.abspath(path)}").clip(cfg.seq_len, limit)
 
 
-def _job_data(bundle: ModelBundle, path: str, cfg: TrainConfig, quiet: bool) -> TrainData:
-    from pipelines.job.config import load_job
-    from pipelines.errors import JobError
-    from pipelines.io.rows import prepare
-    from pipelines.execution.opening import open_job
-
-    try:
-        job = load_job(path)
-        prep = open_job(job, bundle.tokenizer)
-    except JobError as e:
-        raise TrainHeadError(str(e))
-    rows = sample_rows(prep.source.rows(), cfg.sample, cfg.seed) if cfg.sample else prep.source.rows()
-    items = [it for it in prepare(rows, prep.renderer, job.input.id_column, [], None, None, cfg.max_rows) if it.tokens]
-    prompts = [it.tokens for it in items]
-    if not prompts:
-        raise TrainHeadError(f"{path}: the job's input gave no usable prompts")
-    max_new = job.generation.max_tokens
-    if cfg.max_new_tokens is not None:
-        max_new = min(max_new, cfg.max_new_tokens)
-    data = self_distill(bundle, prompts, max_new, cfg.gen_batch, cfg.seq_len, quiet, cfg.samples_per_prompt,
-                        cfg.temperature, cfg.seed)
-    data.source = f"job:{os.path.abspath(path)}"
-    data.rows = [it.index for it in items]
-    return data.clip(cfg.seq_len)
-
-
-def _table_data(bundle: ModelBundle, path: str, fmt: str, cfg: TrainConfig, quiet: bool) -> TrainData:
-    tok = bundle.tokenizer
-    rows = []
-    for data in sample_rows(_table_rows(path, fmt), cfg.sample, cfg.seed) if cfg.sample else _table_rows(path, fmt):
-        rows.append(data)
-        if cfg.max_rows and len(rows) >= cfg.max_rows:
-            break
-    if not rows:
-        raise TrainHeadError(f"--data {path!r} holds no rows")
-    cols = set(rows[0])
-    if "prompt" in cols or "messages" in cols:
-        from pipelines.job.config import InputConfig
-        from pipelines.io.prompts import PromptRenderer
-
-        inp = InputConfig(path=path, format=fmt, messages_column="messages" if "prompt" not in cols else None)
-        renderer = PromptRenderer(inp, tok)
-        prompts = [renderer.tokens(r) for r in rows]
-        data = self_distill(bundle, prompts, cfg.max_new_tokens or 256, cfg.gen_batch, cfg.seq_len, quiet,
-                            cfg.samples_per_prompt, cfg.temperature, cfg.seed)
-        data.source = f"{fmt}-prompts:{os.path.abspath(path)}"
-        return data.clip(cfg.seq_len)
-    if "text" in cols:
-        seqs = [w for r in rows if isinstance(r.get("text"), str)
-                for w in _windows(_encode_text(tok, r["text"]), cfg.seq_len)]
-        return TrainData(seqs, f"{fmt}-text:{os.path.abspath(path)}").clip(cfg.seq_len)
-    raise TrainHeadError(f"--data {path!r}: needs a 'prompt' (or 'messages') column to self-distill, or a "
-                         f"'text' column of plain text; it has {', '.join(sorted(cols))}")
+def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: bool) -> TrainData:
+    if data.prompts:
+        out = self_distill(bundle, data.prompts, data.max_new_tokens, cfg.gen_batch, cfg.seq_len, quiet,
+                           cfg.samples_per_prompt, cfg.temperature, cfg.seed)
+        out.source, out.rows = data.source, data.rows
+        return out.clip(cfg.seq_len)
+    seqs = [w for t in data.texts for w in _windows(_encode_text(bundle.tokenizer, t), cfg.seq_len)]
+    return TrainData(seqs, data.source).clip(cfg.seq_len)
 
 
 # -- trunk features --------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .head_data import (TrainData, TrainHeadError, Features, _bar, build_data, self_distill,  # noqa: F401
+from .head_data import (TrainData, TrainHeadError, Features, _bar, build_data, is_job_or_table, self_distill,  # noqa: F401
                         text_data, trunk_features)
 from .head_eval import _batch, _causal, _unrolled, acceptance_by_depth, evaluate, tokens_per_verify  # noqa: F401
 from ..models.loading import ModelBundle, load
@@ -308,6 +308,14 @@ def data_key(data, cfg: TrainConfig) -> Optional[dict]:
             "text": list(cfg.text), "text_tokens": cfg.text_tokens}
 
 
+def _read(read, data, bundle: ModelBundle, cfg: TrainConfig):
+    """`data` as `read` gives it where it names a job or a table; anything else as it is."""
+    if read is not None and isinstance(data, (str, os.PathLike)) and is_job_or_table(str(data)) \
+            and os.path.exists(data):
+        return read(str(data), bundle.tokenizer, cfg)
+    return data
+
+
 def _resolve_bundle(model) -> ModelBundle:
     if isinstance(model, ModelBundle):
         return model
@@ -353,14 +361,16 @@ def checkpoint_step(out_dir) -> Optional[int]:
 # -- training --------------------------------------------------------------------------------------
 def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, restart: bool = False,
                quiet: bool = True, callback: Optional[Callable[[int, dict], None]] = None,
-               log: Optional[Callable[[str], None]] = None) -> TrainResult:
+               log: Optional[Callable[[str], None]] = None, read: Optional[Callable] = None) -> TrainResult:
     """Train an MTP sidecar head for `model` (a path, a known name or a ModelBundle) on `data` and
     write it to `out_dir`; resume from `out_dir/checkpoint/` when it holds a run with the same
     settings (refused otherwise, unless `restart`).
 
     `callback(step, metrics)` runs after every step (metrics: loss, lr, and heldout_loss /
     heldout_acceptance on evaluation steps); an exception from it (e.g. KeyboardInterrupt) stops
-    training after a checkpoint of the current step is written.
+    training after a checkpoint of the current step is written. `read(path, tokenizer, cfg)`
+    reads a job or a table named by `data` or `heldout_data` into ReadData (the `train-head`
+    command passes `pipelines.io.train_data.read_train_data`); without it they are refused.
     """
     cfg = config or TrainConfig()
     cfg.check()
@@ -404,7 +414,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         tdata = TrainData.load(data_file)  # an earlier run stopped before its first checkpoint
         log(f"reusing {len(tdata.sequences)} sequences from {data_file}")
     else:
-        tdata = build_data(bundle, data, cfg, quiet).clip(cfg.seq_len)
+        tdata = build_data(bundle, _read(read, data, bundle, cfg), cfg, quiet).clip(cfg.seq_len)
         tdata.split(cfg.heldout, cfg.seed)
         if cfg.text:  # general text: training only, so the held-out split stays the data's own
             tdata.extend(text_data(bundle, cfg.text, cfg.text_tokens, cfg.seq_len, cfg.seed).clip(cfg.seq_len))
@@ -421,7 +431,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                              store_dtype, False, desc="trunk (train)", quiet=quiet)
     held_f = trunk_features(mdl, [tdata.sequences[i] for i in tdata.heldout], [tdata.starts[i] for i in tdata.heldout],
                             store_dtype, True, desc="trunk (held-out)", quiet=quiet)
-    other, other_f = _other_heldout(bundle, cfg, ck, store_dtype, quiet)
+    other, other_f = _other_heldout(bundle, cfg, ck, store_dtype, quiet, read)
     log(f"{len(train_idx)} training sequences ({train_f.positions} positions), {len(tdata.heldout)} held out "
         f"({held_f.positions} positions)" + (f", {other_f.positions} positions of {cfg.heldout_data} held out" if other else ""))
     passes = cfg.steps * min(cfg.batch_size, len(train_idx)) / len(train_idx)
@@ -580,7 +590,7 @@ def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx
                            cfg.draft_vocab, V, eos)
 
 
-def _other_heldout(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool):
+def _other_heldout(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read=None):
     """A second dataset (`heldout_data`), self-distilled like the training data but never trained on."""
     if not cfg.heldout_data:
         return None, None
@@ -590,7 +600,7 @@ def _other_heldout(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype,
         other = TrainData.load(path)
     else:
         ocfg = replace(cfg, sample=cfg.heldout_rows, max_rows=cfg.heldout_rows, samples_per_prompt=0)
-        other = build_data(bundle, cfg.heldout_data, ocfg, quiet).clip(cfg.seq_len)
+        other = build_data(bundle, _read(read, cfg.heldout_data, bundle, ocfg), ocfg, quiet).clip(cfg.seq_len)
         ck.mkdir(parents=True, exist_ok=True)
         other.save(path, key)
     feats = trunk_features(bundle.model, other.sequences, other.starts, store_dtype, True,

@@ -110,6 +110,7 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
     from mtplx.training.train_head import train_head as run_training
 
     from ..errors import JobError
+    from ..io.train_data import read_train_data
 
     cfg = TrainConfig(depth_layers=depth_layers, draft_depths=draft_depths, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
                       heldout=heldout, max_rows=max_rows, max_new_tokens=max_new_tokens, init=init, dtype=dtype,
@@ -120,7 +121,7 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
     log = None if quiet else (lambda m: click.echo(m, err=True))
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
-        res = run_training(model, data, out_dir, cfg, restart=restart, quiet=quiet, log=log)
+        res = run_training(model, data, out_dir, cfg, restart=restart, quiet=quiet, log=log, read=read_train_data)
     except (TrainHeadError, JobError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -1,0 +1,71 @@
+"""`train-head --data` (and `--heldout-data`) when it names a job or a table: its rows read the
+way a run reads them (the job's source, prompt template and per-row checks), handed to the
+engine's head training as plain data (`mtplx.training.head_data.ReadData`)."""
+
+from __future__ import annotations
+
+import os
+
+from mtplx.training.head_data import TABLE_FORMATS, ReadData, TrainHeadError, sample_rows
+
+from ..errors import JobError
+from ..job.config import InputConfig, load_job
+from .prompts import PromptRenderer
+from .rows import prepare
+from .sources import open_source
+
+DEFAULT_NEW_TOKENS = 256  # continuation length for a table's prompts without --max-new-tokens
+
+
+def read_train_data(path: str, tokenizer, cfg) -> ReadData:
+    """The rows of the job YAML or table at `path`, within `cfg`'s max_rows / sample / seed."""
+    low = path.lower()
+    try:
+        if low.endswith((".yaml", ".yml")):
+            return _job(path, tokenizer, cfg)
+        fmt = next(f for suf, f in TABLE_FORMATS.items() if low.endswith(suf))
+        return _table(path, fmt, tokenizer, cfg)
+    except JobError as e:
+        raise TrainHeadError(str(e))
+
+
+def _job(path: str, tokenizer, cfg) -> ReadData:
+    from ..execution.opening import open_job
+
+    job = load_job(path)
+    prep = open_job(job, tokenizer)
+    rows = sample_rows(prep.source.rows(), cfg.sample, cfg.seed) if cfg.sample else prep.source.rows()
+    items = [it for it in prepare(rows, prep.renderer, job.input.id_column, [], None, None, cfg.max_rows) if it.tokens]
+    if not items:
+        raise TrainHeadError(f"{path}: the job's input gave no usable prompts")
+    max_new = job.generation.max_tokens
+    if cfg.max_new_tokens is not None:
+        max_new = min(max_new, cfg.max_new_tokens)
+    return ReadData(f"job:{os.path.abspath(path)}", prompts=[it.tokens for it in items], max_new_tokens=max_new,
+                    rows=[it.index for it in items])
+
+
+def _table(path: str, fmt: str, tokenizer, cfg) -> ReadData:
+    def table_rows():
+        for row in open_source(InputConfig(path=path, format=fmt), None).rows():
+            if row.data is not None:
+                yield row.data
+
+    rows = []
+    for data in sample_rows(table_rows(), cfg.sample, cfg.seed) if cfg.sample else table_rows():
+        rows.append(data)
+        if cfg.max_rows and len(rows) >= cfg.max_rows:
+            break
+    if not rows:
+        raise TrainHeadError(f"--data {path!r} holds no rows")
+    cols = set(rows[0])
+    if "prompt" in cols or "messages" in cols:
+        inp = InputConfig(path=path, format=fmt, messages_column="messages" if "prompt" not in cols else None)
+        renderer = PromptRenderer(inp, tokenizer)
+        return ReadData(f"{fmt}-prompts:{os.path.abspath(path)}", prompts=[renderer.tokens(r) for r in rows],
+                        max_new_tokens=cfg.max_new_tokens or DEFAULT_NEW_TOKENS)
+    if "text" in cols:
+        return ReadData(f"{fmt}-text:{os.path.abspath(path)}",
+                        texts=[r["text"] for r in rows if isinstance(r.get("text"), str)])
+    raise TrainHeadError(f"--data {path!r}: needs a 'prompt' (or 'messages') column to self-distill, or a "
+                         f"'text' column of plain text; it has {', '.join(sorted(cols))}")
