@@ -24,6 +24,11 @@ STEPPED_LAYERS = {
     ("mlx_lm.models.lfm2", "ShortConv"),
     ("mlx_lm.models.nemotron_h", "NemotronHMamba2Mixer"),
     ("mlx_lm.models.falcon_h1", "FalconH1Mixer"),
+    ("mlx_lm.models.lfm2_moe", "ShortConv"),
+    ("mlx_lm.models.mamba2", "Mamba2Block"),
+    ("mlx_lm.models.granitemoehybrid", "GraniteMoeHybridMamba2Mixer"),
+    ("mlx_lm.models.jamba", "JambaMambaMixer"),
+    ("mlx_lm.models.recurrent_gemma", "RecurrentBlock"),
 }
 
 

@@ -74,10 +74,36 @@ ARCH_CONFIGS: Dict[str, dict] = {
     "gemma2": _cfg("gemma2", head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0),
     "internlm3": _cfg("internlm3", rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    "mamba2": {"model_type": "mamba2", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+               "num_heads": 8, "head_dim": 16, "state_size": 16, "num_hidden_layers": 2, "layer_norm_epsilon": 1e-5,
+               "conv_kernel": 4, "n_groups": 2, "use_bias": False, "use_conv_bias": True,
+               "tie_word_embeddings": False, "time_step_limit": [0.0, float("inf")], "time_step_rank": 8},
+    "lfm2_moe": _cfg("lfm2_moe", num_hidden_layers=4, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                     norm_topk_prob=True, use_expert_bias=True, num_dense_layers=1, norm_eps=1e-5, conv_bias=False,
+                     conv_L_cache=3, layer_types=["conv", "full_attention", "conv", "conv"], rope_theta=10000.0),
+    "granitemoehybrid": _cfg("granitemoehybrid", num_hidden_layers=3, attention_bias=False, embedding_multiplier=4.0,
+                             attention_multiplier=0.25, logits_scaling=2.0, residual_multiplier=0.5,
+                             layer_types=["mamba", "attention", "mamba"], num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=64, mamba_n_heads=4, mamba_d_head=16, mamba_proj_bias=False,
+                             mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1, mamba_conv_bias=True,
+                             time_step_limit=[0.0, float("inf")]),
+    "jamba": _cfg("jamba", num_hidden_layers=4, attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1,
+                  expert_layer_period=2, mamba_d_conv=4, mamba_d_state=8, mamba_expand=2, num_experts=4,
+                  num_experts_per_tok=2, tie_word_embeddings=False),
+    "recurrent_gemma": {"model_type": "recurrent_gemma", "attention_bias": False, "conv1d_width": 4, "hidden_size": 64,
+                        "intermediate_size": 128, "logits_soft_cap": 30.0, "num_attention_heads": 4,
+                        "num_hidden_layers": 3, "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                        "attention_window_size": 8, "vocab_size": VOCAB,
+                        "block_types": ["recurrent", "recurrent", "attention"]},
 }
 
 # Architectures mlx-lm runs that the engine does not (yet): refused at start-up, never run.
 UNSUPPORTED_CONFIGS: Dict[str, dict] = {
+    # time and channel mixing share one ArraysCache, so neither alone can capture it
+    "rwkv7": {"model_type": "rwkv7", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "norm_eps": 1e-5,
+              "head_dim": 16, "num_hidden_layers": 2, "a_low_rank_dim": 8, "v_low_rank_dim": 8,
+              "gate_low_rank_dim": 8, "decay_low_rank_dim": 8, "tie_word_embeddings": False},
+    # its layer writes only into caches of mlx-lm's own class: with ours it would freeze its state
     "mamba": {"model_type": "mamba", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
               "state_size": 8, "num_hidden_layers": 2, "conv_kernel": 4, "use_bias": False,
               "use_conv_bias": True, "time_step_rank": 8, "tie_word_embeddings": True},

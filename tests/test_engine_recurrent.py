@@ -81,6 +81,12 @@ def test_unknown_recurrent_layer_is_refused_naming_it(arch_dir):
         Engine(bundle, SpeculativeConfig(method="none"))
 
 
+def test_two_layers_writing_one_recurrent_cache_are_refused_naming_them(arch_dir):
+    bundle = load(arch_dir("rwkv7"))
+    with pytest.raises(UnsupportedArchitecture, match=r"architecture 'rwkv7'.*Rwkv7ChannelMixing, Rwkv7TimeMixing"):
+        Engine(bundle, SpeculativeConfig(method="none"))
+
+
 def test_a_layer_without_its_capture_is_refused_naming_it(arch_dir, monkeypatch):
     monkeypatch.setattr(recurrent, "STEPPED_LAYERS", recurrent.STEPPED_LAYERS - {("mlx_lm.models.lfm2", "ShortConv")})
     bundle = load(arch_dir("lfm2"))  # a fresh model: no capture installed on it yet
