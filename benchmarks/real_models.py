@@ -22,7 +22,7 @@ import numpy as np
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.models.loading import load
-from mtplx.request import Request, SamplingParams
+from mtplx.request import Request, SamplingParams, tokens_per_verify
 
 from . import torch_peer
 from .common import Measure, device_name, peak_gb, reset_peak, save_json, sync, table, versions
@@ -67,9 +67,7 @@ def run_engine(bundle, prompts, tokens, spec: SpeculativeConfig, width: int, war
         "tok_s": n / dt,
         "seconds": dt,
         "tokens": n,
-        # over the rounds that drafted (adaptive depth may run others at depth 0): each such verify
-        # emits its accepted drafts plus one token of its own
-        "tokens_per_verify": (sum(r.stats.accepted_tokens for r in res) + verifies) / verifies if verifies else 1.0,
+        "tokens_per_verify": tokens_per_verify(sum(r.stats.accepted_tokens for r in res), verifies) or 1.0,
         "acceptance": (sum(r.stats.accepted_tokens for r in res) / max(1, sum(r.stats.drafted_tokens for r in res))),
         "accept_by_depth": (by_depth / max(verifies, 1)).round(3).tolist() if verifies else [],
         "compiled_calls": eng.bank.stats["compiled_calls"] if eng.bank else 0,
@@ -80,25 +78,29 @@ def run_engine(bundle, prompts, tokens, spec: SpeculativeConfig, width: int, war
 
 def _rows_one_at_a_time(steps, prompts, tokens, eos):
     """Time mlx-lm's per-row generator `steps(prompt, max_tokens)` (yielding (token, from_draft))
-    over `prompts`, after a short untimed warm-up."""
-    for _ in steps(mx.array(prompts[0]), 4):
-        pass
+    over `prompts`, after the same whole run untimed: the warm-up our engine gets (run_engine),
+    so every prompt length and cache size has been seen once on both sides."""
+
+    def run():
+        from_draft, outs = 0, []
+        for p in prompts:
+            out = []
+            for tok, drafted in steps(mx.array(p), tokens):
+                tok = int(tok)
+                if tok in eos:
+                    break
+                out.append(tok)
+                from_draft += bool(drafted)
+            outs.append(out)
+        return from_draft, outs
+
+    run()
     reset_peak()
     t0 = time.perf_counter()
-    n = from_draft = 0
-    outs = []
-    for p in prompts:
-        out = []
-        for tok, drafted in steps(mx.array(p), tokens):
-            tok = int(tok)
-            if tok in eos:
-                break
-            out.append(tok)
-            from_draft += bool(drafted)
-        outs.append(out)
-        n += len(out)
-    return {"tok_s": n / (time.perf_counter() - t0), "tokens": n, "from_draft": from_draft, "texts": outs,
-            "peak_gb": peak_gb()}
+    from_draft, outs = run()
+    dt = time.perf_counter() - t0
+    n = sum(map(len, outs))
+    return {"tok_s": n / dt, "tokens": n, "seconds": dt, "from_draft": from_draft, "texts": outs, "peak_gb": peak_gb()}
 
 
 def mlx_single(model, prompts, tokens, eos):
@@ -252,7 +254,7 @@ def main():
     md = (f"device: {payload['device']}; model {args.model}; prompts {args.prompts}; {args.tokens} new tokens\n\n"
           + table(rows, ["setting", "method", "depth", "tok/s", "spread", "peak GB", "x mlx-lm", "tokens/verify", "acceptance", "accept by depth"])
           + f"\nplain greedy == mlx-lm greedy on {same_as_peer:.0%} of rows\n\n" + table(ident) + "\n" + table(batch_rows)
-          + ("\nPyTorch + transformers generate (greedy, eager attention), same weights in bf16:\n\n" + table(torch_rows) if torch_rows else ""))
+          + ("\nPyTorch + transformers generate (greedy, transformers' default attention: see the attention column), same weights in bf16:\n\n" + table(torch_rows) if torch_rows else ""))
     (out / "real_models.md").write_text(md)
     print(md)
 

@@ -54,3 +54,65 @@ def test_phase_profile_times_phases_without_changing_output(tiny_model):
     phases = set(phase_profile.TIMES)
     assert "verify (incl. compiles)" in phases and any(p.startswith("prefill") for p in phases)
     assert phase_profile.CALLS["verify program compile (first call)"] >= 1
+
+
+def test_per_row_peer_warms_up_with_the_whole_run(tiny_model):
+    """mlx-lm's per-row generators get the warm-up our engine gets: the same whole run, untimed
+    (it used to be 4 tokens of the first prompt)."""
+    from mlx_lm.generate import generate_step
+
+    from benchmarks.real_models import _rows_one_at_a_time
+
+    model = load(tiny_model("llama")).model
+    calls = []
+
+    def steps(prompt, n):
+        calls.append((tuple(np.array(prompt).tolist()), n))
+        return ((tok, False) for tok, _ in generate_step(prompt, model, max_tokens=n))
+
+    prompts = [[1, 5, 9, 12], [4, 4, 8, 15, 16, 23, 42], [2, 3]]
+    r = _rows_one_at_a_time(steps, prompts, 6, set())
+    timed = [(tuple(p), 6) for p in prompts]
+    assert calls == timed + timed
+    assert r["tokens"] == 18 and r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"])
+
+
+def test_jobs_vs_peer_compares_tokens_per_second(tiny_model, tmp_path, monkeypatch):
+    """A sampled job: the two sides may generate different token counts, so the ratio is of
+    tokens/s, and a wall-time ratio is claimed only when the counts are equal."""
+    import json
+    import sys
+
+    from benchmarks import jobs_vs_peer
+    from jobkit import job_dict, sample_rows, write_job, write_parquet
+
+    data = write_parquet(tmp_path / "in.parquet", sample_rows(6))
+    job = write_job(tmp_path / "job.yaml", job_dict(tiny_model("llama"), data, tmp_path / "run",
+                                                  generation={"max_tokens": 12, "temperature": 1.0, "seed": 3}))
+    monkeypatch.setattr(sys, "argv", ["jobs_vs_peer", str(job), "--out", str(tmp_path / "out")])
+    jobs_vs_peer.main()
+    (row,) = json.loads((tmp_path / "out" / "jobs_vs_peer-job-none.json").read_text())["rows"]
+    ours, peer = row["ours tokens"] / row["ours s"], row["mlx-lm tokens"] / row["mlx-lm s"]
+    assert row["ours tok/s"] == pytest.approx(ours) and row["mlx-lm tok/s"] == pytest.approx(peer)
+    assert row["ours / mlx-lm (tok/s)"] == pytest.approx(ours / peer)
+    if row["ours tokens"] != row["mlx-lm tokens"]:
+        assert row["ours / mlx-lm (wall)"] == "n/a: token counts differ"
+    else:
+        assert row["ours / mlx-lm (wall)"] == pytest.approx(row["mlx-lm s"] / row["ours s"])
+
+
+def test_speed_ratio_claims_a_wall_ratio_only_for_equal_work():
+    from benchmarks.common import speed_ratio
+
+    r = speed_ratio(200, 2.0, 100, 2.0, "peer")
+    assert r["ours / peer (tok/s)"] == 2.0 and r["ours / peer (wall)"] == "n/a: token counts differ"
+    assert speed_ratio(100, 1.0, 100, 2.0)["ours / peer (wall)"] == 2.0
+
+
+def test_torch_peer_uses_transformers_default_attention(tiny_model):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from benchmarks.torch_peer import attention, to_torch
+
+    model = to_torch(load(tiny_model("llama")), dtype="float32", device="cpu")
+    assert attention(model) == "sdpa"
