@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from ..errors import JobError, RunError
 from ..job.fingerprint import diff_fingerprint_parts, fingerprint, refusal_note
-from .fsutil import atomic_write, sha256_file
+from .fsutil import atomic_write, make_dirs, sha256_file
 
 MANIFEST = "manifest.json"
 JOB_FILE = "job.yaml"
@@ -126,7 +126,7 @@ class RunDir:
                     f"{path} holds shards but no {MANIFEST}, so which of them were committed is unknown; "
                     "restore the manifest, or pass --restart to move this run aside and start over"
                 )
-        os.makedirs(os.path.join(path, SHARDS), exist_ok=True)
+        make_dirs(os.path.join(path, SHARDS))  # fsyncs the parents: a power cut cannot lose the run directory
         fd = cls._lock(path)
         manifest_path = os.path.join(path, MANIFEST)
         if os.path.exists(manifest_path):

@@ -26,6 +26,19 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
+def make_dirs(path: str) -> None:
+    """`os.makedirs`, durably: each directory it creates is recorded in its parent on the disk
+    (a directory entry, like a rename, survives a power cut only once its parent is fsynced)."""
+    path = os.path.abspath(path)
+    created = []
+    while not os.path.isdir(path):
+        created.append(path)
+        path = os.path.dirname(path)
+    for d in reversed(created):
+        os.makedirs(d, exist_ok=True)
+        fsync_dir(os.path.dirname(d))
+
+
 def publish(tmp: str, final: str, fault: Optional[str] = None) -> None:
     """fsync `tmp`, rename it to `final`, fsync the directory. `fault`: fault points' prefix."""
     if fault:
