@@ -169,7 +169,7 @@ def test_power_cut_after_any_step_resumes_with_nothing_lost_or_doubled(setup, on
     steps = list(disk.steps)
     assert any(s.startswith("fsync run/shards/.part-") for s in steps), steps  # a shard's temp file
     assert any(s.startswith("fsync run/manifest.json.tmp") for s in steps) and "fsync run" in steps, steps
-    assert len(steps) >= 25, steps
+    assert len(steps) >= 30, steps  # 35 at the time of writing (RELIABILITY.md)
 
     lost_commits = []
     for k in range(len(steps) + 1):
