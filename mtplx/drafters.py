@@ -277,7 +277,7 @@ class MtpDrafter(_CachedDrafter):
         self.extra: List[mx.array] = []  # [first-draft logits [W, S], head hidden [W, D]]
 
     def _new_cache(self):
-        return BatchCache(["kv"] * len(self.head.layers), [0])
+        return BatchCache(list(self.head.cache_kinds), [0])
 
     def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
         """`hidden` holds the trunk's hidden states for positions start..n-1 of `tokens`."""

@@ -1,6 +1,6 @@
 """Native MTP heads of the families people run, from tiny checkpoints in each one's real HF layout.
 
-For qwen3_5, qwen3_5_moe, mimo and glm4_moe (tests/mtp_fixtures.py), `method: mtp` greedy output
+For qwen3_5, qwen3_5_moe, mimo, glm4_moe and deepseek_v32 (tests/mtp_fixtures.py), `method: mtp` greedy output
 is token-identical to plain decoding (mlx-lm's own `generate_step`) at widths 1 and 7 (8 rows, two
 sharing a prefix) and depths 1-4, with the native head drafting; the head's weights mean what the checkpoint means (zero-
 centred norms shifted, MiMo's [hidden, embedding] order, the lm_head under `language_model`);
@@ -28,7 +28,7 @@ from mtplx.sampling import SamplerBatch
 from mtp_fixtures import make_mtp_model
 from tiny_models import reference_tokens
 
-FAMILIES = ["qwen3_5", "qwen3_5_moe", "mimo", "glm4_moe"]
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "mimo", "glm4_moe", "deepseek_v32"]
 PROMPTS = [
     ("def fibonacci(n):\n    if n < 2:", 7),
     ("import os", 6),
@@ -164,7 +164,7 @@ def test_no_mtp_weights_names_the_ways_forward(fixture_dir, family):
 
 
 @pytest.mark.parametrize("depth", [2, 4])
-@pytest.mark.parametrize("family", ["qwen3_5", "mimo", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "mimo", "glm4_moe", "deepseek_v32"])
 def test_multi_layer_heads_greedy_identity(family_model, family, depth):
     _, bundle, prompts, refs = family_model(family, mtp_layers=3)
     assert isinstance(load_head(bundle), MTPHeadStack)
@@ -194,7 +194,7 @@ def _reference_drafts(stack, bundle, p, first, K):
     nxt = mx.array([p[1:] + [first]])
     caches, outs = [], []
     for m in stack.depths:
-        c = BatchCache(["kv"] * len(m.layers), [0])
+        c = BatchCache(m.cache_kinds, [0])
         outs.append(m.hidden(H, nxt, c.layers))
         c.commit([len(p)])
         caches.append(c)
@@ -211,7 +211,7 @@ def _reference_drafts(stack, bundle, p, first, K):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("family", ["qwen3_5", "mimo", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "mimo", "glm4_moe", "deepseek_v32"])
 def test_each_mtp_layer_drafts_its_own_depth(family_model, family, compiled):
     """A 3-layer head drafts depth 0 with layer 0, depth 1 with layer 1, depths 2.. with layer 2,
     each attending to its own entries: exactly what each layer gives on a cache of its own."""

@@ -62,6 +62,17 @@ def _attention_layer_index(model) -> int:
     return full[-1] if full else len(model.layers) - 1
 
 
+def _block_cache_kind(model):
+    from ..cache import layer_kinds
+
+    return layer_kinds(model)[_attention_layer_index(model)]
+
+
+def _leaves(cache) -> list:
+    """A layer's caches: itself, or the caches of a RowCacheList."""
+    return list(getattr(cache, "caches", [cache]))
+
+
 def make_block(model, index: Optional[int] = None) -> nn.Module:
     """A fresh decoder block of the trunk's own kind, built as its last full-attention layer
     (`index`, where given, for trunks whose layer class takes one and has no linear layers)."""
@@ -87,12 +98,18 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * dim, dim, bias=False)
         idx = len(model.layers) - 1 if block_index is None else block_index
         self.layers = [make_block(model, idx) for _ in range(n_layers)]
+        # each block's cache is of the kind its trunk twin has (a pair of KV caches for DeepSeek-V3.2)
+        self._cache_kinds = [_block_cache_kind(model)] * n_layers
         self.norm = nn.RMSNorm(dim, eps=eps)
         if own_head:
             self.head = nn.Linear(dim, args.vocab_size, bias=False)
         self.hidden_first = hidden_first  # fc over [hidden, embedding] (MiMo)
         # The trunk's embedding and head are shared, not owned: keep them out of parameters().
         self._trunk = [model]
+
+    @property
+    def cache_kinds(self) -> list:
+        return list(self._cache_kinds)
 
     def embed(self, tokens):
         return text_model(self._trunk[0]).model.embed_tokens(tokens)
@@ -112,7 +129,7 @@ class MTPHead(nn.Module):
         x = self.fc(mx.concatenate(parts, axis=-1))
         caches = caches or [None] * len(self.layers)
         if mask is None and caches[0] is not None:  # rows have their own lengths: always mask
-            mask = caches[0].make_mask(x.shape[1])
+            mask = _leaves(caches[0])[0].make_mask(x.shape[1])
         for layer, c in zip(self.layers, caches):
             x = layer(x, mask, c)
         return self.norm(x)
@@ -134,13 +151,19 @@ def _run_shifted(module, hidden, tokens, caches, shift: int):
     """Run `module` on KV caches whose rows look `shift` entries shorter (it writes there)."""
     from ..cache import RowKVCache
 
-    views = []
-    for c in caches:
+    from ..cache import RowCacheList
+
+    pairs = []
+
+    def view(c):
         v = RowKVCache(_ShiftedRows(c.rows, shift))
         v.keys, v.values, v.attend_len = c.keys, c.values, c.attend_len
-        views.append(v)
+        pairs.append((c, v))
+        return v
+
+    views = [RowCacheList([view(x) for x in c.caches]) if hasattr(c, "caches") else view(c) for c in caches]
     out = module.hidden(hidden, tokens, views)
-    for c, v in zip(caches, views):
+    for c, v in pairs:
         c.keys, c.values = v.keys, v.values
     return out
 
@@ -162,6 +185,10 @@ class MTPHeadStack(nn.Module):
     @property
     def layers(self):
         return [b for m in self.depths for b in m.layers]
+
+    @property
+    def cache_kinds(self):
+        return [k for m in self.depths for k in m.cache_kinds]
 
     @property
     def fc(self):
