@@ -276,6 +276,19 @@ def test_engine_error_results_become_error_rows(tmp_path, llama):
 
 
 @needs_engine
+def test_a_tight_memory_budget_runs_every_row(tmp_path, llama):
+    """A budget of two rows' worth: rows wait for a slot instead of being dropped (the run used to
+    end with 'the engine stopped with N requests unanswered')."""
+    probe = make_job(tmp_path, llama)
+    eng = Engine.load(llama, probe.speculative, probe.schedule)
+    budget = 2 * eng.row_bytes(64, probe.generation.max_tokens)
+    job = make_job(tmp_path, llama, schedule={"memory_budget": budget, "max_batch": 8})
+    run_job(job, engine=Engine(eng.bundle, job.speculative, job.schedule))
+    out = read_output(job.output.dir)
+    assert [r["row"] for r in out] == list(range(12)) and all(r["error"] is None for r in out)
+
+
+@needs_engine
 def test_limit_then_continue(tmp_path, llama, engine):
     job = make_job(tmp_path, llama)
     assert run_job(job, engine=engine, limit=5).outputs == 5
