@@ -66,10 +66,21 @@ def family_model(fixture_dir):
     return get
 
 
+def _shared_prefix(prompts, i):
+    """Tokens row i shares with another row (the pipeline's `stable_prefix_len`), 0 if none."""
+    best = 0
+    for j, q in enumerate(prompts):
+        if j != i:
+            n = next((k for k, (a, b) in enumerate(zip(prompts[i], q)) if a != b), min(len(q), len(prompts[i])))
+            best = max(best, min(n, len(q) - 1, len(prompts[i]) - 1))  # both rows keep a token to prefill
+    return best
+
+
 def run(bundle, prompts, method, depth, width, compiled="off"):
     spec = SpeculativeConfig(method=method, depth=depth, adaptive_depth=False, compiled_verify=compiled)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
-    reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m))
+    reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m),
+                    stable_prefix_len=_shared_prefix(prompts, i))
             for i, (p, (_, m)) in enumerate(zip(prompts, PROMPTS))]
     out = {r.key: r for r in eng.generate(reqs)}
     return [out[i] for i in range(len(prompts))]
@@ -77,8 +88,14 @@ def run(bundle, prompts, method, depth, width, compiled="off"):
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mtp_greedy_identity(family_model, family, depth):
+def test_mtp_greedy_identity(family_model, family, depth, monkeypatch):
+    import mtplx.prefill
+
     _, bundle, prompts, refs = family_model(family)
+    assert _shared_prefix(prompts, len(prompts) - 1) >= mtplx.prefill.MIN_PREFIX_TOKENS
+    hits = []
+    real_get = mtplx.prefill.PrefixStore.get
+    monkeypatch.setattr(mtplx.prefill.PrefixStore, "get", lambda self, key: hits.append(real_get(self, key)) or hits[-1])
     for width in (1, 7):
         compiled = "on" if (depth + width) % 2 else "off"
         results = run(bundle, prompts, "mtp", depth, width, compiled)
@@ -86,6 +103,7 @@ def test_mtp_greedy_identity(family_model, family, depth):
             assert res.error is None, res.error
             assert res.tokens == ref, f"{family} depth {depth} width {width}: row {i}\n ref {ref}\n got {res.tokens}"
         assert sum(r.stats.drafted_tokens for r in results) > 0
+    assert any(h is not None for h in hits)  # the shared prefix was prefilled once and copied
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "mimo"])
