@@ -50,8 +50,12 @@ def test_tokens_rate_and_eta_before_any_row_finishes():
     p.engine_event("decode", 4)
     p.finished({"finish_reason": "length", "completion_tokens": 3})
     assert p.generated_tokens == 12 and p.completion_tokens == 3
-    # 3 rows left x 3 tokens - (12 - 3) in flight = 0
-    assert p.eta_seconds() == 0.0
+    # 3 rows left x 3 tokens - (12 - 3) in flight = 0: the rows in flight outran the estimate
+    assert p.eta_seconds() is None and "ETA ?" in p.postfix()
+    clock.t = 4.0
+    p.finished({"finish_reason": "length", "completion_tokens": 10})
+    # 2 rows left x 6.5 tokens - (12 - 13 -> 0) in flight = 13 tokens at 8 tokens / 3 s
+    assert p.eta_seconds() == pytest.approx(13 / (8 / 3))
     p.close()
 
 

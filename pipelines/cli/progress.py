@@ -290,7 +290,10 @@ class Progress:
         rate = self.recent_rate()
         if rate <= 0:
             return None
-        return max(left * per_row - in_flight, 0.0) / rate
+        tokens_left = left * per_row - in_flight
+        if tokens_left <= 0:
+            return None  # rows in flight already ran past the estimate: unknown, not "0s"
+        return tokens_left / rate
 
     def postfix(self) -> str:
         parts = [f"{self.generated_tokens} tok", f"{self.recent_rate():.1f} tok/s"]
