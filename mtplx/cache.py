@@ -304,11 +304,6 @@ class BatchCache:
     def lengths(self) -> np.ndarray:
         return self.rows.host
 
-    def set_attend_len(self, n: Optional[int]):
-        for c in self.leaves:
-            if isinstance(c, RowKVCache):
-                c.attend_len = n
-
     def set_capturing(self, on: bool):
         for c in self.leaves:
             if isinstance(c, RowStateCache):

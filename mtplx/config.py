@@ -1,12 +1,54 @@
-"""Engine settings. The job file's `speculative:` and `schedule:` sections load into these."""
+"""Engine settings. The job file's `speculative:` and `schedule:` sections load into these.
+
+The design note's three environment variables are read here and nowhere else in the engine:
+`MTPLX_PREFILL_CHUNK_SIZE` (prefill span size, over `schedule.prefill_chunk`; 0 turns chunking
+off), `MTPLX_SUSTAINED_PREFILL_LAYOUT` (off: one span for the whole prompt) and
+`MTPLX_COMPILED_VERIFY_MAX_LEN` (the longest verify the compiled bank grows to, where
+`speculative.verify_max_len` does not say).
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
 SPEC_METHODS = ("none", "mtp", "draft", "ngram")
 VERIFY_MODES = ("off", "on", "parity", "parity2")
+
+
+def _env_int(name: str, lowest: int) -> Optional[int]:
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    try:
+        return max(lowest, int(raw))
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}")
+
+
+def prefill_chunk_env() -> Optional[int]:
+    """MTPLX_PREFILL_CHUNK_SIZE: tokens per prefill span (0: chunking off), or None when unset."""
+    return _env_int("MTPLX_PREFILL_CHUNK_SIZE", 0)
+
+
+def verify_max_len_env() -> Optional[int]:
+    """MTPLX_COMPILED_VERIFY_MAX_LEN: the longest compiled verify, or None when unset."""
+    return _env_int("MTPLX_COMPILED_VERIFY_MAX_LEN", 1)
+
+
+def sustained_prefill_env() -> bool:
+    """MTPLX_SUSTAINED_PREFILL_LAYOUT: on (the default) prefills in chunk spans split at stable-prefix
+    edges; off (0, false, no, off) prefills each prompt as one span."""
+    raw = os.environ.get("MTPLX_SUSTAINED_PREFILL_LAYOUT")
+    if raw is None:
+        return True
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"MTPLX_SUSTAINED_PREFILL_LAYOUT must be on or off (1/0, true/false), got {raw!r}")
 
 
 @dataclass
@@ -18,6 +60,7 @@ class SpeculativeConfig:
     compiled_verify: str = "on"  # off | on | parity | parity2
     adaptive_depth: bool = True  # lower depth as the batch widens or acceptance falls
     ngram_size: int = 3  # longest suffix matched by prompt lookup
+    verify_max_len: Optional[int] = None  # longest compiled verify; None: MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, depth + 1)
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -28,6 +71,8 @@ class SpeculativeConfig:
             )
         if not 1 <= int(self.depth) <= 16:
             raise ValueError(f"speculative.depth must be in 1..16, got {self.depth}")
+        if self.verify_max_len is not None and int(self.verify_max_len) < 1:
+            raise ValueError(f"speculative.verify_max_len must be >= 1, got {self.verify_max_len}")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative.method: draft needs speculative.draft_model (a model path)")
 

@@ -328,7 +328,6 @@ class MtpDrafter(_CachedDrafter):
         if self.bank is not None:
             out = self.bank.commit(self.cache, hidden, verify_in, n, nxt)
         if out is None:
-            self.cache.set_attend_len(None)
             h_at = at_accepted(self.head.hidden(hidden, commit_inputs(verify_in, n, nxt), self.cache.layers), n)
             out = project(self.head, self.vocab, h_at), h_at
         self.cache.commit(np.where(active, n_accept + 1, 0))

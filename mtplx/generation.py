@@ -21,7 +21,7 @@ import numpy as np
 
 from .cache import BatchCache, RowKVCache
 from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profile, profile_path
-from .config import ScheduleConfig, SpeculativeConfig
+from .config import ScheduleConfig, SpeculativeConfig, prefill_chunk_env, sustained_prefill_env
 from .depth import DepthController
 from .drafters import make_drafter
 from .architectures import PASSED_FILE, prepare, probe_key
@@ -123,17 +123,22 @@ class Engine:
             int(budget) if str(budget) != "auto" else int(0.6 * device_memory_bytes()) - self.weight_bytes
         )
         chunk = self.schedule.prefill_chunk
-        self.prefill_chunk = _prefill_chunk_size(cfg, self.memory_budget) if str(chunk) == "auto" or "MTPLX_PREFILL_CHUNK_SIZE" in os.environ else int(chunk)
+        env_chunk = prefill_chunk_env()  # MTPLX_PREFILL_CHUNK_SIZE wins over schedule.prefill_chunk
+        self.prefill_chunk = env_chunk if env_chunk is not None else (
+            _prefill_chunk_size(cfg, self.memory_budget) if str(chunk) == "auto" else int(chunk))
+        self.sustained_prefill = sustained_prefill_env()
         self.bank = None
         if self.spec.compiled_verify != "off":
             self.bank = CompiledVerifyBank(
                 self.runtime,
                 max_verify_len=self.spec.depth + 1,
                 capture_backend="gdn" if self.hybrid else None,
-                parity={"on": False, "parity": "parity", "parity2": "parity2"}[self.spec.compiled_verify],
+                parity=self.spec.compiled_verify,
+                growth_limit=self.spec.verify_max_len,
             )
         self.counters = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "rounds": 0}
-        self.prefiller = Prefiller(self.runtime, self.prefill_chunk, self.hybrid, self.counters, self._progress)
+        self.prefiller = Prefiller(self.runtime, self.prefill_chunk, self.hybrid, self.counters, self._progress,
+                                  self.sustained_prefill)
         self._bytes_per_token, self._bytes_per_row = self._measure_cache()
         self.profile_file, profile = self._calibration(bundle)
         self.max_batch = (auto_max_batch(profile, self.memory_budget, self.row_bytes(AUTO_ROW_TOKENS, 0))

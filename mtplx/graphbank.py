@@ -16,7 +16,6 @@ bank does not compile (6-bit) run eager for their whole life (`permanent_eager`)
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -24,22 +23,13 @@ import mlx.nn as nn
 import numpy as np
 
 from .cache import BatchCache, RowKVCache, RowLengths
+from .config import verify_max_len_env
 
 UNSUPPORTED_BITS = (6,)
 
 
 class CompiledVerifyParityError(RuntimeError):
     pass
-
-
-def _max_len_budget(default: int) -> int:
-    raw = os.environ.get("MTPLX_COMPILED_VERIFY_MAX_LEN")
-    if raw is None:
-        return default
-    try:
-        return max(1, int(raw))
-    except ValueError:
-        raise ValueError(f"MTPLX_COMPILED_VERIFY_MAX_LEN must be an integer, got {raw!r}")
 
 
 def unsupported_quantization(model) -> Optional[str]:
@@ -89,11 +79,16 @@ class CompiledVerifyBank:
         parity=False,
         restored_tokens: int = 0,
         tolerance: Optional[float] = None,
+        growth_limit: Optional[int] = None,
     ):
-        """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`."""
+        """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`. `parity`:
+        "on" (or False), "parity" (or True: raise on a mismatch), "parity2" (count mismatches).
+        `growth_limit`: the longest verify compiled (None: MTPLX_COMPILED_VERIFY_MAX_LEN, else
+        max(8, max_verify_len)); a longer one is verified eagerly."""
         self.runtime = runtime
         self.max_verify_len = max_verify_len
-        self.growth_limit = _max_len_budget(max(8, max_verify_len))
+        env = verify_max_len_env()
+        self.growth_limit = growth_limit or (env if env is not None else max(8, max_verify_len))
         self.request_max_tokens = request_max_tokens
         self.restored_tokens = restored_tokens
         self.capture_backend = capture_backend
@@ -142,7 +137,8 @@ class CompiledVerifyBank:
             if L <= self.growth_limit:
                 self.max_verify_len = L
             else:
-                reason = f"verify length {L} over MTPLX_COMPILED_VERIFY_MAX_LEN={self.growth_limit}"
+                reason = (f"verify length {L} over the verify max length {self.growth_limit} "
+                          "(speculative.verify_max_len, or MTPLX_COMPILED_VERIFY_MAX_LEN)")
         if reason is None and any(a is None for c in cache.leaves for a in c.state_arrays()):
             reason = "empty cache"
         if reason is not None:
@@ -188,7 +184,6 @@ class CompiledVerifyBank:
         return out[0], hidden, True, failures
 
     def eager(self, tokens, cache: BatchCache):
-        cache.set_attend_len(None)
         cache.set_capturing(True)
         try:
             return self.runtime.forward(tokens, cache)

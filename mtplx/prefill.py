@@ -13,7 +13,6 @@ its own offset, so padding never enters a row's cache, and grouping by length ke
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import OrderedDict
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -21,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import BatchCache
+from .config import prefill_chunk_env, sustained_prefill_env
 from .models.mtp import project_logits, trunk_hidden
 from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
 
@@ -36,12 +36,9 @@ def _prefill_chunk_size(config: Optional[dict] = None, memory_budget: Optional[i
     multiple of 128. Larger spans stop paying once the matmuls are full; smaller ones waste
     launches. Without a config or budget: 512.
     """
-    raw = os.environ.get("MTPLX_PREFILL_CHUNK_SIZE")
-    if raw is not None:
-        try:
-            return max(0, int(raw))
-        except ValueError:
-            raise ValueError(f"MTPLX_PREFILL_CHUNK_SIZE must be an integer, got {raw!r}")
+    env = prefill_chunk_env()
+    if env is not None:
+        return env
     if not config or not memory_budget:
         return 512
     hidden = int(config.get("hidden_size", 1024))
@@ -64,10 +61,16 @@ def _split_spans_at(spans: Iterable[Tuple[int, int]], edges: Sequence[int]) -> L
     return out
 
 
-def _iter_prefill_chunk_spans(token_count: int, chunk_size: Optional[int], mandatory_edges: Sequence[int] = ()):
+def _iter_prefill_chunk_spans(token_count: int, chunk_size: Optional[int], mandatory_edges: Sequence[int] = (),
+                              sustained: Optional[bool] = None):
     """Half-open (start, end) spans covering [0, token_count), `chunk_size` tokens each (one
-    span when chunking is off), split at every mandatory edge (stable-prefix ends)."""
+    span when chunking is off), split at every mandatory edge (stable-prefix ends). Without the
+    sustained layout (`sustained`, default MTPLX_SUSTAINED_PREFILL_LAYOUT) one span covers the
+    whole prompt."""
     if token_count <= 0:
+        return
+    if not (sustained_prefill_env() if sustained is None else sustained):
+        yield (0, token_count)
         return
     if not chunk_size or chunk_size <= 0:
         spans = [(0, token_count)]
@@ -128,16 +131,18 @@ class Prefiller:
     `runtime`: the model and whether hidden states are kept (`split`, `want_hidden`); `chunk`: the
     prefill span size (0: whole prompts); `hybrid`: recurrent layers, so rows prefill one by one;
     `counters`: the engine's prefill_tokens / cached_prompt_tokens, added to here; `progress(kind,
-    tokens)`: told of every prefilled span."""
+    tokens)`: told of every prefilled span; `sustained`: the sustained layout (chunk spans split
+    at stable-prefix edges), or off: one span per prompt."""
 
     def __init__(self, runtime, chunk: int, hybrid: bool, counters: Dict[str, int],
-                 progress: Callable[[str, int], None] = lambda kind, tokens: None):
+                 progress: Callable[[str, int], None] = lambda kind, tokens: None, sustained: bool = True):
         self.runtime = runtime
         self.model = runtime.model
         self.chunk = chunk
         self.hybrid = hybrid
         self.counters = counters
         self.progress = progress
+        self.sustained = sustained  # off: every prompt prefills as one span
         self.store = PrefixStore()
 
     def _edge(self, row) -> int:
@@ -192,7 +197,7 @@ class Prefiller:
         cache = BatchCache.for_model(self.model, 1)
         start, hit = self._restore(cache, 0, row, key)
         snap, hiddens, h = None, [], None
-        for s, e in _iter_prefill_chunk_spans(n, self.chunk, (edge,) if key else ()):
+        for s, e in _iter_prefill_chunk_spans(n, self.chunk, (edge,) if key else (), self.sustained):
             if e <= start:
                 continue
             s = max(s, start)
@@ -221,7 +226,7 @@ class Prefiller:
             hits.append(hit)
         cache.rows.set(np.array(starts))
         todo = [len(r.req.prompt_tokens) - s for r, s in zip(rows, starts)]
-        chunk = self.chunk or max(todo)
+        chunk = (self.chunk if self.sustained else 0) or max(todo)
         last = [None] * B
         hiddens = [[] for _ in range(B)]
         for c in range(0, max(todo), chunk):

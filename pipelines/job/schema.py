@@ -141,6 +141,7 @@ SECTIONS: Dict[str, Dict[str, Check]] = {
         "compiled_verify": one_of(*VERIFY_MODES, aliases=BOOL_VERIFY),
         "adaptive_depth": boolean,
         "ngram_size": integer(1),
+        "verify_max_len": optional(integer(1)),
     },
     "input": {
         "format": one_of(*INPUT_FORMATS),
