@@ -5,8 +5,8 @@
 
 Every benchmark writes `NAME.md` and `NAME.json` into --out; the harness prints the tables and
 writes `bench-out/SUMMARY.md`, which is what BENCHMARKS.md quotes together with this command.
-On a Linux CPU, run it under OpenBLAS (LD_PRELOAD=...libopenblas.so.0 OPENBLAS_NUM_THREADS=1):
-MLX's bundled BLAS is many times slower, for us and for mlx-lm alike.
+On a Linux CPU, `import benchmarks` imports mtplx first, which binds MLX to OpenBLAS (the `cpu`
+extra's wheel, mtplx/blas.py) for us and for mlx-lm alike: MLX's bundled BLAS is ~15x slower.
 """
 
 from __future__ import annotations
