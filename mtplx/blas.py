@@ -97,14 +97,19 @@ def _load() -> BlasInfo:
 
 
 def _mapped_openblas() -> Optional[str]:
+    """An OpenBLAS with the standard symbols already in the process (numpy's builds carry
+    suffixed ones, cblas_sgemm64_, which MLX cannot bind to: those do not count)."""
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                path = line.rstrip("\n").split(" ", 5)[-1].strip()
-                if "libopenblas" in os.path.basename(path):
-                    return path
+            paths = {line.rstrip("\n").split(" ", 5)[-1].strip() for line in f}
     except OSError:
-        pass
+        return None
+    for path in sorted(p for p in paths if os.path.basename(p).startswith("libopenblas")):
+        try:
+            if hasattr(ctypes.CDLL(path), "cblas_sgemm"):
+                return path
+        except OSError:
+            continue
     return None
 
 
