@@ -303,3 +303,20 @@ def test_a_job_asking_mtp_of_a_model_without_head_is_refused_before_weights_load
                                                          tmp_path / "run2", speculative={"method": "mtp"}))
     res = CliRunner().invoke(main, ["validate", str(with_head)])
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("family,zeroed", [("mimo", True), ("glm4_moe", True), ("deepseek_v32", True), ("qwen3_5", False)])
+def test_position_zero_embedding(family_model, family, zeroed):
+    """NextN and MiMo heads were trained with the embedding at position 0 zeroed (the loaders of
+    vLLM / SGLang do so); Qwen's were not. Position 0's output then ignores its token."""
+    _, bundle, _, _ = family_model(family)
+    head = load_head(bundle)
+    h = mx.random.normal((1, 2, 64), key=mx.random.key(0))
+    a, _ = head(h[:, :1], mx.array([[5]]))
+    b, _ = head(h[:, :1], mx.array([[77]]))
+    assert np.allclose(np.array(a), np.array(b), atol=1e-5) == zeroed
+    c = BatchCache(head.cache_kinds, [1])  # position 1 sees its token
+    d = BatchCache(head.cache_kinds, [1])
+    a, _ = head(h[:, 1:], mx.array([[5]]), c.layers)
+    b, _ = head(h[:, 1:], mx.array([[77]]), d.layers)
+    assert not np.allclose(np.array(a), np.array(b), atol=1e-5)

@@ -67,8 +67,8 @@ def save_head(head, out_dir: Path, trunk_model, quantize: Optional[int], group_s
         quant = {"group_size": group_size, "bits": quantize, "overrides": overrides}
     meta = {
         "format": 1,
-        "modules": [{"layers": len(m.layers), "own_head": "head" in m, "hidden_first": bool(m.hidden_first)}
-                    for m in _heads_of(head)],
+        "modules": [{"layers": len(m.layers), "own_head": "head" in m, "hidden_first": bool(m.hidden_first),
+                     "zero_first": bool(m.zero_first)} for m in _heads_of(head)],
         "stack": hasattr(head, "depths"),
         "quantization": quant,
         "dtype": "bfloat16" if keep_bf16 else None,
@@ -91,8 +91,8 @@ def load_built_head(bundle: ModelBundle):
         raise ValueError(f"{bundle.path / HEAD_META}: unknown head format {meta.get('format')!r}; "
                          "convert the checkpoint again with this version of `mtplx-batch convert`")
     weights = mx.load(str(bundle.path / HEAD_WEIGHTS))
-    modules = [MTPHead(bundle.model, n_layers=m["layers"], own_head=m["own_head"], hidden_first=m["hidden_first"])
-               for m in meta["modules"]]
+    modules = [MTPHead(bundle.model, n_layers=m["layers"], own_head=m["own_head"], hidden_first=m["hidden_first"],
+                       zero_first=m.get("zero_first", False)) for m in meta["modules"]]
     head = MTPHeadStack(modules) if meta["stack"] else modules[0]
     quant = meta.get("quantization")
     if quant:

@@ -88,7 +88,7 @@ def make_block(model, index: Optional[int] = None) -> nn.Module:
 
 class MTPHead(nn.Module):
     def __init__(self, model, n_layers: int = 1, own_head: bool = False, block_index: Optional[int] = None,
-                 hidden_first: bool = False):
+                 hidden_first: bool = False, zero_first: bool = False):
         super().__init__()
         args = text_model(model).args
         dim = args.hidden_size
@@ -104,6 +104,7 @@ class MTPHead(nn.Module):
         if own_head:
             self.head = nn.Linear(dim, args.vocab_size, bias=False)
         self.hidden_first = hidden_first  # fc over [hidden, embedding] (MiMo)
+        self.zero_first = zero_first  # no embedding at position 0 (NextN, MiMo)
         # The trunk's embedding and head are shared, not owned: keep them out of parameters().
         self._trunk = [model]
 
@@ -124,7 +125,13 @@ class MTPHead(nn.Module):
     def hidden(self, hidden: mx.array, tokens: mx.array, caches=None, mask=None, step=None) -> mx.array:
         """The head's output hidden state h' alone (drafting projects only the positions it needs).
         `step` (the draft depth, for MTPHeadStack) is the same module here at every depth."""
-        e = self.norm_embedding(self.embed(tokens))
+        e = self.embed(tokens)
+        if self.zero_first:
+            pos = mx.arange(e.shape[1], dtype=mx.int32)[None]
+            if caches and caches[0] is not None:
+                pos = _leaves(caches[0])[0].offset[:, None] + pos
+            e = mx.where((pos == 0)[..., None], mx.zeros_like(e), e)
+        e = self.norm_embedding(e)
         parts = [self.norm_hidden(hidden), e] if self.hidden_first else [e, self.norm_hidden(hidden)]
         x = self.fc(mx.concatenate(parts, axis=-1))
         caches = caches or [None] * len(self.layers)
@@ -254,7 +261,7 @@ def _build_module(bundle: ModelBundle, mod: ModuleWeights, shift: Tuple[bool, bo
     if not mod.blocks:
         raise ValueError("MTP weights hold no decoder layer")
     head = MTPHead(model, n_layers=len(mod.blocks), own_head=any(k.startswith("head.") for k in mod.head),
-                   hidden_first=mod.hidden_first)
+                   hidden_first=mod.hidden_first, zero_first=mod.zero_first)
     params = dict(mod.head)
     if shift[0]:
         params = {k: v + 1.0 if k in ZERO_CENTRED_HEAD_NORMS else v for k, v in params.items()}

@@ -12,6 +12,7 @@ trunk's output head (or its own copy). The layouts:
   `shared_head.head` (and a copy of `embed_tokens`, unused: the trunk's is the same).
 - MiMo (`model.mtp_layers.{i}`): `token_layernorm`, `hidden_layernorm`, `input_proj` (over
   [hidden, embedding]: the other order), the block's keys, `final_layernorm`.
+  NextN and MiMo modules were trained with the embedding at position 0 zeroed; so are they here.
 - Sidecar heads from `mtplx-batch train-head`: the NextN layout; a head of several blocks in
   series keeps block i at `model.layers.{N + i}` (block keys only).
 """
@@ -38,6 +39,7 @@ class ModuleWeights:
     head: Dict[str, mx.array] = field(default_factory=dict)
     blocks: Dict[int, Dict[str, mx.array]] = field(default_factory=dict)
     hidden_first: bool = False  # fc reads [hidden, embedding] (MiMo), not [embedding, hidden]
+    zero_first: bool = False  # the embedding at position 0 is zeroed (NextN and MiMo training)
 
 
 def text_config(config: dict) -> dict:
@@ -78,7 +80,7 @@ def _qwen(weights) -> List[ModuleWeights]:
     return [ModuleWeights(head=dict(shared), blocks={0: blocks[i]}) for i in sorted(blocks)]
 
 
-def _per_layer(weights, prefix: str, first: int, names, hidden_first: bool, serial_blocks: int = 1):
+def _per_layer(weights, prefix: str, first: int, names, hidden_first: bool, serial_blocks: int = 0):
     modules: Dict[int, ModuleWeights] = {}
     for k, v in weights.items():
         if not k.startswith(prefix):
@@ -87,9 +89,9 @@ def _per_layer(weights, prefix: str, first: int, names, hidden_first: bool, seri
         depth = int(i) - first
         if serial_blocks > 1:  # a sidecar: blocks 1.. of module 0 sit at the following indices
             if 0 < depth < serial_blocks:
-                modules.setdefault(0, ModuleWeights()).blocks.setdefault(depth, {})[rest] = v
+                modules.setdefault(0, ModuleWeights(zero_first=False)).blocks.setdefault(depth, {})[rest] = v
                 continue
-        module = modules.setdefault(depth, ModuleWeights(hidden_first=hidden_first))
+        module = modules.setdefault(depth, ModuleWeights(hidden_first=hidden_first, zero_first=not serial_blocks))
         if not _take(names, rest, v, module) and not rest.startswith("embed_tokens."):
             module.blocks.setdefault(0, {})[rest] = v
     return [modules[d] for d in sorted(modules)]
