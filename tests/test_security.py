@@ -237,7 +237,7 @@ def test_ids_never_become_paths(tmp_path, llama):
     new = sorted(set(after) - set(before))
     assert all(p == "run" or p.startswith("run/") for p in new), new
     inside = sorted(p for p in new if p != "run")
-    assert inside == ["run/job.yaml", "run/manifest.json", "run/shards"] + [
+    assert inside == ["run/job.yaml", "run/manifest.json", "run/progress.jsonl", "run/shards"] + [
         f"run/shards/part-{i:05d}.parquet" for i in range(4)]
     assert {k: v for k, v in after.items() if k in before} == before
     assert sorted(r["id"] for r in read_output(tmp_path / "run")) == sorted(EVIL_IDS)

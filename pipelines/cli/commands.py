@@ -281,7 +281,7 @@ Files written to the report directory:
   index.html               the report (plots embedded; the file can be mailed or moved alone)
   summary.json             every number in the report, for scripts
   errors.jsonl             all errored rows: id, row, sample, kind, error
-  throughput.png           tokens/s per shard and rows committed over wall-clock time
+  throughput.png           generated tok/s per interval (RUN_DIR/progress.jsonl) and rows committed, over time
   acceptance_by_depth.png  draft acceptance at each depth     (runs with speculation)
   tokens_per_verify.png    histogram of tokens per verify     (runs with speculation)
   lengths.png              prompt and completion lengths
