@@ -28,7 +28,8 @@ SGLang loaders read):
 Options: ``mtp_layers`` (how many MTP layers: `mtp_num_hidden_layers` / `num_nextn_predict_layers`),
 ``tie`` (tied embeddings), ``shards`` (split into `model-0000i-of-0000n.safetensors` with a
 `model.safetensors.index.json`), ``head_file`` (write the MTP weights to a file of their own,
-listed in the index), ``with_mtp=False`` (the trunk alone).
+listed in the index), ``with_mtp=False`` (the trunk alone), ``mtp_experts_one_by_one`` (qwen3_5_moe:
+the head's experts stored per expert, `experts.{e}.gate_proj`, instead of fused).
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def _qwen3_5_linear_attn(init: _Init, p: str, c: dict, w):
     w[f"{p}.out_proj.weight"] = init.linear(D, value_dim, gain=2.0)
 
 
-def _qwen3_5_mlp(init: _Init, p: str, c: dict, w):
+def _qwen3_5_mlp(init: _Init, p: str, c: dict, w, fused: bool = True):
     D = c["hidden_size"]
     if not c.get("num_experts"):
         _swiglu_mlp(init, p, D, c["intermediate_size"], w)
@@ -162,19 +163,24 @@ def _qwen3_5_mlp(init: _Init, p: str, c: dict, w):
     experts = [{} for _ in range(E)]
     for e in range(E):
         _swiglu_mlp(init, "x", D, inter, experts[e])
-    w[f"{p}.experts.gate_up_proj"] = np.stack(
-        [np.concatenate([x["x.gate_proj.weight"], x["x.up_proj.weight"]]) for x in experts])  # [E, 2I, D]
-    w[f"{p}.experts.down_proj"] = np.stack([x["x.down_proj.weight"] for x in experts])  # [E, D, I]
+    if fused:
+        w[f"{p}.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([x["x.gate_proj.weight"], x["x.up_proj.weight"]]) for x in experts])  # [E, 2I, D]
+        w[f"{p}.experts.down_proj"] = np.stack([x["x.down_proj.weight"] for x in experts])  # [E, D, I]
+    else:
+        for e, x in enumerate(experts):
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                w[f"{p}.experts.{e}.{n}.weight"] = x[f"x.{n}.weight"]
     _swiglu_mlp(init, f"{p}.shared_expert", D, c["shared_expert_intermediate_size"], w)
     w[f"{p}.shared_expert_gate.weight"] = init.linear(1, D)
 
 
-def _qwen3_5_layer(init: _Init, p: str, c: dict, linear: bool, w):
+def _qwen3_5_layer(init: _Init, p: str, c: dict, linear: bool, w, fused: bool = True):
     if linear:
         _qwen3_5_linear_attn(init, f"{p}.linear_attn", c, w)
     else:
         _qwen3_next_full_attn(init, f"{p}.self_attn", c, w)  # gated q_proj, zero-centred q/k norms
-    _qwen3_5_mlp(init, f"{p}.mlp", c, w)
+    _qwen3_5_mlp(init, f"{p}.mlp", c, w, fused)
     w[f"{p}.input_layernorm.weight"] = init.norm(c["hidden_size"], offset=True)
     w[f"{p}.post_attention_layernorm.weight"] = init.norm(c["hidden_size"], offset=True)
 
@@ -191,7 +197,7 @@ def _qwen3_5_weights(cfg: dict, init: _Init, with_mtp: bool):
         w["mtp.pre_fc_norm_hidden.weight"] = init.norm(D, offset=True)
         w["mtp.fc.weight"] = init.linear(D, 2 * D)
         for j in range(c["mtp_num_hidden_layers"]):
-            _qwen3_5_layer(init, f"mtp.layers.{j}", c, False, w)
+            _qwen3_5_layer(init, f"mtp.layers.{j}", c, False, w, fused=not cfg.get("_mtp_experts_one_by_one"))
         w["mtp.norm.weight"] = init.norm(D, offset=True)
     return w
 
@@ -328,7 +334,7 @@ def _write(out: Path, cfg: dict, weights: Dict[str, np.ndarray], dtype: str, sha
 
 def make_mtp_model(out_dir, family: str, *, seed: int = 0, vocab_size: int = 512, with_mtp: bool = True,
                    mtp_layers: int = 1, tie: bool = False, shards: int = 1, head_file: Optional[str] = None,
-                   dtype: str = "float32", small_vocab: bool = False) -> Path:
+                   dtype: str = "float32", small_vocab: bool = False, mtp_experts_one_by_one: bool = False) -> Path:
     """Write a tiny random `family` checkpoint (config.json, safetensors, tokenizer files).
 
     `small_vocab`: a char-level tokenizer over `vocab_size` ids with no eos (for exact
@@ -349,7 +355,10 @@ def make_mtp_model(out_dir, family: str, *, seed: int = 0, vocab_size: int = 512
         c["mtp_num_hidden_layers"] = mtp_layers if with_mtp else 0
     else:
         c["num_nextn_predict_layers"] = mtp_layers if with_mtp else 0
+    if mtp_experts_one_by_one:
+        cfg["_mtp_experts_one_by_one"] = True
     weights = _WEIGHTS[family](cfg, _Init(seed), with_mtp)
+    cfg.pop("_mtp_experts_one_by_one", None)
     if small_vocab:
         _build_small_vocab_tokenizer(out, vocab_size, None)
         c["eos_token_id"] = cfg["eos_token_id"] = None

@@ -320,3 +320,14 @@ def test_position_zero_embedding(family_model, family, zeroed):
     a, _ = head(h[:, 1:], mx.array([[5]]), c.layers)
     b, _ = head(h[:, 1:], mx.array([[77]]), d.layers)
     assert not np.allclose(np.array(a), np.array(b), atol=1e-5)
+
+
+def test_qwen3_5_moe_head_with_experts_stored_one_by_one(family_model):
+    """The MTP layer's experts per expert (`experts.{e}.gate_proj`) or fused give the same head."""
+    _, fused, prompts, refs = family_model("qwen3_5_moe")
+    _, split, _, _ = family_model("qwen3_5_moe", mtp_experts_one_by_one=True)
+    assert any(".experts.0.gate_proj" in k for k in split.mtp_weights)
+    a = dict(tree_flatten(load_head(fused).parameters()))
+    b = dict(tree_flatten(load_head(split).parameters()))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+    assert [r.tokens for r in run(split, prompts, "mtp", 3, 7, "on")] == refs

@@ -233,11 +233,26 @@ def _block_params(model, block: Dict[str, mx.array], zero_centred: bool) -> Dict
     marker = f"layers.{idx}."
     as_trunk = {f"model.{marker}{k}": v for k, v in block.items()}
     clean = model.sanitize(as_trunk) if hasattr(model, "sanitize") else as_trunk
-    out = {k[k.index(marker) + len(marker):]: v for k, v in clean.items() if marker in k}
+    out = _stack_experts({k[k.index(marker) + len(marker):]: v for k, v in clean.items() if marker in k})
     if zero_centred:
         out = {k: v + 1.0 if v.ndim == 1 and ("." + k).endswith(ZERO_CENTRED_BLOCK_NORMS) else v
                for k, v in out.items()}
     return out
+
+
+def _stack_experts(block: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    """Per-expert MoE weights a trunk's sanitize left alone (Qwen3.5-MoE's sanitize stacks only
+    its fused `experts.gate_up_proj`; some checkpoints store the MTP layer's experts one by one)."""
+    for n in ("gate_proj", "up_proj", "down_proj"):
+        first = f"mlp.experts.0.{n}.weight"
+        if first in block:
+            e = 0
+            parts = []
+            while f"mlp.experts.{e}.{n}.weight" in block:
+                parts.append(block.pop(f"mlp.experts.{e}.{n}.weight"))
+                e += 1
+            block[f"mlp.switch_mlp.{n}.weight"] = mx.stack(parts)
+    return block
 
 
 def _zero_centred(bundle: ModelBundle, modules: List[ModuleWeights]) -> Tuple[bool, bool]:
