@@ -43,6 +43,7 @@ from mtplx.request import tokens_per_verify
 
 from ..io.checkpoint import JOB_FILE, planned_outputs, read_manifest
 from ..errors import JobError
+from ..io.columns import REPORT_COLUMNS
 from .progress import PROGRESS_FILE
 
 TOP_SLOW = 20
@@ -85,10 +86,6 @@ def read_job(run_dir: str) -> Dict[str, Any]:
         raise JobError(f"{path}: unreadable ({e})")
 
 
-COLUMNS = ["id", "row", "sample", "finish_reason", "error", "prompt_tokens", "completion_tokens",
-           "cached_prompt_tokens", "verify_calls", "drafted_tokens", "accepted_tokens", "accepted_by_depth",
-           "compiled_verify_calls", "eager_verify_calls", "parity_failures", "decode_seconds", "batch_width",
-           "tokens_per_verify"]
 
 
 @dataclass
@@ -204,7 +201,7 @@ def collect(run_dir: str, top: int = TOP_SLOW) -> RunStats:
     for entry in manifest.get("shards", []):
         path = os.path.join(run_dir, entry["file"])
         pf = pq.ParquetFile(path)
-        cols = [c for c in COLUMNS if c in pf.schema_arrow.names]
+        cols = [c for c in REPORT_COLUMNS if c in pf.schema_arrow.names]
         for batch in pf.iter_batches(columns=cols):
             for r in batch.to_pylist():
                 st.rows += 1

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import pyarrow.parquet as pq
 
 from ..errors import JobError, RunError
+from .columns import SUMMED_COLUMNS
 from ..job.fingerprint import diff_fingerprint_parts, fingerprint, refusal_note
 from .fsutil import atomic_write, make_dirs, sha256_file
 
@@ -288,8 +289,7 @@ def planned_outputs(manifest: Dict) -> Optional[int]:
 
 def totals(manifest: Dict) -> Dict[str, float]:
     """Sums of the per-shard counters kept in the manifest (what `status` reports)."""
-    keys = ("rows", "errors", "prompt_tokens", "completion_tokens", "drafted_tokens",
-            "accepted_tokens", "verify_calls", "decode_seconds", "elapsed")
+    keys = ("rows", "errors", *SUMMED_COLUMNS, "elapsed")
     out = {k: 0 for k in keys}
     for entry in manifest.get("shards", []):
         for k in keys:

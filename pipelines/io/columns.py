@@ -3,51 +3,81 @@ engine result (or from the reason a row could not run), the same on every execut
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
-
-import pyarrow as pa
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
 
 from mtplx.request import Result, RowStats
 
-from .rows import Item
+if TYPE_CHECKING:
+    import pyarrow as pa
 
-I64, F64, STR = pa.int64(), pa.float64(), pa.string()
-OUTPUT_COLUMNS: List[Tuple[str, pa.DataType]] = [
-    ("id", STR),
-    ("row", I64),  # index of the input row (0-based, in input order): join key back to the input
-    ("sample", I64),
-    ("completion", STR),  # null for error rows
-    ("finish_reason", STR),  # stop | length | error
-    ("error", STR),
-    ("prompt_tokens", I64),
-    ("completion_tokens", I64),
-    ("cached_prompt_tokens", I64),
-    ("prefill_chunks", I64),
-    ("verify_calls", I64),
-    ("drafted_tokens", I64),
-    ("accepted_tokens", I64),
-    ("acceptance_rate", F64),
-    ("tokens_per_verify", F64),
-    ("accepted_by_depth", pa.list_(I64)),
-    ("compiled_verify_calls", I64),
-    ("eager_verify_calls", I64),
-    ("parity_failures", I64),
-    ("seed", I64),
-    ("batch_width", I64),
-    ("decode_seconds", F64),
-]
+    from .rows import Item
 
 
-def output_schema(keep: Sequence[Tuple[str, pa.DataType]] = ()) -> pa.Schema:
-    return pa.schema([pa.field(n, t) for n, t in OUTPUT_COLUMNS] + [pa.field(n, t) for n, t in keep])
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str  # int64 | float64 | string | list<int64>
+    stat: bool = False  # the engine's RowStats field of the same name
+    summed: bool = False  # summed per shard into manifest.json (what `status` totals)
+    report: bool = True  # read back by `report`
 
 
-def output_row(item: Item, sample: int, seed: int, result: Optional[Result] = None,
+COLUMNS: Tuple[Column, ...] = (
+    Column("id", "string"),
+    Column("row", "int64"),  # index of the input row (0-based, in input order): join key back to the input
+    Column("sample", "int64"),
+    Column("completion", "string", report=False),  # null for error rows
+    Column("finish_reason", "string"),  # stop | length | error
+    Column("error", "string"),
+    Column("prompt_tokens", "int64", summed=True),
+    Column("completion_tokens", "int64", summed=True),
+    Column("cached_prompt_tokens", "int64", stat=True),
+    Column("prefill_chunks", "int64", stat=True, report=False),
+    Column("verify_calls", "int64", stat=True, summed=True),
+    Column("drafted_tokens", "int64", stat=True, summed=True),
+    Column("accepted_tokens", "int64", stat=True, summed=True),
+    Column("acceptance_rate", "float64", stat=True, report=False),
+    Column("tokens_per_verify", "float64", stat=True),
+    Column("accepted_by_depth", "list<int64>"),
+    Column("compiled_verify_calls", "int64", stat=True),
+    Column("eager_verify_calls", "int64", stat=True),
+    Column("parity_failures", "int64", stat=True),
+    Column("seed", "int64", report=False),
+    Column("batch_width", "int64", stat=True),
+    Column("decode_seconds", "float64", stat=True, summed=True),
+)
+OUTPUT_COLUMN_NAMES = tuple(c.name for c in COLUMNS)
+SUMMED_COLUMNS = tuple(c.name for c in COLUMNS if c.summed)  # manifest shard entries and totals
+REPORT_COLUMNS = tuple(c.name for c in COLUMNS if c.report)
+_STATS = tuple(c.name for c in COLUMNS if c.stat)
+
+
+def _arrow_type(name: str) -> "pa.DataType":
+    import pyarrow as pa
+
+    return {"int64": pa.int64(), "float64": pa.float64(), "string": pa.string(),
+            "list<int64>": pa.list_(pa.int64())}[name]
+
+
+def __getattr__(name: str):
+    if name == "OUTPUT_COLUMNS":  # (name, pyarrow type), built on first use: pyarrow loads late
+        return [(c.name, _arrow_type(c.type)) for c in COLUMNS]
+    raise AttributeError(name)
+
+
+def output_schema(keep: Sequence[Tuple[str, "pa.DataType"]] = ()) -> "pa.Schema":
+    import pyarrow as pa
+
+    return pa.schema([pa.field(c.name, _arrow_type(c.type)) for c in COLUMNS] + [pa.field(n, t) for n, t in keep])
+
+
+def output_row(item: "Item", sample: int, seed: int, result: Optional[Result] = None,
                error: Optional[str] = None) -> Dict[str, Any]:
     """The output row for (item, sample): from the engine's `result`, or an error row with `error`."""
     st = result.stats if result is not None else RowStats()
     failed = error is not None or (result is not None and result.finish_reason == "error")
-    row = {
+    fields = {
         "id": item.id,
         "row": item.index,
         "sample": sample,
@@ -56,20 +86,10 @@ def output_row(item: Item, sample: int, seed: int, result: Optional[Result] = No
         "error": error if error is not None else ((result.error or "engine error") if failed else None),
         "prompt_tokens": st.prompt_tokens or len(item.tokens or ()),
         "completion_tokens": st.completion_tokens or (len(result.tokens) if result and not failed else 0),
-        "cached_prompt_tokens": st.cached_prompt_tokens,
-        "prefill_chunks": st.prefill_chunks,
-        "verify_calls": st.verify_calls,
-        "drafted_tokens": st.drafted_tokens,
-        "accepted_tokens": st.accepted_tokens,
-        "acceptance_rate": st.acceptance_rate,
-        "tokens_per_verify": st.tokens_per_verify,
         "accepted_by_depth": list(st.accepted_by_depth),
-        "compiled_verify_calls": st.compiled_verify_calls,
-        "eager_verify_calls": st.eager_verify_calls,
-        "parity_failures": st.parity_failures,
         "seed": result.seed if result is not None and result.seed else seed,
-        "batch_width": st.batch_width,
-        "decode_seconds": st.decode_seconds,
     }
+    fields.update({name: getattr(st, name) for name in _STATS})
+    row = {name: fields[name] for name in OUTPUT_COLUMN_NAMES}  # in schema order
     row.update(item.keep)
     return row

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from . import faults
 from .checkpoint import RunDir, io_failure
+from .columns import SUMMED_COLUMNS
 from .fsutil import publish, remove_quietly, sha256_file
 
 def empty_row(schema: pa.Schema) -> Dict[str, Any]:
@@ -100,8 +101,7 @@ class ShardWriter:
             "elapsed": now - self._since,  # active time this shard took; status sums these
             "committed": time.time(),
         }
-        for key in ("prompt_tokens", "completion_tokens", "drafted_tokens", "accepted_tokens",
-                    "verify_calls", "decode_seconds"):
+        for key in SUMMED_COLUMNS:
             entry[key] = sum(r[key] or 0 for r in rows)
         self.run.record_shard(entry)  # the commit point; an unrecorded file is deleted on the next start
         faults.hit("shard.recorded")

@@ -18,6 +18,7 @@ from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.request import SamplingParams
 
 from ..errors import JobError
+from ..io.columns import OUTPUT_COLUMN_NAMES
 from .schema import SHORTHAND, check_job_dict
 
 
@@ -256,13 +257,3 @@ def load_job(path: Union[str, os.PathLike], overrides: Sequence[str] = ()) -> Jo
         return build_job(raw, default_name=Path(path).stem)
     except JobError as e:
         raise JobError(f"{path}: {e}") from None
-
-
-# The output columns a keep_column may not shadow (kept here so config has no pyarrow import).
-OUTPUT_COLUMN_NAMES = (
-    "id", "row", "sample", "completion", "finish_reason", "error", "prompt_tokens",
-    "completion_tokens", "cached_prompt_tokens", "prefill_chunks", "verify_calls",
-    "drafted_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_verify",
-    "accepted_by_depth", "compiled_verify_calls", "eager_verify_calls", "parity_failures",
-    "seed", "batch_width", "decode_seconds",
-)
