@@ -284,7 +284,13 @@ def test_recipe_sample_sampled_continuations_text_and_other_heldout(tiny_model, 
     training only, a second dataset evaluated only, a drafting vocabulary, the report printed."""
     model = tiny_model("llama")
     prompts = _write_prompts(tmp_path / "prompts.jsonl", 40, seed=5)
-    other = _write_prompts(tmp_path / "other.jsonl", 12, seed=9)
+    other_rows = _write_prompts(tmp_path / "other.jsonl", 12, seed=9)
+    other = tmp_path / "other.yaml"  # a second job: 8 of its 12 rows are sampled
+    other.write_text(
+        f"name: other\nmodel: {{path: {model}}}\n"
+        f"input: {{format: jsonl, path: {other_rows}, id_column: id, prompt_column: prompt}}\n"
+        f"generation: {{max_tokens: 12}}\noutput: {{dir: {tmp_path / 'runs2'}}}\n"
+    )
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.py").write_text("def f(x):\n    return x + 1\n" * 40)
     (tmp_path / "text" / "b.md").write_text("the quick brown fox answer question " * 60)
@@ -306,7 +312,7 @@ def test_recipe_sample_sampled_continuations_text_and_other_heldout(tiny_model, 
     assert len(rows) == 24 and rows == sorted(set(rows)) and rows != list(range(24)) and max(rows) < 40
     assert "text:" in meta["data"] and meta["draft_vocab"] == 64
     assert len(meta["heldout_acceptance_by_depth"]) == 4
-    assert meta["heldout_other"]["data"].startswith("jsonl-prompts:") and meta["heldout_other"]["sequences"] == 8
+    assert meta["heldout_other"]["data"].startswith("job:") and meta["heldout_other"]["sequences"] == 8
     assert len(meta["heldout_other"]["acceptance_by_depth"]) == 4
     assert "held-out other dataset" in res.output and "tokens per verify" in res.output
     ids = np.load(out / "mtp_draft_vocab.npy")

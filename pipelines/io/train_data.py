@@ -35,7 +35,9 @@ def _job(path: str, tokenizer, cfg) -> ReadData:
     job = load_job(path)
     prep = open_job(job, tokenizer)
     rows = sample_rows(prep.source.rows(), cfg.sample, cfg.seed) if cfg.sample else prep.source.rows()
-    items = [it for it in prepare(rows, prep.renderer, job.input.id_column, [], None, None, cfg.max_rows) if it.tokens]
+    # prepare's limit counts input indices, which a sample skips: cut a sample by count instead
+    items = [it for it in prepare(rows, prep.renderer, job.input.id_column, [], None, None,
+                                  None if cfg.sample else cfg.max_rows) if it.tokens][: cfg.max_rows or None]
     if not items:
         raise TrainHeadError(f"{path}: the job's input gave no usable prompts")
     max_new = job.generation.max_tokens
