@@ -22,23 +22,31 @@ from ..io.columns import OUTPUT_COLUMN_NAMES
 from .schema import SHORTHAND, check_job_dict
 
 
+def pinned(default: Any = None, *, default_factory=None):
+    """A field that decides which rows exist or what text they get: it joins the job fingerprint
+    (fingerprint.py), so a resume that changes it is refused."""
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata={"pinned": True})
+    return field(default=default, metadata={"pinned": True})
+
+
 @dataclass
 class ModelConfig:
-    path: str
-    revision: Optional[str] = None
+    path: str  # pinned through the resolved directory and its files (fingerprint.model_parts)
+    revision: Optional[str] = None  # pinned as is (fingerprint.py)
     trust_remote_code: bool = False
 
 
 @dataclass
 class InputConfig:
-    path: str
-    format: str = "parquet"
-    split: str = "train"
-    id_column: Optional[str] = None  # None: a stable hash of the row content
-    prompt_column: Optional[str] = None  # None: "prompt" unless a template or messages are used
-    messages_column: Optional[str] = None
-    template: Optional[str] = None
-    chat_template: str = "auto"  # auto | on | off
+    path: str = field(metadata={"pinned": True})
+    format: str = pinned("parquet")
+    split: str = pinned("train")
+    id_column: Optional[str] = pinned(None)  # None: a stable hash of the row content
+    prompt_column: Optional[str] = pinned(None)  # None: "prompt" unless a template or messages are used
+    messages_column: Optional[str] = pinned(None)
+    template: Optional[str] = pinned(None)
+    chat_template: str = pinned("auto")  # auto | on | off
     limit: Optional[int] = None  # only the first N input rows (a CLI --limit wins)
 
     @property
@@ -54,13 +62,13 @@ class InputConfig:
 
 @dataclass
 class GenerationConfig:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: List[str] = field(default_factory=list)
-    n: int = 1
+    max_tokens: int = pinned(256)
+    temperature: float = pinned(0.0)
+    top_p: float = pinned(1.0)
+    top_k: int = pinned(0)
+    seed: int = pinned(0)
+    stop: List[str] = pinned(default_factory=list)
+    n: int = pinned(1)
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
@@ -76,7 +84,7 @@ class GenerationConfig:
 class OutputConfig:
     dir: str
     shard_rows: int = 1000
-    keep_columns: List[str] = field(default_factory=list)
+    keep_columns: List[str] = pinned(default_factory=list)  # they change the shard schema
 
 
 @dataclass

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import fields
 from typing import Dict, List, Sequence
 
 from .config import JobConfig
@@ -56,15 +57,12 @@ def fingerprint_parts(job: JobConfig, model_dir: str, input_files: Sequence[str]
     parts = {"schema_version": SCHEMA_VERSION}
     parts.update(model_parts(model_dir))
     parts["model.revision"] = str(job.model.revision)
-    gen = job.generation
-    for key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n"):
-        parts[f"generation.{key}"] = json.dumps(getattr(gen, key))
-    inp = job.input
-    for key in ("format", "path", "split", "id_column", "prompt_column", "messages_column",
-                "template", "chat_template"):
-        parts[f"input.{key}"] = json.dumps(getattr(inp, key))
+    for section in ("generation", "input", "output"):
+        cfg = getattr(job, section)
+        for f in fields(cfg):
+            if f.metadata.get("pinned"):  # marked beside each field in config.py
+                parts[f"{section}.{f.name}"] = json.dumps(getattr(cfg, f.name))
     parts["input.files"] = input_files_digest(input_files)
-    parts["output.keep_columns"] = json.dumps(job.output.keep_columns)
     if sampled(job):
         spec = job.speculative
         for key in ("method",) + SAMPLED_SPECULATIVE[spec.method]:
