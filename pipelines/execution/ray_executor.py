@@ -175,7 +175,7 @@ def _quiet_ray_data(quiet: bool):
 
     ctx = DataContext.get_current()
     bars = ctx.enable_progress_bars
-    ctx.enable_progress_bars = False  # the runner's own progress bar shows rows and tok/s
+    ctx.enable_progress_bars = False  # the session's own progress bar shows rows and tok/s
     logger = logging.getLogger("ray.data")
     level = logger.level
     if quiet:
