@@ -1,7 +1,9 @@
 """Adaptive draft depth for greedy rows, from what rounds actually cost and what drafts earn.
 
-With per-token acceptance a, a round that drafts k tokens emits (1 - a^(k+1)) / (1 - a) tokens
-per row on average. What the round costs depends on the device, the model and the batch width:
+A round that drafts k tokens emits 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens per row on average,
+where a_j is the chance that draft j passes once draft j-1 has. Prompt lookup's a_j are alike;
+an MTP head's fall with depth (its depth-2 draft is built on its own depth-1 guess), so the
+controller keeps a_j per draft position, measured, and no single per-token figure. What the round costs depends on the device, the model and the batch width:
 on a GPU a verify of 4 tokens can cost what a verify of 1 does, on a CPU it costs nearly four
 times as much. So the controller measures: it keeps the wall time of recent rounds per (width
 bucket, depth), extrapolates depths it has not tried, picks the depth with the most tokens per
@@ -30,7 +32,8 @@ class DepthController:
         self.max_depth = max_depth
         self.shapes = dict(shapes or {})  # width -> relative verify cost by depth (calibrate.cost_shapes)
         self.adaptive = adaptive
-        self.acceptance = acceptance  # per-token, EMA over rounds
+        self.acceptance = acceptance  # per-token, EMA over rounds (the prior for unmeasured positions)
+        self.passed: Dict[int, float] = {}  # draft position j -> EMA of P(draft j passes | j-1 passed)
         self.seconds: Dict[Tuple[int, int], float] = {}  # (width bucket, depth) -> EMA round time
         self.seen: Dict[Tuple[int, int], int] = {}
         self.rounds = 0
@@ -57,9 +60,23 @@ class DepthController:
         d0, t0 = min(known.items(), key=lambda kv: abs(kv[0] - k))
         return t0 * self._shape(bucket, k) / self._shape(bucket, d0)
 
+    def position_acceptance(self, j: int) -> float:
+        """a_j: measured at draft position j, else the deepest measured position's (acceptance
+        rarely rises with depth), else the per-token prior."""
+        if j in self.passed:
+            return self.passed[j]
+        below = [i for i in self.passed if i < j]
+        return self.passed[max(below)] if below else self.acceptance
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for j in range(1, k + 1):
+            run *= min(max(self.position_acceptance(j), 0.0), 0.99)
+            total += run
+        return total
+
     def _rate(self, bucket: int, k: int) -> float:
-        a = min(max(self.acceptance, 0.01), 0.99)
-        return (1 - a ** (k + 1)) / (1 - a) / self._cost(bucket, k)
+        return self.expected_tokens(k) / self._cost(bucket, k)
 
     def choose(self, width: int) -> int:
         if not self.adaptive:
@@ -72,8 +89,11 @@ class DepthController:
             best = min(max(best + step, 0), self.max_depth)
         return best
 
-    def record(self, width: int, depth: int, seconds: float, accepted: int, tried: int) -> None:
-        """One round's wall time at `depth`, and its accepted / attempted draft positions."""
+    def record(self, width: int, depth: int, seconds: float, accepted: int, tried: int,
+               reached=None, passed=None) -> None:
+        """One round's wall time at `depth`, its accepted / attempted draft positions, and per draft
+        position j (1-based, index j-1) how many rows reached it (drafted it, all before passed)
+        and how many of those passed."""
         key = (self._bucket(width), depth)
         self.seen[key] = self.seen.get(key, 0) + 1
         if self.seen[key] > 1:  # the first round of a shape pays for compiling and allocating
@@ -81,3 +101,19 @@ class DepthController:
             self.seconds[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
         if tried:
             self.acceptance = 0.8 * self.acceptance + 0.2 * (accepted / tried)
+        for j, (r, p) in enumerate(zip(reached or (), passed or ()), start=1):
+            if r:
+                old = self.passed.get(j, self.position_acceptance(j))
+                self.passed[j] = 0.8 * old + 0.2 * (p / r)
+
+
+def position_counts(n_accept, depths, K: int):
+    """Per draft position 1..K: (rows that drafted it with every draft before it passed, rows whose
+    draft there passed), from each row's accepted count and drafted depth (numpy arrays)."""
+    import numpy as np
+
+    j = np.arange(1, K + 1)[:, None]
+    drafted = depths[None, :] >= j
+    reached = (drafted & (n_accept[None, :] >= j - 1)).sum(axis=1)
+    passed = (drafted & (n_accept[None, :] >= j)).sum(axis=1)
+    return reached.tolist(), passed.tolist()

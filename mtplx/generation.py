@@ -22,7 +22,7 @@ import numpy as np
 from .cache import BatchCache, RowKVCache
 from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profile, profile_path
 from .config import ScheduleConfig, SpeculativeConfig, prefill_chunk_env, sustained_prefill_env
-from .depth import DepthController
+from .depth import DepthController, position_counts
 from .drafters import make_drafter
 from .architectures import PASSED_FILE, prepare, probe_key
 from .graphbank import CompiledVerifyBank
@@ -457,8 +457,9 @@ class Engine:
         greedy = np.array([s is not None and s.req.params.greedy for s in slots])
         if greedy.any():
             tried = int(np.minimum(n_h + 1, depths)[greedy].sum())
+            reached, passed = position_counts(n_h[greedy], depths[greedy], K)
             self.depth_control.record(n_active, K, time.perf_counter() - started,
-                                      int(n_h[greedy].sum()), tried)
+                                      int(n_h[greedy].sum()), tried, reached, passed)
         emitted = 0
         for i, row in enumerate(slots):
             if row is None:

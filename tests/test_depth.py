@@ -36,3 +36,43 @@ def test_fixed_depth_when_not_adaptive():
 def test_no_drafter_never_drafts():
     ctrl = DepthController(0)
     assert {ctrl.choose(1) for _ in range(40)} == {0}
+
+
+def test_acceptance_that_falls_with_depth_is_measured_per_position():
+    """An MTP-like drafter: draft 1 passes 90% of the time, deeper drafts almost never (they build
+    on the head's own guess). With a round costing 1 + 0.1 k, depth 1 pays most (1.9 / 1.1 tokens
+    per unit against 1.95 / 1.2 at depth 2); a single per-token acceptance averages the positions
+    and drafts deeper than pays."""
+    import numpy as np
+
+    from mtplx.depth import position_counts
+
+    rng = np.random.default_rng(0)
+    ctrl = DepthController(4)
+    width = 8
+    chosen = []
+    for _ in range(400):
+        k = ctrl.choose(width)
+        chosen.append(k)
+        depths = np.full(width, k)
+        n = np.zeros(width, dtype=np.int64)
+        for i in range(width):
+            for j in range(1, k + 1):
+                if rng.random() >= (0.9 if j == 1 else 0.05):
+                    break
+                n[i] = j
+        reached, passed = position_counts(n, depths, k)
+        ctrl.record(width, k, 1.0 + 0.1 * k, int(n.sum()), int(np.minimum(n + 1, depths).sum()), reached, passed)
+    tail = chosen[-EXPLORE_EVERY * 4:]
+    assert max(set(tail), key=tail.count) == 1
+    assert abs(ctrl.position_acceptance(1) - 0.9) < 0.15 and ctrl.position_acceptance(2) < 0.3
+
+
+def test_position_counts():
+    import numpy as np
+
+    from mtplx.depth import position_counts
+
+    # rows drafted 3, 3, 1 tokens and kept 0, 2, 1 of them
+    reached, passed = position_counts(np.array([0, 2, 1]), np.array([3, 3, 1]), 3)
+    assert reached == [3, 1, 1] and passed == [2, 1, 0]
