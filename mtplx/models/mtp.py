@@ -1,14 +1,13 @@
 """Multi-token-prediction heads: the model's own (or a trained sidecar), rebuilt from checkpoints.
 
-Two checkpoint layouts carry them:
-- Qwen3-Next / Qwen3.5: `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.fc`,
-  `mtp.layers.{i}.*` (decoder layers of the model's own kind), `mtp.norm`; lm_head shared.
-- DeepSeek-V3 / GLM-4.5 NextN: layer `model.layers.{N}` after the N trunk layers, with `enorm`,
-  `hnorm`, `eh_proj`, a decoder block, `shared_head.norm`, `shared_head.head`.
-Sidecar heads from `mtplx-batch train-head` use the NextN layout with the trunk's own block.
+Where each family keeps its head, and what its names mean, is in mtp_layouts.py (Qwen3-Next /
+Qwen3.5 `mtp.*`, DeepSeek-V3 / V3.2 / GLM-4.5 NextN layers, MiMo `model.mtp_layers.*`); a head
+`mtplx-batch convert` wrote already built is read by convert.py. Sidecar heads from
+`mtplx-batch train-head` use the NextN layout with the trunk's own block.
 
-Both compute: x = fc([norm_e(embed(t+1)), norm_h(h_t)]); x = block(x); h' = norm(x);
-logits = head(h'). Drafting depth k feeds (h', draft) back into the same head.
+A module computes x = fc([norm_e(embed(t+1)), norm_h(h_t)]); x = block(x); h' = norm(x);
+logits = head(h'). Drafting depth k feeds (h', draft) back: into the same module (MTPHead), or
+into module k of a head with one per depth (MTPHeadStack).
 """
 
 from __future__ import annotations
