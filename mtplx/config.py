@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 SPEC_METHODS = ("none", "mtp", "draft", "ngram")
 VERIFY_MODES = ("off", "on", "parity", "parity2")
+ORDERS = ("prefix", "length", "input")
 
 
 def _env_int(name: str, lowest: int) -> Optional[int]:
@@ -86,7 +87,7 @@ class ScheduleConfig:
     calibration: Optional[str] = None  # a profile from `mtplx-batch calibrate`; default: beside the model
 
     def __post_init__(self):
-        if self.order not in ("prefix", "length", "input"):
-            raise ValueError(f"schedule.order must be prefix, length or input, got {self.order!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"schedule.order must be {', '.join(ORDERS[:-1])} or {ORDERS[-1]}, got {self.order!r}")
         if self.max_batch != "auto" and int(self.max_batch) < 1:
             raise ValueError(f"schedule.max_batch must be >= 1, got {self.max_batch}")

@@ -10,12 +10,11 @@ import difflib
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from mtplx.config import SPEC_METHODS, VERIFY_MODES
+from mtplx.config import ORDERS, SPEC_METHODS, VERIFY_MODES
 
 from ..errors import JobError
 
 INPUT_FORMATS = ("parquet", "arrow", "jsonl", "csv", "hf", "openai-batch")
-ORDERS = ("prefix", "length", "input")
 
 
 class _Bad(Exception):
