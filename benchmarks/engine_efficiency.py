@@ -140,6 +140,7 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--skip-verify", action="store_true")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch peer (a shorter run)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -162,7 +163,7 @@ def main():
         flops_per_token = wb  # 2 FLOPs per weight, bf16 weights are 2 bytes each: FLOPs == weight bytes
         decode_rows.append({"shape": shape, "what": f"{args.batch} streams end-to-end tok/s", "mlx-lm": mb, "ours eager": ob, "ours compiled": obc, "ratio (best/mlx)": max(ob, obc) / mb, "roofline tok/s": "", "ours % roofline": "",
                             "ours % matmul peak": 100 * max(ob, obc) * flops_per_token / MATMUL_FLOPS})
-        if torch_peer.available():  # same random weights in transformers, greedy generate
+        if torch_peer.available() and not args.no_torch:  # same random weights in transformers, greedy generate
             try:
                 peer = torch_peer.peer_rows(bundle, [("1", prompts[:1], 1, None), ("batch", prompts, args.batch, None)], n, eos=[])
                 for row, p in zip(decode_rows[-2:], peer):

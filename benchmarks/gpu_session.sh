@@ -12,6 +12,9 @@
 #   bash benchmarks/gpu_session.sh jobs-mtp # the eval job with and without the trained MTP head
 #   bash benchmarks/gpu_session.sh profile  # phase timings of the MTP job against plain decoding
 #   bash benchmarks/gpu_session.sh train    # self-distilled MTP head for SmolLM2 (no HumanEval rows)
+#   bash benchmarks/gpu_session.sh speed    # issue 20 (~8 min): plain decoding vs mlx-lm (0.6B/8B, 1 and 32
+#                                           # streams), startup phases, a job at widths 32..256 vs batch_generate
+#                                           # at the same width, few-shot MMLU vs batch_generate (+ its phases)
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -76,6 +79,22 @@ profile)  # where an MTP job's time goes (the device synchronized at every phase
   P="benchmarks.phase_profile jobs/eval-mtp.yaml --set input.limit=${ROWS:-16}"
   LIMIT=200 bench mtp $P
   LIMIT=100 bench none $P --set speculative.method=none
+  collect
+  ;;
+speed)  # sizes are env vars so the same step dry-runs on a CPU with tiny ones
+  SHAPES=${SHAPES:-0.6b,8b}; WIDTHS=${WIDTHS:-32 64 128 256}; ROWS=${ROWS:-512}; TOKENS=${TOKENS:-64}
+  MMLU_ROWS=${MMLU_ROWS:-256}; SLOW=${SLOW:-1}  # SLOW multiplies the time limits (a CPU dry run)
+  LIMIT=$((200 * SLOW)) bench efficiency benchmarks.engine_efficiency --shapes "$SHAPES" \
+    --tokens ${EFF_TOKENS:-128} --batch ${EFF_BATCH:-32} --skip-verify --no-torch
+  LIMIT=$((90 * SLOW)) bench startup benchmarks.startup --model $MODEL --repeats 2
+  for W in $WIDTHS; do  # plain decoding, the same rendered rows and width on both sides
+    LIMIT=$((75 * SLOW)) bench "width-$W" benchmarks.jobs_vs_peer jobs/eval.yaml --set speculative.method=none \
+      --set input.path=mmlu-1k --set output.keep_columns=[] --set input.limit=$ROWS \
+      --set generation.max_tokens=$TOKENS --set schedule.max_batch=$W
+  done
+  LIMIT=$((90 * SLOW)) bench mmlu benchmarks.jobs_vs_peer jobs/mmlu.yaml --set speculative.method=none --set input.limit=$MMLU_ROWS
+  LIMIT=$((60 * SLOW)) bench mmlu-phases benchmarks.phase_profile jobs/mmlu.yaml --set speculative.method=none \
+    --set input.limit=$MMLU_ROWS --tag fewshot
   collect
   ;;
 train)

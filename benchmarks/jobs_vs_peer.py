@@ -2,8 +2,9 @@
 
     python -m benchmarks.jobs_vs_peer jobs/mmlu.yaml --set speculative.method=none --out bench-out
 
-Both get the same rendered prompt tokens (the job's own template / chat template) and the same
-max_tokens, and each runs once untimed first (compiled programs and kernels exist before timing;
+Both get the same rendered prompt tokens (the job's own template / chat template), the same
+max_tokens and the same width (rows in flight: the job's `schedule.max_batch`, which is
+batch_generate's completion batch size), and each runs once untimed first (compiled programs and kernels exist before timing;
 our cached shared prefixes are dropped after it). Stop strings are dropped so both stop only at
 EOS or max_tokens. Reports end-to-end tokens/s of each and their ratio (sampled rows end at
 different lengths on the two sides, so the token counts may differ: the wall-time ratio is shown
@@ -48,7 +49,7 @@ def main():
     sampler = make_sampler(temp=gen.temperature, top_p=gen.top_p or 0.0, top_k=gen.top_k or 0) if gen.temperature > 0 else None
     rows = []
     for rep in range(args.repeats):
-        peer_run = mlx_batch(engine, prompts, max_tokens, sampler=sampler)
+        peer_run = mlx_batch(engine, prompts, max_tokens, width=engine.max_batch, sampler=sampler)
         peer_tokens, peer_s = peer_run["tokens"], peer_run["seconds"]
         with tempfile.TemporaryDirectory() as tmp:
             if rep == 0:  # warm-up, untimed, as mlx_batch does for the peer
@@ -65,6 +66,7 @@ def main():
         cached = engine.counters["cached_prompt_tokens"] - before["cached_prompt_tokens"]
         rows.append({
             "job": Path(args.job).stem, "method": job.speculative.method, "rows": len(prompts),
+            "width": engine.max_batch,
             "prompt tokens": sum(map(len, prompts)), "prefilled by us": prefilled, "copied from shared prefix": cached,
             **speed_ratio(summary.completion_tokens, ours_s, peer_tokens, peer_s, "mlx-lm"),
             "mlx-lm s": peer_s, "ours s": ours_s,
@@ -72,7 +74,7 @@ def main():
         print(table(rows), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"jobs_vs_peer-{Path(args.job).stem}-{job.speculative.method}"
+    name = f"jobs_vs_peer-{Path(args.job).stem}-{job.speculative.method}-w{engine.max_batch}"
     save_json(out / f"{name}.json", {"device": device_name(), "versions": versions(), "overrides": args.overrides, "rows": rows})
     (out / f"{name}.md").write_text(f"device: {device_name()}\n\n" + table(rows))
 

@@ -3,8 +3,8 @@
     ours     `python -m pipelines.cli run JOB --log-json` on a one-row job (max_tokens 1); its
              `startup` line gives the phases (import, config, tokenizer, weights, engine,
              first_token) and the outside wall clock the whole process
-    mlx-lm   a fresh process: `import mlx_lm`, `mlx_lm.load(dir)`, the same chat-templated prompt
-             through `stream_generate` to its first token
+    mlx-lm   a fresh process: the same BLAS, `import mlx_lm`, `mlx_lm.load(dir)`, the same
+             chat-templated prompt through `stream_generate` to its first token
 
 Both load the same converted model directory and take the same prompt, alternating run by run;
 medians and the ratio of the medians are printed as the table. The prompt is short by default so
@@ -31,10 +31,14 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("import", "config", "tokenizer", "weights", "engine", "first_token", "total")
 
+# The peer binds the same BLAS as we do (mtplx/blas.py, on a Linux CPU), then imports mlx-lm as usual.
 PEER = """
 import time, sys
 t0 = time.perf_counter()
+from mtplx.blas import use_openblas
+use_openblas()
 import mlx_lm
+mlx_lm.load  # mlx-lm's whole package, as a plain `import mlx_lm` loads it
 t1 = time.perf_counter()
 model, tok = mlx_lm.load(sys.argv[1])
 t2 = time.perf_counter()
