@@ -91,7 +91,7 @@ def test_jobs_vs_peer_compares_tokens_per_second(tiny_model, tmp_path, monkeypat
                                                   generation={"max_tokens": 12, "temperature": 1.0, "seed": 3}))
     monkeypatch.setattr(sys, "argv", ["jobs_vs_peer", str(job), "--out", str(tmp_path / "out")])
     jobs_vs_peer.main()
-    (row,) = json.loads((tmp_path / "out" / "jobs_vs_peer-job-none.json").read_text())["rows"]
+    (row,) = json.loads((tmp_path / "out" / "jobs_vs_peer-job-none-w4.json").read_text())["rows"]
     ours, peer = row["ours tokens"] / row["ours s"], row["mlx-lm tokens"] / row["mlx-lm s"]
     assert row["ours tok/s"] == pytest.approx(ours) and row["mlx-lm tok/s"] == pytest.approx(peer)
     assert row["ours / mlx-lm (tok/s)"] == pytest.approx(ours / peer)
