@@ -381,11 +381,11 @@ class Engine:
         ones = active.astype(np.int64)
 
         def launch(pending: mx.array):
-            u = mx.array(np.array([uniforms(s.rng) if s is not None else 0.0 for s in slots], dtype=np.float32))
             logits, _, compiled, failures = self._verify(pending[:, None], cache)
-            if sampler.all_greedy:
+            if sampler.all_greedy:  # no uniforms to draw: greedy rows never read their generator
                 nxt = mx.argmax(logits[:, 0], axis=-1).astype(mx.int32)
             else:
+                u = mx.array(np.array([uniforms(s.rng) if s is not None else 0.0 for s in slots], dtype=np.float32))
                 nxt = sample_from(shaped_probs(logits, sampler)[:, 0], u)
             cache.commit(ones)
             mx.async_eval(nxt)

@@ -1,0 +1,29 @@
+"""Host work per decode step: what the plain decoding loop does on the host besides the forward."""
+
+import mtplx.generation as generation
+from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.generation import Engine
+from mtplx.models.loading import load
+from mtplx.request import Request, SamplingParams
+from tiny_models import reference_tokens
+
+
+def _requests(n, temperature=0.0):
+    return [Request(key=(i, 0), prompt_tokens=[3 + i, 17, 9, 40 + i], seed=i,
+                    params=SamplingParams(max_tokens=12, temperature=temperature)) for i in range(n)]
+
+
+def test_greedy_plain_rounds_draw_no_uniforms_and_keep_the_text(tiny_model, monkeypatch):
+    """All-greedy plain decoding draws nothing from the rows' generators (a numpy round trip per
+    row and step before), and its tokens are still mlx-lm's own greedy ones; sampled rows draw."""
+    bundle = load(tiny_model("llama"))
+    engine = Engine(bundle, SpeculativeConfig(method="none"), ScheduleConfig(max_batch=4))
+    calls = []
+    real = generation.uniforms
+    monkeypatch.setattr(generation, "uniforms", lambda rng: (calls.append(1), real(rng))[1])
+    out = {r.key: r.tokens for r in engine.generate(_requests(4))}
+    assert not calls
+    for req in _requests(4):
+        assert out[req.key] == reference_tokens(bundle.model, req.prompt_tokens, 12, engine.eos)
+    list(engine.generate(_requests(2, temperature=1.0)))
+    assert calls
