@@ -10,7 +10,8 @@ import pytest
 
 from jobkit import job_dict, read_output, sample_rows, write_jsonl
 from pipelines.job.config import build_job
-from pipelines.cli.progress import PROGRESS_FILE, Progress
+from pipelines.cli.progress import Progress
+from pipelines.io.checkpoint import PROGRESS_FILE
 from pipelines.cli.report import collect, read_progress, throughput_intervals
 from pipelines.execution.session import run_job
 

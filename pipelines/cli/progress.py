@@ -47,7 +47,6 @@ from mtplx.request import tokens_per_verify
 RATE_WINDOW = 30.0  # seconds of history behind the tokens/s used by the ETA
 DEFAULT_LOG_EVERY = 30.0
 RECORD_EVERY = 2.0  # seconds between lines of RUN_DIR/progress.jsonl
-PROGRESS_FILE = "progress.jsonl"
 REFRESH_EVERY = 0.5  # seconds between bar redraws on engine events
 
 _write_lock = threading.Lock()

@@ -41,10 +41,9 @@ import pyarrow.parquet as pq
 
 from mtplx.request import tokens_per_verify
 
-from ..io.checkpoint import JOB_FILE, planned_outputs, read_manifest
+from ..io.checkpoint import JOB_FILE, PROGRESS_FILE, planned_outputs, read_manifest
 from ..errors import JobError
 from ..io.columns import REPORT_COLUMNS
-from .progress import PROGRESS_FILE
 
 TOP_SLOW = 20
 MAX_ERRORS_SHOWN = 200

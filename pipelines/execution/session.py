@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
-from ..cli.progress import DEFAULT_LOG_EVERY, PROGRESS_FILE, Progress, json_line, json_logger
+from ..cli.progress import DEFAULT_LOG_EVERY, Progress, json_line, json_logger
 from ..errors import RunError
-from ..io.checkpoint import RunDir
+from ..io.checkpoint import PROGRESS_FILE, RunDir
 from ..io.columns import output_schema
 from ..io.sink import ShardWriter
 from ..job.config import JobConfig

@@ -34,8 +34,9 @@ MANIFEST = "manifest.json"
 JOB_FILE = "job.yaml"
 SHARDS = "shards"
 LOCK = ".lock"
+PROGRESS_FILE = "progress.jsonl"  # throughput over time, written by the session (cli/progress.py)
 MANIFEST_FORMAT = 1
-OWN_FILES = {MANIFEST, JOB_FILE, SHARDS, LOCK, MANIFEST + ".tmp", JOB_FILE + ".tmp"}
+OWN_FILES = {MANIFEST, JOB_FILE, SHARDS, LOCK, PROGRESS_FILE, MANIFEST + ".tmp", JOB_FILE + ".tmp"}
 SHARD_FILE = re.compile(r"shards/part-\d{5,}\.parquet")  # the only names a manifest may record
 
 
