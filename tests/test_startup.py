@@ -180,3 +180,27 @@ def test_architecture_probe_is_remembered_only_beside_a_converted_model(tmp_path
     (converted / "config.json").write_text(json.dumps(cfg))
     Engine(load(converted))
     assert len(calls) == 4
+
+
+def test_mixed_packings_the_loader_cannot_infer_go_to_mlx_lm(tmp_path):
+    """Affine by default, but some layers packed as mxfp4 (uint8 scales): left to mlx-lm's loader,
+    which infers their mode, so the model is still the same."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from mtplx.models.loading import _classes_without_mtp, load
+
+    path = make_tiny_model(tmp_path / "m", "qwen3")
+    model, _ = load_model(path)
+    nn.quantize(model, group_size=32, bits=4, mode="mxfp4",
+                class_predicate=lambda p, m: isinstance(m, nn.Linear) and "mlp" in p)
+    nn.quantize(model, group_size=64, bits=8, class_predicate=lambda p, m: isinstance(m, nn.Linear) and "self_attn" in p)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization"] = {"group_size": 64, "bits": 8, "mode": "affine"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    ref, _ = load_model(path, get_model_classes=_classes_without_mtp)
+    ours = load(path).model
+    x = mx.array([[1, 5, 9, 200, 33]])
+    assert mx.array_equal(ref(x), ours(x)).item()

@@ -126,6 +126,10 @@ def _plain_checkpoint(model_path: Path, config: dict) -> bool:
     )
 
 
+class _NotPlain(Exception):
+    """A checkpoint `_load_weights` leaves to mlx-lm's loader."""
+
+
 def _load_weights(model_path: Path, config: dict, lazy: bool) -> nn.Module:
     """mlx-lm's model class, its sanitize, affine quantization as config.json's `quantization`
     names it (per layer, else the packing read off the saved scales), then the weights."""
@@ -146,6 +150,8 @@ def _load_weights(model_path: Path, config: dict, lazy: bool) -> nn.Module:
                 return quant[path]
             if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
                 return False
+            if weights[f"{path}.scales"].dtype == mx.uint8:
+                raise _NotPlain(path)  # an mxfp / nvfp packing: mlx-lm infers its mode
             in_dims = module.weight.shape[-1]
             bits = weights[f"{path}.weight"].shape[-1] * 32 // in_dims
             return {"group_size": in_dims // weights[f"{path}.scales"].shape[-1], "bits": bits, "mode": "affine"}
@@ -251,9 +257,13 @@ def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = 
     tokenizer = _load_tokenizer(model_path, config)
     phases["tokenizer"] = time.perf_counter() - t
     t = time.perf_counter()
+    model = None
     if _plain_checkpoint(model_path, config):
-        model = _load_weights(model_path, config, lazy)
-    else:
+        try:
+            model = _load_weights(model_path, config, lazy)
+        except _NotPlain:
+            model = None
+    if model is None:
         from mlx_lm.utils import load_model
 
         model, config = load_model(model_path, lazy=lazy, get_model_classes=_classes_without_mtp,
