@@ -18,8 +18,8 @@ def local_rows(session, engine=None) -> Iterator[Tuple[Dict[str, Any], bool]]:
         session.startup.engine_loaded(engine)
     else:
         session.startup.engine = engine
-    if hasattr(engine, "profile_file"):  # which calibration this run used, in the manifest
-        session.run.update(calibration=engine.profile_file, max_batch=engine.max_batch)
+    if hasattr(engine, "profile_file"):  # which calibration this run used: in the manifest from the next commit
+        session.run.manifest.update(calibration=engine.profile_file, max_batch=engine.max_batch)
         if engine.profile_file or str(job.schedule.max_batch) == "auto":
             session.log(f"calibration: {engine.profile_file or 'none (mtplx-batch calibrate MODEL makes one)'}; "
                         f"max_batch {engine.max_batch}")
