@@ -251,7 +251,7 @@ def test_cli_log_json_and_quiet(tmp_path, model):
     r = CliRunner().invoke(main, ["run", str(jobfile), "--log-json", "--log-every", "0"])
     assert r.exit_code == 0, r.output
     events = [json.loads(line) for line in r.stderr.splitlines()]
-    assert [e["event"] for e in events if e["event"] != "log"] == ["start", "shard", "summary"]
+    assert [e["event"] for e in events if e["event"] != "log"] == ["start", "startup", "shard", "summary"]
     assert events[-1]["status"] == "done" and events[-1]["outputs"] == 4
     # nothing left to do, and --quiet: no output at all
     r = CliRunner().invoke(main, ["resume", str(tmp_path / "run"), "--quiet"])

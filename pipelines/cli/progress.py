@@ -18,6 +18,7 @@ seconds: session start, elapsed, cumulative generated / prefilled tokens, rows d
 
 With `log_json`, every line written to stderr is one JSON object with an `event` key:
     start     run_dir, job, rows_total, rows_done_before
+    startup   once, at the first token: seconds per startup phase (pipelines/execution/startup.py)
     log       message (what the runner would otherwise print)
     shard     a shard committed: file, rows, errors, completion_tokens, rows_committed
     progress  after the first decode round, then every `log_every` seconds (from a timer
