@@ -155,7 +155,28 @@ class RowKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
-class RowStateCache:
+class ArraysSurface:
+    """mlx-lm's ArraysCache surface over `self.cache`, a list of slots: what a recurrent layer calls."""
+
+    lengths = None  # mlx-lm's right-padding hook; rows' lengths live in RowLengths here
+
+    def __getitem__(self, i):
+        return self.cache[i]
+
+    def __setitem__(self, i, v):
+        self.cache[i] = v
+
+    def __bool__(self):
+        return True
+
+    def advance(self, n):
+        pass  # lengths move on commit, not per forward
+
+    def make_mask(self, N: int, **kwargs):
+        return None
+
+
+class RowStateCache(ArraysSurface):
     """Recurrent state (conv window, SSM / Gated DeltaNet state) for a batch of rows (one layer).
 
     Looks like mlx-lm's ArraysCache to the model (`cache[i]`, `advance`, `lengths`), with `size`
@@ -168,24 +189,8 @@ class RowStateCache:
     def __init__(self, lengths: RowLengths, size: int = 2):
         self.rows = lengths
         self.cache: List[Optional[mx.array]] = [None] * size
-        self.lengths = None  # mlx-lm's right-padding hook; unused here
         self.capturing = False
         self._steps: Optional[List[mx.array]] = None  # per slot: [B, L, ...] value after each position
-
-    def __getitem__(self, i):
-        return self.cache[i]
-
-    def __setitem__(self, i, v):
-        self.cache[i] = v
-
-    def __bool__(self):
-        return True
-
-    def advance(self, n):
-        pass  # lengths live in RowLengths and move on commit
-
-    def make_mask(self, N: int, **kwargs):
-        return None
 
     def record(self, conv_input: mx.array, states: mx.array):
         """Gated DeltaNet capture: the conv input [B, k-1+L, C] and the state after each position."""

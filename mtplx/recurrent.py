@@ -18,7 +18,7 @@ import inspect
 
 import mlx.core as mx
 
-from .cache import RowStateCache
+from .cache import ArraysSurface, RowStateCache
 
 STEPPED_LAYERS = {
     ("mlx_lm.models.lfm2", "ShortConv"),
@@ -32,28 +32,11 @@ STEPPED_LAYERS = {
 }
 
 
-class _Scratch:
+class _Scratch(ArraysSurface):
     """What the layer sees for one step: mlx-lm's ArraysCache surface over plain slots."""
-
-    lengths = None
 
     def __init__(self, slots):
         self.cache = list(slots)
-
-    def __getitem__(self, i):
-        return self.cache[i]
-
-    def __setitem__(self, i, v):
-        self.cache[i] = v
-
-    def __bool__(self):
-        return True
-
-    def advance(self, n):
-        pass
-
-    def make_mask(self, N, **kwargs):
-        return None
 
 
 def _stepping_call(self, *args, **kwargs):
