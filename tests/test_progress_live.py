@@ -12,7 +12,8 @@ from jobkit import job_dict, read_output, sample_rows, write_jsonl
 from pipelines.job.config import build_job
 from pipelines.cli.progress import Progress
 from pipelines.io.checkpoint import PROGRESS_FILE
-from pipelines.cli.report import collect, read_progress, throughput_intervals
+from pipelines.cli.report import collect, read_progress
+from pipelines.cli.report_plots import throughput_intervals
 from pipelines.execution.session import run_job
 
 
