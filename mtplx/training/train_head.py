@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,9 +43,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .head_data import (TrainData, TrainHeadError, Features, _bar, build_data, is_job_or_table, self_distill,  # noqa: F401
-                        text_data, trunk_features)
-from .head_eval import _batch, _causal, _unrolled, acceptance_by_depth, evaluate, tokens_per_verify  # noqa: F401
+from .head_data import TrainData, TrainHeadError, _bar, build_data, is_job_or_table, text_data, trunk_features
+from .head_eval import _batch, _causal, _unrolled, acceptance_by_depth, evaluate, tokens_per_verify
 from ..models.loading import ModelBundle, load
 from ..mtp_draft import DRAFT_VOCAB_FILE, frequent_tokens, save_draft_vocab
 from ..models.mtp import (SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, has_trunk_split, project_logits,
