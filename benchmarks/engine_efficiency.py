@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten, tree_map
 from mtplx.cache import BatchCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine, _Runtime
+from mtplx.architectures import capture_backend
 from mtplx.graphbank import CompiledVerifyBank
 from mtplx.models.loading import ModelBundle
 from mtplx.request import Request, SamplingParams
@@ -113,7 +114,8 @@ def verify_cost(bundle, width, context, lengths, repeats=20):
     cache.eval()
     base = cache.lengths.copy()
     runtime = _Runtime(model, want_hidden=False)
-    bank = CompiledVerifyBank(runtime, max_verify_len=max(lengths))
+    bank = CompiledVerifyBank(runtime, max_verify_len=max(lengths), request_max_tokens=context + max(lengths),
+                              capture_backend=capture_backend(model))
     rows = []
     for L in lengths:
         toks = mx.array(rng.integers(0, 1000, (width, L)), dtype=mx.int32)

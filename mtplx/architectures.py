@@ -33,7 +33,7 @@ import numpy as np
 from .adapters import install_adapters
 from .cache import BatchCache, RowStateCache, UnsupportedArchitecture, flat_kinds, layer_kinds
 from .gdn import install_capture
-from .recurrent import install_stepping
+from .recurrent import STEPPED_LAYERS, install_stepping
 
 PROBE = [5, 17, 3, 11, 8, 2, 9, 4, 13, 6]
 
@@ -50,6 +50,21 @@ def probe_key(config: dict, model) -> str:
     for f in sorted(Path(__file__).parent.rglob("*.py")):
         h.update(f.read_bytes())
     return h.hexdigest()[:24]
+
+
+def capture_backend(model) -> Optional[str]:
+    """The capture backend `model`'s recurrent layers use: "gdn" (Gated DeltaNet, gdn.py),
+    "recurrent" (conv / SSM steps, recurrent.py), both joined by "+", or None (attention only).
+    Read from the layers themselves, installed or not."""
+    found = set()
+    for layer in getattr(model, "layers", []):
+        if getattr(layer, "linear_attn", None) is not None:
+            found.add("gdn")
+    for _, module in model.named_modules():
+        for cls in type(module).__mro__:
+            if (cls.__module__, cls.__name__) in STEPPED_LAYERS:
+                found.add("recurrent")
+    return "+".join(sorted(found)) or None
 
 
 PASSED_FILE = "mtplx_probe_passed"  # holds the probe_key of the last passed probe

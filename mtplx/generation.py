@@ -24,7 +24,7 @@ from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profil
 from .config import ScheduleConfig, SpeculativeConfig, prefill_chunk_env, sustained_prefill_env
 from .depth import DepthController, position_counts
 from .drafters import make_drafter
-from .architectures import PASSED_FILE, prepare, probe_key
+from .architectures import PASSED_FILE, capture_backend, prepare, probe_key
 from .graphbank import CompiledVerifyBank
 from .models.loading import ModelBundle, cache_dir, context_length, load
 from .models.mtp import has_trunk_split, project_logits, trunk_hidden
@@ -132,7 +132,8 @@ class Engine:
             self.bank = CompiledVerifyBank(
                 self.runtime,
                 max_verify_len=self.spec.depth + 1,
-                capture_backend="gdn" if self.hybrid else None,
+                request_max_tokens=self.max_context,  # narrowed to the rows in flight at admission
+                capture_backend=capture_backend(self.model),
                 parity=self.spec.compiled_verify,
                 growth_limit=self.spec.verify_max_len,
             )
@@ -300,8 +301,13 @@ class Engine:
             admitted.append(row)
         if not admitted:
             return False
+        if self.bank is not None:  # the growth budget: the longest context a row of this call can reach
+            before = self.bank.request_max_tokens if batch.cache is not None else 0
+            self.bank.set_budget(max([before] + [len(s.req.prompt_tokens) + s.max_tokens for s in live + admitted]))
         grow, finished_early = [], False
         prefilled = self.prefiller.run(admitted, self.drafter)
+        if self.bank is not None:
+            self.bank.note_restored(sum(r.stats.cached_prompt_tokens for r in admitted))
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()  # the startup phases end here
         self._progress("decode", sum(1 for _, _, first in prefilled if first not in self.eos))

@@ -12,6 +12,14 @@ Modes: `on` (compiled, eager fallback with a recorded reason), `parity` (run bot
 `CompiledVerifyParityError` on any difference), `parity2` (compiled is authoritative; an eager
 replay counts divergences in `stats["parity_failures"]`). Models with quantization widths the
 bank does not compile (6-bit) run eager for their whole life (`permanent_eager`).
+
+The design note's other arguments: `request_max_tokens` is the growth budget, the longest
+context a row can reach (prompt + its max_tokens): no capacity bucket, and so no program, is
+made past what that budget plus the verify length needs; a verify past it runs eagerly with the
+reason recorded. `restored_tokens` counts prompt tokens restored from a cached prefix (the
+engine adds what its prefix store restored, `note_restored`). `capture_backend` names the
+recurrent-state capture in use ("gdn", "recurrent", or None for attention only) and must be
+what the model's layers use (`architectures.capture_backend`). All three are in `stats`.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .architectures import capture_backend as model_capture_backend
 from .cache import BatchCache, RowKVCache, RowLengths
 from .config import verify_max_len_env
 
@@ -84,13 +93,23 @@ class CompiledVerifyBank:
         """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`. `parity`:
         "on" (or False), "parity" (or True: raise on a mismatch), "parity2" (count mismatches).
         `growth_limit`: the longest verify compiled (None: MTPLX_COMPILED_VERIFY_MAX_LEN, else
-        max(8, max_verify_len)); a longer one is verified eagerly."""
+        max(8, max_verify_len)); a longer one is verified eagerly. `request_max_tokens`: the
+        longest context a row can reach (the growth budget). `capture_backend`: what the model's
+        recurrent layers use ("gdn", "recurrent", None); a mismatch is a ValueError.
+        `restored_tokens`: prompt tokens already restored from a cached prefix."""
         self.runtime = runtime
         self.max_verify_len = max_verify_len
         env = verify_max_len_env()
         self.growth_limit = growth_limit or (env if env is not None else max(8, max_verify_len))
-        self.request_max_tokens = request_max_tokens
-        self.restored_tokens = restored_tokens
+        if int(request_max_tokens) < 1:
+            raise ValueError(f"request_max_tokens (the longest context a row can reach) must be >= 1, got {request_max_tokens!r}")
+        self.request_max_tokens = int(request_max_tokens)
+        used = model_capture_backend(runtime.model)
+        if capture_backend != used:
+            raise ValueError(
+                f"capture_backend={capture_backend!r} but the model's layers use {used!r}: pass "
+                f"capture_backend={used!r} (mtplx.architectures.capture_backend(model) reads it)"
+            )
         self.capture_backend = capture_backend
         self.mode = {True: "parity", False: "on", None: "on"}.get(parity, parity)
         if self.mode not in ("on", "parity", "parity2"):
@@ -104,6 +123,9 @@ class CompiledVerifyBank:
             "parity_failures": 0,
             "programs": 0,
             "fallback_reasons": {} if reason is None else {reason: 0},
+            "capture_backend": capture_backend,
+            "request_max_tokens": self.request_max_tokens,
+            "restored_tokens": int(restored_tokens),
         }
         self._eager_reason = reason
         self._programs: Dict[Tuple, Callable] = {}
@@ -123,6 +145,18 @@ class CompiledVerifyBank:
             self.stats["programs"] = len(self._programs)
         return fn
 
+    @property
+    def restored_tokens(self) -> int:
+        return self.stats["restored_tokens"]
+
+    def note_restored(self, tokens: int) -> None:
+        """`tokens` more prompt tokens were restored from a cached prefix."""
+        self.stats["restored_tokens"] += int(tokens)
+
+    def set_budget(self, request_max_tokens: int) -> None:
+        """The growth budget: the longest context a row in flight can reach."""
+        self.request_max_tokens = self.stats["request_max_tokens"] = int(request_max_tokens)
+
     def _fallback(self, reason: str):
         self.stats["fallback_calls"] += 1
         reasons = self.stats["fallback_reasons"]
@@ -141,6 +175,10 @@ class CompiledVerifyBank:
                           "(speculative.verify_max_len, or MTPLX_COMPILED_VERIFY_MAX_LEN)")
         if reason is None and any(a is None for c in cache.leaves for a in c.state_arrays()):
             reason = "empty cache"
+        if reason is None and cache.rows.max + L > self.request_max_tokens + self.growth_limit:
+            reason = (f"a row's context {cache.rows.max} + verify {L} is past the growth budget "
+                      f"(request_max_tokens {self.request_max_tokens} + verify max length {self.growth_limit}): "
+                      "no larger capacity bucket is compiled")
         if reason is not None:
             self._fallback(reason)
             logits, hidden = self.eager(tokens, cache)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
 from mtplx.cache import BatchCache
@@ -242,3 +243,64 @@ def test_verify_longer_than_the_growth_budget_falls_back(monkeypatch, targets):
     assert not compiled and logits.shape[:2] == (1, 4)
     assert bank.stats["fallback_calls"] == 1
     assert any("MTPLX_COMPILED_VERIFY_MAX_LEN" in r for r in bank.stats["fallback_reasons"])
+
+
+class _Rt:
+    def __init__(self, model):
+        self.model = model
+
+    def forward(self, tokens, cache):
+        return self.model(tokens, cache=cache.layers), None
+
+
+@pytest.mark.parametrize("family, backend", [("qwen3", None), ("qwen3_next", "gdn")])
+def test_capture_backend_is_checked_against_the_model_and_reported(targets, family, backend):
+    t = targets(family)
+    eng = t.engine("on")
+    assert eng.bank.capture_backend == backend and eng.bank.stats["capture_backend"] == backend
+    wrong = "gdn" if backend is None else None
+    with pytest.raises(ValueError, match=rf"capture_backend={wrong!r} but the model's layers use {backend!r}"):
+        CompiledVerifyBank(_Rt(t.bundle.model), 4, capture_backend=wrong)
+
+
+def test_a_verify_past_the_growth_budget_compiles_no_larger_program(targets):
+    """request_max_tokens is the growth budget: within it the verify is compiled; a row whose
+    context plus verify length is past it runs eagerly, with the reason, and makes no program."""
+    t = targets("qwen3")
+    prompt = t.prompts[0]
+    verify = mx.array([[5, 6, 7, 8]], dtype=mx.int32)
+    for budget, compiled_expected in ((len(prompt) + 4, True), (len(prompt) - 8 - 1, False)):
+        cache = BatchCache.for_model(t.bundle.model, 1)
+        t.bundle.model(mx.array([prompt]), cache=cache.layers)
+        cache.commit([len(prompt)])
+        bank = CompiledVerifyBank(_Rt(t.bundle.model), max_verify_len=4, request_max_tokens=budget, growth_limit=8)
+        assert bank.stats["request_max_tokens"] == budget
+        logits, _, compiled, _ = bank.verify(verify, cache)
+        assert compiled is compiled_expected and logits.shape[:2] == (1, 4)
+        assert bank.stats["programs"] == (1 if compiled_expected else 0)
+        if not compiled_expected:
+            assert any("growth budget" in r for r in bank.stats["fallback_reasons"]), bank.stats
+
+
+def test_the_engine_passes_the_longest_context_a_row_can_reach(targets):
+    t = targets("qwen3")
+    eng = t.engine("on")
+    assert eng.bank.request_max_tokens == eng.max_context  # before any row: the model's context
+    t.check(t.run(eng))
+    want = max(len(p) + m for p, m in zip(t.prompts, MAX_TOKENS))
+    assert eng.bank.request_max_tokens == want == eng.bank.stats["request_max_tokens"]
+    assert eng.bank.stats["compiled_calls"] > 0 and eng.bank.stats["fallback_calls"] == 0, eng.bank.stats
+
+
+def test_restored_tokens_count_the_prompt_tokens_the_prefix_store_restored(targets):
+    t = targets("qwen3")
+    eng = t.engine("on")
+    assert CompiledVerifyBank(_Rt(t.bundle.model), 4, restored_tokens=7).stats["restored_tokens"] == 7
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 500, 24).tolist()
+    rows = [prefix + rng.integers(3, 500, n).tolist() for n in (5, 9, 7)]
+    reqs = [Request(i, p, SamplingParams(max_tokens=4), stable_prefix_len=len(prefix)) for i, p in enumerate(rows)]
+    results = list(eng.generate(reqs))
+    restored = sum(r.stats.cached_prompt_tokens for r in results)
+    assert restored == len(prefix) * (len(rows) - 1)
+    assert eng.bank.stats["restored_tokens"] == eng.bank.restored_tokens == restored

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mtplx import recurrent
-from mtplx.architectures import prepare
+from mtplx.architectures import capture_backend, prepare
 from mtplx.cache import BatchCache, RowKVCache, UnsupportedArchitecture
 from mtplx.config import SpeculativeConfig
 from mtplx.generation import Engine
@@ -64,7 +64,7 @@ def test_partial_accept_then_next_token_matches_fresh_forward(arch_dir, arch, mo
         model(mx.array(verify), cache=cache.layers)
         cache.set_capturing(False)
     else:
-        bank = CompiledVerifyBank(_Runtime(model), max_verify_len=K + 1)
+        bank = CompiledVerifyBank(_Runtime(model), max_verify_len=K + 1, capture_backend=capture_backend(model))
         assert bank.verify(mx.array(verify), cache)[2], bank.stats
     cache.commit(counts)
     nxt = rng.integers(3, 500, 3).astype(np.int32)
@@ -72,6 +72,17 @@ def test_partial_accept_then_next_token_matches_fresh_forward(arch_dir, arch, mo
     for b, p in enumerate(prompts):
         ref = model(mx.array([p + verify[b, : counts[b]].tolist() + [int(nxt[b])]], dtype=mx.int32))[0, -1]
         np.testing.assert_allclose(np.array(got[b]), np.array(ref), atol=1e-4, rtol=1e-4, err_msg=f"{arch} row {b}")
+
+
+@pytest.mark.parametrize("arch, backend", [("lfm2", "recurrent"), ("nemotron_h", "recurrent"), ("gemma3_text", None)])
+def test_the_bank_knows_the_capture_backend_the_layers_use(arch_dir, arch, backend):
+    """Conv/SSM layers step through recurrent.py, not Gated DeltaNet: the engine's bank says so, and
+    a bank told otherwise refuses the model."""
+    bundle = load(arch_dir(arch))
+    eng = Engine(bundle, SpeculativeConfig(method="ngram", compiled_verify="on"))
+    assert eng.bank.stats["capture_backend"] == backend
+    with pytest.raises(ValueError, match="capture_backend='gdn' but the model's layers use"):
+        CompiledVerifyBank(_Runtime(bundle.model), max_verify_len=K + 1, capture_backend="gdn")
 
 
 def test_unknown_recurrent_layer_is_refused_naming_it(arch_dir):
