@@ -16,6 +16,9 @@ from typing import Optional, Union
 SPEC_METHODS = ("none", "mtp", "draft", "ngram")
 VERIFY_MODES = ("off", "on", "parity", "parity2")
 ORDERS = ("prefix", "length", "input")
+# How a GGUF model is converted on load (the job's model.gguf_mode): auto (the faster here: floats on a
+# CPU, Q4_0/Q4_1/Q8_0 kept packed on a GPU), dequantize, or quantized.
+GGUF_MODES = ("auto", "dequantize", "quantized")
 
 
 def _env_int(name: str, lowest: int) -> Optional[int]:

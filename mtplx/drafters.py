@@ -337,7 +337,7 @@ class MtpDrafter(_CachedDrafter):
 def _draft_model(spec: SpeculativeConfig, bundle: ModelBundle) -> DraftModelDrafter:
     from .models.loading import load
 
-    draft = load(spec.draft_model)
+    draft = load(spec.draft_model, gguf_mode=bundle.gguf_mode)
     if draft.tokenizer.vocab_size != bundle.tokenizer.vocab_size and abs(
         draft.config.get("vocab_size", 0) - bundle.config.get("vocab_size", 0)
     ) > 1024:

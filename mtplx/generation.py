@@ -169,8 +169,10 @@ class Engine:
         return (str(path), profile) if profile is not None else (None, None)
 
     @classmethod
-    def load(cls, model_path, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None, trust_remote_code: bool = False):
-        return cls(load(model_path, trust_remote_code=trust_remote_code), spec, schedule)
+    def load(cls, model_path, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None,
+             trust_remote_code: bool = False, gguf_mode: str = "auto"):
+        """`gguf_mode`: how a GGUF model (and a GGUF draft model) is converted (config.GGUF_MODES)."""
+        return cls(load(model_path, trust_remote_code=trust_remote_code, gguf_mode=gguf_mode), spec, schedule)
 
     def _progress(self, kind: str, tokens: int) -> None:
         if self.on_progress is not None and tokens:

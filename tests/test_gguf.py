@@ -200,11 +200,10 @@ def _logits(model, ids):
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", False),
                                        ("gemma3", True)])
 @pytest.mark.parametrize("mode", ["dequantize", "quantized"])
-def test_converted_model_matches_safetensors(gguf_case, monkeypatch, arch, tied, mode):
+def test_converted_model_matches_safetensors(gguf_case, arch, tied, mode):
     ref_dir, path = gguf_case(arch, tied)
-    monkeypatch.setenv("MTPLX_GGUF_MODE", mode)
     ref = load(ref_dir)
-    conv = load(path)  # converted once into the cache by mtplx.models.loading
+    conv = load(path, gguf_mode=mode)  # converted once into the cache by mtplx.models.loading
     assert conv.path != path and (conv.path / "config.json").exists()
     assert conv.model_type == {"gemma3": "gemma3_text"}.get(arch, arch)
 
@@ -291,19 +290,40 @@ def test_permutation_is_llama_cpps_rope_layout(gguf_case, tmp_path):
                                rtol=1e-4, atol=1e-4)
 
 
-def test_loader_converts_once_per_mode(gguf_case, monkeypatch):
+def test_loader_converts_once_per_mode(gguf_case):
     _, path = gguf_case("llama")
-    monkeypatch.setenv("MTPLX_GGUF_MODE", "dequantize")
-    first = resolve_model_path(path)
+    first = resolve_model_path(path, "dequantize")
     stamp = (first / "config.json").stat().st_mtime_ns
-    assert resolve_model_path(path) == first
+    assert resolve_model_path(path, "dequantize") == first
     assert (first / "config.json").stat().st_mtime_ns == stamp
-    monkeypatch.setenv("MTPLX_GGUF_MODE", "quantized")
-    other = resolve_model_path(path)
+    other = resolve_model_path(path, "quantized")
     assert other != first
     assert "quantization" in json.loads((other / "config.json").read_text())
     # a directory holding a .gguf (and no config.json) works too
-    assert resolve_model_path(path.parent) == other
+    assert resolve_model_path(path.parent, "quantized") == other
+
+
+def test_gguf_mode_is_a_job_field_the_engine_is_handed(gguf_case, monkeypatch, tmp_path):
+    """The job's model.gguf_mode picks the converted copy (no environment variable is read), and a
+    wrong value is refused when the job is read, naming the key and the choices."""
+    from pipelines.errors import JobError
+    from pipelines.execution.opening import load_engine, resolve_model_dir
+    from pipelines.job.config import build_job
+
+    _, path = gguf_case("llama")
+    monkeypatch.setenv("MTPLX_GGUF_MODE", "quantized")  # the old variable: ignored now
+    raw = {"name": "g", "model": {"path": str(path), "gguf_mode": "dequantize"}, "input": {"path": "in.jsonl"},
+           "speculative": {"method": "none"}, "output": {"dir": str(tmp_path / "out")}}
+    job = build_job(raw)
+    assert job.model.gguf_mode == "dequantize"
+    assert resolve_model_dir(job) == str(resolve_model_path(path, "dequantize"))
+    engine = load_engine(job)
+    assert engine.bundle.path == resolve_model_path(path, "dequantize") and engine.bundle.gguf_mode == "dequantize"
+    assert "quantization" not in engine.bundle.config
+    with pytest.raises(JobError, match=r"model\.gguf_mode.*auto \| dequantize \| quantized"):
+        build_job(dict(raw, model={"path": str(path), "gguf_mode": "q4"}))
+    with pytest.raises(ValueError, match="model.gguf_mode must be one of auto, dequantize, quantized"):
+        resolve_model_path(path, "q4")
 
 
 def test_unsupported_architecture(tmp_path):

@@ -25,6 +25,7 @@ from typing import Any, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..config import GGUF_MODES
 from ..paths import cache_dir  # noqa: F401  (mtplx.models.loading.cache_dir is the public name)
 from .mtp_layouts import is_mtp_key
 
@@ -38,6 +39,7 @@ class ModelBundle:
     mtp_weights: Dict[str, mx.array] = field(default_factory=dict)
     shapes: Dict[str, tuple] = field(default_factory=dict)  # checkpoint tensor shapes, as stored
     phases: Dict[str, float] = field(default_factory=dict)  # seconds per startup phase (config, tokenizer, weights)
+    gguf_mode: str = "auto"  # how a GGUF source was converted; a draft model loads the same way
 
     @property
     def model_type(self) -> str:
@@ -185,8 +187,17 @@ def _load_tokenizer(model_path: Path, config: dict):
     return _TOKENIZERS[key]
 
 
-def resolve_model_path(path: str | os.PathLike) -> Path:
-    """An mlx-lm directory for `path`: itself, or the converted copy of a GGUF file."""
+def check_gguf_mode(gguf_mode: str) -> str:
+    if gguf_mode not in GGUF_MODES:
+        raise ValueError(f"model.gguf_mode must be one of {', '.join(GGUF_MODES)}, not {gguf_mode!r}")
+    return gguf_mode
+
+
+def resolve_model_path(path: str | os.PathLike, gguf_mode: str = "auto") -> Path:
+    """An mlx-lm directory for `path`: itself, or the converted copy of a GGUF file. `gguf_mode`
+    (GGUF_MODES): auto (the faster here: CPU -> floats, GPU -> keep Q4_0/Q4_1/Q8_0 packed),
+    dequantize, or quantized; each mode has its own converted copy."""
+    check_gguf_mode(gguf_mode)
     from .assets import resolve_asset  # known names such as smollm2-135m-instruct
 
     p = Path(resolve_asset(str(path), kind="model"))
@@ -206,12 +217,7 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
         return p
     from .gguf import convert_gguf, default_dequantize, default_dtype
 
-    # MTPLX_GGUF_MODE: auto (fastest here: CPU -> float, GPU -> keep Q4_0/Q4_1/Q8_0 packed),
-    # dequantize, or quantized.
-    mode = os.environ.get("MTPLX_GGUF_MODE", "auto").strip().lower()
-    if mode not in ("auto", "dequantize", "quantized"):
-        raise ValueError(f"MTPLX_GGUF_MODE must be auto, dequantize or quantized, not {mode!r}")
-    dequantize = default_dequantize() if mode == "auto" else mode == "dequantize"
+    dequantize = default_dequantize() if gguf_mode == "auto" else gguf_mode == "dequantize"
     dtype = default_dtype()
     st = gguf_file.stat()
     key = f"{gguf_file.resolve()}:{st.st_size}:{st.st_mtime_ns}"
@@ -247,10 +253,11 @@ def load_mtp_weights(model_path: Path, config: dict, index: Optional[Dict[str, T
     return weights
 
 
-def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = False) -> ModelBundle:
+def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = False,
+         gguf_mode: str = "auto") -> ModelBundle:
     phases = {}
     t = time.perf_counter()
-    model_path = resolve_model_path(path)
+    model_path = resolve_model_path(path, gguf_mode)
     config = load_config(model_path)
     phases["config"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -272,12 +279,12 @@ def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = 
     mtp = load_mtp_weights(model_path, config, index)
     phases["weights"] = time.perf_counter() - t
     return ModelBundle(model=model, tokenizer=tokenizer, config=config, path=model_path, mtp_weights=mtp,
-                       shapes={k: shape for k, (_, shape) in index.items()}, phases=phases)
+                       shapes={k: shape for k, (_, shape) in index.items()}, phases=phases, gguf_mode=gguf_mode)
 
 
-def load_tokenizer_only(path: str | os.PathLike):
+def load_tokenizer_only(path: str | os.PathLike, gguf_mode: str = "auto"):
     """The tokenizer without the weights, for `validate` and ordering before the model loads."""
-    model_path = resolve_model_path(path)
+    model_path = resolve_model_path(path, gguf_mode)
     return _load_tokenizer(model_path, load_config(model_path))
 
 
@@ -293,5 +300,5 @@ def context_length(config: dict) -> int:
     return DEFAULT_CONTEXT
 
 
-def model_config(path: str | os.PathLike) -> dict:
-    return json.loads((resolve_model_path(path) / "config.json").read_text())
+def model_config(path: str | os.PathLike, gguf_mode: str = "auto") -> dict:
+    return json.loads((resolve_model_path(path, gguf_mode) / "config.json").read_text())

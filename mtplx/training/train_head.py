@@ -315,10 +315,10 @@ def _read(read, data, bundle: ModelBundle, cfg: TrainConfig):
     return data
 
 
-def _resolve_bundle(model) -> ModelBundle:
+def _resolve_bundle(model, gguf_mode: str = "auto") -> ModelBundle:
     if isinstance(model, ModelBundle):
         return model
-    return load(model)
+    return load(model, gguf_mode=gguf_mode)
 
 
 # -- checkpoint ------------------------------------------------------------------------------------
@@ -360,7 +360,8 @@ def checkpoint_step(out_dir) -> Optional[int]:
 # -- training --------------------------------------------------------------------------------------
 def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, restart: bool = False,
                quiet: bool = True, callback: Optional[Callable[[int, dict], None]] = None,
-               log: Optional[Callable[[str], None]] = None, read: Optional[Callable] = None) -> TrainResult:
+               log: Optional[Callable[[str], None]] = None, read: Optional[Callable] = None,
+               gguf_mode: str = "auto") -> TrainResult:
     """Train an MTP sidecar head for `model` (a path, a known name or a ModelBundle) on `data` and
     write it to `out_dir`; resume from `out_dir/checkpoint/` when it holds a run with the same
     settings (refused otherwise, unless `restart`).
@@ -370,12 +371,13 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     training after a checkpoint of the current step is written. `read(path, tokenizer, cfg)`
     reads a job or a table named by `data` or `heldout_data` into ReadData (the `train-head`
     command passes `pipelines.io.train_data.read_train_data`); without it they are refused.
+    `gguf_mode`: how a GGUF `model` is converted (mtplx.config.GGUF_MODES).
     """
     cfg = config or TrainConfig()
     cfg.check()
     log = log or ((lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr)))
     started = time.monotonic()
-    bundle = _resolve_bundle(model)
+    bundle = _resolve_bundle(model, gguf_mode)
     mdl = bundle.model
     if not has_trunk_split(mdl):
         raise TrainHeadError(f"model {bundle.path}: no separable trunk and output head (model.model.embed_tokens "

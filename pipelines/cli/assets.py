@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from mtplx.config import GGUF_MODES
+
 FETCH_EPILOG = """\b
 Examples:
   mtplx-batch fetch --list                    # what can be fetched, with sizes and licences
@@ -41,6 +43,12 @@ for the families whose heads are read.
 """
 
 
+gguf_mode_option = click.option(
+    "--gguf-mode", type=click.Choice(GGUF_MODES), default="auto", show_default=True,
+    help="A GGUF MODEL: convert it to floats (dequantize), keep Q4_0/Q4_1/Q8_0 packed (quantized), or auto "
+         "(floats on a CPU, packed on a GPU); as a job's model.gguf_mode.")
+
+
 @click.command(epilog=FETCH_EPILOG)
 @click.argument("name", required=False)
 @click.option("--list", "list_", is_flag=True, help="List the known models and datasets.")
@@ -74,7 +82,8 @@ def fetch(name, list_):
 @click.option("--group-size", type=int, default=64, show_default=True, help="Quantization group size (with --quantize).")
 @click.option("--head-bf16", is_flag=True, help="HF checkpoints: keep the MTP head in bfloat16, unquantized.")
 @click.option("--dequantize/--keep-quantized", default=None,
-              help="GGUF: dequantize Q4_0/Q4_1/Q8_0 to floats (default: yes on a CPU, no on a GPU).")
+              help="GGUF: dequantize Q4_0/Q4_1/Q8_0 to floats (default: yes on a CPU, no on a GPU); a job "
+                   "naming the .gguf says the same with model.gguf_mode: dequantize | quantized | auto.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="Float type of the unquantized weights (GGUF default float32 on a CPU, float16 on a GPU; "
                    "HF default: as stored).")

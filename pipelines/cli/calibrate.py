@@ -10,6 +10,8 @@ from typing import Optional
 
 import click
 
+from .assets import gguf_mode_option
+
 EPILOG = """\b
 Examples:
   mtplx-batch calibrate smollm2-135m-instruct            # profile beside the converted model
@@ -40,8 +42,9 @@ A profile holds its device and model config: one measured elsewhere is ignored.
               help="Timed verifies per (width, length); the median counts.")
 @click.option("--memory-budget", default="auto", show_default=True,
               help="Bytes (or auto) the rows in flight may use, as schedule.memory_budget.")
+@gguf_mode_option
 def calibrate(model: str, out: Optional[str], widths: str, depth: int, context: int, repeats: int,
-              memory_budget: str):
+              memory_budget: str, gguf_mode: str):
     """Measure throughput by batch width and verify cost by length for MODEL on this machine."""
     try:
         ws = [int(w) for w in widths.split(",") if w.strip()]
@@ -64,7 +67,7 @@ def calibrate(model: str, out: Optional[str], widths: str, depth: int, context: 
         sys.exit(2)
     try:
         engine = Engine.load(model, SpeculativeConfig(method="none", depth=depth),
-                             ScheduleConfig(memory_budget=budget))
+                             ScheduleConfig(memory_budget=budget), gguf_mode=gguf_mode)
     except (FileNotFoundError, ValueError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

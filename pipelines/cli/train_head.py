@@ -11,6 +11,8 @@ from typing import Optional
 
 import click
 
+from .assets import gguf_mode_option
+
 EPILOG = """\b
 Examples:
   mtplx-batch train-head models/smollm2 --data jobs/eval.yaml --out heads/smollm2
@@ -96,14 +98,15 @@ def _terminate_as_interrupt(signum, frame):
 @click.option("--max-seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Stop training after this much wall time (data and trunk passes included); the head is "
                    "evaluated and written as usual.")
+@gguf_mode_option
 @click.option("--restart", is_flag=True, help="Discard HEAD_DIR/checkpoint/ and start over.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or messages; errors only.")
 def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_depths: int, steps: int, batch_size: int, seq_len: int,
                lr: float, heldout: float, max_rows: Optional[int], max_new_tokens: Optional[int], sample: Optional[int],
                samples_per_prompt: int, temperature: float, text, text_tokens: int, heldout_data: Optional[str],
                heldout_rows: int, loss: str, hidden_weight: float, draft_vocab: int, init: str,
-               dtype: str, seed: int, eval_every: int, checkpoint_every: int, max_seconds: Optional[float], restart: bool,
-               quiet: bool):
+               dtype: str, seed: int, eval_every: int, checkpoint_every: int, max_seconds: Optional[float], gguf_mode: str,
+               restart: bool, quiet: bool):
     """Train a multi-token-prediction head for MODEL (it predicts token t+2 from the trunk's hidden
     state at t and token t+1) and write it to HEAD_DIR as a sidecar for speculative decoding."""
     from mtplx.training.train_head import TrainConfig, TrainHeadError, checkpoint_step
@@ -121,7 +124,8 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
     log = None if quiet else (lambda m: click.echo(m, err=True))
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
-        res = run_training(model, data, out_dir, cfg, restart=restart, quiet=quiet, log=log, read=read_train_data)
+        res = run_training(model, data, out_dir, cfg, restart=restart, quiet=quiet, log=log, read=read_train_data,
+                           gguf_mode=gguf_mode)
     except (TrainHeadError, JobError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -22,7 +22,7 @@ def load_engine(job: JobConfig):
     except ImportError as e:
         raise RunError(f"the generation engine is not available ({e})")
     return Engine.load(job.model.path, job.speculative, job.schedule,
-                       trust_remote_code=job.model.trust_remote_code)
+                       trust_remote_code=job.model.trust_remote_code, gguf_mode=job.model.gguf_mode)
 
 
 def check_remote_code(job: JobConfig) -> None:
@@ -65,7 +65,7 @@ def load_tokenizer(job: JobConfig):
     check_remote_code(job)
     check_mtp_head(job)
     try:
-        return load_tokenizer_only(job.model.path)
+        return load_tokenizer_only(job.model.path, job.model.gguf_mode)
     except Exception as e:  # missing dir, bad tokenizer files: all mean the job cannot run
         raise JobError(f"model.path: cannot load a tokenizer from {job.model.path!r}: {e}")
 
@@ -74,7 +74,7 @@ def resolve_model_dir(job: JobConfig) -> str:
     from mtplx.models.loading import resolve_model_path
 
     try:
-        return str(resolve_model_path(job.model.path))
+        return str(resolve_model_path(job.model.path, job.model.gguf_mode))
     except Exception as e:
         raise JobError(f"model.path: {e}")
 
@@ -85,7 +85,7 @@ def model_max_context(job: JobConfig) -> Optional[int]:
     from mtplx.models.loading import context_length, model_config
 
     try:
-        return context_length(model_config(job.model.path))
+        return context_length(model_config(job.model.path, job.model.gguf_mode))
     except Exception as e:
         raise JobError(f"model.path: cannot read config.json of {job.model.path!r}: {e}")
 

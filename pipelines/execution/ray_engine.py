@@ -105,6 +105,7 @@ class MTPLXPredictor:
         tokens_column: a column of prompt token ids; when the batch has it, it is used as is
             (no template) and the text columns are ignored.
         id_column: the row id (seeds each row's sampler); without it, a hash of the prompt.
+        gguf_mode: a GGUF model: auto | dequantize | quantized, as a job's `model.gguf_mode`.
         keep_input_columns: pass the input columns through (an input column whose name is an
             output column, e.g. `completion`, is replaced by the output).
     """
@@ -113,14 +114,15 @@ class MTPLXPredictor:
                  *, prompt_column: Optional[str] = None, messages_column: Optional[str] = None,
                  template: Optional[str] = None, chat_template: str = "auto", tokens_column: str = "token_ids",
                  id_column: Optional[str] = "id", keep_input_columns: bool = True, trust_remote_code: bool = False,
-                 engine=None):
+                 gguf_mode: str = "auto", engine=None):
         self.speculative = _as(SpeculativeConfig, speculative)
         self.generation = _as(GenerationConfig, generation)
         self.schedule = _as(ScheduleConfig, schedule)
         if engine is None:
             from mtplx.generation import Engine
 
-            engine = Engine.load(model_path, self.speculative, self.schedule, trust_remote_code=trust_remote_code)
+            engine = Engine.load(model_path, self.speculative, self.schedule, trust_remote_code=trust_remote_code,
+                                 gguf_mode=gguf_mode)
         self.engine = engine
         self.params = self.generation.sampling_params()
         self.inp = InputConfig(path=str(model_path), prompt_column=prompt_column, messages_column=messages_column,

@@ -35,6 +35,7 @@ class ModelConfig:
     path: str  # pinned through the resolved directory and its files (fingerprint.model_parts)
     revision: Optional[str] = None  # pinned as is (fingerprint.py)
     trust_remote_code: bool = False
+    gguf_mode: str = "auto"  # a GGUF model: auto | dequantize | quantized (pinned: the resolved directory differs)
 
 
 @dataclass

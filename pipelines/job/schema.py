@@ -10,7 +10,7 @@ import difflib
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from mtplx.config import ORDERS, SPEC_METHODS, VERIFY_MODES
+from mtplx.config import GGUF_MODES, ORDERS, SPEC_METHODS, VERIFY_MODES
 
 from ..errors import JobError
 
@@ -131,7 +131,8 @@ def auto_or_bytes(v):
 BOOL_VERIFY = {True: "on", False: "off"}
 
 SECTIONS: Dict[str, Dict[str, Check]] = {
-    "model": {"path": string, "revision": optional(string), "trust_remote_code": boolean},
+    "model": {"path": string, "revision": optional(string), "trust_remote_code": boolean,
+              "gguf_mode": one_of(*GGUF_MODES)},
     "speculative": {
         "method": one_of(*SPEC_METHODS, aliases={False: "none"}),
         "depth": integer(1, 16),
