@@ -232,3 +232,21 @@ def test_sigterm_commits_finished_rows_and_exits_1(tmp_path, llama):
     final = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(job), "-q"], cwd=REPO)
     assert final.returncode == 0
     assert [r["row"] for r in read_output(tmp_path / "run")] == list(range(30)) and len(done) < 30
+
+
+def test_a_run_records_the_compiled_verify_figures(tmp_path, llama):
+    """The bank's capture backend, growth budget and prompt tokens restored from shared prefixes
+    are in the run's manifest; the restored count is the output rows' cached_prompt_tokens."""
+    common = "the same long instruction that every row of this job starts with, word for word. " * 2
+    rows = [{"id": f"r{i}", "prompt": common + tail} for i, tail in enumerate(["one", "two two", "three", "four"])]
+    data = write_parquet(tmp_path / "in.parquet", rows)
+    job = job_dict(llama, data, tmp_path / "run", speculative={"method": "ngram", "compiled_verify": "on"},
+                   generation={"max_tokens": 5})
+    res = cli("run", write_job(tmp_path / "job.yaml", job), "-q")
+    assert res.exit_code == 0, res.output
+    figures = json.loads((tmp_path / "run" / "manifest.json").read_text())["compiled_verify"]
+    out = read_output(tmp_path / "run")
+    restored = sum(r["cached_prompt_tokens"] for r in out)
+    assert restored > 0 and figures["restored_tokens"] == restored, figures
+    assert figures["capture_backend"] is None
+    assert figures["request_max_tokens"] == max(r["prompt_tokens"] for r in out) + 5

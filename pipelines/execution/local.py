@@ -31,6 +31,9 @@ def local_rows(session, engine=None) -> Iterator[Tuple[Dict[str, Any], bool]]:
     try:
         yield from engine_rows(engine, work, job.generation.sampling_params(), job.generation.seed,
                                on_submit=session.progress.submitted)
+        bank = getattr(engine, "bank", None)
+        if bank is not None:  # this session's compiled-verify figures (capture backend, budget, restored tokens)
+            session.run.manifest.update(compiled_verify={k: v for k, v in bank.stats.items() if k != "fallback_reasons"})
     finally:
         if hook:
             engine.on_progress = None
