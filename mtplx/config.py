@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from .checks import BOOL_VERIFY, auto_or_bytes, auto_or_int, boolean, integer, one_of, optional, setting, string
+
 SPEC_METHODS = ("none", "mtp", "draft", "ngram")
 VERIFY_MODES = ("off", "on", "parity", "parity2")
 ORDERS = ("prefix", "length", "input")
@@ -57,14 +59,15 @@ def sustained_prefill_env() -> bool:
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "none"  # none | mtp | draft | ngram
-    depth: int = 3  # drafted tokens per verify (the most; adaptive depth may use fewer)
-    draft_model: Optional[str] = None  # path, for method: draft
-    mtp_head: Optional[str] = None  # sidecar head dir from `mtplx-batch train-head`
-    compiled_verify: str = "on"  # off | on | parity | parity2
-    adaptive_depth: bool = True  # lower depth as the batch widens or acceptance falls
-    ngram_size: int = 3  # longest suffix matched by prompt lookup
-    verify_max_len: Optional[int] = None  # longest compiled verify; None: MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, depth + 1)
+    method: str = setting(one_of(*SPEC_METHODS, aliases={False: "none"}), "none")  # none | mtp | draft | ngram
+    depth: int = setting(integer(1, 16), 3)  # drafted tokens per verify (the most; adaptive depth may use fewer)
+    draft_model: Optional[str] = setting(optional(string), None)  # path, for method: draft
+    mtp_head: Optional[str] = setting(optional(string), None)  # sidecar head dir from `mtplx-batch train-head`
+    compiled_verify: str = setting(one_of(*VERIFY_MODES, aliases=BOOL_VERIFY), "on")  # off | on | parity | parity2
+    adaptive_depth: bool = setting(boolean, True)  # lower depth as the batch widens or acceptance falls
+    ngram_size: int = setting(integer(1), 3)  # longest suffix matched by prompt lookup
+    # longest compiled verify; None: MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, depth + 1)
+    verify_max_len: Optional[int] = setting(optional(integer(1)), None)
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -83,11 +86,14 @@ class SpeculativeConfig:
 
 @dataclass
 class ScheduleConfig:
-    order: str = "prefix"  # prefix | length | input
-    max_batch: Union[str, int] = 32  # rows decoded together, or auto: from the calibration (calibrate.py)
-    prefill_chunk: Union[str, int] = "auto"  # tokens per prefill span; MTPLX_PREFILL_CHUNK_SIZE overrides
-    memory_budget: Union[str, int] = "auto"  # bytes, or auto: a safe share of device memory
-    calibration: Optional[str] = None  # a profile from `mtplx-batch calibrate`; default: beside the model
+    order: str = setting(one_of(*ORDERS), "prefix")  # prefix | length | input
+    # rows decoded together, or auto: from the calibration (calibrate.py)
+    max_batch: Union[str, int] = setting(auto_or_int, 32)
+    # tokens per prefill span; MTPLX_PREFILL_CHUNK_SIZE overrides
+    prefill_chunk: Union[str, int] = setting(auto_or_int, "auto")
+    memory_budget: Union[str, int] = setting(auto_or_bytes, "auto")  # bytes, or auto: a safe share of device memory
+    # a profile from `mtplx-batch calibrate`; default: beside the model
+    calibration: Optional[str] = setting(optional(string), None)
 
     def __post_init__(self):
         if self.order not in ORDERS:

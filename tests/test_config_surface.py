@@ -23,3 +23,28 @@ def test_fingerprint_parts_are_the_pinned_fields(tmp_path):
         assert fingerprint(fingerprint_parts(changed, str(tmp_path), [str(data)])) != base, key
     same = build_job({**raw, "input": {**raw["input"], "limit": 3}, "output": {**raw["output"], "shard_rows": 7}})
     assert fingerprint(fingerprint_parts(same, str(tmp_path), [str(data)])) == base
+
+
+def test_each_job_key_is_a_field_with_its_check_beside_it():
+    """The job file's keys are the config dataclasses' fields, each checked by the `setting` it
+    declares: a key exists exactly where a field does, and the field's own check refuses."""
+    import pytest
+
+    from mtplx.config import ScheduleConfig, SpeculativeConfig
+    from pipelines.errors import JobError
+    from pipelines.job import config as jc
+
+    owners = {"model": [jc.ModelConfig], "speculative": [SpeculativeConfig], "input": [jc.InputConfig],
+              "generation": [jc.GenerationConfig], "schedule": [ScheduleConfig, jc.OrderingConfig],
+              "output": [jc.OutputConfig], "executor": [jc.ExecutorConfig]}
+    assert set(jc.SECTIONS) == set(owners)
+    for section, classes in owners.items():
+        declared = {f.name: f.metadata["check"] for cls in classes for f in fields(cls)}
+        assert jc.SECTIONS[section] == declared, section
+    base = {"name": "x", "model": {"path": "m"}, "input": {"path": "in.jsonl"}}
+    for section, key, bad, expected in (("speculative", "depth", 17, "an integer in 1..16"),
+                                        ("schedule", "memory_budget", "lots", '"auto", a byte count'),
+                                        ("schedule", "window_rows", 0, "an integer >= 1"),
+                                        ("model", "gguf_mode", "q4", "one of auto | dequantize | quantized")):
+        with pytest.raises(JobError, match=rf"{section}\.{key}: expected {expected}"):
+            jc.build_job({**base, section: {**base.get(section, {}), key: bad}})

@@ -58,7 +58,7 @@ def calibrate(model: str, out: Optional[str], widths: str, depth: int, context: 
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine
 
-    from ..job.schema import auto_or_bytes
+    from mtplx.checks import auto_or_bytes
 
     try:
         budget = auto_or_bytes(memory_budget)

@@ -8,47 +8,48 @@ before checking, so they get exactly the same checks as the file.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
-from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.checks import (BOOL_VERIFY, boolean, checks_of, integer, number, one_of, optional, setting, string,
+                          string_list)
+from mtplx.config import GGUF_MODES, ScheduleConfig, SpeculativeConfig
 from mtplx.request import SamplingParams
 
 from ..errors import JobError
 from ..io.columns import OUTPUT_COLUMN_NAMES
-from .schema import SHORTHAND, check_job_dict
+from .schema import INPUT_FORMATS, SHORTHAND, check_job_dict
 
 
-def pinned(default: Any = None, *, default_factory=None):
+def pinned(check, default: Any = MISSING, *, default_factory: Any = MISSING):
     """A field that decides which rows exist or what text they get: it joins the job fingerprint
-    (fingerprint.py), so a resume that changes it is refused."""
-    if default_factory is not None:
-        return field(default_factory=default_factory, metadata={"pinned": True})
-    return field(default=default, metadata={"pinned": True})
+    (fingerprint.py), so a resume that changes it is refused. `check`: its job-file check."""
+    return setting(check, default, default_factory=default_factory, pinned=True)
 
 
 @dataclass
 class ModelConfig:
-    path: str  # pinned through the resolved directory and its files (fingerprint.model_parts)
-    revision: Optional[str] = None  # pinned as is (fingerprint.py)
-    trust_remote_code: bool = False
-    gguf_mode: str = "auto"  # a GGUF model: auto | dequantize | quantized (pinned: the resolved directory differs)
+    path: str = setting(string)  # pinned through the resolved directory and its files (fingerprint.model_parts)
+    revision: Optional[str] = setting(optional(string), None)  # pinned as is (fingerprint.py)
+    trust_remote_code: bool = setting(boolean, False)
+    # a GGUF model: auto | dequantize | quantized (pinned: each mode resolves to its own directory)
+    gguf_mode: str = setting(one_of(*GGUF_MODES), "auto")
 
 
 @dataclass
 class InputConfig:
-    path: str = field(metadata={"pinned": True})
-    format: str = pinned("parquet")
-    split: str = pinned("train")
-    id_column: Optional[str] = pinned(None)  # None: a stable hash of the row content
-    prompt_column: Optional[str] = pinned(None)  # None: "prompt" unless a template or messages are used
-    messages_column: Optional[str] = pinned(None)
-    template: Optional[str] = pinned(None)
-    chat_template: str = pinned("auto")  # auto | on | off
-    limit: Optional[int] = None  # only the first N input rows (a CLI --limit wins)
+    path: str = pinned(string)
+    format: str = pinned(one_of(*INPUT_FORMATS), "parquet")
+    split: str = pinned(string, "train")
+    id_column: Optional[str] = pinned(optional(string), None)  # None: a stable hash of the row content
+    prompt_column: Optional[str] = pinned(optional(string), None)  # None: "prompt" unless a template or messages are used
+    messages_column: Optional[str] = pinned(optional(string), None)
+    template: Optional[str] = pinned(optional(string), None)
+    chat_template: str = pinned(one_of("auto", "on", "off", aliases=BOOL_VERIFY), "auto")  # auto | on | off
+    limit: Optional[int] = setting(optional(integer(1)), None)  # only the first N input rows (a CLI --limit wins)
 
     @property
     def prompt_mode(self) -> str:
@@ -63,13 +64,13 @@ class InputConfig:
 
 @dataclass
 class GenerationConfig:
-    max_tokens: int = pinned(256)
-    temperature: float = pinned(0.0)
-    top_p: float = pinned(1.0)
-    top_k: int = pinned(0)
-    seed: int = pinned(0)
-    stop: List[str] = pinned(default_factory=list)
-    n: int = pinned(1)
+    max_tokens: int = pinned(integer(1), 256)
+    temperature: float = pinned(number(0.0), 0.0)
+    top_p: float = pinned(number(0.0, 1.0, lo_open=True), 1.0)
+    top_k: int = pinned(integer(0), 0)
+    seed: int = pinned(integer(0), 0)
+    stop: List[str] = pinned(string_list, default_factory=list)
+    n: int = pinned(integer(1), 1)
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
@@ -83,25 +84,25 @@ class GenerationConfig:
 
 @dataclass
 class OutputConfig:
-    dir: str
-    shard_rows: int = 1000
-    keep_columns: List[str] = pinned(default_factory=list)  # they change the shard schema
+    dir: str = setting(string)
+    shard_rows: int = setting(integer(1), 1000)
+    keep_columns: List[str] = pinned(string_list, default_factory=list)  # they change the shard schema
 
 
 @dataclass
 class OrderingConfig:
     """Pipeline-side scheduling knobs; they live under `schedule:` in the job file."""
 
-    window_rows: int = 4096  # rows ordered together; bounds memory, see ordering.py
-    min_prefix_tokens: int = 16  # shorter shared prefixes are not worth a prefill edge
+    window_rows: int = setting(integer(1), 4096)  # rows ordered together; bounds memory, see ordering.py
+    min_prefix_tokens: int = setting(integer(1), 16)  # shorter shared prefixes are not worth a prefill edge
 
 
 @dataclass
 class ExecutorConfig:
-    type: str = "local"  # local | ray
-    address: Optional[str] = None
-    concurrency: int = 1
-    num_gpus: float = 0
+    type: str = setting(one_of("local", "ray"), "local")
+    address: Optional[str] = setting(optional(string), None)
+    concurrency: int = setting(integer(1), 1)
+    num_gpus: float = setting(number(0.0), 0)
 
 
 @dataclass
@@ -134,6 +135,19 @@ class JobConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+# The job file's sections and each key's check, read off the fields above (`schedule:` holds the
+# engine's ScheduleConfig and the pipeline's OrderingConfig).
+SECTIONS = {
+    "model": checks_of(ModelConfig),
+    "speculative": checks_of(SpeculativeConfig),
+    "input": checks_of(InputConfig),
+    "generation": checks_of(GenerationConfig),
+    "schedule": {**checks_of(ScheduleConfig), **checks_of(OrderingConfig)},
+    "output": checks_of(OutputConfig),
+    "executor": checks_of(ExecutorConfig),
+}
+
+
 def _abspath_if_local(p: str) -> str:
     # Keeps known model names and hub ids as they are; a local path is pinned so that
     # `resume RUN_DIR` works from any working directory.
@@ -144,7 +158,7 @@ def _abspath_if_local(p: str) -> str:
 
 
 def build_job(raw: Any, default_name: str = "job") -> JobConfig:
-    s = check_job_dict(raw, default_name)
+    s = check_job_dict(raw, SECTIONS, default_name)
     name = s["name"]
     inp = InputConfig(**s["input"])
     problems = []

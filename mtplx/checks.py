@@ -1,0 +1,137 @@
+"""Each setting's check beside its field: the job file's keys are the config dataclasses' fields.
+
+A check takes a raw (YAML) value and returns the normalized value, or raises `Bad` with the form
+it expected; `pipelines/job/schema.py` turns those into `section.key: expected ..., got ...`
+lines. The engine's own settings (`mtplx/config.py`) declare theirs with `setting(check, ...)`
+as the job machinery's do, so a key, its default and its check are written once.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import MISSING, field, fields
+from typing import Any, Callable, Dict, Optional
+
+
+class Bad(Exception):
+    pass
+
+
+Check = Callable[[Any], Any]
+
+
+def setting(check: Check, default: Any = MISSING, *, default_factory: Any = MISSING, **metadata):
+    """A dataclass field whose job-file value is checked by `check` (extra metadata kept, e.g. pinned)."""
+    return field(default=default, default_factory=default_factory, metadata={"check": check, **metadata})
+
+
+def checks_of(cls) -> Dict[str, Check]:
+    """{field name: check} of a dataclass whose fields are all `setting`s, in field order."""
+    return {f.name: f.metadata["check"] for f in fields(cls)}
+
+
+def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
+    form = "an integer" + (f" >= {lo}" if lo is not None and hi is None else "")
+    if lo is not None and hi is not None:
+        form = f"an integer in {lo}..{hi}"
+
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise Bad(form)
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise Bad(form)
+        return v
+
+    return check
+
+
+def number(lo: Optional[float] = None, hi: Optional[float] = None, lo_open: bool = False) -> Check:
+    bounds = []
+    if lo is not None:
+        bounds.append(f"{'>' if lo_open else '>='} {lo}")
+    if hi is not None:
+        bounds.append(f"<= {hi}")
+    form = "a number" + (" " + " and ".join(bounds) if bounds else "")
+
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            raise Bad(form)
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            raise Bad(form)
+        if hi is not None and v > hi:
+            raise Bad(form)
+        return float(v)
+
+    return check
+
+
+def string(v):
+    if not isinstance(v, str) or not v:
+        raise Bad("a non-empty string")
+    return v
+
+
+def boolean(v):
+    if not isinstance(v, bool):
+        raise Bad("true or false")
+    return v
+
+
+def optional(check: Check) -> Check:
+    def opt(v):
+        if v is None:
+            return None
+        try:
+            return check(v)
+        except Bad as e:
+            raise Bad(f"{e} or null")
+
+    return opt
+
+
+BOOL_VERIFY = {True: "on", False: "off"}
+
+
+def one_of(*choices: str, aliases: Optional[Dict[Any, str]] = None) -> Check:
+    # YAML 1.1 reads bare on/off/yes/no as booleans, so `compiled_verify: on` arrives as True.
+    aliases = aliases or {}
+
+    def check(v):
+        if isinstance(v, bool) and v in aliases:
+            return aliases[v]
+        if v not in choices:
+            raise Bad("one of " + " | ".join(choices))
+        return v
+
+    return check
+
+
+def string_list(v):
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise Bad("a list of non-empty strings")
+    return list(v)
+
+
+def auto_or_int(v):
+    if v == "auto":
+        return v
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+        return v
+    raise Bad('"auto" or an integer >= 1')
+
+
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def auto_or_bytes(v):
+    if isinstance(v, str) and v != "auto":
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", v.lower())
+        if m:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
+    try:
+        return auto_or_int(v)
+    except Bad:
+        raise Bad('"auto", a byte count, or a size such as "24GB"')
