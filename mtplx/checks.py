@@ -8,6 +8,7 @@ as the job machinery's do, so a key, its default and its check are written once.
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import MISSING, field, fields
 from typing import Any, Callable, Dict, Optional
@@ -25,6 +26,17 @@ def setting(check: Check, default: Any = MISSING, *, default_factory: Any = MISS
     return field(default=default, default_factory=default_factory, metadata={"check": check, **metadata})
 
 
+def check_fields(obj, section: str) -> None:
+    """Run each field's own check on `obj`, keeping the normalized values (for settings built in
+    Python rather than read from a job file); a bad one is a ValueError naming `section.key`."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        try:
+            setattr(obj, f.name, f.metadata["check"](value))
+        except Bad as bad:
+            raise ValueError(f"{section}.{f.name}: expected {bad}, got {value!r}") from None
+
+
 def checks_of(cls) -> Dict[str, Check]:
     """{field name: check} of a dataclass whose fields are all `setting`s, in field order."""
     return {f.name: f.metadata["check"] for f in fields(cls)}
@@ -36,11 +48,11 @@ def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
         form = f"an integer in {lo}..{hi}"
 
     def check(v):
-        if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise Bad(form)
         if (lo is not None and v < lo) or (hi is not None and v > hi):
             raise Bad(form)
-        return v
+        return int(v)
 
     return check
 
@@ -117,8 +129,8 @@ def string_list(v):
 def auto_or_int(v):
     if v == "auto":
         return v
-    if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
-        return v
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1:
+        return int(v)
     raise Bad('"auto" or an integer >= 1')
 
 

@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .checks import BOOL_VERIFY, auto_or_bytes, auto_or_int, boolean, integer, one_of, optional, setting, string
+from .checks import (BOOL_VERIFY, auto_or_bytes, auto_or_int, boolean, check_fields, integer, one_of, optional,
+                     setting, string)
 
 SPEC_METHODS = ("none", "mtp", "draft", "ngram")
 VERIFY_MODES = ("off", "on", "parity", "parity2")
@@ -70,16 +71,7 @@ class SpeculativeConfig:
     verify_max_len: Optional[int] = setting(optional(integer(1)), None)
 
     def __post_init__(self):
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative.method must be one of {SPEC_METHODS}, got {self.method!r}")
-        if self.compiled_verify not in VERIFY_MODES:
-            raise ValueError(
-                f"speculative.compiled_verify must be one of {VERIFY_MODES}, got {self.compiled_verify!r}"
-            )
-        if not 1 <= int(self.depth) <= 16:
-            raise ValueError(f"speculative.depth must be in 1..16, got {self.depth}")
-        if self.verify_max_len is not None and int(self.verify_max_len) < 1:
-            raise ValueError(f"speculative.verify_max_len must be >= 1, got {self.verify_max_len}")
+        check_fields(self, "speculative")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative.method: draft needs speculative.draft_model (a model path)")
 
@@ -96,7 +88,4 @@ class ScheduleConfig:
     calibration: Optional[str] = setting(optional(string), None)
 
     def __post_init__(self):
-        if self.order not in ORDERS:
-            raise ValueError(f"schedule.order must be {', '.join(ORDERS[:-1])} or {ORDERS[-1]}, got {self.order!r}")
-        if self.max_batch != "auto" and int(self.max_batch) < 1:
-            raise ValueError(f"schedule.max_batch must be >= 1, got {self.max_batch}")
+        check_fields(self, "schedule")

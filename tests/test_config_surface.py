@@ -48,3 +48,17 @@ def test_each_job_key_is_a_field_with_its_check_beside_it():
                                         ("model", "gguf_mode", "q4", "one of auto | dequantize | quantized")):
         with pytest.raises(JobError, match=rf"{section}\.{key}: expected {expected}"):
             jc.build_job({**base, section: {**base.get(section, {}), key: bad}})
+
+
+def test_engine_settings_built_in_python_get_the_same_field_checks():
+    import numpy as np
+    import pytest
+
+    from mtplx.config import ScheduleConfig, SpeculativeConfig
+
+    with pytest.raises(ValueError, match=r"speculative\.depth: expected an integer in 1\.\.16, got 17"):
+        SpeculativeConfig(depth=17)
+    with pytest.raises(ValueError, match=r"schedule\.order: expected one of prefix \| length \| input"):
+        ScheduleConfig(order="random")
+    assert ScheduleConfig(memory_budget="2GiB", max_batch=np.int64(4)).memory_budget == 2 * 2**30
+    assert SpeculativeConfig(compiled_verify=False).compiled_verify == "off"
