@@ -567,20 +567,6 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     )
 
 
-def acceptance_report(meta: dict) -> List[str]:
-    """Held-out acceptance by draft depth (the data's own split, and the other dataset's), as printed."""
-    def line(name, by_depth):
-        tpv = ", ".join(f"depth {k}: {tokens_per_verify(by_depth, k):.2f}" for k in (1, 2, 3))
-        return f"{name}: acceptance by draft depth {' '.join(f'{a:.3f}' for a in by_depth)}; tokens per verify {tpv}"
-
-    vocab = f" (drafting among {meta['draft_vocab']} tokens)" if meta.get("draft_vocab") else ""
-    out = [line(f"held-out rows of {meta['data']}{vocab}", meta["heldout_acceptance_by_depth"])]
-    other = meta.get("heldout_other")
-    if other:
-        out.append(line(f"held-out other dataset {other['data']}", other["acceptance_by_depth"]))
-    return out
-
-
 def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx, cfg: TrainConfig):
     """The drafting vocabulary: the most frequent tokens the head is trained to predict (plus eos)."""
     V = int(head.logits(mx.zeros((1, head.fc.weight.shape[0]))).shape[-1])

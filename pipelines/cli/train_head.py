@@ -141,7 +141,7 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
     from pathlib import Path
 
     from mtplx.models.mtp import SIDECAR_META
-    from mtplx.training.train_head import acceptance_report
+    from mtplx.training.head_eval import acceptance_report
 
     for line in acceptance_report(json.loads((Path(res.out_dir) / SIDECAR_META).read_text())):
         click.echo(line)
