@@ -58,3 +58,16 @@ def tiny_model(tiny_models_dir):
         return built[key]
 
     return factory
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fails the test if anything loads model weights."""
+    import mtplx.models.loading
+    import pipelines.execution.opening
+
+    def boom(*a, **k):
+        raise AssertionError("model weights were loaded")
+
+    monkeypatch.setattr(mtplx.models.loading, "load", boom)
+    monkeypatch.setattr(pipelines.execution.opening, "load_engine", boom)

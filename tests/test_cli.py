@@ -28,19 +28,6 @@ def job_file(tmp_path, llama):
     return write_job(tmp_path / "job.yaml", job_dict(llama, data, tmp_path / "run"))
 
 
-@pytest.fixture
-def no_weights(monkeypatch):
-    """Fails the test if anything loads model weights."""
-    import mtplx.models.loading
-    import pipelines.execution.opening
-
-    def boom(*a, **k):
-        raise AssertionError("model weights were loaded")
-
-    monkeypatch.setattr(mtplx.models.loading, "load", boom)
-    monkeypatch.setattr(pipelines.execution.opening, "load_engine", boom)
-
-
 def cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 

@@ -22,18 +22,6 @@ def cli(*args):
 
 
 @pytest.fixture
-def no_weights(monkeypatch):
-    import mtplx.models.loading
-    import pipelines.execution.opening
-
-    def boom(*a, **k):
-        raise AssertionError("model weights were loaded")
-
-    monkeypatch.setattr(mtplx.models.loading, "load", boom)
-    monkeypatch.setattr(pipelines.execution.opening, "load_engine", boom)
-
-
-@pytest.fixture
 def limited(tmp_path, llama):
     """A job of 10 input rows with input.limit: 4, run once."""
     data = write_parquet(tmp_path / "in.parquet", sample_rows(10))

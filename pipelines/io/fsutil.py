@@ -9,16 +9,9 @@ from typing import Optional
 from . import faults
 
 
-def fsync_dir(path: str) -> None:
-    # A rename is only durable once the directory entry itself reaches the disk.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file's contents, or a directory's entries (a rename or a new entry is durable only
+    once its directory reaches the disk)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -36,18 +29,18 @@ def make_dirs(path: str) -> None:
         path = os.path.dirname(path)
     for d in reversed(created):
         os.makedirs(d, exist_ok=True)
-        fsync_dir(os.path.dirname(d))
+        fsync_path(os.path.dirname(d))
 
 
 def publish(tmp: str, final: str, fault: Optional[str] = None) -> None:
     """fsync `tmp`, rename it to `final`, fsync the directory. `fault`: fault points' prefix."""
     if fault:
         faults.hit(fault + ".tmp_written")
-    fsync_file(tmp)
+    fsync_path(tmp)
     if fault:
         faults.hit(fault + ".fsynced")
     os.replace(tmp, final)
-    fsync_dir(os.path.dirname(os.path.abspath(final)))
+    fsync_path(os.path.dirname(os.path.abspath(final)))
 
 
 def remove_quietly(path: str) -> None:
@@ -74,7 +67,7 @@ def atomic_write(path: str, data: bytes, fault: Optional[str] = None) -> None:
         raise
     if fault:
         faults.hit(fault + ".renamed")
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def sha256_file(path: str) -> str:
