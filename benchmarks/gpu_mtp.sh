@@ -7,6 +7,7 @@
 #
 #   bash benchmarks/gpu_mtp.sh train   # install, assets, train-head (the recipe, <= 6 min) -> ~/keep/head and $OUT
 #   bash benchmarks/gpu_mtp.sh bench   # HumanEval rows the head never saw + GSM8K: ours vs mlx-lm; phase profile
+#   bash benchmarks/gpu_mtp.sh round   # the shipped head: MTP vs plain vs mlx-lm at widths 1/8/32, an MTP round's cost and phases at 32
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -14,6 +15,24 @@ export PYTHONPATH=~/site:$PWD MTPLX_CACHE=${MTPLX_CACHE:-/tmp/mtplx-cache} PYTHO
 KEEP=${KEEP:-$HOME/keep}
 MODEL=smollm2-135m-instruct
 HEAD=$KEEP/head
+
+heldout() {  # HEAD_DIR: HumanEval rows outside that head's training sample, and GSM8K (the gsm8k job's template)
+  python3 - "$1" "$MTPLX_CACHE/assets" <<'EOF'
+import json, sys
+head, assets = sys.argv[1], sys.argv[2]
+seen = set(json.load(open(f"{head}/mtp_head.json"))["sample_rows"])
+rows = [json.loads(l) for l in open(f"{assets}/humaneval/humaneval.jsonl")]
+with open("/tmp/humaneval-heldout.jsonl", "w") as f:
+    for i, r in enumerate(rows):
+        if i not in seen:
+            f.write(json.dumps({"id": r.get("id", i), "prompt": r["prompt"]}) + "\n")
+with open("/tmp/gsm8k.jsonl", "w") as f:
+    for l in open(f"{assets}/gsm8k-100/gsm8k-100.jsonl"):
+        r = json.loads(l)
+        f.write(json.dumps({"prompt": r["question"] + "\nAnswer with the final number after 'The answer is'."}) + "\n")
+print(f"{len(rows) - len(seen)} held-out HumanEval rows")
+EOF
+}
 
 case "${1:-}" in
 train)
@@ -38,22 +57,7 @@ train)
   cp "$HEAD"/mtp_head.json "$HEAD"/mtp_head.safetensors "$HEAD"/mtp_draft_vocab.npy "$OUT"/ 2>/dev/null
   ;;
 bench)
-  # prompts: HumanEval rows outside the head's training sample, and GSM8K (the gsm8k job's template)
-  python3 - "$HEAD" "$MTPLX_CACHE/assets" <<'EOF'
-import json, sys
-head, assets = sys.argv[1], sys.argv[2]
-seen = set(json.load(open(f"{head}/mtp_head.json"))["sample_rows"])
-rows = [json.loads(l) for l in open(f"{assets}/humaneval/humaneval.jsonl")]
-with open("/tmp/humaneval-heldout.jsonl", "w") as f:
-    for i, r in enumerate(rows):
-        if i not in seen:
-            f.write(json.dumps({"id": r.get("id", i), "prompt": r["prompt"]}) + "\n")
-with open("/tmp/gsm8k.jsonl", "w") as f:
-    for l in open(f"{assets}/gsm8k-100/gsm8k-100.jsonl"):
-        r = json.loads(l)
-        f.write(json.dumps({"prompt": r["question"] + "\nAnswer with the final number after 'The answer is'."}) + "\n")
-print(f"{len(rows) - len(seen)} held-out HumanEval rows")
-EOF
+  heldout "$HEAD"
   R="benchmarks.real_models --model $MODEL --head $HEAD --tokens 128 --ngram-depths 4 --batch-methods none,ngram,mtp"
   timeout 260 python3 -m $R --prompts /tmp/humaneval-heldout.jsonl --rows 32 --widths 8,32 --depths 2,3,4 --out /tmp/b/he 2>&1 | tee "$OUT/bench.log"
   cp /tmp/b/he/real_models.md "$OUT/humaneval.md"; cp /tmp/b/he/real_models.json "$OUT/humaneval.json"
@@ -63,7 +67,18 @@ EOF
     --set speculative.mtp_head="$HEAD" --out /tmp/b/prof 2>&1 | tail -30 | tee -a "$OUT/bench.log"
   cat /tmp/b/prof/*.md > "$OUT/profile.md" 2>/dev/null
   ;;
+round)  # issue 18/20: what an MTP round costs with the shipped head (~3 min; after `gpu_session.sh setup`)
+  # sizes are env vars so the same step dry-runs on a CPU with tiny ones
+  SHIPPED=heads/smollm2-135m-instruct; TOKENS=${TOKENS:-128}; ROWS=${ROWS:-16}; WIDTHS=${WIDTHS:-1,8,32}; WIDE=${WIDE:-32}
+  heldout $SHIPPED
+  timeout 170 python3 -m benchmarks.real_models --model $MODEL --head $SHIPPED --tokens $TOKENS --ngram-depths '' \
+    --batch-methods none,mtp --prompts /tmp/humaneval-heldout.jsonl --rows $ROWS --widths $WIDTHS --depths 3 \
+    --out /tmp/b/round 2>&1 | tee "$OUT/round.log"
+  cp /tmp/b/round/real_models.md "$OUT/round-real_models.md"; cp /tmp/b/round/real_models.json "$OUT/round-real_models.json"
+  timeout 80 python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED --prompts /tmp/humaneval-heldout.jsonl \
+    --width $WIDE --tokens $TOKENS --depths 3,a --phases 2>&1 | tee "$OUT/round-cost.log"
+  ;;
 *)
-  sed -n 2,9p "$0"; exit 2
+  sed -n 2,10p "$0"; exit 2
   ;;
 esac

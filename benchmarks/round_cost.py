@@ -1,0 +1,167 @@
+"""What one decode round costs the host: MTP rounds against plain rounds, same engine, same run.
+
+    python -m benchmarks.round_cost --tiny --width 32 --tokens 48            # CPU: a deep, narrow model
+    python -m benchmarks.round_cost --model smollm2-135m-instruct --head heads/smollm2-135m-instruct \
+        --prompts humaneval --width 32 --tokens 128
+
+On a small model on a big GPU a round is host work and kernel launches, not FLOPs: a verify of
+W x 4 tokens costs about what W x 1 costs. `--tiny` builds a model with that profile on a CPU (30
+layers of width 64, as SmolLM2-135M has 30 layers, with a random MTP head): its rounds are
+launch- and host-bound too, so the ratio of an MTP round to a plain round says how much host work
+and synchronization a speculative round adds. Prints per method: tok/s, rounds, seconds per
+round, MTP rounds per plain round (time), and `mx.eval` calls per round (explicit host syncs);
+`--cprofile N` also prints the N costliest functions of the MTP run (host-side Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.generation import Engine
+from mtplx.models.loading import load
+from mtplx.request import Request, SamplingParams
+
+from . import phase_profile
+from .common import device_name, sync, table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_setup(tmp: Path, layers: int = 30):
+    """A deep, narrow llama (random weights, eos never chosen) and a random MTP sidecar head."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_models import make_tiny_model
+    from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
+
+    path = make_tiny_model(tmp / "model", "llama", num_hidden_layers=layers)
+    bundle = load(path)
+    head = save_sidecar(bundle, _init_head(bundle.model, TrainConfig(seed=2)), tmp / "head", {})
+    prompts = [[3 + (i * 7) % 400, 17, 9, 40 + i % 300, 11, 12 + i % 50] for i in range(256)]
+    return bundle, str(head), prompts
+
+
+def real_setup(model: str, head: str, prompts_source: str):
+    from .real_models import load_prompts
+
+    bundle = load(model)
+    return bundle, head, load_prompts(prompts_source, bundle.tokenizer, 256)
+
+
+class EvalCounter:
+    """Counts mx.eval calls (the explicit host syncs) while active."""
+
+    def __init__(self):
+        self.calls = 0
+        self._real = mx.eval
+
+    def __enter__(self):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._real(*args, **kwargs)
+
+        mx.eval = counted
+        return self
+
+    def __exit__(self, *exc):
+        mx.eval = self._real
+
+
+def _time_prefill(eng):
+    """Wrap the engine's prefill in a timer (synchronized at its edges: prefill reads its tokens anyway)."""
+    spent = [0.0]
+    inner = eng.prefiller.run
+
+    def timed(*args, **kwargs):
+        sync()
+        t0 = time.perf_counter()
+        out = inner(*args, **kwargs)
+        sync()
+        spent[0] += time.perf_counter() - t0
+        return out
+
+    eng.prefiller.run = timed
+    return spent
+
+
+def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens: int, profile=None, phases=False):
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
+    reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=tokens)) for i, p in enumerate(prompts[:rows])]
+    list(eng.generate(reqs))  # warm-up: every program and kernel shape exists
+    if phases:  # the device synchronized at every phase edge (no overlap left): the split, not the total
+        phase_profile.TIMES.clear()
+        phase_profile.CALLS.clear()
+        phase_profile.instrument(eng)
+    rounds0 = eng.counters["rounds"]
+    prefill = _time_prefill(eng)
+    sync()
+    with EvalCounter() as evals:
+        if profile is not None:
+            profile.enable()
+        t0 = time.perf_counter()
+        res = list(eng.generate(reqs))
+        sync()
+        dt = time.perf_counter() - t0
+        if profile is not None:
+            profile.disable()
+    rounds = eng.counters["rounds"] - rounds0
+    n = sum(len(r.tokens) for r in res)
+    verifies = sum(r.stats.verify_calls for r in res)
+    decode = dt - prefill[0]
+    return {"tok/s": n / dt, "tokens": n, "rounds": rounds, "prefill s": prefill[0], "ms/round": 1e3 * decode / max(rounds, 1),
+            "evals/round": evals.calls / max(rounds, 1),
+            "tokens/verify": (sum(r.stats.accepted_tokens for r in res) + verifies) / verifies if verifies else 1.0,
+            "mean depth": sum(r.stats.draft_depth for r in res) / len(res)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="a 30-layer width-64 random llama with a random head")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--head", default="heads/smollm2-135m-instruct")
+    ap.add_argument("--prompts", default="humaneval")
+    ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=0, help="rows (default: the width)")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--depths", default="1,3", help="fixed MTP depths to run ('a' = adaptive from 3)")
+    ap.add_argument("--cprofile", type=int, default=0, help="print the N costliest functions of the last MTP run")
+    ap.add_argument("--phases", action="store_true", help="then the last MTP setting once more, timed per phase")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle, head, prompts = tiny_setup(Path(tmp)) if args.tiny else real_setup(args.model, args.head, args.prompts)
+        rows = args.rows or args.width
+        print(f"device: {device_name()}; width {args.width}, {rows} rows x {args.tokens} tokens", flush=True)
+        out = []
+        plain = run(bundle, prompts, SpeculativeConfig(method="none"), args.width, rows, args.tokens)
+        out.append({"method": "plain", **plain, "x plain round": 1.0, "x plain tok/s": 1.0})
+        print(table(out), flush=True)
+        prof = None
+        for d in args.depths.split(","):
+            adaptive = d == "a"
+            spec = SpeculativeConfig(method="mtp", depth=3 if adaptive else int(d), adaptive_depth=adaptive, mtp_head=head)
+            prof = cProfile.Profile() if args.cprofile else None
+            r = run(bundle, prompts, spec, args.width, rows, args.tokens, prof)
+            out.append({"method": f"mtp depth {d}", **r, "x plain round": r["ms/round"] / plain["ms/round"],
+                        "x plain tok/s": r["tok/s"] / plain["tok/s"]})
+            print(table(out), flush=True)
+        if prof is not None:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
+        if args.phases:
+            r = run(bundle, prompts, spec, args.width, rows, args.tokens, phases=True)
+            split = [{"phase": k, "ms/round": 1e3 * v / max(r["rounds"], 1), "calls/round": phase_profile.CALLS[k] / max(r["rounds"], 1)}
+                     for k, v in sorted(phase_profile.TIMES.items(), key=lambda kv: -kv[1])]
+            split.append({"phase": "whole round (synchronized at each phase edge)", "ms/round": r["ms/round"], "calls/round": 1.0})
+            print(f"phases of {spec.method} depth {spec.depth} (adaptive {spec.adaptive_depth}), width {args.width}:")
+            print(table(split), flush=True)
+
+
+if __name__ == "__main__":
+    main()
