@@ -39,15 +39,18 @@ def capacity_bucket(n: int) -> int:
 
 
 class RowLengths:
-    """Per-row committed lengths, kept on the host (for scheduling) and on the device (for rope)."""
+    """Per-row committed lengths, kept on the host (for scheduling) and on the device (for rope).
+
+    `shared` is the one length every row has (always so at width 1), else None.
+    """
 
     def __init__(self, lengths: Sequence[int]):
-        self.host = np.asarray(lengths, dtype=np.int64)
-        self.device = mx.array(self.host, dtype=mx.int32)
+        self.set(lengths)
 
     def set(self, lengths):
         self.host = np.asarray(lengths, dtype=np.int64)
         self.device = mx.array(self.host, dtype=mx.int32)
+        self.shared = int(self.host[0]) if self.host.size and (self.host == self.host[0]).all() else None
 
     @property
     def max(self) -> int:
@@ -55,7 +58,16 @@ class RowLengths:
 
 
 class RowKVCache:
-    """Attention KV for a batch of rows of different lengths (one layer)."""
+    """Attention KV for a batch of rows of different lengths (one layer).
+
+    When every row has the same length n (`RowLengths.shared`: always at width 1) and the forward
+    is eager, the cache does what mlx-lm's KVCache does: a slice write at n, an int rope offset,
+    attention over exactly n + L keys with no mask (one token) or "causal", which keeps the fused
+    attention kernels (CUDA has none for a boolean mask at one query). Otherwise every row writes
+    at its own offset and attention reads the whole capacity bucket under a [B, 1, N, cap] mask.
+    """
+
+    exact_when_shared = True  # the benchmark (decode_anatomy) turns it off to measure the masked path
 
     def __init__(self, lengths: RowLengths):
         self.rows = lengths
@@ -67,14 +79,24 @@ class RowKVCache:
         self.attend_len: Optional[int] = None
 
     # -- what mlx-lm model code calls ---------------------------------------------------------
+    def _shared(self) -> Optional[int]:
+        """The one length all rows have, when this forward may use it (eager), else None."""
+        return self.rows.shared if self.attend_len is None and self.exact_when_shared else None
+
     @property
-    def offset(self) -> mx.array:
-        return self.rows.device
+    def offset(self):
+        n = self._shared()
+        return self.rows.device if n is None else n
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, L, _ = keys.shape
         if self.attend_len is None:
             self._ensure_capacity(B, keys, values, self.rows.max + L)
+        n = self._shared()
+        if n is not None:
+            self.keys[..., n : n + L, :] = keys
+            self.values[..., n : n + L, :] = values
+            return self.keys[..., : n + L, :], self.values[..., : n + L, :]
         pos = (self.rows.device[:, None] + mx.arange(L, dtype=mx.int32))[:, None, :, None]
         self.keys = mx.put_along_axis(
             self.keys, mx.broadcast_to(pos, keys.shape), keys, axis=2
@@ -93,6 +115,11 @@ class RowKVCache:
         return self.keys.shape[2] if need <= self.keys.shape[2] else capacity_bucket(need)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        shared = self._shared()
+        if shared is not None:  # mlx-lm's own KVCache mask over exactly shared + N keys
+            from mlx_lm.models.cache import create_attention_mask
+
+            return create_attention_mask(N, shared, return_array, window_size)
         n = self.attend_len or self.capacity_after(N)
         query_pos = self.rows.device[:, None] + mx.arange(N, dtype=mx.int32)  # [B, N]
         key_pos = mx.arange(n, dtype=mx.int32)

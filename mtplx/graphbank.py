@@ -53,6 +53,7 @@ class _ShadowRows(RowLengths):
     def __init__(self, device_lengths: mx.array):
         self.device = device_lengths
         self.host = None
+        self.shared = None  # inside a program lengths are an input: never a Python int
 
 
 def _shadow_cache(kinds, lengths: mx.array, arrays) -> BatchCache:

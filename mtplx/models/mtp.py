@@ -128,14 +128,14 @@ class MTPHead(nn.Module):
         if self.zero_first:
             pos = mx.arange(e.shape[1], dtype=mx.int32)[None]
             if caches and caches[0] is not None:
-                pos = _leaves(caches[0])[0].offset[:, None] + pos
+                pos = _leaves(caches[0])[0].rows.device[:, None] + pos
             e = mx.where((pos == 0)[..., None], mx.zeros_like(e), e)
         e = self.norm_embedding(e)
         parts = [self.norm_hidden(hidden), e] if self.hidden_first else [e, self.norm_hidden(hidden)]
         x = self.fc(mx.concatenate(parts, axis=-1))
         caches = caches or [None] * len(self.layers)
         if mask is None and caches[0] is not None:  # rows have their own lengths: always mask
-            mask = _leaves(caches[0])[0].make_mask(x.shape[1])
+            mask = _leaves(caches[0])[0].make_mask(x.shape[1], return_array=True)
         for layer, c in zip(self.layers, caches):
             x = layer(x, mask, c)
         return self.norm(x)
@@ -147,6 +147,7 @@ class _ShiftedRows:
     def __init__(self, rows, shift: int):
         self.device = rows.device - shift
         self.host = None if rows.host is None else rows.host - shift
+        self.shared = None if getattr(rows, "shared", None) is None else rows.shared - shift
 
     @property
     def max(self) -> int:

@@ -1,0 +1,89 @@
+"""Sibling projections (q/k/v, gate/up) as one matmul at one row, a load-time model transform.
+
+A one-token decode step at one stream reads every weight once; q_proj, k_proj and v_proj (and
+gate_proj, up_proj) read the same input, so one matrix-vector product over their stacked weights
+does the work of three (two) with fewer, larger kernels. The model's own forward is kept: each
+projection is replaced by a part that, for the first sibling called on an input, computes the
+stacked product and hands each sibling its slice. A row of a matrix-vector product does not
+depend on the other rows (MLX's gemv gives each output row its own warp), so the values are
+the ones the separate products give; with more than one row (prefill, a wide batch) each part
+runs its own original layer, unchanged.
+
+`fuse_projections(model)` returns an undo function (the benchmark compares both).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .gemv import matvec
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _Stacked:
+    """The stacked weight of sibling projections and the last one-row product over it."""
+
+    def __init__(self, layers: Sequence[nn.Linear]):
+        self.weight = mx.concatenate([m.weight for m in layers], axis=0)
+        sizes = [m.weight.shape[0] for m in layers]
+        self.bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self._x = None
+        self._parts: List[mx.array] = []
+        self._left = 0
+
+    def part(self, x: mx.array, i: int) -> mx.array:
+        if self._x is not x or self._left == 0:
+            y = matvec(x, self.weight)
+            self._parts = [y[..., a:b] for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+            self._x, self._left = x, len(self._parts)
+        out = self._parts[i]
+        self._left -= 1
+        if self._left == 0:  # every sibling has its slice: drop the references
+            self._x, self._parts = None, []
+        return out
+
+
+class StackedPart(nn.Module):
+    def __init__(self, layer: nn.Linear, stacked: _Stacked, index: int):
+        super().__init__()
+        self.layer = layer
+        self._stacked = [stacked]  # a list: a plain attribute, not a child module or parameter
+        self._index = index
+
+    def __call__(self, x):
+        if x.size != x.shape[-1]:
+            return self.layer(x)
+        return self._stacked[0].part(x, self._index)
+
+
+def _fusable(layers) -> bool:
+    return (all(type(m) in (nn.Linear,) and "bias" not in m for m in layers)
+            and len({m.weight.shape[1] for m in layers}) == 1 and len({m.weight.dtype for m in layers}) == 1)
+
+
+def fuse_projections(model) -> Callable[[], None]:
+    """Replace each unquantized, bias-free group of GROUPS in `model` by StackedParts; returns undo."""
+    swapped = []
+    for _, module in list(model.named_modules()):
+        for names in GROUPS:
+            if not all(n in module for n in names):
+                continue
+            layers = [module[n] for n in names]
+            if not _fusable(layers):
+                continue
+            stacked = _Stacked(layers)
+            for i, (n, m) in enumerate(zip(names, layers)):
+                module[n] = StackedPart(m, stacked, i)
+                swapped.append((module, n, m))
+    mx.eval([p._stacked[0].weight for mod, n, _ in swapped for p in [mod[n]]])
+
+    def undo():
+        for mod, n, m in swapped:
+            mod[n] = m
+
+    undo.count = len(swapped)  # type: ignore[attr-defined]
+    return undo
