@@ -149,7 +149,7 @@ def gemv_check(model, repeats=50):
 
     rows, seen = [], set()
     for name, w in tree_flatten(model.parameters()):
-        if w.ndim != 2 or w.shape in seen or "embed" in name:
+        if w.ndim != 2 or w.shape in seen:
             continue
         seen.add(w.shape)
         x = (mx.random.normal((1, 1, w.shape[1])) * 0.5).astype(w.dtype)
@@ -250,7 +250,7 @@ def main():
             for label, fn in transformed():
                 measure(f"{label} +fused", fn)
             undo()
-            if gemv.install_gemv(bundle.model):
+            if gemv.install_gemv(bundle.model, check=False):  # the gemv lines above say whether it is exact
                 for label, fn in transformed():
                     measure(f"{label} +gemv", fn)
                 undo = fuse_projections(bundle.model)

@@ -105,19 +105,56 @@ class GemvLinear(nn.Linear):
         return matvec(x, self["weight"])
 
 
-def install_gemv(model) -> int:
-    """Swap unquantized bias-free Linear layers to GemvLinear; returns how many (0 off CUDA)."""
+class GemvEmbedding(nn.Embedding):
+    """nn.Embedding whose `as_linear` (a tied output head) goes through `matvec`."""
+
+    def as_linear(self, x):
+        return matvec(x, self.weight)
+
+
+SWAPS = {nn.Linear: GemvLinear, nn.Embedding: GemvEmbedding}
+
+
+def _swappable(m) -> bool:
+    return type(m) in SWAPS and "bias" not in m
+
+
+def mismatch(model):
+    """The first weight (name) whose kernel product differs from MLX's matmul by one bit, else None."""
+    seen = set()
+    for name, m in model.named_modules():
+        if not _swappable(m) or m.weight.shape in seen:
+            continue
+        w = m.weight
+        seen.add(w.shape)
+        x = mx.random.normal((1, 1, w.shape[1]), key=mx.random.key(len(seen))).astype(w.dtype)
+        if usable(x, w) and not mx.array_equal(matvec(x, w), x @ w.T).item():
+            return name
+    return None
+
+
+def install_gemv(model, check: bool = True) -> int:
+    """Swap unquantized bias-free Linear layers (and embeddings, for a tied head) to the kernel;
+    returns how many (0 off CUDA). With `check`, first compare the kernel with MLX's matmul on one
+    weight of each shape and install nothing if any result differs or the kernel does not build."""
     if not cuda_ready():
         return 0
+    if check:
+        try:
+            if mismatch(model) is not None:
+                return 0
+        except Exception:  # noqa: BLE001 (a kernel that does not build: MLX's own gemv stays)
+            return 0
     n = 0
     for _, m in model.named_modules():
-        if type(m) is nn.Linear and "bias" not in m:
-            m.__class__ = GemvLinear
+        if _swappable(m):
+            m.__class__ = SWAPS[type(m)]
             n += 1
     return n
 
 
 def uninstall_gemv(model) -> None:
+    back = {v: k for k, v in SWAPS.items()}
     for _, m in model.named_modules():
-        if type(m) is GemvLinear:
-            m.__class__ = nn.Linear
+        if type(m) in back:
+            m.__class__ = back[type(m)]
