@@ -14,7 +14,8 @@ its last (prefill excluded), and its tokens are compared with mlx-lm's:
                               gemv of mtplx/gemv.py (CUDA only)
 
 It also checks that mtplx/gemv.py's kernel is bit-identical to MLX's matmul on every weight shape
-and times both. Prints a line per variant as it goes; writes decode_anatomy.{json,md} to --out.
+and times both, and compares mtplx/rows_attention.py's kernel with MLX's over exact keys (+rowattn
+variants: the masked paths with that kernel). Prints a line per variant as it goes; writes decode_anatomy.{json,md} to --out.
 
     python -m benchmarks.decode_anatomy --shapes 0.6b,8b --tokens 128 --out bench-out
     python -m benchmarks.decode_anatomy --shapes tiny --tokens 16            # CPU dry run
@@ -29,7 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mtplx import gemv
+from mtplx import gemv, rows_attention
 from mtplx.architectures import capture_backend
 from mtplx.cache import BatchCache, RowKVCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
@@ -174,6 +175,29 @@ def gemv_check(model, repeats=50):
     return rows
 
 
+def rows_attention_check(dtype=mx.bfloat16):
+    """mtplx/rows_attention.py against MLX's own kernel over each row's exact keys (contiguous copies
+    of 37 / 300 / 1000 keys: MLX's one-pass vector kernel). Returns rows for the table."""
+    out = []
+    for L in (1, 3):
+        B, Hq, Hk, D, cap = 3, 8, 2, 128, 1024
+        q = mx.random.normal((B, Hq, L, D)).astype(dtype)
+        k = mx.random.normal((B, Hk, cap, D)).astype(dtype)
+        v = mx.random.normal((B, Hk, cap, D)).astype(dtype)
+        lengths = mx.array([37, 300, 1000 - L], dtype=mx.int32)
+        got = rows_attention.rows_attention(q, k, v, 0.088, lengths)
+        worst, same = 0.0, True
+        for b in range(B):
+            for i in range(L):
+                n = int(lengths[b].item()) + i + 1
+                ref = mx.fast.scaled_dot_product_attention(q[b:b + 1, :, i:i + 1], mx.array(k[b:b + 1, :, :n]) + 0, mx.array(v[b:b + 1, :, :n]) + 0, scale=0.088)
+                d = mx.abs(got[b:b + 1, :, i:i + 1].astype(mx.float32) - ref.astype(mx.float32)).max().item()
+                worst, same = max(worst, d), same and d == 0
+        out.append({"check": f"rows_attention L={L}", "bit-identical": same, "max abs diff": worst})
+        print("rows_attention", out[-1], flush=True)
+    return out
+
+
 PLAIN = [
     ("mlx-lm generate_step", v_generate_step),
     ("bare+KVCache", v_bare_kv),
@@ -210,7 +234,7 @@ def main():
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [s for s in args.shapes.split(",") if s] + ([args.model] if args.model else [])
-    rows, gemv_rows = [], []
+    rows, gemv_rows, attn_rows = [], [], []
     for name in names:
         t0 = time.perf_counter()
         bundle = load_model(name)
@@ -258,13 +282,28 @@ def main():
                     measure(f"{label} +fused+gemv", fn)
                 undo()
                 gemv.uninstall_gemv(bundle.model)
+            if rows_attention.install(bundle.model):
+                try:
+                    attn_rows += [dict(model=name, **r) for r in rows_attention_check()]
+                except Exception as e:  # noqa: BLE001
+                    print(f"rows_attention check FAILED {type(e).__name__}: {e}", flush=True)
+                for label, fn in [("bare+BatchCache masked", v_bare_batch(False)), ("bank", v_bank),
+                                  ("engine eager masked", v_engine("off", exact=False)), ("engine compiled", v_engine("on"))]:
+                    measure(f"{label} +rowattn", fn)
+                gemv.install_gemv(bundle.model, check=False)
+                undo = fuse_projections(bundle.model)
+                for label, fn in [("bank", v_bank), ("engine compiled", v_engine("on"))]:
+                    measure(f"{label} +rowattn+fused+gemv", fn)
+                undo()
+                gemv.uninstall_gemv(bundle.model)
+                rows_attention.uninstall()
         del bundle
         mx.clear_cache()
     payload = {"device": device_name(), "versions": versions(), "tokens": args.tokens, "prompt": args.prompt,
-               "decode": rows, "gemv": gemv_rows}
+               "decode": rows, "gemv": gemv_rows, "rows_attention": attn_rows}
     save_json(out_dir / "decode_anatomy.json", payload)
     md = f"device: {payload['device']}; versions: {payload['versions']}; {args.tokens} tokens after a {args.prompt}-token prompt\n\n"
-    md += table([r for r in rows if "tok/s" in r]) + "\n" + (table(gemv_rows) if gemv_rows else "")
+    md += table([r for r in rows if "tok/s" in r]) + "\n" + (table(gemv_rows) if gemv_rows else "") + "\n" + (table(attn_rows) if attn_rows else "")
     (out_dir / "decode_anatomy.md").write_text(md)
     print(md, flush=True)
 

@@ -126,7 +126,9 @@ class RowKVCache:
         mask = key_pos[None, None, :] <= query_pos[:, :, None]
         if window_size is not None:
             mask = mask & (key_pos[None, None, :] > query_pos[:, :, None] - window_size)
-        return mask[:, None]  # [B, 1, N, n]
+            return mask[:, None]  # [B, 1, N, n]
+        self.rows.mask = mask[:, None]  # the plain per-row mask: rows_attention knows it by identity
+        return self.rows.mask
 
     def is_trimmable(self):
         return True

@@ -1,6 +1,6 @@
 """mtplx/fusion.py: stacked q/k/v and gate/up give the model's own logits bit for bit (one-row
 steps take the stacked product, a prompt takes each original layer), and undo restores the model.
-mtplx/gemv.py's kernel is CUDA-only: elsewhere matvec is x @ w.T and nothing is swapped."""
+mtplx/gemv.py and mtplx/rows_attention.py are CUDA-only: elsewhere nothing is swapped."""
 
 from __future__ import annotations
 
@@ -51,3 +51,13 @@ def test_gemv_is_plain_matmul_off_cuda(qwen3):
     x = mx.ones((1, 1, w.shape[1]), w.dtype)
     assert not gemv.usable(x, w) and gemv.install_gemv(qwen3) == 0
     assert mx.array_equal(gemv.matvec(x, w), x @ w.T).item()
+
+
+def test_rows_attention_is_mlx_lm_attention_off_cuda(qwen3):
+    from mtplx import rows_attention
+
+    if gemv.cuda_ready():
+        pytest.skip("on CUDA the kernel runs (benchmarks/decode_anatomy compares it with MLX's)")
+    assert rows_attention.install(qwen3) == 0
+    q = mx.ones((1, 2, 1, 64))
+    assert not rows_attention.usable(q, q, q)
