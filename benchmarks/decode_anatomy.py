@@ -210,8 +210,7 @@ PLAIN = [
 ]
 def transformed():
     """Fresh variants for a transformed model (an engine made before a transform runs stale programs)."""
-    return [("bare+KVCache", v_bare_kv), ("bare+BatchCache exact", v_bare_batch(True)), ("bank", v_bank),
-            ("engine eager", v_engine("off")), ("engine compiled", v_engine("on"))]
+    return [("bare+KVCache", v_bare_kv), ("bank", v_bank), ("engine eager", v_engine("off")), ("engine compiled", v_engine("on"))]
 
 
 def load_model(name):
@@ -263,40 +262,41 @@ def main():
 
         for label, fn in PLAIN:
             measure(label, fn)
-        if not args.skip_transforms:
+        if not args.skip_transforms:  # most telling first: the run may be cut short
             if gemv.cuda_ready():
                 try:
                     gemv_rows += [dict(model=name, **r) for r in gemv_check(bundle.model)]
                 except Exception as e:  # noqa: BLE001 (the kernel failing to build must not cost the rest)
                     print(f"gemv check FAILED {type(e).__name__}: {e}", flush=True)
-            undo = fuse_projections(bundle.model)
-            print(f"   fused {undo.count} projections", flush=True)
-            for label, fn in transformed():
-                measure(f"{label} +fused", fn)
-            undo()
             if gemv.install_gemv(bundle.model, check=False):  # the gemv lines above say whether it is exact
                 for label, fn in transformed():
                     measure(f"{label} +gemv", fn)
-                undo = fuse_projections(bundle.model)
-                for label, fn in transformed():
-                    measure(f"{label} +fused+gemv", fn)
-                undo()
                 gemv.uninstall_gemv(bundle.model)
             if rows_attention.install(bundle.model):
                 try:
                     attn_rows += [dict(model=name, **r) for r in rows_attention_check()]
                 except Exception as e:  # noqa: BLE001
                     print(f"rows_attention check FAILED {type(e).__name__}: {e}", flush=True)
-                for label, fn in [("bare+BatchCache masked", v_bare_batch(False)), ("bank", v_bank),
-                                  ("engine eager masked", v_engine("off", exact=False)), ("engine compiled", v_engine("on"))]:
+                for label, fn in [("bank", v_bank), ("engine eager masked", v_engine("off", exact=False)),
+                                  ("engine compiled", v_engine("on"))]:
                     measure(f"{label} +rowattn", fn)
-                gemv.install_gemv(bundle.model, check=False)
-                undo = fuse_projections(bundle.model)
-                for label, fn in [("bank", v_bank), ("engine compiled", v_engine("on"))]:
-                    measure(f"{label} +rowattn+fused+gemv", fn)
-                undo()
+                if gemv.install_gemv(bundle.model, check=False):
+                    for label, fn in [("bank", v_bank), ("engine compiled", v_engine("on"))]:
+                        measure(f"{label} +rowattn+gemv", fn)
+                    gemv.uninstall_gemv(bundle.model)
+            undo = fuse_projections(bundle.model)
+            print(f"   fused {undo.count} projections", flush=True)
+            for label, fn in transformed():
+                measure(f"{label} +fused", fn)
+            if gemv.install_gemv(bundle.model, check=False):
+                for label, fn in transformed():
+                    measure(f"{label} +fused+gemv", fn)
+                if rows_attention.install(bundle.model):
+                    for label, fn in [("bank", v_bank), ("engine compiled", v_engine("on"))]:
+                        measure(f"{label} +rowattn+fused+gemv", fn)
                 gemv.uninstall_gemv(bundle.model)
-                rows_attention.uninstall()
+            undo()
+            rows_attention.uninstall()
         del bundle
         mx.clear_cache()
     payload = {"device": device_name(), "versions": versions(), "tokens": args.tokens, "prompt": args.prompt,
