@@ -7,9 +7,10 @@ projection is replaced by a part that, for the first sibling called on an input,
 stacked product and hands each sibling its slice. A row of a matrix-vector product does not
 depend on the other rows (MLX's gemv gives each output row its own warp), so the values are
 the ones the separate products give; with more than one row (prefill, a wide batch) each part
-runs its own original layer, unchanged.
+multiplies by its own rows of the stacked weight (a view: the same values and layout as before).
+The stacked weight replaces the originals, so memory does not grow once the originals are freed.
 
-`fuse_projections(model)` returns an undo function (the benchmark compares both).
+`fuse_projections(model)` returns an undo function (holding it keeps the original weights alive).
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class _Stacked:
-    """The stacked weight of sibling projections and the last one-row product over it."""
+    """The last one-row product over a stacked weight, shared by the siblings' parts."""
 
-    def __init__(self, layers: Sequence[nn.Linear]):
-        self.weight = mx.concatenate([m.weight for m in layers], axis=0)
-        sizes = [m.weight.shape[0] for m in layers]
+    def __init__(self, sizes: Sequence[int]):
         self.bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.weight = None  # set by the first part (the parameter lives there)
         self._x = None
         self._parts: List[mx.array] = []
         self._left = 0
@@ -46,18 +46,29 @@ class _Stacked:
             self._x, self._parts = None, []
         return out
 
+    def rows(self, x: mx.array, i: int) -> mx.array:
+        """Sibling i's own product for several rows: its rows of the stacked weight (a view)."""
+        return x @ self.weight[self.bounds[i] : self.bounds[i + 1]].T
+
 
 class StackedPart(nn.Module):
-    def __init__(self, layer: nn.Linear, stacked: _Stacked, index: int):
+    """One sibling projection. The first holds the stacked weight as its parameter `weight`
+    (so the model's parameter bytes are unchanged); the others hold none."""
+
+    def __init__(self, stacked: _Stacked, index: int, weight=None):
         super().__init__()
-        self.layer = layer
+        if weight is not None:
+            self.weight = weight
         self._stacked = [stacked]  # a list: a plain attribute, not a child module or parameter
         self._index = index
 
     def __call__(self, x):
+        st = self._stacked[0]
+        if "weight" in self:  # after model.update(...) or load_weights the parameter is the truth
+            st.weight = self["weight"]
         if x.size != x.shape[-1]:
-            return self.layer(x)
-        return self._stacked[0].part(x, self._index)
+            return st.rows(x, self._index)
+        return st.part(x, self._index)
 
 
 def _fusable(layers) -> bool:
@@ -75,11 +86,12 @@ def fuse_projections(model) -> Callable[[], None]:
             layers = [module[n] for n in names]
             if not _fusable(layers):
                 continue
-            stacked = _Stacked(layers)
+            stacked = _Stacked([m.weight.shape[0] for m in layers])
+            stacked.weight = mx.concatenate([m.weight for m in layers], axis=0)
             for i, (n, m) in enumerate(zip(names, layers)):
-                module[n] = StackedPart(m, stacked, i)
+                module[n] = StackedPart(stacked, i, stacked.weight if i == 0 else None)
                 swapped.append((module, n, m))
-    mx.eval([p._stacked[0].weight for mod, n, _ in swapped for p in [mod[n]]])
+            mx.eval(stacked.weight)
 
     def undo():
         for mod, n, m in swapped:

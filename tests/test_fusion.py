@@ -32,8 +32,12 @@ def _logits(model, n=8):
 
 
 def test_fused_projections_keep_the_logits_and_undo_restores(qwen3):
-    ref = _logits(qwen3)
+    from mlx.utils import tree_flatten
+
+    nbytes = lambda: sum(v.nbytes for _, v in tree_flatten(qwen3.parameters()))
+    ref, before = _logits(qwen3), nbytes()
     undo = fuse_projections(qwen3)
+    assert nbytes() == before  # the stacked weights replace the originals
     layer = qwen3.model.layers[0]
     assert undo.count == 5 * len(qwen3.model.layers)
     assert isinstance(layer.self_attn.k_proj, StackedPart) and isinstance(layer.mlp.up_proj, StackedPart)
