@@ -41,7 +41,11 @@ def capacity_bucket(n: int) -> int:
 class RowLengths:
     """Per-row committed lengths, kept on the host (for scheduling) and on the device (for rope).
 
-    `shared` is the one length every row has (always so at width 1), else None.
+    `shared` is the one length every row has (always so at width 1), else None; also None while
+    rounds queued before the previous one was read (generation.py) have advanced the device
+    lengths by counts the host has not seen (`advance`): the host lengths are then upper bounds,
+    good for sizing the cache, until `correct` (the counts were read) or `settle` (read the
+    device's).
     """
 
     def __init__(self, lengths: Sequence[int]):
@@ -50,7 +54,42 @@ class RowLengths:
     def set(self, lengths):
         self.host = np.asarray(lengths, dtype=np.int64)
         self.device = mx.array(self.host, dtype=mx.int32)
-        self.shared = int(self.host[0]) if self.host.size and (self.host == self.host[0]).all() else None
+        self.unread = 0  # advances whose counts the host has not read
+        self._share()
+
+    def _share(self):
+        exact = self.unread == 0 and self.host.size and (self.host == self.host[0]).all()
+        self.shared = int(self.host[0]) if exact else None
+
+    def advance(self, counts: mx.array, most: np.ndarray, exact: bool = False):
+        """Device lengths += counts (lazy, not read); host lengths += most (counts <= most;
+        `exact`: they are the counts)."""
+        self.host = self.host + np.asarray(most, dtype=np.int64)
+        self.unread += not exact
+        if self.unread:
+            self.device = self.device + counts.astype(mx.int32)
+        else:  # from the host: no chain of additions that nothing reads (the shared path reads none)
+            self.device = mx.array(self.host, dtype=mx.int32)
+        self._share()
+
+    def correct(self, excess: np.ndarray):
+        """An advance's counts were read: the host lengths were `excess` too long."""
+        self.host = self.host - np.asarray(excess, dtype=np.int64)
+        self.unread = max(0, self.unread - 1)
+        self._share()
+
+    def settle(self):
+        """Host lengths := the device's (one read; exact again)."""
+        self.host = np.array(self.device).astype(np.int64)
+        self.unread = 0
+        self._share()
+
+    def mark(self):
+        return self.host.copy(), self.device, self.unread
+
+    def restore(self, mark):
+        self.host, self.device, self.unread = mark[0].copy(), mark[1], mark[2]
+        self._share()
 
     @property
     def max(self) -> int:
@@ -346,11 +385,15 @@ class BatchCache:
     def commit(self, counts: np.ndarray):
         """Advance each row by counts[b] tokens of the last forward."""
         counts = np.asarray(counts, dtype=np.int64)
-        dev = mx.array(counts, dtype=mx.int32)
+        self.advance(mx.array(counts, dtype=mx.int32), counts, exact=True)
+
+    def advance(self, counts: mx.array, most: np.ndarray, exact: bool = False):
+        """`commit` with device counts the host does not read: its lengths become upper bounds
+        (`most` per row) until `rows.correct` / `rows.settle` (RowLengths)."""
         for c in self.leaves:
             if isinstance(c, RowStateCache):
-                c.commit(dev)
-        self.rows.set(self.rows.host + counts)
+                c.commit(counts)
+        self.rows.advance(counts, most, exact)
 
     def rewind_to(self, lengths: np.ndarray):
         """Forget entries past `lengths` (attention layers only; used after speculative drafting)."""

@@ -9,9 +9,13 @@ A drafter keeps per-slot state that mirrors the engine's batch slots:
 - `reset()`, `extend(states)` / `write(slot, state)` / `take(keep)` move rows in and out of the batch;
 - `propose(K, pending, sampler, u)` returns drafts [W, K] and their proposal distribution q
   ([W, K, V], or None when drafts are deterministic, i.e. a point mass);
-- `commit(...)` tells it how many drafts each row kept and the token that followed.
+- `commit(...)` tells it how many drafts each row kept and the token that followed (host arrays).
 `needs_hidden`: the drafter reads the trunk's hidden states (`hidden` above; the engine computes
-them only then). Everything stays on the device: one round is one lazy graph and one host sync.
+them only then). `device_side`: the drafter also has `advance(n, nxt, counts, most, verify_in,
+hidden)`, `commit` with device arrays it never reads (`counts`: each row's committed tokens,
+`most`: a host upper bound of them), so the engine can queue the next round before it reads
+this one (generation.py); its cache lengths on the host are then upper bounds until the engine
+corrects them (`cache.rows`, cache.py RowLengths). Prompt lookup drafts on the host: not device-side.
 
 A new draft method is one class with this interface and one line in `DRAFTERS`.
 """
@@ -50,6 +54,7 @@ def _draw(probs: mx.array, sampler: SamplerBatch, u: mx.array) -> mx.array:
 class Drafter(Protocol):
     name: str
     needs_hidden: bool
+    device_side: bool
 
     def prefill_row(self, tokens: Sequence[int], hidden: Optional[mx.array], first_token: int,
                     prefix: Optional[object] = None, edge: int = 0) -> object: ...
@@ -76,6 +81,7 @@ class NgramDrafter:
 
     name = "ngram"
     needs_hidden = False
+    device_side = False
 
     def __init__(self, ngram_size: int = 3):
         self.n = ngram_size
@@ -165,12 +171,20 @@ class _CachedDrafter:
         idx = mx.array(np.asarray(keep, dtype=np.int32))
         self.extra = [a[idx] for a in self.extra]
 
+    def correct(self, excess):
+        """A round's counts were read: the host lengths were `excess` too long (RowLengths)."""
+        self.cache.rows.correct(excess)
+
+    def settle(self):
+        self.cache.rows.settle()
+
 
 class DraftModelDrafter(_CachedDrafter):
     """A smaller model with the same tokenizer drafts K tokens autoregressively."""
 
     name = "draft"
     needs_hidden = False
+    device_side = True
 
     def __init__(self, draft_model, vocab_size: int, chunk_size: int = 512):
         self.model = draft_model
@@ -205,7 +219,7 @@ class DraftModelDrafter(_CachedDrafter):
         return state[0].snapshot_row(0, length)
 
     def _begin(self):
-        self.start_lengths = self.cache.lengths.copy()
+        self.start = self.cache.rows.mark()
         # Recurrent (Gated DeltaNet) layers of a hybrid draft cannot rewind by length: keep
         # their state after every feed of this round, and pick each row's at commit.
         self._state_layers = [c for c in self.cache.leaves if isinstance(c, RowStateCache)]
@@ -218,8 +232,7 @@ class DraftModelDrafter(_CachedDrafter):
             self._steps.append([list(c.cache) for c in self._state_layers])
         return logits
 
-    def _restore_states(self, keep):
-        at = mx.array(np.asarray(keep, dtype=np.int32))
+    def _restore_states(self, at: mx.array):
         for li, layer in enumerate(self._state_layers):
             for i in range(len(layer.cache)):
                 steps = [s[li][i] for s in self._steps]
@@ -246,14 +259,18 @@ class DraftModelDrafter(_CachedDrafter):
 
     def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
         keep = np.where(active, n_accept + 1, 0)
+        self.advance(None, None, mx.array(keep.astype(np.int32)), keep, verify_in, hidden)
+
+    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None):
         if verify_in is not None and verify_in.shape[1] == 1:
             # A round without drafts (K = 0) skipped propose: the draft model has not seen the
-            # pending token yet, and start_lengths is a previous round's (maybe another width).
+            # pending token yet, and the start mark is a previous round's (maybe another width).
             self._begin()
             self._feed(verify_in[:, 0])
-        self.cache.rewind_to(self.start_lengths + keep)
+        self.cache.rows.restore(self.start)
+        self.cache.rows.advance(counts, most)
         if self._state_layers:
-            self._restore_states(keep)
+            self._restore_states(counts)
 
 
 class MtpDrafter(_CachedDrafter):
@@ -266,6 +283,7 @@ class MtpDrafter(_CachedDrafter):
 
     name = "mtp"
     needs_hidden = True
+    device_side = True
 
     def __init__(self, head: MTPHead, chunk_size: int = 512, vocab: Optional[DraftVocab] = None,
                  compiled: bool = True):
@@ -308,7 +326,7 @@ class MtpDrafter(_CachedDrafter):
             out = self.bank.propose(self.cache, first_logits, h, sampler, u, K)
             if out is not None:
                 return out
-        start = self.cache.lengths.copy()
+        start = self.cache.rows.mark()
         ones = np.ones(self.cache.batch, dtype=np.int64)
         tok, q = pick(first_logits, sampler, u[:, 0], self.vocab)
         drafts, qs = [tok], [q]
@@ -318,19 +336,22 @@ class MtpDrafter(_CachedDrafter):
             tok, q = pick(project(self.head, self.vocab, h, j), sampler, u[:, j], self.vocab)
             drafts.append(tok)
             qs.append(q)
-        self.cache.rewind_to(start)
+        self.cache.rows.restore(start)
         return stack_drafts(drafts, qs)
 
     def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
-        n = mx.array(n_accept.astype(np.int32))
-        nxt = mx.array(next_tokens.astype(np.int32))
+        keep = np.where(active, n_accept + 1, 0)
+        self.advance(mx.array(n_accept.astype(np.int32)), mx.array(next_tokens.astype(np.int32)),
+                     mx.array(keep.astype(np.int32)), keep, verify_in, hidden)
+
+    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None):
         out = None
         if self.bank is not None:
             out = self.bank.commit(self.cache, hidden, verify_in, n, nxt)
         if out is None:
             h_at = at_accepted(self.head.hidden(hidden, commit_inputs(verify_in, n, nxt), self.cache.layers), n)
             out = project(self.head, self.vocab, h_at), h_at
-        self.cache.commit(np.where(active, n_accept + 1, 0))
+        self.cache.advance(counts, most)
         self.extra = list(out)
 
 

@@ -137,7 +137,8 @@ class Engine:
                 parity=self.spec.compiled_verify,
                 growth_limit=self.spec.verify_max_len,
             )
-        self.counters = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "rounds": 0}
+        self.counters = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "rounds": 0, "host_reads": 0}
+        self._const = {}  # constant device arrays by shape (zero uniforms for all-greedy rounds)
         self.prefiller = Prefiller(self.runtime, self.prefill_chunk, self.hybrid, self.counters, self._progress,
                                   self.sustained_prefill)
         self._bytes_per_token, self._bytes_per_row = self._measure_cache()
@@ -190,7 +191,15 @@ class Engine:
 
     def row_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         depth = self.spec.depth + 1 if self.drafter else 1
-        return int((prompt_tokens + max_tokens + depth) * self._bytes_per_token + (1 + depth) * self._bytes_per_row)
+        return int((prompt_tokens + max_tokens + depth + self.ahead_tokens) * self._bytes_per_token
+                   + (1 + depth) * self._bytes_per_row)
+
+    @property
+    def ahead_tokens(self) -> int:
+        """How far past its last token a row's cache can reach with rounds queued one ahead: a
+        finished row is still in the round queued before it was read, and that round's
+        verify writes past it (bounded by the host's upper-bound lengths, RowLengths)."""
+        return 2 * (self.spec.depth + 1) if self.drafter is not None and self.drafter.device_side else 0
 
     # -- generation ----------------------------------------------------------------------------------
     def _new_row(self, req: Request) -> Tuple[Optional[_Row], Optional[Result]]:
@@ -275,8 +284,10 @@ class Engine:
                     self.drafter.take(keep)
                 batch.slots = [batch.slots[i] for i in keep]
                 active = active[keep]
-            rounds = self._round if self.drafter is not None else self._plain_rounds
-            yield from rounds(batch.slots, active, batch.cache)
+            if self.drafter is None:
+                yield from self._plain_rounds(batch.slots, active, batch.cache)
+            else:
+                yield from self._round(batch.slots, active, batch.cache, drained=batch.drained)
 
     def _admit(self, batch: "_Batch"):
         """One admission pass (a generator: yields error rows). Returns True if it should run again."""
@@ -305,7 +316,8 @@ class Engine:
             return False
         if self.bank is not None:  # the growth budget: the longest context a row of this call can reach
             before = self.bank.request_max_tokens if batch.cache is not None else 0
-            self.bank.set_budget(max([before] + [len(s.req.prompt_tokens) + s.max_tokens for s in live + admitted]))
+            self.bank.set_budget(max([before] + [len(s.req.prompt_tokens) + s.max_tokens + self.ahead_tokens
+                                                 for s in live + admitted]))
         grow, finished_early = [], False
         prefilled = self.prefiller.run(admitted, self.drafter)
         if self.bank is not None:
@@ -346,19 +358,25 @@ class Engine:
         spare = [int(i) for i in np.nonzero(~active)[0]][: width - len(live)]
         return sorted(live + spare)
 
-    def _row_depths(self, slots, n_active: int) -> np.ndarray:
-        """Each row's drafted tokens this round.
+    def _row_depths(self, slots, n_active: int, ahead: int = 0) -> np.ndarray:
+        """Each row's drafted tokens in the round being queued (`ahead`: rounds queued before it
+        and not yet read, each of which emits at least one token).
 
-        Greedy rows follow the adaptive depth (their text cannot change). Sampled rows keep
-        `speculative.depth`, capped only by their own remaining tokens, so a sampled row's text
-        depends on its seed alone, never on which rows share its batch.
+        Greedy rows follow the adaptive depth (their text cannot change), capped by the tokens
+        they can still emit. Sampled rows always draft `speculative.depth` (drafts past their
+        max_tokens are cut off at emit): how far a row has got when a round is queued depends on
+        when the pipeline last drained, which depends on the other rows, and a sampled row's text
+        must depend on its own seed and settings alone, never on which rows share its batch.
         """
         greedy_depth = self.depth_control.choose(n_active)
         depths = np.zeros(len(slots), dtype=np.int64)
         for i, s in enumerate(slots):
-            if s is not None and self.drafter is not None:
-                want = greedy_depth if s.req.params.greedy else self.spec.depth
-                depths[i] = max(0, min(want, s.max_tokens - len(s.tokens) - 1))
+            if s is None:
+                continue
+            if s.req.params.greedy:
+                depths[i] = max(0, min(greedy_depth, s.max_tokens - len(s.tokens) - ahead - 1))
+            else:
+                depths[i] = self.spec.depth
         return depths
 
     def _verify(self, tokens: mx.array, cache: BatchCache):
@@ -429,22 +447,58 @@ class Engine:
                 return
             current = following
 
-    def _round(self, slots: List[Optional[_Row]], active: np.ndarray, cache: BatchCache):
-        started = time.perf_counter()
-        W = len(slots)
-        n_active = int(active.sum())
-        depths = self._row_depths(slots, n_active)
-        K = int(depths.max()) if W else 0
-        D = self.spec.depth if self.drafter is not None else 0
+    def _round(self, slots: List[Optional[_Row]], active: np.ndarray, cache: BatchCache, drained: bool = False):
+        """Speculative rounds. A drafter that drafts on the device (MTP, a draft model) runs one
+        round ahead, as `_plain_rounds` does: round r+1 (propose, verify, accept, commit) is
+        queued from round r's device arrays before round r is read, and each round is read
+        once. Returns when a row finishes and its slot can be used (`drained`: no request waits,
+        so finished rows only leave, until half the slots are idle) or no row is left. Prompt
+        lookup drafts on the host from the tokens it has read: one round per call."""
         sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
-        # A fixed number of uniforms per row and round (drafts, accepts, next token), whatever K is.
-        draws = np.zeros((W, 2 * D + 1), dtype=np.float32)
-        for i, s in enumerate(slots):
-            if s is not None:
-                draws[i] = uniforms(s.rng, 2 * D + 1)
-        u = mx.array(draws)
-        limit = mx.array(depths.astype(np.int32))
         pending = mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32))
+        if not self.drafter.device_side:
+            started = time.perf_counter()
+            flight = self._launch(slots, cache, sampler, pending, 0)
+            out = self._read(flight)
+            self.drafter.commit(out[:, 0], out[:, 1], out[:, 2:], flight.live, flight.verify_in, flight.hidden)
+            finished = self._land(slots, cache, flight, out, time.perf_counter() - started)
+            yield from finished
+            return
+        landed_at = None  # the first round read in a call also waited for the pipeline to fill
+        current = self._launch(slots, cache, sampler, pending, 0)
+        while True:
+            following = self._launch(slots, cache, sampler, current.nxt, 1) if any(slots) else None
+            out = self._read(current)
+            now = time.perf_counter()
+            finished = self._land(slots, cache, current, out, None if landed_at is None else now - landed_at)
+            landed_at = now
+            live = sum(s is not None for s in slots)
+            if following is None or (finished and (not drained or live <= len(slots) // 2 or not live)):
+                if following is not None:
+                    finished += self._land(slots, cache, following, self._read(following), None)
+                cache.rows.settle()  # exact host lengths again for admission and compaction
+                self.drafter.settle()
+                yield from finished
+                return
+            yield from finished
+            current = following
+
+    def _launch(self, slots, cache: BatchCache, sampler: SamplerBatch, pending: mx.array, ahead: int) -> "_Flight":
+        """Queue one round on the device (nothing is read): draft, verify, accept, commit."""
+        W, D = len(slots), self.spec.depth
+        live = np.array([s is not None for s in slots])
+        n_active = int(live.sum())
+        depths = self._row_depths(slots, n_active, ahead)
+        K = int(depths.max()) if W else 0
+        if sampler.all_greedy:  # greedy rows never read their uniforms
+            u = self._zeros(W, 2 * D + 1)
+        else:  # a fixed number per sampled row and round (drafts, accepts, next token), whatever K is
+            draws = np.zeros((W, 2 * D + 1), dtype=np.float32)
+            for i, s in enumerate(slots):
+                if s is not None and not s.req.params.greedy:
+                    draws[i] = uniforms(s.rng, 2 * D + 1)
+            u = mx.array(draws)
+        limit = mx.array(depths.astype(np.int32))
         if K > 0:
             drafts, q = self.drafter.propose(K, pending, sampler, u[:, :K])
         else:
@@ -455,42 +509,82 @@ class Engine:
             n, nxt = accept_greedy(logits, drafts, limit)
         else:
             n, nxt = accept_sampled(shaped_probs(logits, sampler), drafts, q, u[:, D : D + K], u[:, 2 * D], limit)
-        mx.eval(n, nxt, drafts)
-        n_h, nxt_h, drafts_h = np.array(n), np.array(nxt), np.array(drafts)
-        cache.commit(np.where(active, n_h + 1, 0))
-        if self.drafter is not None:
-            self.drafter.commit(n_h, nxt_h, drafts_h, active, verify_in, hidden)
-        cache.eval()
+        most = np.where(live, depths + 1, 0)  # a row keeps at most its own drafts, plus the next token
+        counts = mx.where(mx.array(live), n + 1, 0).astype(mx.int32)
+        cache.advance(counts, most)
+        if self.drafter.device_side:
+            self.drafter.advance(n, nxt, counts, most, verify_in, hidden)
+        out = mx.concatenate([n[:, None].astype(mx.int32), nxt[:, None].astype(mx.int32), drafts.astype(mx.int32)], axis=1)
+        mx.async_eval(out, cache.rows.device)
+        return _Flight(out, nxt.astype(mx.int32), verify_in, hidden, depths, K, live, most, n_active, compiled, failures)
+
+    def _zeros(self, W: int, n: int) -> mx.array:
+        key = (W, n)
+        if key not in self._const:
+            self._const[key] = mx.zeros((W, n), mx.float32)
+        return self._const[key]
+
+    def _read(self, flight: "_Flight") -> np.ndarray:
+        """The one host read of a round: [W, 2 + K] of (accepted count, next token, drafts)."""
+        self.counters["host_reads"] += 1
+        return np.array(flight.out)
+
+    def _land(self, slots, cache: BatchCache, flight: "_Flight", out: np.ndarray, seconds: Optional[float]) -> List[Result]:
+        """A round that was read: correct the host lengths, record stats, emit tokens. Rows that
+        finished in an earlier round (now None) drop what this round made for them."""
+        n_h, nxt_h, drafts_h = out[:, 0].astype(np.int64), out[:, 1], out[:, 2:]
+        depths, K, n_active = flight.depths, flight.K, flight.n_active
+        excess = flight.most - np.where(flight.live, n_h + 1, 0)
+        cache.rows.correct(excess)
+        if self.drafter.device_side:
+            self.drafter.correct(excess)
         self.counters["rounds"] += 1
         greedy = np.array([s is not None and s.req.params.greedy for s in slots])
         if greedy.any():
             tried = int(np.minimum(n_h + 1, depths)[greedy].sum())
             reached, passed = position_counts(n_h[greedy], depths[greedy], K)
-            self.depth_control.record(n_active, K, time.perf_counter() - started,
-                                      int(n_h[greedy].sum()), tried, reached, passed)
-        emitted = 0
+            self.depth_control.record(n_active, K, seconds, int(n_h[greedy].sum()), tried, reached, passed)
+        finished, emitted, D = [], 0, self.spec.depth
         for i, row in enumerate(slots):
             if row is None:
                 continue
             st = row.stats
             row.rounds += 1
             row.width_sum += n_active
-            k = int(depths[i])
+            k, a = int(depths[i]), int(n_h[i])
             row.depth_sum += k
             if k > 0:
                 st.verify_calls += 1
                 st.drafted_tokens += k
-                st.accepted_tokens += int(n_h[i])
-                if len(st.accepted_by_depth) < self.spec.depth:
-                    st.accepted_by_depth += [0] * (self.spec.depth - len(st.accepted_by_depth))
-                for j in range(int(n_h[i])):
+                st.accepted_tokens += a
+                if len(st.accepted_by_depth) < D:
+                    st.accepted_by_depth += [0] * (D - len(st.accepted_by_depth))
+                for j in range(a):
                     st.accepted_by_depth[j] += 1
-            self._record_forward(st, i, compiled, failures)
+            self._record_forward(st, i, flight.compiled, flight.failures)
             before = len(row.tokens)
-            reason = self._emit(row, list(drafts_h[i, : n_h[i]]) + [int(nxt_h[i])])
+            reason = self._emit(row, drafts_h[i, :a].tolist() + [int(nxt_h[i])])
             emitted += len(row.tokens) - before
             row.pending = int(nxt_h[i])
             if reason is not None:
                 slots[i] = None
-                yield self._finish(row, reason)
+                finished.append(self._finish(row, reason))
         self._progress("decode", emitted)
+        return finished
+
+
+@dataclass
+class _Flight:
+    """A queued speculative round: its lazy outputs and what the host knew when it queued it."""
+
+    out: mx.array  # [W, 2 + K]: accepted count, next token, drafts
+    nxt: mx.array
+    verify_in: mx.array
+    hidden: Optional[mx.array]
+    depths: np.ndarray
+    K: int
+    live: np.ndarray  # rows in flight when it was queued
+    most: np.ndarray  # host upper bound of each row's committed tokens
+    n_active: int
+    compiled: bool
+    failures: Optional[np.ndarray]

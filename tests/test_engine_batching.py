@@ -44,9 +44,9 @@ class RecordingEngine(Engine):
 
         return super().generate(counted())
 
-    def _round(self, slots, active, cache):
+    def _round(self, slots, active, cache, **kw):
         self.log.append((int(active.sum()), len(slots), self.pulled))
-        return super()._round(slots, active, cache)
+        return super()._round(slots, active, cache, **kw)
 
     def _plain_rounds(self, slots, active, cache):  # no drafter: rounds run one ahead until a row ends
         self.log.append((int(active.sum()), len(slots), self.pulled))

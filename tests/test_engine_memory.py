@@ -27,9 +27,9 @@ class InFlightEngine(Engine):
         live = [s for s in slots if s is not None]
         self.log.append((len(live), sum(self.row_bytes(len(s.req.prompt_tokens), s.max_tokens) for s in live)))
 
-    def _round(self, slots, active, cache):
+    def _round(self, slots, active, cache, **kw):
         self._log(slots)
-        return super()._round(slots, active, cache)
+        return super()._round(slots, active, cache, **kw)
 
     def _plain_rounds(self, slots, active, cache):
         self._log(slots)
