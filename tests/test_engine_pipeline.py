@@ -36,9 +36,9 @@ def setup(tiny_model, tmp_path_factory):
     return bundle, str(head), drafts, rows, refs
 
 
-def _engine(setup, method, width, depth=3, adaptive=False):
+def _engine(setup, method, width, depth=3, adaptive=False, compiled="on"):
     bundle, head, drafts, _, _ = setup
-    spec = SpeculativeConfig(method=method.split("-")[0], depth=depth, adaptive_depth=adaptive, compiled_verify="on",
+    spec = SpeculativeConfig(method=method.split("-")[0], depth=depth, adaptive_depth=adaptive, compiled_verify=compiled,
                              mtp_head=head if method == "mtp" else None, draft_model=drafts.get(method))
     return Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
 
@@ -90,10 +90,13 @@ def test_a_decode_round_reads_the_device_once(setup, method, monkeypatch):
 
 
 @pytest.mark.parametrize("width", [1, 4, 7])
-@pytest.mark.parametrize("method,adaptive", [("mtp", False), ("mtp", True), ("draft", False), ("draft-self", False)])
-def test_greedy_output_through_the_pipeline_equals_plain(setup, method, adaptive, width):
+@pytest.mark.parametrize("method,adaptive,compiled", [("mtp", False, "on"), ("mtp", True, "on"), ("mtp", False, "off"),
+                                                       ("draft", False, "on"), ("draft-self", False, "off")])
+def test_greedy_output_through_the_pipeline_equals_plain(setup, method, adaptive, compiled, width):
+    """Eager forwards (compiled_verify: off, the draft model's own) take the cache's shared-length
+    path only while the host's lengths are exact, never from upper bounds."""
     _, _, _, rows, refs = setup
-    eng = _engine(setup, method, width, depth=4, adaptive=adaptive)
+    eng = _engine(setup, method, width, depth=4, adaptive=adaptive, compiled=compiled)
     out = {r.key: r for r in eng.generate(_requests(rows))}
     for i, ref in enumerate(refs):
         assert out[i].tokens == ref, (method, width, i)
