@@ -76,7 +76,7 @@ round)  # issue 18/20: what an MTP round costs with the shipped head (~3 min; af
     --out /tmp/b/round 2>&1 | tee "$OUT/round.log"
   cp /tmp/b/round/real_models.md "$OUT/round-real_models.md"; cp /tmp/b/round/real_models.json "$OUT/round-real_models.json"
   timeout 80 python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED --prompts /tmp/humaneval-heldout.jsonl \
-    --width $WIDE --tokens $TOKENS --depths 3,a --phases 2>&1 | tee "$OUT/round-cost.log"
+    --width $WIDE --tokens $TOKENS --depths 3s,3,a --phases 2>&1 | tee "$OUT/round-cost.log"
   ;;
 *)
   sed -n 2,10p "$0"; exit 2

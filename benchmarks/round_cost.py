@@ -92,8 +92,11 @@ def _time_prefill(eng):
     return spent
 
 
-def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens: int, profile=None, phases=False):
+def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens: int, profile=None, phases=False,
+        sync_rounds=False):
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
+    if sync_rounds:  # the drafter as if it drafted on the host: one synchronous round per call (the old path)
+        eng.drafter.device_side = False
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=tokens)) for i, p in enumerate(prompts[:rows])]
     list(eng.generate(reqs))  # warm-up: every program and kernel shape exists
     if phases:  # the device synchronized at every phase edge (no overlap left): the split, not the total
@@ -131,7 +134,7 @@ def main():
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--rows", type=int, default=0, help="rows (default: the width)")
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--depths", default="1,3", help="fixed MTP depths to run ('a' = adaptive from 3)")
+    ap.add_argument("--depths", default="1,3", help="MTP depths to run ('a': adaptive from 3; a trailing 's': synchronous rounds, the path before pipelining)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the N costliest functions of the last MTP run")
     ap.add_argument("--phases", action="store_true", help="then the last MTP setting once more, timed per phase")
     args = ap.parse_args()
@@ -145,12 +148,14 @@ def main():
         print(table(out), flush=True)
         prof = None
         for d in args.depths.split(","):
+            sync_rounds = d.endswith("s")
+            d = d.rstrip("s")
             adaptive = d == "a"
             spec = SpeculativeConfig(method="mtp", depth=3 if adaptive else int(d), adaptive_depth=adaptive, mtp_head=head)
             prof = cProfile.Profile() if args.cprofile else None
-            r = run(bundle, prompts, spec, args.width, rows, args.tokens, prof)
-            out.append({"method": f"mtp depth {d}", **r, "x plain round": r["ms/round"] / plain["ms/round"],
-                        "x plain tok/s": r["tok/s"] / plain["tok/s"]})
+            r = run(bundle, prompts, spec, args.width, rows, args.tokens, prof, sync_rounds=sync_rounds)
+            out.append({"method": f"mtp depth {d}{' (synchronous rounds)' if sync_rounds else ''}", **r,
+                        "x plain round": r["ms/round"] / plain["ms/round"], "x plain tok/s": r["tok/s"] / plain["tok/s"]})
             print(table(out), flush=True)
         if prof is not None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
