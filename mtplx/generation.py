@@ -4,6 +4,9 @@ One round, for every row in flight at once:
   draft K tokens (drafters.py) -> verify [pending, d1..dK] in one forward (graphbank.py)
   -> accept per row (sampling.py) -> commit each row's own count (cache.py) -> emit.
 K = 0 is plain decoding through the same loop, so speculation changes nothing around it.
+Rounds run one ahead where nothing needs the host between them (plain decoding, and drafters
+that draft on the device): round r+1 is queued from round r's device arrays before round r is
+read, so building one round's graph overlaps running the other, and each round is read once.
 Rows join as others finish (continuous batching); each new row is prefilled in chunk spans
 split at its stable-prefix edge, and a prefix shared with earlier rows is copied, not recomputed.
 """
@@ -545,27 +548,29 @@ class Engine:
             reached, passed = position_counts(n_h[greedy], depths[greedy], K)
             self.depth_control.record(n_active, K, seconds, int(n_h[greedy].sum()), tried, reached, passed)
         finished, emitted, D = [], 0, self.spec.depth
+        # plain lists: indexing numpy per row and token costs more than the work itself
+        k_of, a_of, nxt_of, drafts_of = depths.tolist(), n_h.tolist(), nxt_h.tolist(), drafts_h.tolist()
         for i, row in enumerate(slots):
             if row is None:
                 continue
-            st = row.stats
+            st, k, a = row.stats, k_of[i], a_of[i]
             row.rounds += 1
             row.width_sum += n_active
-            k, a = int(depths[i]), int(n_h[i])
             row.depth_sum += k
             if k > 0:
                 st.verify_calls += 1
                 st.drafted_tokens += k
                 st.accepted_tokens += a
-                if len(st.accepted_by_depth) < D:
-                    st.accepted_by_depth += [0] * (D - len(st.accepted_by_depth))
+                by_depth = st.accepted_by_depth
+                if len(by_depth) < D:
+                    by_depth += [0] * (D - len(by_depth))
                 for j in range(a):
-                    st.accepted_by_depth[j] += 1
+                    by_depth[j] += 1
             self._record_forward(st, i, flight.compiled, flight.failures)
             before = len(row.tokens)
-            reason = self._emit(row, drafts_h[i, :a].tolist() + [int(nxt_h[i])])
+            reason = self._emit(row, drafts_of[i][:a] + [nxt_of[i]])
             emitted += len(row.tokens) - before
-            row.pending = int(nxt_h[i])
+            row.pending = nxt_of[i]
             if reason is not None:
                 slots[i] = None
                 finished.append(self._finish(row, reason))
