@@ -467,18 +467,22 @@ class Engine:
             finished = self._land(slots, cache, flight, out, time.perf_counter() - started)
             yield from finished
             return
-        landed_at = None  # the first round read in a call also waited for the pipeline to fill
+        # Each round is timed from the previous read (the first from the call's start: filling the
+        # pipeline is part of what a call's rounds cost), so the depth controller sees what rounds
+        # cost as they run, pipeline drains included.
+        landed_at = time.perf_counter()
         current = self._launch(slots, cache, sampler, pending, 0)
         while True:
             following = self._launch(slots, cache, sampler, current.nxt, 1) if any(slots) else None
             out = self._read(current)
             now = time.perf_counter()
-            finished = self._land(slots, cache, current, out, None if landed_at is None else now - landed_at)
+            finished = self._land(slots, cache, current, out, now - landed_at)
             landed_at = now
             live = sum(s is not None for s in slots)
             if following is None or (finished and (not drained or live <= len(slots) // 2 or not live)):
                 if following is not None:
-                    finished += self._land(slots, cache, following, self._read(following), None)
+                    out = self._read(following)
+                    finished += self._land(slots, cache, following, out, time.perf_counter() - landed_at)
                 cache.rows.settle()  # exact host lengths again for admission and compaction
                 self.drafter.settle()
                 yield from finished
