@@ -89,15 +89,14 @@ class DepthController:
             best = min(max(best + step, 0), self.max_depth)
         return best
 
-    def record(self, width: int, depth: int, seconds: Optional[float], accepted: int, tried: int,
+    def record(self, width: int, depth: int, seconds: float, accepted: int, tried: int,
                reached=None, passed=None) -> None:
-        """One round's wall time at `depth` (None: not a steady-state round, e.g. one that waited
-        for a pipeline to fill), its accepted / attempted draft positions, and per draft
+        """One round's wall time at `depth`, its accepted / attempted draft positions, and per draft
         position j (1-based, index j-1) how many rows reached it (drafted it, all before passed)
         and how many of those passed."""
         key = (self._bucket(width), depth)
         self.seen[key] = self.seen.get(key, 0) + 1
-        if seconds is not None and self.seen[key] > 1:  # the first round of a shape pays for compiling
+        if self.seen[key] > 1:  # the first round of a shape pays for compiling and allocating
             old = self.seconds.get(key)
             self.seconds[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
         if tried:
