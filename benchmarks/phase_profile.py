@@ -55,7 +55,7 @@ def timed_method(obj, name: str, label: str, state=lambda: []):
 def instrument(engine):
     timed_method(engine.prefiller, "run", "prefill (Prefiller.run, includes drafter.prefill_row)")
     if engine.drafter is not None:
-        for name in ("prefill_row", "propose", "commit"):
+        for name in ("prefill_row", "propose", "commit", "advance"):  # advance: commit of a pipelined round
             if hasattr(engine.drafter, name):
                 timed_method(engine.drafter, name, f"drafter.{name}", lambda: list(getattr(engine.drafter, "extra", [])))
     if engine.bank is not None:
