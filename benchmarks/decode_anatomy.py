@@ -1,24 +1,28 @@
 """Where one-stream decoding loses time against mlx-lm: the same decode, piece by piece, one process.
 
 One stream, a short prompt, N greedy tokens, on the random-weight shapes of engine_efficiency
-(or a real model with --model). Each variant is warmed up, then timed from its first token to
-its last (prefill excluded), and its tokens are compared with mlx-lm's:
+(or a real model with --model). Every variant is warmed up once, then all variants run in turn
+--repeats times (interleaved, so a slow spell of the host hits them alike); each run is timed
+from its first token to its last (prefill excluded), the median is reported, and its tokens are
+compared with the bare loop's (argmax of the logits; mlx-lm's generate_step takes the argmax of
+log-probabilities, which can break bf16 ties differently):
 
-  mlx-lm generate_step        the peer
-  bare+KVCache                model + mlx-lm KVCache in a pipelined loop (what generate_step does)
-  bare+BatchCache masked      the same loop over our BatchCache, per-row writes, masked capacity
-  bare+BatchCache exact       ... with the shared-length path (slice write, exact keys, no mask)
-  bank                        the same loop through CompiledVerifyBank
-  engine eager / compiled     Engine plain decoding (compiled_verify off / on)
-  +fused, +gemv               with q/k/v and gate/up stacked (mtplx/fusion.py) and/or the CUDA
-                              gemv of mtplx/gemv.py (CUDA only)
+  mlx-lm generate_step          the peer
+  bare+KVCache                  model + mlx-lm KVCache in generate_step's pipelined loop
+  bare+BatchCache masked        the same loop over our BatchCache: per-row writes, masked capacity
+  bare+BatchCache exact         ... with the shared-length path (slice write, exact keys, no mask)
+  engine eager masked           Engine plain decoding, compiled_verify off, as in session 3
+  engine eager                  ... with the shared-length path (what width 1 runs now)
+  engine compiled plain         compiled_verify on, without the CUDA paths below (session 3)
+  engine compiled +rowattn      ... with mtplx/rows_attention.py for the masked attention
+  engine compiled +rowattn+stacked  ... and stacked q/k/v, gate/up (mtplx/fusion.py): what ships
+  bare+KVCache +stacked         stacking in an eager loop
 
-It also checks that mtplx/gemv.py's kernel is bit-identical to MLX's matmul on every weight shape
-and times both, and compares mtplx/rows_attention.py's kernel with MLX's over exact keys (+rowattn
-variants: the masked paths with that kernel). Prints a line per variant as it goes; writes decode_anatomy.{json,md} to --out.
+On CUDA it also checks rows_attention's kernel against MLX's over exact keys (bit-identical?).
+Prints a line per run as it goes; writes decode_anatomy.{json,md} to --out.
 
-    python -m benchmarks.decode_anatomy --shapes 0.6b,8b --tokens 128 --out bench-out
-    python -m benchmarks.decode_anatomy --shapes tiny --tokens 16            # CPU dry run
+    python -m benchmarks.decode_anatomy --shapes 8b,0.6b --tokens 128 --out bench-out
+    python -m benchmarks.decode_anatomy --shapes tiny --tokens 16 --repeats 1      # CPU dry run
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mtplx import gemv, rows_attention
+from mtplx import rows_attention
 from mtplx.architectures import capture_backend
 from mtplx.cache import BatchCache, RowKVCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.fusion import fuse_projections
+from mtplx.fusion import fuse_projections, unstack
 from mtplx.generation import Engine, _Runtime
 from mtplx.graphbank import CompiledVerifyBank
 from mtplx.request import Request, SamplingParams
@@ -136,45 +140,6 @@ def v_engine(compiled, exact=True):
     return run
 
 
-def timed(fn, bundle, prompt, n):
-    target = bundle if getattr(fn, "wants_bundle", False) else bundle.model
-    fn(target, prompt, min(n, 16))  # warm-up: kernels, compiled programs, allocator
-    sync()
-    toks, dt = fn(target, prompt, n)
-    return toks, dt / max(1, len(toks) - 1)
-
-
-def gemv_check(model, repeats=50):
-    """mtplx/gemv.py against MLX's matmul on each distinct 2-d weight shape: identical? how fast?"""
-    from mlx.utils import tree_flatten
-
-    rows, seen = [], set()
-    for name, w in tree_flatten(model.parameters()):
-        if w.ndim != 2 or w.shape in seen:
-            continue
-        seen.add(w.shape)
-        x = (mx.random.normal((1, 1, w.shape[1])) * 0.5).astype(w.dtype)
-        if not gemv.usable(x, w):
-            continue
-        ref, got = x @ w.T, gemv.matvec(x, w)
-        same = bool(mx.array_equal(ref, got).item())
-        out = {}
-        for label, f in (("mlx", lambda: x @ w.T), ("ours", lambda: gemv.matvec(x, w))):
-            mx.eval(f())
-            sync()
-            t0 = time.perf_counter()
-            ys = [f() for _ in range(repeats)]
-            mx.eval(ys)
-            sync()
-            out[label] = (time.perf_counter() - t0) / repeats * 1e6
-        gbs = w.nbytes / (out["ours"] * 1e-6) / 1e9
-        rows.append({"weight": name, "shape": f"{w.shape[0]}x{w.shape[1]}", "bit-identical": same,
-                     "mlx us": round(out["mlx"], 1), "ours us": round(out["ours"], 1),
-                     "ours/mlx": round(out["ours"] / out["mlx"], 3), "ours GB/s": round(gbs)})
-        print("gemv", rows[-1], flush=True)
-    return rows
-
-
 def rows_attention_check(dtype=mx.bfloat16):
     """mtplx/rows_attention.py against MLX's own kernel over each row's exact keys (contiguous copies
     of 37 / 300 / 1000 keys: MLX's one-pass vector kernel). Returns rows for the table."""
@@ -198,19 +163,32 @@ def rows_attention_check(dtype=mx.bfloat16):
     return out
 
 
-PLAIN = [
-    ("mlx-lm generate_step", v_generate_step),
-    ("bare+KVCache", v_bare_kv),
-    ("bare+BatchCache masked", v_bare_batch(False)),
-    ("bare+BatchCache exact", v_bare_batch(True)),
-    ("bank", v_bank),
-    ("engine eager masked", v_engine("off", exact=False)),
-    ("engine eager", v_engine("off")),
-    ("engine compiled", v_engine("on")),
+# (label, variant, rows_attention installed, projections stacked)
+VARIANTS = [
+    ("mlx-lm generate_step", v_generate_step, False, False),
+    ("bare+KVCache", v_bare_kv, False, False),
+    ("bare+BatchCache masked", v_bare_batch(False), False, False),
+    ("bare+BatchCache exact", v_bare_batch(True), False, False),
+    ("engine eager masked", v_engine("off", exact=False), False, False),
+    ("engine eager", v_engine("off"), True, False),
+    ("engine compiled plain", v_engine("on"), False, False),
+    ("engine compiled +rowattn", v_engine("on"), True, False),
+    ("engine compiled +rowattn+stacked", v_engine("on"), True, True),
+    ("bare+KVCache +stacked", v_bare_kv, False, True),
 ]
-def transformed():
-    """Fresh variants for a transformed model (an engine made before a transform runs stale programs)."""
-    return [("bare+KVCache", v_bare_kv), ("bank", v_bank), ("engine eager", v_engine("off")), ("engine compiled", v_engine("on"))]
+REFERENCE = "bare+KVCache"
+
+
+def set_paths(model, rowattn: bool, stacked: bool):
+    """Put the model in the state a variant runs in (the engine's own installs are off here)."""
+    if rowattn:
+        rows_attention.install(model)
+    else:
+        rows_attention.uninstall()
+    if stacked:
+        fuse_projections(model)
+    else:
+        unstack(model)
 
 
 def load_model(name):
@@ -227,13 +205,13 @@ def main():
     ap.add_argument("--model", default=None, help="also a real model: a path or known name (smollm2-135m-instruct)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
-    ap.add_argument("--skip-transforms", action="store_true", help="only the unchanged model")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of every variant (interleaved)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [s for s in args.shapes.split(",") if s] + ([args.model] if args.model else [])
-    rows, gemv_rows, attn_rows = [], [], []
+    rows, attn_rows = [], []
     for name in names:
         t0 = time.perf_counter()
         bundle = load_model(name)
@@ -241,69 +219,52 @@ def main():
         roof = HBM_BYTES_PER_S / wb
         print(f"== {name}: {wb / 1e9:.2f} GB of weights, roofline {roof:.0f} tok/s, loaded in {time.perf_counter() - t0:.1f} s", flush=True)
         prompt = np.random.default_rng(1).integers(0, 1000, args.prompt).tolist()
-        ref = None
-
-        def measure(label, fn):
-            nonlocal ref
+        Engine.stack_projections = Engine.use_rows_attention = False  # set_paths decides
+        if rows_attention.cuda_ready():
             try:
-                toks, spt = timed(fn, bundle, prompt, args.tokens)
-            except Exception as e:  # noqa: BLE001 (one variant failing must not cost the others)
-                print(f"{name:8s} {label:40s} FAILED {type(e).__name__}: {e}", flush=True)
-                rows.append({"model": name, "variant": label, "error": f"{type(e).__name__}: {e}"[:300]})
-                return
-            ref = toks if ref is None else ref
+                attn_rows += [dict(model=name, **r) for r in rows_attention_check()]
+            except Exception as e:  # noqa: BLE001 (the kernel failing to build must not cost the rest)
+                print(f"rows_attention check FAILED {type(e).__name__}: {e}", flush=True)
+        variants = VARIANTS  # off CUDA rows_attention installs nothing: +rowattn runs without it
+        runs = {label: [] for label, *_ in variants}
+        toks_of = {}
+        for rep in range(-1, args.repeats):  # -1: the warm-up round (kernels, compiled programs)
+            for label, fn, rowattn, stacked in variants:
+                set_paths(bundle.model, rowattn, stacked)
+                target = bundle if getattr(fn, "wants_bundle", False) else bundle.model
+                try:
+                    toks, dt = fn(target, prompt, min(args.tokens, 16) if rep < 0 else args.tokens)
+                except Exception as e:  # noqa: BLE001 (one variant failing must not cost the others)
+                    print(f"{name:6s} {label:34s} FAILED {type(e).__name__}: {e}", flush=True)
+                    continue
+                if rep < 0:
+                    continue
+                spt = dt / max(1, len(toks) - 1)
+                runs[label].append(spt)
+                toks_of[label] = toks
+                print(f"{name:6s} {label:34s} run {rep}: {1 / spt:8.1f} tok/s {spt * 1e3:7.2f} ms/tok", flush=True)
+        set_paths(bundle.model, False, False)
+        base = runs.get("mlx-lm generate_step")
+        base = 1 / float(np.median(base)) if base else None
+        for label, *_ in variants:
+            if not runs[label]:
+                rows.append({"model": name, "variant": label, "error": "failed"})
+                continue
+            spt = float(np.median(runs[label]))
             row = {"model": name, "variant": label, "tok/s": 1 / spt, "ms/token": spt * 1e3,
-                   "x mlx-lm": None, "% roofline": 100 / spt / roof, "same tokens": toks == ref}
-            base = next((r for r in rows if r["model"] == name and r["variant"] == "mlx-lm generate_step" and "tok/s" in r), None)
-            row["x mlx-lm"] = row["tok/s"] / base["tok/s"] if base else 1.0
+                   "x mlx-lm": (1 / spt) / base if base else None, "% roofline": 100 / spt / roof,
+                   "runs tok/s": " ".join(f"{1 / t:.0f}" for t in runs[label]),
+                   "same tokens": toks_of[label] == toks_of.get(REFERENCE, toks_of[label])}
             rows.append(row)
-            print(f"{name:8s} {label:40s} {row['tok/s']:8.1f} tok/s {row['ms/token']:7.2f} ms/tok {row['x mlx-lm']:6.3f}x "
-                  f"{row['% roofline']:5.1f}% roof  same={row['same tokens']}", flush=True)
-
-        for label, fn in PLAIN:
-            measure(label, fn)
-        if not args.skip_transforms:  # most telling first: the run may be cut short
-            if gemv.cuda_ready():
-                try:
-                    gemv_rows += [dict(model=name, **r) for r in gemv_check(bundle.model)]
-                except Exception as e:  # noqa: BLE001 (the kernel failing to build must not cost the rest)
-                    print(f"gemv check FAILED {type(e).__name__}: {e}", flush=True)
-            if gemv.install_gemv(bundle.model, check=False):  # the gemv lines above say whether it is exact
-                for label, fn in transformed():
-                    measure(f"{label} +gemv", fn)
-                gemv.uninstall_gemv(bundle.model)
-            if rows_attention.install(bundle.model):
-                try:
-                    attn_rows += [dict(model=name, **r) for r in rows_attention_check()]
-                except Exception as e:  # noqa: BLE001
-                    print(f"rows_attention check FAILED {type(e).__name__}: {e}", flush=True)
-                for label, fn in [("bank", v_bank), ("engine eager masked", v_engine("off", exact=False)),
-                                  ("engine compiled", v_engine("on"))]:
-                    measure(f"{label} +rowattn", fn)
-                if gemv.install_gemv(bundle.model, check=False):
-                    for label, fn in [("bank", v_bank), ("engine compiled", v_engine("on"))]:
-                        measure(f"{label} +rowattn+gemv", fn)
-                    gemv.uninstall_gemv(bundle.model)
-            undo = fuse_projections(bundle.model)
-            print(f"   fused {undo.count} projections", flush=True)
-            for label, fn in transformed():
-                measure(f"{label} +fused", fn)
-            if gemv.install_gemv(bundle.model, check=False):
-                for label, fn in transformed():
-                    measure(f"{label} +fused+gemv", fn)
-                if rows_attention.install(bundle.model):
-                    for label, fn in [("bank", v_bank), ("engine compiled", v_engine("on"))]:
-                        measure(f"{label} +rowattn+fused+gemv", fn)
-                gemv.uninstall_gemv(bundle.model)
-            undo()
-            rows_attention.uninstall()
+        print(table([r for r in rows if r["model"] == name and "tok/s" in r]), flush=True)
         del bundle
         mx.clear_cache()
+    Engine.stack_projections = Engine.use_rows_attention = True
     payload = {"device": device_name(), "versions": versions(), "tokens": args.tokens, "prompt": args.prompt,
-               "decode": rows, "gemv": gemv_rows, "rows_attention": attn_rows}
+               "decode": rows, "rows_attention": attn_rows}
     save_json(out_dir / "decode_anatomy.json", payload)
     md = f"device: {payload['device']}; versions: {payload['versions']}; {args.tokens} tokens after a {args.prompt}-token prompt\n\n"
-    md += table([r for r in rows if "tok/s" in r]) + "\n" + (table(gemv_rows) if gemv_rows else "") + "\n" + (table(attn_rows) if attn_rows else "")
+    md += table([r for r in rows if "tok/s" in r]) + "\n" + (table(attn_rows) if attn_rows else "")
     (out_dir / "decode_anatomy.md").write_text(md)
     print(md, flush=True)
 

@@ -6,11 +6,15 @@ does the work of three (two) with fewer, larger kernels. The model's own forward
 projection is replaced by a part that, for the first sibling called on an input, computes the
 stacked product and hands each sibling its slice. A row of a matrix-vector product does not
 depend on the other rows (MLX's gemv gives each output row its own warp), so the values are
-the ones the separate products give; with more than one row (prefill, a wide batch) each part
+the ones the separate products give (checked on the H200 by benchmarks/decode_anatomy's token
+comparison); with more than one row (prefill, a wide batch) each part
 multiplies by its own rows of the stacked weight (a view: the same values and layout as before).
 The stacked weight replaces the originals, so memory does not grow once the originals are freed.
 
-`fuse_projections(model)` returns an undo function (holding it keeps the original weights alive).
+The engine stacks them where its decode steps are compiled on CUDA (generation.py); there the
+graph has no per-projection overhead left to pay for the slices, and eagerly it measured slower.
+`fuse_projections(model)` returns an undo function (holding it keeps the original weights alive);
+`unstack(model)` puts plain Linear layers back (views of the stacked weight: no copy).
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from typing import Callable, List, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .gemv import matvec
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -37,7 +40,7 @@ class _Stacked:
 
     def part(self, x: mx.array, i: int) -> mx.array:
         if self._x is not x or self._left == 0:
-            y = matvec(x, self.weight)
+            y = x @ self.weight.T
             self._parts = [y[..., a:b] for a, b in zip(self.bounds[:-1], self.bounds[1:])]
             self._x, self._left = x, len(self._parts)
         out = self._parts[i]
@@ -77,7 +80,8 @@ def _fusable(layers) -> bool:
 
 
 def fuse_projections(model) -> Callable[[], None]:
-    """Replace each unquantized, bias-free group of GROUPS in `model` by StackedParts; returns undo."""
+    """Replace each unquantized, bias-free group of GROUPS in `model` by StackedParts (a group
+    already stacked is left alone); returns undo."""
     swapped = []
     for _, module in list(model.named_modules()):
         for names in GROUPS:
@@ -99,3 +103,22 @@ def fuse_projections(model) -> Callable[[], None]:
 
     undo.count = len(swapped)  # type: ignore[attr-defined]
     return undo
+
+
+def unstack(model) -> int:
+    """Undo `fuse_projections` without its undo function: each part becomes an nn.Linear over its
+    rows of the stacked weight. Returns how many parts."""
+    n = 0
+    for _, module in list(model.named_modules()):
+        for name in list(module.keys()):
+            part = module[name]
+            if isinstance(part, StackedPart):
+                st = part._stacked[0]
+                if "weight" in part:
+                    st.weight = part["weight"]
+                w = st.weight[st.bounds[part._index] : st.bounds[part._index + 1]]
+                layer = nn.Linear(w.shape[1], w.shape[0], bias=False)
+                layer.weight = w
+                module[name] = layer
+                n += 1
+    return n

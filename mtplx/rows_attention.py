@@ -20,7 +20,6 @@ import sys
 
 import mlx.core as mx
 
-from . import gemv
 
 HEAD_DIMS = (64, 96, 128)
 MAX_QUERIES = 3  # MLX's vector kernel takes query lengths < 4
@@ -122,11 +121,20 @@ _SOURCE = """
 
 _kernel = None
 _scales = {}
+_on_cuda = None
+
+
+def cuda_ready() -> bool:
+    """Whether arrays run on MLX's CUDA backend (the kernel's only home)."""
+    global _on_cuda
+    if _on_cuda is None:
+        _on_cuda = bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and mx.default_device() == mx.gpu)
+    return _on_cuda
 
 
 def usable(q: mx.array, k: mx.array, v: mx.array) -> bool:
     B, Hq, L, D = q.shape
-    return (gemv.cuda_ready() and L <= MAX_QUERIES and D in HEAD_DIMS and v.shape[-1] == D and k.shape[-1] == D
+    return (cuda_ready() and L <= MAX_QUERIES and D in HEAD_DIMS and v.shape[-1] == D and k.shape[-1] == D
             and Hq % k.shape[1] == 0 and q.dtype in (mx.bfloat16, mx.float16, mx.float32) and k.dtype == q.dtype)
 
 
@@ -166,7 +174,7 @@ def install(model) -> int:
     global _original
     from mlx_lm.models import base
 
-    if not gemv.cuda_ready():
+    if not cuda_ready():
         return 0
     _original = _original or base.scaled_dot_product_attention
     done = set()

@@ -1,6 +1,7 @@
 """mtplx/fusion.py: stacked q/k/v and gate/up give the model's own logits bit for bit (one-row
 steps take the stacked product, a prompt takes each original layer), and undo restores the model.
-mtplx/gemv.py and mtplx/rows_attention.py are CUDA-only: elsewhere nothing is swapped."""
+mtplx/rows_attention.py is CUDA-only: elsewhere nothing is swapped. The engine with stacked projections
+(forced on here) gives mlx-lm's text."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mtplx import gemv
 from mtplx.fusion import StackedPart, fuse_projections
 from mtplx.models.loading import load
 
@@ -48,20 +48,36 @@ def test_fused_projections_keep_the_logits_and_undo_restores(qwen3):
         assert np.array_equal(a, b)
 
 
-def test_gemv_is_plain_matmul_off_cuda(qwen3):
-    if gemv.cuda_ready():
-        pytest.skip("on CUDA the kernel runs (benchmarks/decode_anatomy checks it bit for bit)")
-    w = qwen3.model.layers[0].mlp.gate_proj.weight
-    x = mx.ones((1, 1, w.shape[1]), w.dtype)
-    assert not gemv.usable(x, w) and gemv.install_gemv(qwen3) == 0
-    assert mx.array_equal(gemv.matvec(x, w), x @ w.T).item()
-
-
 def test_rows_attention_is_mlx_lm_attention_off_cuda(qwen3):
     from mtplx import rows_attention
 
-    if gemv.cuda_ready():
+    if rows_attention.cuda_ready():
         pytest.skip("on CUDA the kernel runs (benchmarks/decode_anatomy compares it with MLX's)")
     assert rows_attention.install(qwen3) == 0
     q = mx.ones((1, 2, 1, 64))
     assert not rows_attention.usable(q, q, q)
+
+
+@pytest.mark.parametrize("family, method", [("qwen3", "none"), ("qwen3", "ngram"), ("llama", "none"), ("qwen3_next", "mtp")])
+def test_engine_with_stacked_projections_is_token_identical(tiny_model, monkeypatch, family, method):
+    """Where the engine stacks projections (compiled decode on CUDA; forced here on the CPU) its
+    greedy text is mlx-lm's plain decoding, through the bank, prefill, MTP drafting and batching."""
+    import mtplx.generation as generation
+    from mtplx.config import ScheduleConfig, SpeculativeConfig
+    from mtplx.fusion import unstack
+    from mtplx.request import Request, SamplingParams
+
+    from tiny_models import reference_tokens
+
+    bundle = load(tiny_model(family))
+    tok = bundle.tokenizer
+    prompts = [tok.encode(p) for p in ("def add(a, b):\n    return", "the quick brown fox jumps over the lazy dog. the", "import os")]
+    refs = [reference_tokens(bundle.model, p, 10, set(tok.eos_token_ids)) for p in prompts]
+    monkeypatch.setattr(generation, "_stacking_pays", lambda: True)
+    eng = generation.Engine(bundle, SpeculativeConfig(method=method, depth=2, adaptive_depth=False, compiled_verify="on"),
+                            ScheduleConfig(max_batch=2))
+    assert eng.decode_paths["stacked_projections"] > 0
+    out = {r.key: r.tokens for r in eng.generate([Request(i, list(p), SamplingParams(max_tokens=10)) for i, p in enumerate(prompts)])}
+    assert [out[i] for i in range(len(prompts))] == refs
+    assert unstack(bundle.model) == eng.decode_paths["stacked_projections"]
+    assert [reference_tokens(bundle.model, p, 10, set(tok.eos_token_ids)) for p in prompts] == refs
