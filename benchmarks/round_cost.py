@@ -1,8 +1,8 @@
 """What one decode round costs the host: MTP rounds against plain rounds, same engine, same run.
 
-    python -m benchmarks.round_cost --tiny --width 32 --tokens 48            # CPU: a deep, narrow model
+    python -m benchmarks.round_cost --tiny --widths 32 --tokens 48            # CPU: a deep, narrow model
     python -m benchmarks.round_cost --model smollm2-135m-instruct --head heads/smollm2-135m-instruct \
-        --prompts humaneval --width 32 --tokens 128
+        --prompts humaneval --widths 32,1 --tokens 128 --depths 3s,3,a --peer
 
 On a small model on a big GPU a round is host work and kernel launches, not FLOPs: a verify of
 W x 4 tokens costs about what W x 1 costs. `--tiny` builds a model with that profile on a CPU (30
@@ -10,6 +10,7 @@ layers of width 64, as SmolLM2-135M has 30 layers, with a random MTP head): its 
 launch- and host-bound too, so the ratio of an MTP round to a plain round says how much host work
 and synchronization a speculative round adds. Prints per method: tok/s, rounds, seconds per
 round, MTP rounds per plain round (time), and `mx.eval` calls per round (explicit host syncs);
+`--peer` adds mlx-lm on the same rows;
 `--cprofile N` also prints the N costliest functions of the MTP run (host-side Python).
 """
 
@@ -125,47 +126,62 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
             "mean depth": sum(r.stats.draft_depth for r in res) / len(res)}
 
 
+def peer(bundle, prompts, width: int, rows: int, tokens: int):
+    """mlx-lm on the same rows: generate_step row after row at width 1, else batch_generate."""
+    from .real_models import mlx_batch, mlx_single
+
+    p = [list(x) for x in prompts[:rows]]
+    r = mlx_single(bundle.model, p, tokens, set(bundle.tokenizer.eos_token_ids)) if width == 1 else mlx_batch(bundle, p, tokens, width)
+    return {"method": "mlx-lm " + ("generate_step" if width == 1 else "batch_generate"), "tok/s": r["tok_s"], "tokens": r["tokens"]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="a 30-layer width-64 random llama with a random head")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--head", default="heads/smollm2-135m-instruct")
     ap.add_argument("--prompts", default="humaneval")
-    ap.add_argument("--width", type=int, default=32)
-    ap.add_argument("--rows", type=int, default=0, help="rows (default: the width)")
+    ap.add_argument("--widths", default="32", help="batch widths, in the order run")
+    ap.add_argument("--rows", type=int, default=4, help="rows per width: max(width, ROWS)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--depths", default="1,3", help="MTP depths to run ('a': adaptive from 3; a trailing 's': synchronous rounds, the path before pipelining)")
+    ap.add_argument("--peer", action="store_true", help="also mlx-lm on the same rows (generate_step at width 1, else batch_generate)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the N costliest functions of the last MTP run")
-    ap.add_argument("--phases", action="store_true", help="then the last MTP setting once more, timed per phase")
+    ap.add_argument("--phases", action="store_true", help="after the first width, its last MTP setting once more, timed per phase")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         bundle, head, prompts = tiny_setup(Path(tmp)) if args.tiny else real_setup(args.model, args.head, args.prompts)
-        rows = args.rows or args.width
-        print(f"device: {device_name()}; width {args.width}, {rows} rows x {args.tokens} tokens", flush=True)
-        out = []
-        plain = run(bundle, prompts, SpeculativeConfig(method="none"), args.width, rows, args.tokens)
-        out.append({"method": "plain", **plain, "x plain round": 1.0, "x plain tok/s": 1.0})
-        print(table(out), flush=True)
-        prof = None
-        for d in args.depths.split(","):
-            sync_rounds = d.endswith("s")
-            d = d.rstrip("s")
-            adaptive = d == "a"
-            spec = SpeculativeConfig(method="mtp", depth=3 if adaptive else int(d), adaptive_depth=adaptive, mtp_head=head)
-            prof = cProfile.Profile() if args.cprofile else None
-            r = run(bundle, prompts, spec, args.width, rows, args.tokens, prof, sync_rounds=sync_rounds)
-            out.append({"method": f"mtp depth {d}{' (synchronous rounds)' if sync_rounds else ''}", **r,
-                        "x plain round": r["ms/round"] / plain["ms/round"], "x plain tok/s": r["tok/s"] / plain["tok/s"]})
+        print(f"device: {device_name()}; widths {args.widths}, {args.tokens} tokens a row", flush=True)
+        out, prof, phased = [], None, False
+        for width in (int(w) for w in args.widths.split(",")):
+            rows = max(width, args.rows)
+            plain = run(bundle, prompts, SpeculativeConfig(method="none"), width, rows, args.tokens)
+            out.append({"width": width, "rows": rows, "method": "plain", **plain, "x plain round": 1.0, "x plain tok/s": 1.0})
             print(table(out), flush=True)
+            for d in args.depths.split(","):
+                sync_rounds = d.endswith("s")
+                d = d.rstrip("s")
+                adaptive = d == "a"
+                spec = SpeculativeConfig(method="mtp", depth=3 if adaptive else int(d), adaptive_depth=adaptive, mtp_head=head)
+                prof = cProfile.Profile() if args.cprofile else None
+                r = run(bundle, prompts, spec, width, rows, args.tokens, prof, sync_rounds=sync_rounds)
+                out.append({"width": width, "rows": rows, "method": f"mtp depth {d}{' (synchronous rounds)' if sync_rounds else ''}", **r,
+                            "x plain round": r["ms/round"] / plain["ms/round"], "x plain tok/s": r["tok/s"] / plain["tok/s"]})
+                print(table(out), flush=True)
+            if args.peer:
+                r = peer(bundle, prompts, width, rows, args.tokens)
+                out.append({"width": width, "rows": rows, **r, "x plain tok/s": r["tok/s"] / plain["tok/s"]})
+                print(table(out), flush=True)
+            if args.phases and not phased:  # after the first width
+                phased = True
+                r = run(bundle, prompts, spec, width, rows, args.tokens, phases=True)
+                split = [{"phase": k, "ms/round": 1e3 * v / max(r["rounds"], 1), "calls/round": phase_profile.CALLS[k] / max(r["rounds"], 1)}
+                         for k, v in sorted(phase_profile.TIMES.items(), key=lambda kv: -kv[1])]
+                split.append({"phase": "whole round (synchronized at each phase edge)", "ms/round": r["ms/round"], "calls/round": 1.0})
+                print(f"phases of mtp depth {spec.depth} (adaptive {spec.adaptive_depth}), width {width}:")
+                print(table(split), flush=True)
         if prof is not None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
-        if args.phases:
-            r = run(bundle, prompts, spec, args.width, rows, args.tokens, phases=True)
-            split = [{"phase": k, "ms/round": 1e3 * v / max(r["rounds"], 1), "calls/round": phase_profile.CALLS[k] / max(r["rounds"], 1)}
-                     for k, v in sorted(phase_profile.TIMES.items(), key=lambda kv: -kv[1])]
-            split.append({"phase": "whole round (synchronized at each phase edge)", "ms/round": r["ms/round"], "calls/round": 1.0})
-            print(f"phases of {spec.method} depth {spec.depth} (adaptive {spec.adaptive_depth}), width {args.width}:")
-            print(table(split), flush=True)
 
 
 if __name__ == "__main__":
