@@ -14,11 +14,13 @@ The stacked weight replaces the originals, so memory does not grow once the orig
 The engine stacks them where its decode steps are compiled on CUDA (generation.py); there the
 graph has no per-projection overhead left to pay for the slices, and eagerly it measured slower.
 `fuse_projections(model)` returns an undo function (holding it keeps the original weights alive);
-`unstack(model)` puts plain Linear layers back (views of the stacked weight: no copy).
+`unstack(model)` puts the layers back (views of the stacked arrays: no copy). Quantized layers
+stack the same way (packed weights, scales and biases are all indexed by output row).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, List, Sequence
 
 import mlx.core as mx
@@ -28,20 +30,34 @@ import mlx.nn as nn
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-class _Stacked:
-    """The last one-row product over a stacked weight, shared by the siblings' parts."""
+def _like(layer: nn.Module, arrays) -> nn.Module:
+    """A copy of `layer` (its class and settings: bits, group size, mode) holding `arrays`."""
+    new = copy.copy(layer)
+    for k, a in arrays.items():
+        new[k] = a
+    return new
 
-    def __init__(self, sizes: Sequence[int]):
-        self.bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        self.weight = None  # set by the first part (the parameter lives there)
+
+class _Stacked:
+    """Sibling layers as one layer of the same kind over their stacked arrays (weight, and for a
+    quantized layer scales and biases: all indexed by output row first), each sibling's own layer
+    as a view of its rows, and the last one-row product, shared by the siblings' parts."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        keys = [k for k, v in layers[0].items() if isinstance(v, mx.array)]
+        self.layer = _like(layers[0], {k: mx.concatenate([m[k] for m in layers], axis=0) for k in keys})
+        sizes = [m["weight"].shape[0] for m in layers]
+        bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.spans = list(zip(bounds[:-1], bounds[1:]))
+        self.views = [_like(layers[0], {k: self.layer[k][a:b] for k in keys}) for a, b in self.spans]
         self._x = None
         self._parts: List[mx.array] = []
         self._left = 0
 
     def part(self, x: mx.array, i: int) -> mx.array:
         if self._x is not x or self._left == 0:
-            y = x @ self.weight.T
-            self._parts = [y[..., a:b] for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+            y = self.layer(x)
+            self._parts = [y[..., a:b] for a, b in self.spans]
             self._x, self._left = x, len(self._parts)
         out = self._parts[i]
         self._left -= 1
@@ -49,39 +65,38 @@ class _Stacked:
             self._x, self._parts = None, []
         return out
 
-    def rows(self, x: mx.array, i: int) -> mx.array:
-        """Sibling i's own product for several rows: its rows of the stacked weight (a view)."""
-        return x @ self.weight[self.bounds[i] : self.bounds[i + 1]].T
-
 
 class StackedPart(nn.Module):
-    """One sibling projection. The first holds the stacked weight as its parameter `weight`
-    (so the model's parameter bytes are unchanged); the others hold none."""
+    """One sibling projection. The first holds the stacked layer as its child `stacked` (so the
+    model's parameter bytes are unchanged); the others hold no parameters."""
 
-    def __init__(self, stacked: _Stacked, index: int, weight=None):
+    def __init__(self, stacked: _Stacked, index: int):
         super().__init__()
-        if weight is not None:
-            self.weight = weight
+        if index == 0:
+            self.stacked = stacked.layer
         self._stacked = [stacked]  # a list: a plain attribute, not a child module or parameter
         self._index = index
 
     def __call__(self, x):
         st = self._stacked[0]
-        if "weight" in self:  # after model.update(...) or load_weights the parameter is the truth
-            st.weight = self["weight"]
-        if x.size != x.shape[-1]:
-            return st.rows(x, self._index)
+        if x.size != x.shape[-1]:  # several rows: this sibling's own product, on its rows
+            return st.views[self._index](x)
         return st.part(x, self._index)
 
 
+def _settings(m) -> tuple:
+    return (type(m), m["weight"].shape[1], m["weight"].dtype, getattr(m, "group_size", None), getattr(m, "bits", None),
+            getattr(m, "mode", None))
+
+
 def _fusable(layers) -> bool:
-    return (all(type(m) in (nn.Linear,) and "bias" not in m for m in layers)
-            and len({m.weight.shape[1] for m in layers}) == 1 and len({m.weight.dtype for m in layers}) == 1)
+    return (all(type(m) in (nn.Linear, nn.QuantizedLinear) and "bias" not in m for m in layers)
+            and len({_settings(m) for m in layers}) == 1)
 
 
 def fuse_projections(model) -> Callable[[], None]:
-    """Replace each unquantized, bias-free group of GROUPS in `model` by StackedParts (a group
-    already stacked is left alone); returns undo."""
+    """Replace each bias-free group of GROUPS in `model` (plain or quantized Linear layers of one
+    kind) by StackedParts (a group already stacked is left alone); returns undo."""
     swapped = []
     for _, module in list(model.named_modules()):
         for names in GROUPS:
@@ -90,12 +105,11 @@ def fuse_projections(model) -> Callable[[], None]:
             layers = [module[n] for n in names]
             if not _fusable(layers):
                 continue
-            stacked = _Stacked([m.weight.shape[0] for m in layers])
-            stacked.weight = mx.concatenate([m.weight for m in layers], axis=0)
+            stacked = _Stacked(layers)
             for i, (n, m) in enumerate(zip(names, layers)):
-                module[n] = StackedPart(stacked, i, stacked.weight if i == 0 else None)
+                module[n] = StackedPart(stacked, i)
                 swapped.append((module, n, m))
-            mx.eval(stacked.weight)
+            mx.eval(stacked.layer.parameters())
 
     def undo():
         for mod, n, m in swapped:
@@ -106,19 +120,13 @@ def fuse_projections(model) -> Callable[[], None]:
 
 
 def unstack(model) -> int:
-    """Undo `fuse_projections` without its undo function: each part becomes an nn.Linear over its
-    rows of the stacked weight. Returns how many parts."""
+    """Undo `fuse_projections` without its undo function: each part becomes its own layer again
+    (a view of its rows of the stacked arrays: no copy). Returns how many parts."""
     n = 0
     for _, module in list(model.named_modules()):
         for name in list(module.keys()):
             part = module[name]
             if isinstance(part, StackedPart):
-                st = part._stacked[0]
-                if "weight" in part:
-                    st.weight = part["weight"]
-                w = st.weight[st.bounds[part._index] : st.bounds[part._index + 1]]
-                layer = nn.Linear(w.shape[1], w.shape[0], bias=False)
-                layer.weight = w
-                module[name] = layer
+                module[name] = part._stacked[0].views[part._index]
                 n += 1
     return n

@@ -81,3 +81,15 @@ def test_engine_with_stacked_projections_is_token_identical(tiny_model, monkeypa
     assert [out[i] for i in range(len(prompts))] == refs
     assert unstack(bundle.model) == eng.decode_paths["stacked_projections"]
     assert [reference_tokens(bundle.model, p, 10, set(tok.eos_token_ids)) for p in prompts] == refs
+
+
+def test_quantized_projections_stack_exactly(tiny_model):
+    import mlx.nn as nn
+
+    model = load(tiny_model("qwen3")).model
+    nn.quantize(model, group_size=32, bits=4)
+    ref = _logits(model)
+    undo = fuse_projections(model)
+    assert undo.count == 5 * len(model.model.layers)
+    for a, b in zip(_logits(model), ref):
+        assert np.array_equal(a, b)
