@@ -67,6 +67,9 @@ class SpeculativeConfig:
     compiled_verify: str = setting(one_of(*VERIFY_MODES, aliases=BOOL_VERIFY), "on")  # off | on | parity | parity2
     adaptive_depth: bool = setting(boolean, True)  # lower depth as the batch widens or acceptance falls
     ngram_size: int = setting(integer(1), 3)  # longest suffix matched by prompt lookup
+    # method mtp: a round drafts the row's own context continuation (prompt lookup) instead of the
+    # head where a suffix of at least this many tokens was seen before, followed by >= depth tokens; 0: off
+    mtp_lookup: int = setting(integer(0, 16), 0)
     # longest compiled verify; None: MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, depth + 1)
     verify_max_len: Optional[int] = setting(optional(integer(1)), None)
 

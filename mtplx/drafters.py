@@ -113,13 +113,21 @@ class NgramDrafter:
     def take(self, keep):
         self.rows = [self.rows[i] for i in keep]
 
-    def _lookup(self, history: list, index: Dict[tuple, int], K: int) -> list:
+    def match(self, history: list, index: Dict[tuple, int], K: int) -> Tuple[int, list]:
+        """(length of the longest suffix of `history` seen before, up to K tokens that followed it);
+        (0, []) when no suffix was."""
         for size in range(min(self.n, len(history)), 0, -1):
             start = index.get((size,) + tuple(history[-size:]))
             if start is not None:
                 cont = history[start : start + K]
                 if cont:
-                    return cont + [cont[-1]] * (K - len(cont))
+                    return size, cont
+        return 0, []
+
+    def _lookup(self, history: list, index: Dict[tuple, int], K: int) -> list:
+        _, cont = self.match(history, index, K)
+        if cont:
+            return cont + [cont[-1]] * (K - len(cont))
         return [history[-1]] * K
 
     def propose(self, K, pending, sampler, u):
@@ -283,14 +291,19 @@ class MtpDrafter(_CachedDrafter):
 
     name = "mtp"
     needs_hidden = True
-    device_side = True
+
+    @property
+    def device_side(self) -> bool:
+        """Rounds run one ahead, unless the lookup fallback must read each round's tokens first."""
+        return self.lookup is None
 
     def __init__(self, head: MTPHead, chunk_size: int = 512, vocab: Optional[DraftVocab] = None,
-                 compiled: bool = True):
+                 compiled: bool = True, lookup: Optional["LookupFallback"] = None):
         self.head = head
         self.chunk = chunk_size
         self.vocab = vocab
         self.bank = CompiledDraftBank(head, vocab) if compiled else None
+        self.lookup = lookup
         self.cache: Optional[BatchCache] = None
         self.extra: List[mx.array] = []  # [first-draft logits [W, S], head hidden [W, D]]
 
@@ -314,13 +327,43 @@ class MtpDrafter(_CachedDrafter):
             cache.commit([toks.shape[1]])
             cache.eval()
         h_last = h_out[:, -1]
-        return cache, [project(self.head, self.vocab, h_last), h_last]
+        state = (cache, [project(self.head, self.vocab, h_last), h_last])
+        return state if self.lookup is None else state + (self.lookup.prefill_row(tokens, None, first_token),)
+
+    def reset(self):
+        super().reset()
+        if self.lookup is not None:
+            self.lookup.reset()
+
+    def extend(self, states):
+        super().extend(states)
+        if self.lookup is not None:
+            self.lookup.extend([s[2] for s in states])
+
+    def write(self, slot, state):
+        super().write(slot, state)
+        if self.lookup is not None:
+            self.lookup.write(slot, state[2])
+
+    def take(self, keep):
+        super().take(keep)
+        if self.lookup is not None:
+            self.lookup.take(keep)
 
     def snapshot(self, state, length, hidden_at_edge):
         """A prefix of `length` trunk positions: the head has length-1 entries plus h[length-1]."""
         return state[0].snapshot_row(0, length - 1), hidden_at_edge
 
     def propose(self, K, pending, sampler, u):
+        chosen = None if self.lookup is None else self.lookup.choose(K)
+        if chosen is not None and chosen[0].all():
+            return mx.array(chosen[1]), None  # every row drafts from its context: point masses
+        drafts, q = self._propose_head(K, sampler, u)
+        if chosen is None or not chosen[0].any():
+            return drafts, q
+        return self.lookup.mix(chosen, drafts, q)
+
+    def _propose_head(self, K, sampler, u):
         first_logits, h = self.extra
         if self.bank is not None:
             out = self.bank.propose(self.cache, first_logits, h, sampler, u, K)
@@ -343,6 +386,8 @@ class MtpDrafter(_CachedDrafter):
         keep = np.where(active, n_accept + 1, 0)
         self.advance(mx.array(n_accept.astype(np.int32)), mx.array(next_tokens.astype(np.int32)),
                      mx.array(keep.astype(np.int32)), keep, verify_in, hidden)
+        if self.lookup is not None:
+            self.lookup.commit(n_accept, next_tokens, drafts, active)
 
     def advance(self, n, nxt, counts, most, verify_in=None, hidden=None):
         out = None
@@ -353,6 +398,44 @@ class MtpDrafter(_CachedDrafter):
             out = project(self.head, self.vocab, h_at), h_at
         self.cache.advance(counts, most)
         self.extra = list(out)
+
+
+class LookupFallback(NgramDrafter):
+    """Prompt lookup inside MTP drafting (`speculative.mtp_lookup`): each round, a row whose own
+    context (prompt + output) has a suffix of at least `min_match` tokens seen before, followed
+    there by at least the round's depth of tokens, drafts that continuation; the others draft
+    with the head. The choice is made from the context before the round, and a lookup draft's
+    proposal distribution is the point mass on it, so acceptance (and the output) stays exact."""
+
+    def __init__(self, ngram_size: int, min_match: int):
+        super().__init__(max(ngram_size, min_match))
+        self.min_match = min_match
+        self.counts = {"lookup": 0, "head": 0}  # row-rounds drafted each way
+
+    def choose(self, K: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(rows that draft from their context [W] bool, those drafts [W, K])."""
+        use = np.zeros(len(self.rows), dtype=bool)
+        drafts = np.zeros((len(self.rows), K), dtype=np.int32)
+        for i, row in enumerate(self.rows):
+            if row is None:
+                continue
+            size, cont = self.match(row[0], row[1], K)
+            if size >= self.min_match and len(cont) >= K:
+                use[i], drafts[i] = True, cont
+        live = sum(r is not None for r in self.rows)
+        self.counts["lookup"] += int(use.sum())
+        self.counts["head"] += live - int(use.sum())
+        return use, drafts
+
+    @staticmethod
+    def mix(chosen, drafts: mx.array, q: Optional[mx.array]):
+        """The head's drafts and q, with the lookup rows' drafts and point masses in their place."""
+        use, looked = mx.array(chosen[0]), mx.array(chosen[1])
+        drafts = mx.where(use[:, None], looked, drafts.astype(mx.int32))
+        if q is not None:
+            point = (mx.arange(q.shape[-1])[None, None] == looked[..., None]).astype(q.dtype)
+            q = mx.where(use[:, None, None], point, q)
+        return drafts, q
 
 
 def _draft_model(spec: SpeculativeConfig, bundle: ModelBundle) -> DraftModelDrafter:
@@ -378,7 +461,8 @@ def _mtp(spec: SpeculativeConfig, bundle: ModelBundle) -> MtpDrafter:
 
     head = load_head(bundle, spec.mtp_head)
     vocab = load_draft_vocab(head, spec.mtp_head, bundle.vocab_size)
-    return MtpDrafter(head, vocab=vocab, compiled=spec.compiled_verify != "off")
+    lookup = LookupFallback(spec.ngram_size, spec.mtp_lookup) if spec.mtp_lookup else None
+    return MtpDrafter(head, vocab=vocab, compiled=spec.compiled_verify != "off", lookup=lookup)
 
 
 # speculative.method -> the drafter for a job's settings and the target model

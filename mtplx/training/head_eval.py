@@ -75,17 +75,20 @@ def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int):
     return out
 
 
-def acceptance_by_depth(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
-                        batch_size: int = 8, vocab: Optional[Sequence[int]] = None) -> List[float]:
-    """Held-out share of positions where the head's depth-k argmax (among `vocab` when given: the
-    drafting vocabulary) is the trunk's own greedy token (teacher-forced: the tokens before it are
-    the sequence's)."""
-    hits, counts = np.zeros(depths), np.zeros(depths)
+def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32, batch_size: int = 8,
+               vocab: Optional[Sequence[int]] = None) -> List[np.ndarray]:
+    """Per sequence, [depths, L-2] int8: at base position i (the head fed h_i and x_{i+1}), 1 where
+    the depth-k draft (k = 0 predicts x_{i+2}; deeper ones recurse on the head's own output,
+    teacher-forced tokens), argmax among `vocab` when given, is the trunk's own greedy token,
+    0 where it is not, -1 where the position is not scored."""
+    out: List[Optional[np.ndarray]] = [None] * len(feats.tokens)
     idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
     outside = None
     for s in range(0, len(idx), batch_size):
-        hidden, tok, tgt, m, g, _ = _batch(feats, idx[s : s + batch_size], compute_dtype)
+        batch = idx[s : s + batch_size]
+        hidden, tok, tgt, m, g, _ = _batch(feats, batch, compute_dtype)
         ref = g if g is not None else tgt
+        grid = np.full((len(batch), depths, tok.shape[1]), -1, dtype=np.int8)
         for k, (logits, _, mk, _) in enumerate(_unrolled(head, hidden, tok, tgt, m, depths)):
             if vocab is not None:
                 if outside is None:
@@ -93,12 +96,44 @@ def acceptance_by_depth(head: MTPHead, feats: Features, depths: int, compute_dty
                     keep[np.asarray(vocab)] = True
                     outside = mx.array(~keep)
                 logits = mx.where(outside, -mx.inf, logits)
-            hit = (mx.argmax(logits, axis=-1) == ref[:, k:]).astype(mx.float32)
-            h, n = (hit * mk).sum(), mk.sum()
-            mx.eval(h, n)
-            hits[k] += h.item()
-            counts[k] += n.item()
+            hit = np.array(mx.argmax(logits, axis=-1) == ref[:, k:])
+            scored = np.array(mk) > 0
+            grid[:, k, : hit.shape[1]] = np.where(scored, hit, -1)
+        for r, i in enumerate(batch):
+            out[i] = grid[r, :, : max(len(feats.tokens[i]) - 2, 0)]
+    return out
+
+
+def acceptance_by_depth(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
+                        batch_size: int = 8, vocab: Optional[Sequence[int]] = None) -> List[float]:
+    """Held-out share of positions where the head's depth-k argmax (among `vocab` when given: the
+    drafting vocabulary) is the trunk's own greedy token (teacher-forced: the tokens before it are
+    the sequence's)."""
+    hits, counts = np.zeros(depths), np.zeros(depths)
+    for grid in depth_hits(head, feats, depths, compute_dtype, batch_size, vocab):
+        hits += (grid == 1).sum(axis=1)
+        counts += (grid >= 0).sum(axis=1)
     return [float(h / c) if c else 0.0 for h, c in zip(hits, counts)]
+
+
+def replayed_tokens_per_verify(hits: Sequence[np.ndarray], depth: int) -> float:
+    """Tokens per verify if the engine drafted `depth` tokens at every round and each draft passed
+    exactly where `depth_hits` says: from each sequence's first scored position, a round at base i
+    accepts the run of hits at depths 0.. there and moves on by that run + 1."""
+    verifies = tokens = 0
+    for grid in hits:
+        scored = np.flatnonzero(grid[0] >= 0)
+        if not scored.size:
+            continue
+        i, end = int(scored[0]), int(scored[-1]) + 1
+        while i < end:
+            n = 0
+            while n < depth and n < grid.shape[0] and i + n < grid.shape[1] and grid[n, i] == 1:
+                n += 1
+            verifies += 1
+            tokens += n + 1
+            i += n + 1
+    return tokens / verifies if verifies else 1.0
 
 
 def tokens_per_verify(by_depth: Sequence[float], depth: int) -> float:

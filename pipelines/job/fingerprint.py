@@ -65,7 +65,10 @@ def fingerprint_parts(job: JobConfig, model_dir: str, input_files: Sequence[str]
     parts["input.files"] = input_files_digest(input_files)
     if sampled(job):
         spec = job.speculative
-        for key in ("method",) + SAMPLED_SPECULATIVE[spec.method]:
+        keys = ("method",) + SAMPLED_SPECULATIVE[spec.method]
+        if spec.method == "mtp" and spec.mtp_lookup:  # the fallback drafts from the context too
+            keys += ("mtp_lookup", "ngram_size")
+        for key in keys:
             parts[f"speculative.{key}"] = json.dumps(getattr(spec, key))
     return parts
 

@@ -1,0 +1,130 @@
+"""Prompt lookup inside MTP drafting (`speculative.mtp_lookup`, drafters.LookupFallback).
+
+- Each round a row drafts its context's continuation where its suffix was seen before (and is
+  followed by the round's depth of tokens), else the head's drafts; both kinds of round really
+  happen in these tests (counted), mixed within one batch.
+- Greedy output stays identical to plain decoding, compiled and eager.
+- Sampled output stays on the target distribution: the lookup rows' q is the point mass on their
+  drafts (chi-square on the joint of the first three tokens, as test_mtp_draft does for the head
+  alone); giving those rows the head's q instead fails that very test.
+- The setting is checked, and a sampled job's fingerprint follows it (its text depends on it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.drafters import LookupFallback
+from mtplx.generation import Engine
+from mtplx.models.loading import load
+from mtplx.request import Request, SamplingParams
+from test_engine_sampling import PROMPT, SETTINGS, distribution_tests, exact_joint
+from test_mtp_draft import _run, _sidecar
+from tiny_models import reference_tokens
+
+P_OK = 1e-4
+
+
+def _repetitive_prompts(rng):
+    """Prompts with repeated spans (lookup finds continuations) and random ones (it does not)."""
+    out = []
+    for n in (6, 30, 12, 50, 9):
+        span = rng.integers(5, 200, max(3, n // 3)).tolist()
+        out.append((span * 4)[:n] + rng.integers(5, 200, 4).tolist())
+    return out + [rng.integers(5, 200, 20).tolist()]
+
+
+@pytest.mark.parametrize("compiled", ["on", "off"])
+def test_lookup_fallback_keeps_greedy_output_identical(tiny_model, tmp_path, compiled):
+    bundle = load(tiny_model("llama"))
+    prompts = _repetitive_prompts(np.random.default_rng(7))
+    head = _sidecar(bundle, tmp_path / "head")
+    spec = SpeculativeConfig(method="mtp", mtp_head=head, depth=3, adaptive_depth=False, compiled_verify=compiled,
+                             mtp_lookup=2)
+    results, eng = _run(bundle, spec, prompts, [SamplingParams(max_tokens=40)], max_batch=4)
+    lookup = eng.drafter.lookup
+    assert isinstance(lookup, LookupFallback) and lookup.min_match == 2
+    print(f"\nrow-rounds drafted: {lookup.counts}")
+    assert lookup.counts["lookup"] >= 5 and lookup.counts["head"] >= 5
+    for p, r in zip(prompts, results):
+        assert r.tokens == reference_tokens(bundle.model, p, 40, eng.eos)
+
+
+def test_choose_needs_a_match_and_a_long_enough_continuation():
+    lk = LookupFallback(ngram_size=3, min_match=2)
+    lk.extend([lk.prefill_row([1, 2, 3, 4, 9, 1, 2], None, 3),  # suffix (1, 2, 3) seen: 4 9 1 follow
+               lk.prefill_row([5, 6, 7, 8], None, 5),  # only (5,) seen before: too short a match
+               lk.prefill_row([1, 2, 3, 4, 1, 2], None, 3)])  # (1, 2, 3) seen, but only 4 1 2 3 follow...
+    use, drafts = lk.choose(3)
+    assert use.tolist() == [True, False, True]
+    assert drafts[0].tolist() == [4, 9, 1] and drafts[2].tolist() == [4, 1, 2]
+    use, drafts = lk.choose(5)  # ...which is shorter than a depth of 5
+    assert use.tolist() == [True, False, False] and drafts[0].tolist() == [4, 9, 1, 2, 3]
+
+
+class _HeadQForLookupRows(LookupFallback):
+    """The bug the point masses prevent: lookup rows keep the head's q for drafts it did not draw."""
+
+    @staticmethod
+    def mix(chosen, drafts, q):
+        import mlx.core as mx
+
+        use, looked = mx.array(chosen[0]), mx.array(chosen[1])
+        return mx.where(use[:, None], looked, drafts.astype(mx.int32)), q
+
+
+def _sampled_failures(bundle, head, compiled, wrong=False):
+    exact = {name: exact_joint(bundle.model, params) for name, params in SETTINGS.items()}
+    spec = SpeculativeConfig(method="mtp", mtp_head=head, depth=2, adaptive_depth=False, compiled_verify=compiled,
+                             mtp_lookup=1)
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=128))
+    if wrong:
+        eng.drafter.lookup = _HeadQForLookupRows(spec.ngram_size, spec.mtp_lookup)
+    rows = 1000
+    reqs = [Request(key=(name, i), prompt_tokens=list(PROMPT), params=p, seed=7 * 10**6 + k * rows + i)
+            for k, (name, p) in enumerate(SETTINGS.items()) for i in range(rows)]
+    samples = {name: [] for name in SETTINGS}
+    for r in eng.generate(reqs):
+        assert r.error is None and len(r.tokens) == 4
+        samples[r.key[0]].append(r.tokens[:3])
+    counts = eng.drafter.lookup.counts
+    failures = [f"{name} {t}: chi2 {s:.1f} on {dof} dof, p={p:.2g}"
+                for name in SETTINGS for t, s, dof, p in distribution_tests(samples[name], exact[name]) if p < P_OK]
+    return failures, counts
+
+
+@pytest.mark.parametrize("compiled", ["on", "off"])
+def test_sampled_output_with_lookup_fallback_follows_the_target(tiny_model, tmp_path, compiled):
+    bundle = load(tiny_model("small_vocab"))
+    head = _sidecar(bundle, tmp_path / "head", seed=4)
+    failures, counts = _sampled_failures(bundle, head, compiled)
+    print(f"\nrow-rounds drafted: {counts}")
+    # PROMPT repeats itself: a row whose first token is one of its own looks up, the others use the head
+    assert counts["lookup"] >= 200 and counts["head"] >= 200, counts
+    assert not failures, failures
+
+
+def test_head_q_on_lookup_rows_fails_the_same_test(tiny_model, tmp_path):
+    bundle = load(tiny_model("small_vocab"))
+    head = _sidecar(bundle, tmp_path / "head", seed=4)
+    failures, _ = _sampled_failures(bundle, head, "on", wrong=True)
+    assert failures
+
+
+def test_mtp_lookup_setting_is_checked_and_fingerprinted(tmp_path):
+    from test_config import _parts
+
+    from pipelines.job.fingerprint import diff_fingerprint_parts
+
+    assert SpeculativeConfig(method="mtp", mtp_lookup=2).mtp_lookup == 2
+    with pytest.raises(ValueError, match="speculative.mtp_lookup"):
+        SpeculativeConfig(method="mtp", mtp_lookup=-1)
+    sampled = dict(generation__temperature=0.7, speculative__method="mtp")
+    base = _parts(tmp_path, **sampled)
+    assert diff_fingerprint_parts(base, _parts(tmp_path, **sampled, speculative__mtp_lookup=0)) == []
+    changed = _parts(tmp_path, **sampled, speculative__mtp_lookup=2)
+    assert diff_fingerprint_parts(base, changed) == ["speculative.mtp_lookup", "speculative.ngram_size"]
+    greedy = _parts(tmp_path, speculative__method="mtp")
+    assert diff_fingerprint_parts(greedy, _parts(tmp_path, speculative__method="mtp", speculative__mtp_lookup=2)) == []
