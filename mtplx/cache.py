@@ -15,7 +15,7 @@ every entry and masks by window; mlx-lm's CacheList becomes a RowCacheList of le
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -205,6 +205,16 @@ class RowKVCache:
         self.keys[row : row + 1, :, : k.shape[2]] = k
         self.values[row : row + 1, :, : v.shape[2]] = v
 
+    def put_rows(self, slots: mx.array, src: "RowKVCache", rows: mx.array, length: int, batch: int):
+        """Rows `rows` of `src` (their first `length` entries and any after) at `slots`: one gather
+        and one scatter, whatever the number of rows."""
+        if src.keys is None:
+            return
+        self._ensure_capacity(batch, src.keys, src.values, length)
+        w = min(src.keys.shape[2], self.keys.shape[2])
+        self.keys[slots, :, :w] = src.keys[rows, :, :w]
+        self.values[slots, :, :w] = src.values[rows, :, :w]
+
     def stack_rows(self, caches: List["RowKVCache"], lengths: Sequence[int]):
         parts = [c.row_slice(0, n) for c, n in zip(caches, lengths)]
         real = [p for p in parts if p is not None]
@@ -309,6 +319,15 @@ class RowStateCache(ArraysSurface):
                 self.cache[i] = mx.zeros((batch,) + a.shape[1:], a.dtype)
             self.cache[i][row : row + 1] = a
 
+    def put_rows(self, slots: mx.array, src: "RowStateCache", rows: mx.array, length: int, batch: int):
+        """Rows `rows` of `src` (their state now) at `slots`."""
+        for i, a in enumerate(src.cache):
+            if a is None:
+                continue
+            if self.cache[i] is None:
+                self.cache[i] = mx.zeros((batch,) + a.shape[1:], a.dtype)
+            self.cache[i][slots] = a[rows]
+
     def stack_rows(self, caches: List["RowStateCache"], lengths: Sequence[int]):
         for i in range(len(self.cache)):
             parts = [c.cache[i] for c in caches]
@@ -347,6 +366,13 @@ def flat_kinds(kinds) -> List[str]:
 
 def new_leaf(kind: str, rows: RowLengths):
     return RowKVCache(rows) if kind == "kv" else RowStateCache(rows, state_size(kind))
+
+
+class CacheRow(NamedTuple):
+    """One row of a batch cache, by reference: where a prefilled row waits until it is placed."""
+
+    cache: "BatchCache"
+    row: int
 
 
 class BatchCache:
@@ -418,6 +444,31 @@ class BatchCache:
         host[row] = n
         self.rows.set(host)
 
+    def put_rows(self, slots: Sequence[int], refs: Sequence[CacheRow], reserve: int = 0):
+        """Place the rows `refs` at `slots`, each with its length: per source cache and layer one
+        gather and one scatter (not one copy per row). `reserve`: capacity to make room for."""
+        groups = {}
+        for slot, (src, row) in zip(slots, refs):
+            groups.setdefault(id(src), (src, [], []))
+            groups[id(src)][1].append(slot)
+            groups[id(src)][2].append(row)
+        host = self.rows.host.copy()
+        for src, to, rows in groups.values():
+            length = max(int(src.rows.host[rows].max()), reserve)
+            to_idx, rows_idx = mx.array(np.asarray(to, dtype=np.int32)), mx.array(np.asarray(rows, dtype=np.int32))
+            for leaf, src_leaf in zip(self.leaves, src.leaves):
+                leaf.put_rows(to_idx, src_leaf, rows_idx, length, self.batch)
+            host[to] = src.rows.host[rows]
+        self.rows.set(host)
+
+    @classmethod
+    def gather(cls, refs: Sequence[CacheRow]) -> "BatchCache":
+        """A new batch cache of the rows `refs` (room for one more token each, as `stack`)."""
+        out = cls(refs[0].cache.kinds, [0] * len(refs))
+        reserve = max(int(src.rows.host[row]) for src, row in refs) + 1
+        out.put_rows(range(len(refs)), refs, reserve)
+        return out
+
     @classmethod
     def stack(cls, caches: List["BatchCache"]) -> "BatchCache":
         """One batch cache from single-row caches."""
@@ -429,14 +480,9 @@ class BatchCache:
 
     def extend(self, other: "BatchCache"):
         """Append the rows of `other` (copies both caches: used only while a batch ramps up)."""
-        merged = BatchCache.stack([self.single(i) for i in range(self.batch)] + [other.single(i) for i in range(other.batch)])
+        merged = BatchCache.gather([CacheRow(self, i) for i in range(self.batch)] +
+                                   [CacheRow(other, i) for i in range(other.batch)])
         self.rows, self.leaves, self.layers = merged.rows, merged.leaves, merged.layers
-
-    def single(self, row: int) -> "BatchCache":
-        n, parts = self.snapshot_row(row)
-        out = BatchCache(self.kinds, [0])
-        out.write_row(0, (n, parts))
-        return out
 
     def eval(self):
         mx.eval([a for c in self.leaves for a in c.state_arrays() if a is not None])

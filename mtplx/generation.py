@@ -349,6 +349,7 @@ class Engine:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()  # the startup phases end here
         self._progress("decode", sum(1 for _, _, first in prefilled if first not in self.eos))
+        fills = []  # (slot, the row's cache): placed together, one gather per prefill group and layer
         for row, (row_cache, state, first) in zip(admitted, prefilled):
             reason = self._emit(row, [first])
             if reason is not None:
@@ -359,13 +360,15 @@ class Engine:
             slot = free.pop(0)
             if slot < len(slots):
                 slots[slot] = row
-                batch.cache.write_row(slot, row_cache.snapshot_row(0))
+                fills.append((slot, row_cache))
                 if self.drafter is not None:
                     self.drafter.write(slot, state)
             else:
                 grow.append((row, row_cache, state))
+        if fills:
+            batch.cache.put_rows([s for s, _ in fills], [c for _, c in fills])
         if grow:
-            new = BatchCache.stack([c for _, c, _ in grow])
+            new = BatchCache.gather([c for _, c, _ in grow])
             if batch.cache is None:
                 batch.cache = new
             else:

@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .cache import BatchCache
+from .cache import BatchCache, CacheRow
 from .config import prefill_chunk_env, sustained_prefill_env
 from .models.mtp import project_logits, trunk_hidden
 from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
@@ -80,7 +80,7 @@ def _iter_prefill_chunk_spans(token_count: int, chunk_size: Optional[int], manda
 
 
 class PrefixStore:
-    """The last few shared prefixes: (target snapshot, drafter snapshot) by prefix tokens."""
+    """The last few shared prefixes: (the target's prefix as a one-row cache, drafter snapshot) by prefix tokens."""
 
     def __init__(self, size: int = PREFIX_STORE_SIZE):
         self.size = size
@@ -160,8 +160,10 @@ class Prefiller:
         u = mx.array(np.array([uniforms(r.rng) for r in rows], dtype=np.float32))
         return np.array(sample_from(shaped_probs(logits, sampler)[:, 0], u)).tolist()
 
-    def run(self, rows, drafter=None) -> List[Tuple[BatchCache, object, int]]:
-        """Prefill `rows`; returns (single-row cache, `drafter`'s state, first token) per row."""
+    def run(self, rows, drafter=None) -> List[Tuple[CacheRow, object, int]]:
+        """Prefill `rows`; returns (the row's cache, `drafter`'s state, first token) per row. Rows
+        prefilled together stay in their group's cache (a CacheRow points there) until the engine
+        places them, so each row's KV is copied once, with its group's, not row by row."""
         out = [None] * len(rows)
         keys = [PrefixStore.key(r.req.prompt_tokens, self._edge(r)) for r in rows]
         seen = set()
@@ -182,20 +184,24 @@ class Prefiller:
             row.stats.prompt_tokens = len(row.req.prompt_tokens)
         return out
 
-    def _restore(self, cache: BatchCache, b: int, row, key) -> Tuple[int, Optional[tuple]]:
-        hit = self.store.get(key)
-        if hit is None:
-            return 0, None
-        cache.write_row(b, hit[0])
-        edge = self._edge(row)
-        row.stats.cached_prompt_tokens = edge
-        return edge, hit
+    def _restore(self, cache: BatchCache, rows, keys, reserve: int = 0) -> Tuple[List[int], List[Optional[tuple]]]:
+        """Copy each row's stored prefix (if any) into `cache`: one gather per prefix and layer.
+        Returns (tokens restored, store hit) per row."""
+        hits = [self.store.get(key) for key in keys]
+        at = [b for b, hit in enumerate(hits) if hit is not None]
+        if at:
+            cache.put_rows(at, [CacheRow(hits[b][0], 0) for b in at], reserve)
+        starts = [int(n) for n in cache.rows.host]
+        for row, hit, start in zip(rows, hits, starts):
+            if hit is not None:
+                row.stats.cached_prompt_tokens = start
+        return starts, hits
 
     def _one(self, row, key):
         toks = row.req.prompt_tokens
         n, edge = len(toks), self._edge(row)
         cache = BatchCache.for_model(self.model, 1)
-        start, hit = self._restore(cache, 0, row, key)
+        (start,), (hit,) = self._restore(cache, [row], [key], reserve=n + 1)
         snap, hiddens, h = None, [], None
         for s, e in _iter_prefill_chunk_spans(n, self.chunk, (edge,) if key else (), self.sustained):
             if e <= start:
@@ -213,18 +219,13 @@ class Prefiller:
         self._count(n, start)
         first = self._first_tokens([row], h[:, -1:])[0]
         hidden = mx.concatenate(hiddens, axis=1) if hiddens else None
-        return cache, hidden, first, hit, snap
+        return CacheRow(cache, 0), hidden, first, hit, snap
 
     def _many(self, rows, keys):
         """Prefill rows together: each row's suffix padded to the longest, in chunk spans."""
         B = len(rows)
         cache = BatchCache.for_model(self.model, B)
-        starts, hits = [], []
-        for b, (row, key) in enumerate(zip(rows, keys)):
-            start, hit = self._restore(cache, b, row, key)
-            starts.append(start)
-            hits.append(hit)
-        cache.rows.set(np.array(starts))
+        starts, hits = self._restore(cache, rows, keys, reserve=max(len(r.req.prompt_tokens) for r in rows) + 1)
         todo = [len(r.req.prompt_tokens) - s for r, s in zip(rows, starts)]
         chunk = (self.chunk if self.sustained else 0) or max(todo)
         last = [None] * B
@@ -252,11 +253,9 @@ class Prefiller:
         firsts = self._first_tokens(rows, mx.concatenate(last, axis=0))
         out = []
         for b, row in enumerate(rows):
-            single = BatchCache(cache.kinds, [0])
-            single.write_row(0, cache.snapshot_row(b))
             hidden = mx.concatenate(hiddens[b], axis=1) if hiddens[b] else None
-            snap = single.snapshot_row(0, self._edge(row)) if keys[b] and hits[b] is None else None
-            out.append((single, hidden, firsts[b], hits[b], snap))
+            snap = cache.snapshot_row(b, self._edge(row)) if keys[b] and hits[b] is None else None
+            out.append((CacheRow(cache, b), hidden, firsts[b], hits[b], snap))
         return out
 
     def _count(self, n, start):
@@ -274,6 +273,8 @@ class Prefiller:
             if target_snap is not None:
                 at_edge = hidden[:, edge - 1 : edge] if hidden is not None else None
                 drafter_snap = drafter.snapshot(state, edge, at_edge)
-        if target_snap is not None:
-            self.store.put(key, (target_snap, drafter_snap))
+        if target_snap is not None:  # kept as a one-row cache: restoring it is a gather per layer
+            prefix = BatchCache(cache.cache.kinds, [0])
+            prefix.write_row(0, target_snap)
+            self.store.put(key, (prefix, drafter_snap))
         return cache, state, first
