@@ -16,6 +16,7 @@ from tokenizer.json's), or a post-processor that disagrees with `add_bos_token`.
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Set
@@ -24,6 +25,10 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 # Words in a template (or keys in tokenizer_config.json) that mean it needs mlx-lm's wrapper.
 NEEDS_WRAPPER = ("thinking", "{% generation", "{%- generation")
 WRAPPER_KEYS = ("chat_template_type", "tool_parser_type", "legacy")
+# Pre-tokenizers after which a line start ("\n" then a printable ASCII character) is always a
+# piece boundary, whatever follows: byte-level BPE merges only inside pieces, so ids split there.
+LINE_LOCAL_PRE_TOKENIZERS = ("ByteLevel", "Digits")
+SHARED_PREFIX_MIN_CHARS = 256  # a shorter common prefix is not worth splitting off
 
 
 def _token_text(value) -> Optional[str]:
@@ -70,6 +75,7 @@ class FastTokenizer:
         self.chat_template = chat_template
         self.has_chat_template = bool(chat_template)
         self._template = None
+        self._line_split: Optional[bool] = None  # see _splits_at_lines
 
     @property
     def vocab_size(self) -> int:
@@ -80,6 +86,71 @@ class FastTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_many(self, texts: Sequence[str], add_special_tokens: Sequence[bool]) -> List[List[int]]:
+        """`encode(text, add)` for each (text, add), the same ids, faster: the texts are encoded in
+        parallel (`encode_batch`) and, where they share a long prefix (a few-shot preamble), the
+        prefix up to its last line start is encoded once and only each text's rest per text.
+
+        Splitting there gives the ids of the whole text when the tokenizer's pieces never cross a
+        line start (`_splits_at_lines`); the first text is also encoded whole and compared, and a
+        difference turns the split off for this tokenizer."""
+        flags = list(add_special_tokens)
+        cut = self._shared_cut(texts)
+        if cut:
+            head = {f: self.encode(texts[0][:cut], add_special_tokens=f) for f in set(flags)}
+            tails = self._encode_batch([t[cut:] for t in texts], [False] * len(texts))
+            ids = [head[f] + tail for f, tail in zip(flags, tails)]
+            if ids[0] == self.encode(texts[0], add_special_tokens=flags[0]):
+                return ids
+            self._line_split = False
+        return self._encode_batch(texts, flags)
+
+    def _encode_batch(self, texts: Sequence[str], flags: Sequence[bool]) -> List[List[int]]:
+        out: List[List[int]] = [[] for _ in texts]
+        for flag in set(flags):
+            at = [i for i, f in enumerate(flags) if f == flag]
+            for i, enc in zip(at, self._backend.encode_batch([texts[i] for i in at], add_special_tokens=flag)):
+                out[i] = enc.ids
+        return out
+
+    def _shared_cut(self, texts: Sequence[str]) -> int:
+        """Where the texts' common prefix can be split off: just after its last "\n" that a
+        printable ASCII character follows (inside the prefix); 0 when there is none worth it."""
+        if len(texts) < 2 or not self._splits_at_lines():
+            return 0
+        prefix = os.path.commonprefix(list(texts))
+        end = len(prefix) - 1  # prefix[cut] must exist: the character after the cut is the same in every text
+        while end >= SHARED_PREFIX_MIN_CHARS:
+            nl = prefix.rfind("\n", 0, end)
+            cut = nl + 1
+            if nl < 0 or cut < SHARED_PREFIX_MIN_CHARS:
+                return 0
+            if "!" <= prefix[cut] <= "~":
+                return cut
+            end = nl
+        return 0
+
+    def _splits_at_lines(self) -> bool:
+        """Whether a line start is a boundary of every piece the tokenizer makes: BPE after only
+        line-local pre-tokenizers, no normalizer (or NFC), no added token holding a newline, and
+        special tokens added only in front."""
+        if self._line_split is None:
+            self._line_split = False
+            spec = json.loads(self._backend.to_str())
+            pre = spec.get("pre_tokenizer") or {}
+            steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+            local = all(p.get("type") in LINE_LOCAL_PRE_TOKENIZERS and not p.get("add_prefix_space")
+                        and p.get("use_regex", True) for p in steps)
+            normalizer = spec.get("normalizer")
+            plain = normalizer is None or normalizer.get("type") == "NFC"
+            added = any("\n" in t.get("content", "") for t in spec.get("added_tokens", []))
+            probe = "a\nb: 1\n"
+            bare, full = self.encode(probe, add_special_tokens=False), self.encode(probe, add_special_tokens=True)
+            front_only = full[len(full) - len(bare):] == bare
+            self._line_split = (local and plain and not added and front_only
+                                and (spec.get("model") or {}).get("type") == "BPE")
+        return self._line_split
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

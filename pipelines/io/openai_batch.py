@@ -238,6 +238,16 @@ class OpenAIBatchRenderer(PromptRenderer):
         self._note_ignored(row, ignored)
         return toks
 
+    def tokens_many(self, rows) -> list:
+        """Row by row: each request's own settings are parsed with it."""
+        out = []
+        for row in rows:
+            try:
+                out.append(self.tokens(row))
+            except RowError as e:
+                out.append(e)
+        return out
+
     def row_params(self, row_id: Optional[str]) -> Optional[RowParams]:
         return self._params.pop(row_id, None) if row_id is not None else None
 

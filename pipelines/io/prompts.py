@@ -174,19 +174,43 @@ class PromptRenderer:
         return [{"role": "user", "content": text}] if self.use_chat else text
 
     def tokens(self, row: Dict[str, Any]) -> List[int]:
-        prompt = self.text(row)
+        out = PromptRenderer.tokens_many(self, [row])[0]  # this class's own, under any subclass
+        if isinstance(out, RowError):
+            raise out
+        return out
+
+    def tokens_many(self, rows: Sequence[Dict[str, Any]]) -> List[Union[List[int], RowError]]:
+        """Each row's prompt tokens, or its RowError: rendered row by row, tokenized together
+        (`encode_many` where the tokenizer has it: in parallel, a shared prefix once)."""
+        out: List[Union[List[int], RowError]] = []
+        texts, at = [], []
+        for row in rows:
+            try:
+                out.append(self._prompt(row))
+                texts.append(out[-1])
+                at.append(len(out) - 1)
+            except RowError as e:
+                out.append(e)
+        # Same rule as mlx_lm.generate: no second BOS when the text already starts with one.
+        flags = [self._bos is None or not t.startswith(self._bos) for t in texts]
         tok = self.tokenizer
+        if hasattr(tok, "encode_many"):
+            encoded = tok.encode_many(texts, flags)
+        else:
+            encoded = [tok.encode(t, add_special_tokens=f) for t, f in zip(texts, flags)]
+        for i, ids in zip(at, encoded):
+            out[i] = list(ids) if len(ids) else RowError("the prompt tokenizes to nothing")
+        return out
+
+    def _prompt(self, row: Dict[str, Any]) -> str:
+        """The text the tokenizer sees: the prompt, or the chat turns through the chat template."""
+        prompt = self.text(row)
         if isinstance(prompt, list):
             try:
-                prompt = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                prompt = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # jinja's raise_exception and friends: the row's fault
                 raise RowError(f"chat template refused the messages: {e}")
-        # Same rule as mlx_lm.generate: no second BOS when the text already starts with one.
-        add_special = self._bos is None or not prompt.startswith(self._bos)
-        ids = tok.encode(prompt, add_special_tokens=add_special)
-        if not ids:
-            raise RowError("the prompt tokenizes to nothing")
-        return list(ids)
+        return prompt
 
     def _messages(self, row: Dict[str, Any]) -> List[Dict[str, str]]:
         col = self.inp.messages_column

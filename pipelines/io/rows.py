@@ -110,15 +110,20 @@ def check_context(tokens: List[int], max_context: Optional[int]) -> List[int]:
     return tokens
 
 
+PREPARE_BLOCK_ROWS = 256  # rows rendered, then tokenized together (renderer.tokens_many)
+
+
 def prepare(rows: Iterable[SourceRow], renderer: PromptRenderer, id_column: Optional[str],
             keep_columns: Sequence[str], max_context: Optional[int], check_keep=None,
             limit: Optional[int] = None) -> Iterator[Item]:
     """Items in input order; rows that cannot be generated carry `error` and no tokens."""
     dupes = DuplicateIds()
+    block: List[Tuple[Item, Optional[Dict[str, Any]]]] = []
     for src in rows:
         if limit is not None and src.index >= limit:
-            return
+            break
         item = Item(index=src.index, id=None)
+        data = None
         try:
             if src.error is not None:
                 raise RowError(src.error)
@@ -128,7 +133,23 @@ def prepare(rows: Iterable[SourceRow], renderer: PromptRenderer, id_column: Opti
             dupes.check(item.id, hashed=id_column is None)
             if check_keep is not None:
                 check_keep(item.keep)
-            item.tokens = check_context(renderer.tokens(data), max_context)
+        except RowError as e:
+            item.error, data = e.reason, None
+        block.append((item, data))
+        if len(block) >= PREPARE_BLOCK_ROWS:
+            yield from _tokenized(block, renderer, max_context)
+            block = []
+    yield from _tokenized(block, renderer, max_context)
+
+
+def _tokenized(block, renderer: PromptRenderer, max_context: Optional[int]) -> Iterator[Item]:
+    todo = [(item, data) for item, data in block if data is not None]
+    for (item, _), ids in zip(todo, renderer.tokens_many([data for _, data in todo])):
+        try:
+            if isinstance(ids, RowError):
+                raise ids
+            item.tokens = check_context(ids, max_context)
         except RowError as e:
             item.error = e.reason
+    for item, _ in block:
         yield item
