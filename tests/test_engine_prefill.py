@@ -194,3 +194,40 @@ def test_rows_of_very_different_lengths_prefill_in_length_groups_with_the_same_o
     together = run(len(prompts))
     assert together == alone
     assert sum(slots) <= 1.25 * sum(map(len, prompts)) < len(prompts) * 60
+
+
+def test_rows_sharing_a_prefix_are_copied_per_group_not_per_row(tiny_model, monkeypatch):
+    """Sixteen rows behind one shared prefix: restoring the prefix, and placing the rows in the
+    batch cache, are one gather per layer and prefill group (`put_rows`), not copies row by row
+    (`write_row` runs only to store the prefix once); the text equals plain one-row-at-a-time runs."""
+    from mtplx import cache as cache_mod
+    from mtplx.config import ScheduleConfig, SpeculativeConfig
+    from mtplx.generation import Engine
+    from mtplx.models.loading import load
+    from mtplx.request import Request, SamplingParams
+
+    bundle = load(tiny_model("llama"))
+    layers = len(bundle.model.layers)
+    shared = list(range(3, 43))
+    prompts = [shared + [50 + i] * (1 + i % 3) for i in range(16)]
+
+    def run(max_batch):
+        eng = Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"), ScheduleConfig(max_batch=max_batch))
+        reqs = [Request(i, p, SamplingParams(max_tokens=4), stable_prefix_len=len(shared)) for i, p in enumerate(prompts)]
+        return {r.key: r.tokens for r in eng.generate(reqs)}
+
+    alone = run(1)
+    calls = {"write_row": 0, "put_rows": 0}
+    for name in calls:
+        real = getattr(cache_mod.RowKVCache, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(cache_mod.RowKVCache, name, counted)
+    assert run(16) == alone
+    assert calls["write_row"] <= layers  # the prefix, stored once
+    # leader alone, then the other rows as a few length groups: each group restores its prefix once,
+    # and the placement gathers once per group cache
+    assert calls["put_rows"] <= layers * 8 < 16 * layers
