@@ -100,8 +100,8 @@ class RowKVCache:
     """Attention KV for a batch of rows of different lengths (one layer).
 
     When every row has the same length n (`RowLengths.shared`: always at width 1) and the forward
-    is eager, the cache does what mlx-lm's KVCache does: a slice write at n, an int rope offset,
-    attention over exactly n + L keys with no mask (one token) or "causal", which keeps the fused
+    is eager, the cache writes by slice at n with an int rope offset, and for one token does what
+    mlx-lm's KVCache does: attention over exactly n + 1 keys with no mask, which keeps the fused
     attention kernels (CUDA has none for a boolean mask at one query). Otherwise every row writes
     at its own offset and attention reads the whole capacity bucket under a [B, 1, N, cap] mask.
     """
@@ -135,7 +135,9 @@ class RowKVCache:
         if n is not None:
             self.keys[..., n : n + L, :] = keys
             self.values[..., n : n + L, :] = values
-            return self.keys[..., : n + L, :], self.values[..., : n + L, :]
+            if L == 1:
+                return self.keys[..., : n + 1, :], self.values[..., : n + 1, :]
+            return self.keys, self.values  # several tokens: the bucket under make_mask's mask (see there)
         pos = (self.rows.device[:, None] + mx.arange(L, dtype=mx.int32))[:, None, :, None]
         self.keys = mx.put_along_axis(
             self.keys, mx.broadcast_to(pos, keys.shape), keys, axis=2
@@ -155,7 +157,9 @@ class RowKVCache:
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         shared = self._shared()
-        if shared is not None:  # mlx-lm's own KVCache mask over exactly shared + N keys
+        if shared is not None and N == 1:  # mlx-lm's own KVCache mask over exactly shared + 1 keys
+            # (one token only: exact key counts for several would give CUDA a new attention shape,
+            # and so a new cuDNN graph, every step)
             from mlx_lm.models.cache import create_attention_mask
 
             return create_attention_mask(N, shared, return_array, window_size)
