@@ -174,10 +174,12 @@ class CompiledVerifyBank:
             else:
                 reason = (f"verify length {L} over the verify max length {self.growth_limit} "
                           "(speculative.verify_max_len, or MTPLX_COMPILED_VERIFY_MAX_LEN)")
-        if reason is None and any(a is None for c in cache.leaves for a in c.state_arrays()):
+        arrays = [a for c in cache.leaves for a in c.state_arrays()]
+        longest = cache.rows.max
+        if reason is None and any(a is None for a in arrays):
             reason = "empty cache"
-        if reason is None and cache.rows.max + L > self.request_max_tokens + self.growth_limit:
-            reason = (f"a row's context {cache.rows.max} + verify {L} is past the growth budget "
+        if reason is None and longest + L > self.request_max_tokens + self.growth_limit:
+            reason = (f"a row's context {longest} + verify {L} is past the growth budget "
                       f"(request_max_tokens {self.request_max_tokens} + verify max length {self.growth_limit}): "
                       "no larger capacity bucket is compiled")
         if reason is not None:
@@ -185,9 +187,10 @@ class CompiledVerifyBank:
             logits, hidden = self.eager(tokens, cache)
             return logits, hidden, False, None
         kv = [c for c in cache.leaves if isinstance(c, RowKVCache)]
-        for c in kv:  # room for L more entries, in capacity buckets
-            c._ensure_capacity(W, c.keys, c.values, cache.rows.max + L)
-        arrays = [a for c in cache.leaves for a in c.state_arrays()]
+        if kv and longest + L > min(c.keys.shape[2] for c in kv):  # room for L more entries, in capacity buckets
+            for c in kv:
+                c._ensure_capacity(W, c.keys, c.values, longest + L)
+            arrays = [a for c in cache.leaves for a in c.state_arrays()]
         key = (W, L, max((c.keys.shape[2] for c in kv), default=0))
         if key in self._broken:
             self._fallback(self._broken[key])
