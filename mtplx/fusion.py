@@ -13,15 +13,15 @@ The stacked weight replaces the originals, so memory does not grow once the orig
 
 The engine stacks them where its decode steps are compiled on CUDA (generation.py); there the
 graph has no per-projection overhead left to pay for the slices, and eagerly it measured slower.
-`fuse_projections(model)` returns an undo function (holding it keeps the original weights alive);
-`unstack(model)` puts the layers back (views of the stacked arrays: no copy). Quantized layers
+`fuse_projections(model)` stacks them; `unstack(model)` puts the layers back (views of the stacked
+arrays: no copy). Quantized layers
 stack the same way (packed weights, scales and biases are all indexed by output row).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Callable, List, Sequence
+from typing import List, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -94,29 +94,24 @@ def _fusable(layers) -> bool:
             and len({_settings(m) for m in layers}) == 1)
 
 
-def fuse_projections(model) -> Callable[[], None]:
+def fuse_projections(model) -> int:
     """Replace each bias-free group of GROUPS in `model` (plain or quantized Linear layers of one
-    kind) by StackedParts (a group already stacked is left alone); returns undo."""
-    swapped = []
+    kind) by StackedParts (a group already stacked is left alone); returns how many parts. Each
+    group's originals are dropped as it is stacked, so memory grows by one group at most."""
+    n = 0
     for _, module in list(model.named_modules()):
         for names in GROUPS:
-            if not all(n in module for n in names):
+            if not all(k in module for k in names):
                 continue
-            layers = [module[n] for n in names]
+            layers = [module[k] for k in names]
             if not _fusable(layers):
                 continue
             stacked = _Stacked(layers)
-            for i, (n, m) in enumerate(zip(names, layers)):
-                module[n] = StackedPart(stacked, i)
-                swapped.append((module, n, m))
             mx.eval(stacked.layer.parameters())
-
-    def undo():
-        for mod, n, m in swapped:
-            mod[n] = m
-
-    undo.count = len(swapped)  # type: ignore[attr-defined]
-    return undo
+            for i, k in enumerate(names):
+                module[k] = StackedPart(stacked, i)
+            n += len(names)
+    return n
 
 
 def unstack(model) -> int:

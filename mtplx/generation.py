@@ -170,7 +170,7 @@ class Engine:
         paths = {"rows_attention": rows_attention.install(self.model) if self.use_rows_attention else 0,
                  "stacked_projections": 0}
         if self.stack_projections and self.spec.compiled_verify != "off" and _stacking_pays():
-            paths["stacked_projections"] = fuse_projections(self.model).count
+            paths["stacked_projections"] = fuse_projections(self.model)
         return paths
 
     @staticmethod

@@ -1,5 +1,5 @@
 """mtplx/fusion.py: stacked q/k/v and gate/up give the model's own logits bit for bit (one-row
-steps take the stacked product, a prompt takes each original layer), and undo restores the model.
+steps take the stacked product, a prompt takes each original layer), and unstack restores the model.
 mtplx/rows_attention.py is CUDA-only: elsewhere nothing is swapped. The engine with stacked projections
 (forced on here) gives mlx-lm's text."""
 
@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mtplx.fusion import StackedPart, fuse_projections
+from mtplx.fusion import StackedPart, fuse_projections, unstack
 from mtplx.models.loading import load
 
 
@@ -31,19 +31,20 @@ def _logits(model, n=8):
     return out
 
 
-def test_fused_projections_keep_the_logits_and_undo_restores(qwen3):
+def test_fused_projections_keep_the_logits_and_unstack_restores(qwen3):
     from mlx.utils import tree_flatten
 
     nbytes = lambda: sum(v.nbytes for _, v in tree_flatten(qwen3.parameters()))
     ref, before = _logits(qwen3), nbytes()
-    undo = fuse_projections(qwen3)
+    count = fuse_projections(qwen3)
     assert nbytes() == before  # the stacked weights replace the originals
     layer = qwen3.model.layers[0]
-    assert undo.count == 5 * len(qwen3.model.layers)
+    assert count == 5 * len(qwen3.model.layers) and fuse_projections(qwen3) == 0  # stacked once
     assert isinstance(layer.self_attn.k_proj, StackedPart) and isinstance(layer.mlp.up_proj, StackedPart)
     fused = _logits(qwen3)
-    undo()
+    assert unstack(qwen3) == count
     assert type(layer.self_attn.k_proj) is nn.Linear
+    assert all(np.array_equal(a, b) for a, b in zip(_logits(qwen3), ref))
     for a, b in zip(fused, ref):
         assert np.array_equal(a, b)
 
@@ -89,7 +90,6 @@ def test_quantized_projections_stack_exactly(tiny_model):
     model = load(tiny_model("qwen3")).model
     nn.quantize(model, group_size=32, bits=4)
     ref = _logits(model)
-    undo = fuse_projections(model)
-    assert undo.count == 5 * len(model.model.layers)
+    assert fuse_projections(model) == 5 * len(model.model.layers)
     for a, b in zip(_logits(model), ref):
         assert np.array_equal(a, b)
