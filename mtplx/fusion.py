@@ -11,7 +11,7 @@ comparison); with more than one row (prefill, a wide batch) each part
 multiplies by its own rows of the stacked weight (a view: the same values and layout as before).
 The stacked weight replaces the originals, so memory does not grow once the originals are freed.
 
-The engine stacks them where its decode steps are compiled on CUDA (generation.py); there the
+The engine stacks them where its decode steps are compiled on CUDA (`decode_paths`); there the
 graph has no per-projection overhead left to pay for the slices, and eagerly it measured slower.
 `fuse_projections(model)` stacks them; `unstack(model)` puts the layers back (views of the stacked
 arrays: no copy). Quantized layers
@@ -25,6 +25,8 @@ from typing import List, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from . import rows_attention
 
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -125,3 +127,16 @@ def unstack(model) -> int:
                 module[name] = part._stacked[0].views[part._index]
                 n += 1
     return n
+
+
+def stacking_pays() -> bool:
+    """Stacked projections measured faster only in compiled CUDA decode steps (BENCHMARKS.md, h22d)."""
+    return rows_attention.cuda_ready()
+
+
+def decode_paths(model, compiled: bool, stack: bool = True, rows: bool = True) -> dict:
+    """The engine's CUDA decode paths: per-row attention for masked attention (rows_attention.py)
+    and, when decode steps are compiled, stacked projections. Both keep the values exactly; off
+    CUDA nothing changes. Returns what was installed (counts)."""
+    return {"rows_attention": rows_attention.install(model) if rows else 0,
+            "stacked_projections": fuse_projections(model) if stack and compiled and stacking_pays() else 0}

@@ -27,8 +27,7 @@ from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profil
 from .config import ScheduleConfig, SpeculativeConfig, prefill_chunk_env, sustained_prefill_env
 from .depth import DepthController, position_counts
 from .drafters import make_drafter
-from .fusion import fuse_projections
-from . import rows_attention
+from .fusion import decode_paths
 from .architectures import PASSED_FILE, capture_backend, prepare, probe_key
 from .graphbank import CompiledVerifyBank
 from .models.loading import ModelBundle, cache_dir, context_length, load
@@ -51,10 +50,6 @@ def _tree_bytes(tree) -> int:
 
     return sum(v.nbytes for _, v in tree_flatten(tree))
 
-
-def _stacking_pays() -> bool:
-    """Stacked projections measured faster only in compiled CUDA decode steps (BENCHMARKS.md, h22d)."""
-    return rows_attention.cuda_ready()
 
 
 # -- the engine ------------------------------------------------------------------------------------
@@ -125,7 +120,8 @@ class Engine:
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         self.hybrid = prepare(self.model, bundle.model_type, self.vocab_size,  # refuses what it cannot batch exactly
                               remember=self._probe_memory(bundle))
-        self.decode_paths = self._decode_paths()
+        self.decode_paths = decode_paths(self.model, self.spec.compiled_verify != "off",  # CUDA only
+                                         self.stack_projections, self.use_rows_attention)
         self.drafter = make_drafter(self.spec, bundle)
         self.runtime = _Runtime(self.model, want_hidden=self.drafter is not None and self.drafter.needs_hidden)
         self.weight_bytes = _tree_bytes(self.model.parameters())
@@ -160,18 +156,9 @@ class Engine:
                                              shapes=cost_shapes(profile))
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
 
-    # CUDA decode paths (see _decode_paths); benchmarks/decode_anatomy turns them off to measure without.
+    # fusion.decode_paths; benchmarks/decode_anatomy turns them off to measure without.
     stack_projections = True
     use_rows_attention = True
-
-    def _decode_paths(self) -> dict:
-        """CUDA only: per-row attention for the masked paths (rows_attention.py) and, when decode steps
-        are compiled, stacked projections (fusion.py). Both keep the values exactly. Returns counts."""
-        paths = {"rows_attention": rows_attention.install(self.model) if self.use_rows_attention else 0,
-                 "stacked_projections": 0}
-        if self.stack_projections and self.spec.compiled_verify != "off" and _stacking_pays():
-            paths["stacked_projections"] = fuse_projections(self.model)
-        return paths
 
     @staticmethod
     def _probe_memory(bundle: ModelBundle):

@@ -63,6 +63,7 @@ def test_rows_attention_is_mlx_lm_attention_off_cuda(qwen3):
 def test_engine_with_stacked_projections_is_token_identical(tiny_model, monkeypatch, family, method):
     """Where the engine stacks projections (compiled decode on CUDA; forced here on the CPU) its
     greedy text is mlx-lm's plain decoding, through the bank, prefill, MTP drafting and batching."""
+    import mtplx.fusion as fusion
     import mtplx.generation as generation
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.fusion import unstack
@@ -74,7 +75,7 @@ def test_engine_with_stacked_projections_is_token_identical(tiny_model, monkeypa
     tok = bundle.tokenizer
     prompts = [tok.encode(p) for p in ("def add(a, b):\n    return", "the quick brown fox jumps over the lazy dog. the", "import os")]
     refs = [reference_tokens(bundle.model, p, 10, set(tok.eos_token_ids)) for p in prompts]
-    monkeypatch.setattr(generation, "_stacking_pays", lambda: True)
+    monkeypatch.setattr(fusion, "stacking_pays", lambda: True)
     eng = generation.Engine(bundle, SpeculativeConfig(method=method, depth=2, adaptive_depth=False, compiled_verify="on"),
                             ScheduleConfig(max_batch=2))
     assert eng.decode_paths["stacked_projections"] > 0
