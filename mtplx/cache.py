@@ -209,15 +209,22 @@ class RowKVCache:
         self.keys[row : row + 1, :, : k.shape[2]] = k
         self.values[row : row + 1, :, : v.shape[2]] = v
 
-    def put_rows(self, slots: mx.array, src: "RowKVCache", rows: mx.array, length: int, batch: int):
-        """Rows `rows` of `src` (their first `length` entries and any after) at `slots`: one gather
-        and one scatter, whatever the number of rows."""
+    def put_rows(self, slots: Sequence[int], src: "RowKVCache", rows: Sequence[int], length: int, batch: int,
+                 reserve: int = 0):
+        """Rows `rows` of `src` (their first `length` entries) at `slots`: one gather and one
+        write, whatever the number of rows (a slice write where the slots are consecutive)."""
         if src.keys is None:
             return
-        self._ensure_capacity(batch, src.keys, src.values, length)
-        w = min(src.keys.shape[2], self.keys.shape[2])
-        self.keys[slots, :, :w] = src.keys[rows, :, :w]
-        self.values[slots, :, :w] = src.values[rows, :, :w]
+        k, v = _take_rows(src.keys, rows, length), _take_rows(src.values, rows, length)
+        if self.keys is None and list(slots) == list(range(batch)):  # a new cache of exactly these rows
+            cap = capacity_bucket(max(length, reserve))
+            pad = [(0, 0), (0, 0), (0, cap - length), (0, 0)]
+            self.keys, self.values = mx.pad(k, pad), mx.pad(v, pad)
+            return
+        self._ensure_capacity(batch, k, v, max(length, reserve))
+        at = _slot_index(slots)
+        self.keys[at, :, :length] = k
+        self.values[at, :, :length] = v
 
     def stack_rows(self, caches: List["RowKVCache"], lengths: Sequence[int]):
         parts = [c.row_slice(0, n) for c, n in zip(caches, lengths)]
@@ -235,6 +242,23 @@ class RowKVCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def _take_rows(a: mx.array, rows: Sequence[int], length: Optional[int] = None) -> mx.array:
+    """a[rows] (with axis 2 cut to `length`), without a gather when `rows` are all of `a`'s rows."""
+    rows = list(rows)
+    whole = rows == list(range(a.shape[0]))
+    if length is not None and length < a.shape[2]:
+        a = a[:, :, :length]
+    return a if whole else a[mx.array(np.asarray(rows, dtype=np.int32))]
+
+
+def _slot_index(slots: Sequence[int]):
+    """A slice for consecutive slots (a plain copy), else an index array (a scatter)."""
+    slots = list(slots)
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return slice(slots[0], slots[0] + len(slots))
+    return mx.array(np.asarray(slots, dtype=np.int32))
 
 
 class ArraysSurface:
@@ -323,14 +347,16 @@ class RowStateCache(ArraysSurface):
                 self.cache[i] = mx.zeros((batch,) + a.shape[1:], a.dtype)
             self.cache[i][row : row + 1] = a
 
-    def put_rows(self, slots: mx.array, src: "RowStateCache", rows: mx.array, length: int, batch: int):
+    def put_rows(self, slots: Sequence[int], src: "RowStateCache", rows: Sequence[int], length: int, batch: int,
+                 reserve: int = 0):
         """Rows `rows` of `src` (their state now) at `slots`."""
+        at = _slot_index(slots)
         for i, a in enumerate(src.cache):
             if a is None:
                 continue
             if self.cache[i] is None:
                 self.cache[i] = mx.zeros((batch,) + a.shape[1:], a.dtype)
-            self.cache[i][slots] = a[rows]
+            self.cache[i][at] = _take_rows(a, rows)
 
     def stack_rows(self, caches: List["RowStateCache"], lengths: Sequence[int]):
         for i in range(len(self.cache)):
@@ -450,7 +476,7 @@ class BatchCache:
 
     def put_rows(self, slots: Sequence[int], refs: Sequence[CacheRow], reserve: int = 0):
         """Place the rows `refs` at `slots`, each with its length: per source cache and layer one
-        gather and one scatter (not one copy per row). `reserve`: capacity to make room for."""
+        gather and one write (not one copy per row). `reserve`: capacity to make room for."""
         groups = {}
         for slot, (src, row) in zip(slots, refs):
             groups.setdefault(id(src), (src, [], []))
@@ -458,10 +484,9 @@ class BatchCache:
             groups[id(src)][2].append(row)
         host = self.rows.host.copy()
         for src, to, rows in groups.values():
-            length = max(int(src.rows.host[rows].max()), reserve)
-            to_idx, rows_idx = mx.array(np.asarray(to, dtype=np.int32)), mx.array(np.asarray(rows, dtype=np.int32))
+            length = int(src.rows.host[rows].max())
             for leaf, src_leaf in zip(self.leaves, src.leaves):
-                leaf.put_rows(to_idx, src_leaf, rows_idx, length, self.batch)
+                leaf.put_rows(to, src_leaf, rows, length, self.batch, reserve)
             host[to] = src.rows.host[rows]
         self.rows.set(host)
 
