@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_mtp.sh train   # install, assets, train-head (the recipe, <= 6 min) -> ~/keep/head and $OUT
 #   bash benchmarks/gpu_mtp.sh bench   # HumanEval rows the head never saw + GSM8K: ours vs mlx-lm; phase profile
 #   bash benchmarks/gpu_mtp.sh round   # the shipped head: MTP (pipelined, synchronous, adaptive) vs plain vs mlx-lm at widths 32/1/8, phases at 32
+#   bash benchmarks/gpu_mtp.sh lookup  # the shipped head: mtp vs mtp + lookup fallback vs ngram vs plain vs mlx-lm, HumanEval held out + GSM8K
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -75,7 +76,17 @@ round)  # issue 18/20: what an MTP round costs with the shipped head, one proces
   timeout ${LIMIT:-270} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED --prompts /tmp/humaneval-heldout.jsonl \
     --widths $WIDTHS --rows $ROWS --tokens $TOKENS --depths 3,3s,a --peer --phases 2>&1 | tee "$OUT/round-cost.log"
   ;;
+lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs mlx-lm; 1 stream and width 32;
+  # held-out HumanEval rows and GSM8K in one process (~2.5 min warm). Sizes are env vars (CPU dry runs).
+  SHIPPED=heads/smollm2-135m-instruct
+  heldout $SHIPPED
+  timeout ${LIMIT:-200} python3 -m benchmarks.real_models --model $MODEL --head $SHIPPED --tokens ${TOKENS:-128} \
+    --prompts /tmp/humaneval-heldout.jsonl,/tmp/gsm8k.jsonl --rows ${ROWS:-16} --widths ${WIDTHS:-32} --depths 3 \
+    --ngram-depths 3 --mtp-lookup ${LOOKUP:-2} --batch-methods none,ngram,mtp,mtp+lookup --out /tmp/b/lookup 2>&1 \
+    | tee "$OUT/lookup.log"
+  for d in /tmp/b/lookup/*/; do cp "$d/real_models.md" "$OUT/lookup-$(basename $d).md"; done
+  ;;
 *)
-  sed -n 2,10p "$0"; exit 2
+  sed -n 2,11p "$0"; exit 2
   ;;
 esac

@@ -73,7 +73,14 @@ def run_engine(bundle, prompts, tokens, spec: SpeculativeConfig, width: int, war
         "compiled_calls": eng.bank.stats["compiled_calls"] if eng.bank else 0,
         "peak_gb": peak_gb(),
         "texts": [r.tokens for r in res],
+        # mtp_lookup: the share of row-rounds that drafted from the context (both runs counted alike)
+        "lookup_share": _lookup_share(eng.drafter),
     }
+
+
+def _lookup_share(drafter):
+    counts = getattr(getattr(drafter, "lookup", None), "counts", None)
+    return round(counts["lookup"] / max(1, sum(counts.values())), 3) if counts else ""
 
 
 def _rows_one_at_a_time(steps, prompts, tokens, eos):
@@ -152,7 +159,8 @@ def identity(bundle, prompts, plain, spec_texts):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts", default="humaneval")
+    ap.add_argument("--prompts", default="humaneval",
+                    help="a dataset name or JSONL file; several, comma-separated, run one after another in one process")
     ap.add_argument("--head", default=None, help="MTP sidecar head dir (method mtp)")
     ap.add_argument("--draft", default=None, help="draft model (method draft)")
     ap.add_argument("--rows", type=int, default=16)
@@ -164,26 +172,41 @@ def main():
     ap.add_argument("--batch-methods", default="none,ngram,mtp,draft", help="methods run at the batched widths")
     ap.add_argument("--torch", action="store_true", help="also PyTorch + transformers generate on the same weights (CUDA)")
     ap.add_argument("--repeats", type=int, default=1, help="single-stream runs per setting; tok/s is their median")
+    ap.add_argument("--mtp-lookup", type=int, default=0,
+                    help="also run method mtp with speculative.mtp_lookup N (shown as mtp+lookup), single stream and batched")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     bundle = load(args.model)
+    sources = [s for s in args.prompts.split(",") if s]
+    for source in sources:
+        out = Path(args.out) / (Path(source).stem if len(sources) > 1 else "")
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"== {source}", flush=True)
+        run_source(args, bundle, source, out)
+
+
+def run_source(args, bundle, source: str, out: Path):
+    """Every setting on one prompt source: single stream, then the batched widths."""
     tok = bundle.tokenizer
     eos = set(tok.eos_token_ids)
     single_rows = max(4, args.rows // 4)
-    prompts = load_prompts(args.prompts, tok, max(args.rows, 32))
+    prompts = load_prompts(source, tok, max(args.rows, 32))
     single_prompts = prompts[:single_rows]
 
     methods = [("none", 1)] + [("ngram", int(d)) for d in args.ngram_depths.split(",") if d]
     if args.head:
         methods += [("mtp", int(d)) for d in args.depths.split(",")]
+        if args.mtp_lookup:
+            methods += [("mtp+lookup", int(d)) for d in args.depths.split(",")]
     if args.draft:
         methods += [("draft", int(d)) for d in args.depths.split(",")]
 
     def spec(method, depth, adaptive=False):
+        lookup = args.mtp_lookup if method == "mtp+lookup" else 0
+        method = "mtp" if lookup else method
         return SpeculativeConfig(method=method, depth=depth, compiled_verify=args.compiled, adaptive_depth=adaptive,
-                                 mtp_head=args.head if method == "mtp" else None, draft_model=args.draft if method == "draft" else None)
+                                 mtp_head=args.head if method == "mtp" else None, mtp_lookup=lookup,
+                                 draft_model=args.draft if method == "draft" else None)
 
     rows, ident = [], []
     def median_run(fn):
@@ -208,7 +231,7 @@ def main():
         r = median_run(lambda: run_engine(bundle, single_prompts, args.tokens, spec(method, depth), 1))
         if method == "none":
             plain = r
-        rows.append({"setting": "1 stream", "method": f"ours {method}", "depth": depth if method != "none" else "", "tok/s": r["tok_s"], "spread": r["spread"], "peak GB": r["peak_gb"], "x mlx-lm": r["tok_s"] / peer["tok_s"], "tokens/verify": r["tokens_per_verify"], "acceptance": r["acceptance"], "accept by depth": r["accept_by_depth"]})
+        rows.append({"setting": "1 stream", "method": f"ours {method}", "depth": depth if method != "none" else "", "tok/s": r["tok_s"], "spread": r["spread"], "peak GB": r["peak_gb"], "x mlx-lm": r["tok_s"] / peer["tok_s"], "tokens/verify": r["tokens_per_verify"], "acceptance": r["acceptance"], "accept by depth": r["accept_by_depth"], "lookup share": r["lookup_share"]})
         if method != "none":
             share, gaps = identity(bundle, single_prompts, plain["texts"], r["texts"])
             ident.append({"method": method, "depth": depth, "rows identical": share, "divergences": len(gaps), "max top-2 gap at divergence": max(gaps) if gaps else 0.0, "all at near-ties": all(g < NEAR_TIE for g in gaps)})
@@ -225,12 +248,16 @@ def main():
         entry = {"width": width, "rows": len(batch_prompts), "mlx-lm tok/s": pb["tok_s"],
                  "mlx-lm": "generate_step" if width == 1 else "batch_generate", "mlx-lm peak GB": pb["peak_gb"]}
         extra = ([("mtp", best_mtp["depth"])] if best_mtp else []) + ([("draft", 2)] if args.draft else [])
+        if best_mtp and args.mtp_lookup:
+            extra.insert(1, ("mtp+lookup", best_mtp["depth"]))
         wanted = args.batch_methods.split(",")
         for method, depth in [m for m in [("none", 1), ("ngram", 3)] + extra if m[0] in wanted or m[0] == "none"]:
             r = run_engine(bundle, batch_prompts, args.tokens, spec(method, depth, adaptive=method != "none"), width)
             entry[f"ours {method} tok/s"] = r["tok_s"]
             entry[f"ours {method} x peer"] = r["tok_s"] / pb["tok_s"]
             entry[f"ours {method} peak GB"] = r["peak_gb"]
+            if method.startswith("mtp"):
+                entry[f"ours {method} tokens/verify"] = r["tokens_per_verify"]
             if method == "none":
                 batch_plain = r["texts"]
         if args.torch and torch_peer.available() and width > 1:  # width 1: the single-stream run above
@@ -247,12 +274,12 @@ def main():
     except Exception as e:  # noqa: BLE001
         torch_rows = [{"setting": "torch peer failed", "error": repr(e)[:300]}]
     print(table(torch_rows), flush=True)
-    payload = {"device": device_name(), "versions": versions(), "model": args.model, "prompts": args.prompts,
+    payload = {"device": device_name(), "versions": versions(), "model": args.model, "prompts": source,
                "rows_single": single_rows, "tokens": args.tokens, "plain_equals_mlx_lm_share": same_as_peer,
                "single": rows, "identity": ident, "batched": batch_rows, "torch": torch_rows}
     save_json(out / "real_models.json", payload)
-    md = (f"device: {payload['device']}; model {args.model}; prompts {args.prompts}; {args.tokens} new tokens\n\n"
-          + table(rows, ["setting", "method", "depth", "tok/s", "spread", "peak GB", "x mlx-lm", "tokens/verify", "acceptance", "accept by depth"])
+    md = (f"device: {payload['device']}; model {args.model}; prompts {source}; {args.tokens} new tokens\n\n"
+          + table(rows, ["setting", "method", "depth", "tok/s", "spread", "peak GB", "x mlx-lm", "tokens/verify", "acceptance", "accept by depth", "lookup share"])
           + f"\nplain greedy == mlx-lm greedy on {same_as_peer:.0%} of rows\n\n" + table(ident) + "\n" + table(batch_rows)
           + ("\nPyTorch + transformers generate (greedy, transformers' default attention: see the attention column), same weights in bf16:\n\n" + table(torch_rows) if torch_rows else ""))
     (out / "real_models.md").write_text(md)
