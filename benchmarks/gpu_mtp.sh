@@ -82,7 +82,7 @@ lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs m
   heldout $SHIPPED
   timeout ${LIMIT:-200} python3 -m benchmarks.real_models --model $MODEL --head $SHIPPED --tokens ${TOKENS:-128} \
     --prompts /tmp/humaneval-heldout.jsonl,/tmp/gsm8k.jsonl --rows ${ROWS:-16} --widths ${WIDTHS:-32} --depths 3 \
-    --ngram-depths 3 --mtp-lookup ${LOOKUP:-2} --batch-methods none,ngram,mtp,mtp+lookup --out /tmp/b/lookup 2>&1 \
+    --ngram-depths 3 --mtp-lookup ${LOOKUP:-2,3} --batch-methods none,ngram,mtp,mtp+lookup --out /tmp/b/lookup 2>&1 \
     | tee "$OUT/lookup.log"
   for d in /tmp/b/lookup/*/; do cp "$d/real_models.md" "$OUT/lookup-$(basename $d).md"; done
   ;;

@@ -25,19 +25,21 @@ def heldout_prompts(data: str, head: str, tokenizer, rows: int, skip: int = 0):
     from mtplx.training.train_head import TrainConfig
     from pipelines.io.train_data import read_train_data
 
-    seen = set(json.loads((Path(head) / "mtp_head.json").read_text()).get("sample_rows") or [])
+    meta = json.loads((Path(head) / "mtp_head.json").read_text())
+    # the sample's row numbers are the training job's: another job's rows were never trained on
+    trained_on = f"job:" in meta.get("data", "") and f"/{Path(data).name}" in meta["data"].split(" + ")[0]
+    seen = set(meta.get("sample_rows") or []) if trained_on else set()
     read = read_train_data(data, tokenizer, TrainConfig())
     pairs = [(i, p) for i, p in zip(read.rows, read.prompts) if i not in seen][skip : skip + rows]
     return [i for i, _ in pairs], [p for _, p in pairs]
 
 
-def online(bundle, prompts, head, depth, tokens, lookup: str = "off"):
+def online(bundle, prompts, head, depth, tokens, lookup: int = 0):
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine
     from mtplx.request import Request, SamplingParams
 
-    kw = {"mtp_lookup": lookup} if lookup != "off" else {}
-    spec = SpeculativeConfig(method="mtp", depth=depth, adaptive_depth=False, mtp_head=head, **kw)
+    spec = SpeculativeConfig(method="mtp", depth=depth, adaptive_depth=False, mtp_head=head, mtp_lookup=lookup)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=1, order="input"))
     reqs = [Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=tokens)) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
@@ -53,7 +55,8 @@ def online(bundle, prompts, head, depth, tokens, lookup: str = "off"):
     rows = [round(r.stats.tokens_per_verify or 1.0, 2) for r in res]
     return {"texts": [r.tokens for r in res], "per_row": rows, "tokens_per_verify": (acc + verifies) / max(verifies, 1),
             "accepted_per_verify": per_verify.round(3).tolist(), "conditional": np.round(cond, 3).tolist(),
-            "seconds": round(dt, 1), "tokens": sum(len(r.tokens) for r in res)}
+            "seconds": round(dt, 1), "tokens": sum(len(r.tokens) for r in res),
+            "lookup_rounds": getattr(eng.drafter.lookup, "counts", None)}
 
 
 def offline(bundle, prompts, texts, head_dir, depth):
@@ -88,7 +91,8 @@ def main():
     ap.add_argument("--skip", type=int, default=0, help="held-out rows to skip first")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--depth", type=int, default=3)
-    ap.add_argument("--lookup", default="off", help="speculative.mtp_lookup for the online run")
+    ap.add_argument("--lookup", type=int, default=0, help="speculative.mtp_lookup for the online run (0: head only)")
+    ap.add_argument("--online-only", action="store_true", help="skip the teacher-forced evaluation")
     args = ap.parse_args()
     from mtplx.models.loading import load
 
@@ -97,6 +101,8 @@ def main():
     print(f"rows {idx}", flush=True)
     on = online(bundle, prompts, args.head, args.depth, args.tokens, args.lookup)
     print("online:", json.dumps({k: v for k, v in on.items() if k != "texts"}), flush=True)
+    if args.online_only:
+        return
     off = offline(bundle, prompts, on["texts"], args.head, args.depth)
     print("offline:", json.dumps(off), flush=True)
 

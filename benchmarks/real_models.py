@@ -78,6 +78,10 @@ def run_engine(bundle, prompts, tokens, spec: SpeculativeConfig, width: int, war
     }
 
 
+def _lookups(args):
+    return [int(n) for n in args.mtp_lookup.split(",") if n and int(n) > 0]
+
+
 def _lookup_share(drafter):
     counts = getattr(getattr(drafter, "lookup", None), "counts", None)
     return round(counts["lookup"] / max(1, sum(counts.values())), 3) if counts else ""
@@ -169,11 +173,12 @@ def main():
     ap.add_argument("--depths", default="1,2,3,4")
     ap.add_argument("--compiled", default="on")
     ap.add_argument("--ngram-depths", default="2,4", help="single-stream prompt-lookup depths ('' for none)")
-    ap.add_argument("--batch-methods", default="none,ngram,mtp,draft", help="methods run at the batched widths")
+    ap.add_argument("--batch-methods", default="none,ngram,mtp,draft", help="methods run at the batched widths (mtp+lookup: every --mtp-lookup N)")
     ap.add_argument("--torch", action="store_true", help="also PyTorch + transformers generate on the same weights (CUDA)")
     ap.add_argument("--repeats", type=int, default=1, help="single-stream runs per setting; tok/s is their median")
-    ap.add_argument("--mtp-lookup", type=int, default=0,
-                    help="also run method mtp with speculative.mtp_lookup N (shown as mtp+lookup), single stream and batched")
+    ap.add_argument("--mtp-lookup", default="",
+                    help="also run method mtp with speculative.mtp_lookup N (shown as mtp+lookupN), single stream and "
+                         "batched; several N comma-separated")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     bundle = load(args.model)
@@ -196,13 +201,12 @@ def run_source(args, bundle, source: str, out: Path):
     methods = [("none", 1)] + [("ngram", int(d)) for d in args.ngram_depths.split(",") if d]
     if args.head:
         methods += [("mtp", int(d)) for d in args.depths.split(",")]
-        if args.mtp_lookup:
-            methods += [("mtp+lookup", int(d)) for d in args.depths.split(",")]
+        methods += [(f"mtp+lookup{n}", int(d)) for n in _lookups(args) for d in args.depths.split(",")]
     if args.draft:
         methods += [("draft", int(d)) for d in args.depths.split(",")]
 
     def spec(method, depth, adaptive=False):
-        lookup = args.mtp_lookup if method == "mtp+lookup" else 0
+        lookup = int(method[len("mtp+lookup"):]) if method.startswith("mtp+lookup") else 0
         method = "mtp" if lookup else method
         return SpeculativeConfig(method=method, depth=depth, compiled_verify=args.compiled, adaptive_depth=adaptive,
                                  mtp_head=args.head if method == "mtp" else None, mtp_lookup=lookup,
@@ -248,10 +252,10 @@ def run_source(args, bundle, source: str, out: Path):
         entry = {"width": width, "rows": len(batch_prompts), "mlx-lm tok/s": pb["tok_s"],
                  "mlx-lm": "generate_step" if width == 1 else "batch_generate", "mlx-lm peak GB": pb["peak_gb"]}
         extra = ([("mtp", best_mtp["depth"])] if best_mtp else []) + ([("draft", 2)] if args.draft else [])
-        if best_mtp and args.mtp_lookup:
-            extra.insert(1, ("mtp+lookup", best_mtp["depth"]))
+        if best_mtp:
+            extra[1:1] = [(f"mtp+lookup{n}", best_mtp["depth"]) for n in _lookups(args)]
         wanted = args.batch_methods.split(",")
-        for method, depth in [m for m in [("none", 1), ("ngram", 3)] + extra if m[0] in wanted or m[0] == "none"]:
+        for method, depth in [m for m in [("none", 1), ("ngram", 3)] + extra if m[0].rstrip("0123456789") in wanted or m[0] == "none"]:
             r = run_engine(bundle, batch_prompts, args.tokens, spec(method, depth, adaptive=method != "none"), width)
             entry[f"ours {method} tok/s"] = r["tok_s"]
             entry[f"ours {method} x peer"] = r["tok_s"] / pb["tok_s"]
