@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_session.sh speed    # issue 20 (~8 min): plain decoding vs mlx-lm (0.6B/8B, 1 and 32
 #                                           # streams), startup phases, a job at widths 32..256 vs batch_generate
 #                                           # at the same width, few-shot MMLU vs batch_generate (+ its phases)
+#   bash benchmarks/gpu_session.sh fixed    # issue 20 (~4 min): few-shot MMLU vs batch_generate, its fixed costs
+#                                           # by phase (benchmarks/fixed_costs.py), startup to the first token
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -95,6 +97,17 @@ speed)  # sizes are env vars so the same step dry-runs on a CPU with tiny ones
   LIMIT=$((90 * SLOW)) bench mmlu benchmarks.jobs_vs_peer jobs/mmlu.yaml --set speculative.method=none --set input.limit=$MMLU_ROWS
   LIMIT=$((60 * SLOW)) bench mmlu-phases benchmarks.phase_profile jobs/mmlu.yaml --set speculative.method=none \
     --set input.limit=$MMLU_ROWS --tag fewshot
+  LIMIT=$((60 * SLOW)) bench mmlu-fixed benchmarks.fixed_costs jobs/mmlu.yaml --set speculative.method=none \
+    --set input.limit=$MMLU_ROWS --real
+  collect
+  ;;
+fixed)  # issue 20's fixed costs alone (~4 min): few-shot MMLU vs batch_generate (its first load converts the
+  # GGUF on a fresh host), where the job's time goes outside the forwards, startup to the first token
+  MMLU_ROWS=${MMLU_ROWS:-256}; SLOW=${SLOW:-1}
+  LIMIT=$((150 * SLOW)) bench mmlu benchmarks.jobs_vs_peer jobs/mmlu.yaml --set speculative.method=none --set input.limit=$MMLU_ROWS
+  LIMIT=$((60 * SLOW)) bench mmlu-fixed benchmarks.fixed_costs jobs/mmlu.yaml --set speculative.method=none \
+    --set input.limit=$MMLU_ROWS --real
+  LIMIT=$((90 * SLOW)) bench startup benchmarks.startup --model $MODEL --repeats 2
   collect
   ;;
 train)
