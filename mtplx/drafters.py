@@ -267,16 +267,16 @@ class DraftModelDrafter(_CachedDrafter):
 
     def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
         keep = np.where(active, n_accept + 1, 0)
-        self.advance(None, None, mx.array(keep.astype(np.int32)), keep, verify_in, hidden)
+        self.advance(None, None, mx.array(keep.astype(np.int32)), keep, verify_in, hidden, exact=True)
 
-    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None):
+    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False):
         if verify_in is not None and verify_in.shape[1] == 1:
             # A round without drafts (K = 0) skipped propose: the draft model has not seen the
             # pending token yet, and the start mark is a previous round's (maybe another width).
             self._begin()
             self._feed(verify_in[:, 0])
         self.cache.rows.restore(self.start)
-        self.cache.rows.advance(counts, most)
+        self.cache.rows.advance(counts, most, exact)
         if self._state_layers:
             self._restore_states(counts)
 
@@ -385,18 +385,18 @@ class MtpDrafter(_CachedDrafter):
     def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
         keep = np.where(active, n_accept + 1, 0)
         self.advance(mx.array(n_accept.astype(np.int32)), mx.array(next_tokens.astype(np.int32)),
-                     mx.array(keep.astype(np.int32)), keep, verify_in, hidden)
+                     mx.array(keep.astype(np.int32)), keep, verify_in, hidden, exact=True)
         if self.lookup is not None:
             self.lookup.commit(n_accept, next_tokens, drafts, active)
 
-    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None):
+    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False):
         out = None
         if self.bank is not None:
             out = self.bank.commit(self.cache, hidden, verify_in, n, nxt)
         if out is None:
             h_at = at_accepted(self.head.hidden(hidden, commit_inputs(verify_in, n, nxt), self.cache.layers), n)
             out = project(self.head, self.vocab, h_at), h_at
-        self.cache.advance(counts, most)
+        self.cache.advance(counts, most, exact)
         self.extra = list(out)
 
 

@@ -125,3 +125,18 @@ def test_rounds_queued_past_a_rows_end_stay_compiled(setup, method):
     assert len(out) == len(rows) and all(r.error is None for r in out)
     assert eng.bank.stats["compiled_calls"] > 0
     assert eng.bank.stats["fallback_calls"] == 0, eng.bank.stats["fallback_reasons"]
+
+
+def test_synchronous_mtp_rounds_keep_exact_lengths(setup):
+    """MTP with the lookup fallback reads every round before the next (it drafts from the tokens):
+    its commits are exact, so its head cache's lengths never turn into upper bounds."""
+    bundle, head, _, rows, refs = setup
+    spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, mtp_head=head, mtp_lookup=2)
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=4, order="input"))
+    assert not eng.drafter.device_side
+    rounds = []
+    land = eng._land
+    eng._land = lambda *a: (rounds.append(eng.drafter.cache.rows.unread), land(*a))[1]
+    out = {r.key: r.tokens for r in eng.generate(_requests(rows))}
+    assert [out[i] for i in range(len(rows))] == refs
+    assert rounds and set(rounds) == {0}

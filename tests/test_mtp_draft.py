@@ -59,15 +59,15 @@ class _Checked(MtpDrafter):
         self.checks["propose"] += 1
         return drafts, q
 
-    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None):
+    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False):
         saved = [(c.keys, c.values) for c in self.cache.layers], self.cache.rows.mark()
-        super().advance(n, nxt, counts, most, verify_in, hidden)
+        super().advance(n, nxt, counts, most, verify_in, hidden, exact)
         got = [np.array(a) for a in self.extra]
         for c, (k, v) in zip(self.cache.layers, saved[0]):
             c.keys, c.values = k, v
         self.cache.rows.restore(saved[1])
         bank, self.bank = self.bank, None
-        super().advance(n, nxt, counts, most, verify_in, hidden)
+        super().advance(n, nxt, counts, most, verify_in, hidden, exact)
         self.bank = bank
         for a, b in zip(got, self.extra):
             self.commit_diff = max(self.commit_diff, float(np.abs(a - np.array(b)).max()))
