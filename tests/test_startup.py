@@ -128,6 +128,11 @@ def test_engine_loads_without_transformers(tmp_path):
     assert out.split() == ["FastTokenizer", "False", "False", "True", "True", "True"]
 
 
+# Seconds of imports each (torch with transformers on a GPU host) that nothing needs before the first token.
+HEAVY = ("torch", "matplotlib", "datasets", "ray", "pyarrow.dataset", "mlx_lm.generate", "mlx_lm.utils",
+         "mlx_lm.tokenizer_utils")
+
+
 def test_run_reports_startup_phases_without_transformers_or_pandas(tmp_path):
     model = make_tiny_model(tmp_path / "m", "llama")
     data = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"def f{i}(x):", "tag": f"t{i}"}
@@ -137,16 +142,18 @@ def test_run_reports_startup_phases_without_transformers_or_pandas(tmp_path):
     job_file = write_job(tmp_path / "job.yaml", job)
     out, err = _python(
         "import sys, pipelines.execution.startup as s\n"
+        f"HEAVY = {HEAVY!r}\n"
         "real = s.Startup.report\n"
         "def report(self, emit):\n"
         "    if not self.reported:\n"
-        "        print('transformers' in sys.modules, 'pandas' in sys.modules)\n"
+        "        print('transformers' in sys.modules, 'pandas' in sys.modules,\n"
+        "              sorted(m for m in HEAVY if m in sys.modules))\n"
         "    real(self, emit)\n"
         "s.Startup.report = report\n"
         "from pipelines.cli import main\n"
         f"main(['run', {str(job_file)!r}, '--log-json'], standalone_mode=False)\n"
     )
-    assert out.split() == ["False", "False"]  # at the first token
+    assert out.split() == ["False", "False", "[]"]  # at the first token
     events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     startup = [e for e in events if e["event"] == "startup"]
     assert len(startup) == 1
