@@ -97,7 +97,8 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
         sync_rounds=False):
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
     if sync_rounds:  # the drafter as if it drafted on the host: one synchronous round per call (the old path)
-        eng.drafter.device_side = False
+        d = eng.drafter
+        d.__class__ = type(f"Synchronous{type(d).__name__}", (type(d),), {"device_side": False})
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=tokens)) for i, p in enumerate(prompts[:rows])]
     list(eng.generate(reqs))  # warm-up: every program and kernel shape exists
     if phases:  # the device synchronized at every phase edge (no overlap left): the split, not the total
