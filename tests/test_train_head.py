@@ -136,6 +136,40 @@ def test_engine_with_trained_head_is_exact_and_accepts_more(qwen3_head, tmp_path
     assert acc_t > 0 and acc_t > acc_f
 
 
+def test_engine_accepts_what_the_teacher_forced_replay_predicts(qwen3_head):
+    """Online vs offline at depth 1 on the same positions: the engine's drafts are the head's argmax
+    over (trunk hidden h_i, token x_{i+1}) with its own KV cache, exactly what head_eval scores, so
+    walking the teacher-forced hits as rounds gives the engine's tokens per verify (up to a row's
+    last round, where the engine drafts no further than its max_tokens)."""
+    from mtplx.training.head_data import trunk_features
+    from mtplx.training.head_eval import depth_hits, replayed_tokens_per_verify
+
+    model, out, _ = qwen3_head
+    bundle = load(model)
+    texts = _prompts(8, seed=321)
+    prompts = [_chat(bundle, p) for p in texts]
+    res = _generate(bundle, SpeculativeConfig(method="mtp", mtp_head=str(out), depth=1, adaptive_depth=False),
+                    texts, max_tokens=40)
+    online = sum(r.stats.accepted_tokens + r.stats.verify_calls for r in res) / sum(r.stats.verify_calls for r in res)
+    seqs = [list(p) + list(r.tokens) for p, r in zip(prompts, res)]
+    feats = trunk_features(bundle.model, seqs, [len(p) - 1 for p in prompts], mx.float32, True)
+    replay = replayed_tokens_per_verify(depth_hits(load_head(bundle, str(out)), feats, 1), 1)
+    print(f"\ndepth 1: online {online:.3f} tokens/verify, replayed {replay:.3f}")
+    assert online > 1.05 and abs(online - replay) < 0.02
+
+
+def test_replay_walks_rounds_as_the_engine_does():
+    from mtplx.training.head_eval import replayed_tokens_per_verify
+
+    # one sequence, depths 2, bases 0..5 scored: hit runs from base 0: 2 (-> base 3), 0 (-> 4), 1 (-> 6)
+    grid = np.array([[1, 0, 0, 0, 1, 0],
+                     [1, 0, 0, 1, 0, 0]], dtype=np.int8)
+    assert replayed_tokens_per_verify([grid], 2) == (3 + 1 + 2) / 3
+    assert replayed_tokens_per_verify([grid], 1) == (2 + 1 + 1 + 2) / 4  # bases 0, 2, 3, 4
+    unscored = np.array([[-1, 1, 1, 0]], dtype=np.int8)  # scoring starts at base 1
+    assert replayed_tokens_per_verify([unscored], 1) == (2 + 1) / 2
+
+
 def test_sidecar_round_trips_through_load_head(qwen3_head):
     model, out, _ = qwen3_head
     bundle = load(model)
@@ -312,6 +346,9 @@ def test_recipe_sample_sampled_continuations_text_and_other_heldout(tiny_model, 
     assert len(rows) == 24 and rows == sorted(set(rows)) and rows != list(range(24)) and max(rows) < 40
     assert "text:" in meta["data"] and meta["draft_vocab"] == 64
     assert len(meta["heldout_acceptance_by_depth"]) == 4
+    walked = meta["heldout_replayed_tokens_per_verify"]
+    assert sorted(walked) == ["1", "2", "3", "4"] and all(1.0 <= walked[k] <= int(k) + 1 for k in walked)
+    assert "walked as the engine's rounds" in res.output
     assert meta["heldout_other"]["data"].startswith("job:") and meta["heldout_other"]["sequences"] == 8
     assert len(meta["heldout_other"]["acceptance_by_depth"]) == 4
     assert "held-out other dataset" in res.output and "tokens per verify" in res.output

@@ -109,11 +109,27 @@ def acceptance_by_depth(head: MTPHead, feats: Features, depths: int, compute_dty
     """Held-out share of positions where the head's depth-k argmax (among `vocab` when given: the
     drafting vocabulary) is the trunk's own greedy token (teacher-forced: the tokens before it are
     the sequence's)."""
-    hits, counts = np.zeros(depths), np.zeros(depths)
-    for grid in depth_hits(head, feats, depths, compute_dtype, batch_size, vocab):
-        hits += (grid == 1).sum(axis=1)
+    return _rates(depth_hits(head, feats, depths, compute_dtype, batch_size, vocab), depths)
+
+
+def _rates(hits: Sequence[np.ndarray], depths: int) -> List[float]:
+    n_hit, counts = np.zeros(depths), np.zeros(depths)
+    for grid in hits:
+        n_hit += (grid == 1).sum(axis=1)
         counts += (grid >= 0).sum(axis=1)
-    return [float(h / c) if c else 0.0 for h, c in zip(hits, counts)]
+    return [float(h / c) if c else 0.0 for h, c in zip(n_hit, counts)]
+
+
+def depth_report(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
+                 vocab: Optional[Sequence[int]] = None) -> dict:
+    """What mtp_head.json reports for a held-out set: acceptance by depth, tokens per verify from
+    their product, and replayed as the engine walks rounds (the figure the engine measures)."""
+    hits = depth_hits(head, feats, depths, compute_dtype, vocab=vocab)
+    by_depth = _rates(hits, depths)
+    ks = range(1, depths + 1)
+    return {"acceptance_by_depth": by_depth,
+            "tokens_per_verify": {str(k): tokens_per_verify(by_depth, k) for k in ks},
+            "replayed_tokens_per_verify": {str(k): replayed_tokens_per_verify(hits, k) for k in ks}}
 
 
 def replayed_tokens_per_verify(hits: Sequence[np.ndarray], depth: int) -> float:
@@ -169,13 +185,18 @@ def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_siz
 
 def acceptance_report(meta: dict) -> List[str]:
     """Held-out acceptance by draft depth (the data's own split, and the other dataset's), as printed."""
-    def line(name, by_depth):
+    def line(name, by_depth, replayed=None):
         tpv = ", ".join(f"depth {k}: {tokens_per_verify(by_depth, k):.2f}" for k in (1, 2, 3))
-        return f"{name}: acceptance by draft depth {' '.join(f'{a:.3f}' for a in by_depth)}; tokens per verify {tpv}"
+        rounds = f" (walked as the engine's rounds: {', '.join(f'{replayed[str(k)]:.2f}' for k in (1, 2, 3))})" \
+            if replayed and all(str(k) in replayed for k in (1, 2, 3)) else ""
+        return (f"{name}: acceptance by draft depth {' '.join(f'{a:.3f}' for a in by_depth)}; tokens per verify "
+                f"{tpv}{rounds}")
 
     vocab = f" (drafting among {meta['draft_vocab']} tokens)" if meta.get("draft_vocab") else ""
-    out = [line(f"held-out rows of {meta['data']}{vocab}", meta["heldout_acceptance_by_depth"])]
+    out = [line(f"held-out rows of {meta['data']}{vocab}", meta["heldout_acceptance_by_depth"],
+                meta.get("heldout_replayed_tokens_per_verify"))]
     other = meta.get("heldout_other")
     if other:
-        out.append(line(f"held-out other dataset {other['data']}", other["acceptance_by_depth"]))
+        out.append(line(f"held-out other dataset {other['data']}", other["acceptance_by_depth"],
+                        other.get("replayed_tokens_per_verify")))
     return out

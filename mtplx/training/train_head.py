@@ -44,7 +44,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .head_data import TrainData, TrainHeadError, _bar, build_data, is_job_or_table, text_data, trunk_features
-from .head_eval import _batch, _causal, _unrolled, acceptance_by_depth, evaluate, tokens_per_verify
+from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
 from ..mtp_draft import DRAFT_VOCAB_FILE, frequent_tokens, save_draft_vocab
 from ..models.mtp import (SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, has_trunk_split, project_logits,
@@ -522,12 +522,12 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
     vocab = _draft_vocab(bundle, head, tdata, train_idx, cfg)
     depths = max(cfg.draft_depths, 4)
-    by_depth = acceptance_by_depth(head, held_f, depths, compute_dtype, vocab=vocab)
+    held_report = depth_report(head, held_f, depths, compute_dtype, vocab)
+    by_depth = held_report["acceptance_by_depth"]
     other_meta = None
     if other is not None:
         other_meta = {"data": other.source, "sequences": len(other.sequences), "positions": other_f.positions,
-                      "acceptance_by_depth": acceptance_by_depth(head, other_f, depths, compute_dtype, vocab=vocab)}
-        other_meta["tokens_per_verify"] = {str(k): tokens_per_verify(other_meta["acceptance_by_depth"], k) for k in (1, 2, 3, 4)}
+                      **depth_report(head, other_f, depths, compute_dtype, vocab)}
     meta = {
         "steps": step,
         "train_loss": train_loss,
@@ -536,7 +536,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         "initial_heldout_loss": initial["heldout_loss"],
         "initial_heldout_acceptance": initial["heldout_acceptance"],
         "heldout_acceptance_by_depth": by_depth,
-        "heldout_tokens_per_verify": {str(k): tokens_per_verify(by_depth, k) for k in (1, 2, 3, 4)},
+        "heldout_tokens_per_verify": held_report["tokens_per_verify"],
+        "heldout_replayed_tokens_per_verify": held_report["replayed_tokens_per_verify"],
         "heldout_other": other_meta,
         "draft_vocab": None if vocab is None else len(vocab),
         "data": tdata.source,
