@@ -44,14 +44,23 @@ collect() {
 }
 
 case "$STEP" in
-setup)
+setup)  # after the copy calls (../shared/GPU.md): ~/keep holds cuda-aa/ab, the wheels, smol-aa and the
+  # datasets; .gpu-d carries smol-ab. Installs MLX once per host and puts the assets where
+  # `mtplx-batch fetch` would; the Qwen2.5-Coder pair too when its parts are there (prepare_draft_pair.sh).
+  if [ ! -d ~/site/mlx ]; then
+    cat "$KEEP/cuda-aa" "$KEEP/cuda-ab" > "$KEEP/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl" && rm -f "$KEEP"/cuda-a?
+    python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site "$KEEP"/*.whl || exit 1
+  fi
   A=$MTPLX_CACHE/assets
   mkdir -p "$A/$MODEL" "$A/humaneval" "$A/mmlu-1k" "$A/gsm8k-100"
-  cat "$KEEP/smolpart-aa" .gpu-d/smolpart-ab > "$A/$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf"
+  G=$A/$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf
+  [ -f "$G" ] || cat "$KEEP/smol-aa" .gpu-d/smol-ab > "$G"
   cp "$KEEP/humaneval.jsonl" "$A/humaneval/"; cp "$KEEP/mmlu-1k.jsonl" "$A/mmlu-1k/"; cp "$KEEP/gsm8k-100.jsonl" "$A/gsm8k-100/"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target ~/site .gpu-d/gguf-*.whl
-  sha256sum "$A/$MODEL/SmolLM2-135M-Instruct.Q4_1.gguf"
-  python3 -c "import mlx.core as mx, torch, transformers; print(mx.default_device(), torch.__version__, transformers.__version__)"
+  if [ -f "$KEEP/qp-00" ] && [ ! -d /tmp/qwen/q15-4bit ]; then
+    mkdir -p /tmp/qwen && cat "$KEEP"/qp-?? | tar xf - -C /tmp/qwen && rm -f "$KEEP"/qp-??
+  fi
+  sha256sum "$G" | cut -c1-16
+  python3 -c "import mlx.core as mx; print(mx.default_device(), mx.__version__)"
   ;;
 real)
   bench real_models benchmarks.real_models --model $MODEL --prompts $CODE_PROMPTS --head $HEAD \
