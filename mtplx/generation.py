@@ -33,6 +33,7 @@ from .graphbank import CompiledVerifyBank
 from .models.loading import ModelBundle, cache_dir, context_length, load
 from .models.mtp import has_trunk_split, project_logits, trunk_hidden
 from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
+from . import stops
 from .request import Request, Result, RowStats
 from .sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs, uniforms
 
@@ -237,21 +238,12 @@ class Engine:
         return _Row(req, rng, max_tokens, stats, time.perf_counter(), []), None
 
     def _finish(self, row: _Row, reason: str) -> Result:
-        text = self.tokenizer.decode(row.tokens)
-        stops = [s for s in row.req.params.stop if s and s in text]
-        if stops:
-            # Keep the tokens up to the one that completes the first stop string (a round may have
-            # emitted more), and the text before it.
-            def has_stop(k):
-                return any(s in self.tokenizer.decode(row.tokens[:k]) for s in stops)
-
-            lo, hi = 1, len(row.tokens)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if has_stop(mid) else (mid + 1, hi)
-            del row.tokens[lo:]
+        hit = stops.cut(self.tokenizer.decode, row.tokens, row.req.params.stop) if row.req.params.stop else None
+        if hit is not None:  # a round may have emitted past the token that completes the stop string
+            del row.tokens[hit[0]:]
+            text, reason = hit[1], "stop"
+        else:
             text = self.tokenizer.decode(row.tokens)
-            text, reason = text[: min(text.find(s) for s in stops if s in text)], "stop"
         st = row.stats
         st.completion_tokens = len(row.tokens)
         st.decode_seconds = time.perf_counter() - row.started
@@ -268,10 +260,8 @@ class Engine:
             row.tokens.append(int(tok))
             if len(row.tokens) >= row.max_tokens:
                 return "length"
-        if row.req.params.stop:
-            tail = self.tokenizer.decode(row.tokens[-64:])
-            if any(s and s in tail for s in row.req.params.stop):
-                return "stop"
+        if row.req.params.stop and stops.in_tail(self.tokenizer.decode, row.tokens, row.req.params.stop):
+            return "stop"
         return None
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
