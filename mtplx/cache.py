@@ -48,6 +48,10 @@ class RowLengths:
     device's).
     """
 
+    # The plain per-row causal mask RowKVCache.make_mask last built (no window): the layers of one
+    # forward share it, and rows_attention.py recognizes it by identity as "keys 0..length + i".
+    mask: Optional[mx.array] = None
+
     def __init__(self, lengths: Sequence[int]):
         self.set(lengths)
 
@@ -170,7 +174,7 @@ class RowKVCache:
         if window_size is not None:
             mask = mask & (key_pos[None, None, :] > query_pos[:, :, None] - window_size)
             return mask[:, None]  # [B, 1, N, n]
-        self.rows.mask = mask[:, None]  # the plain per-row mask: rows_attention knows it by identity
+        self.rows.mask = mask[:, None]  # RowLengths.mask
         return self.rows.mask
 
     def is_trimmable(self):

@@ -52,7 +52,6 @@ def _tree_bytes(tree) -> int:
     return sum(v.nbytes for _, v in tree_flatten(tree))
 
 
-
 # -- the engine ------------------------------------------------------------------------------------
 class _Runtime:
     """What a verify forward needs: the model, and whether hidden states are wanted (MTP)."""

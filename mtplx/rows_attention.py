@@ -162,7 +162,7 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention`, with `rows_attention` for a RowKVCache's own mask."""
     from .cache import RowKVCache
 
-    if (sinks is None and isinstance(cache, RowKVCache) and mask is not None and mask is getattr(cache.rows, "mask", None)
+    if (sinks is None and isinstance(cache, RowKVCache) and mask is not None and mask is cache.rows.mask
             and usable(queries, keys, values)):
         return rows_attention(queries, keys, values, scale, cache.rows.device)
     return _original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
