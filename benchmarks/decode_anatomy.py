@@ -16,12 +16,20 @@ log-probabilities, which can break bf16 ties differently):
   engine compiled plain         compiled_verify on, without the CUDA paths below (session 3)
   engine compiled +rowattn      ... with mtplx/rows_attention.py for the masked attention
   engine compiled +rowattn+stacked  ... and stacked q/k/v, gate/up (mtplx/fusion.py): what ships
+  engine compiled +rowattn+stacked qkv / mlp   ... only q/k/v, only gate/up stacked
+  engine eager +stacked         the eager engine with both stacked
   bare+KVCache +stacked         stacking in an eager loop
+
+`--variants matrix` runs only issue 20's one-stream matrix (MATRIX: eager vs compiled, with and
+without stacking, against generate_step and the bare loop); a comma-separated list of labels
+picks others. After every round of runs the medians so far are printed, so a run cut short still
+says what it measured.
 
 On CUDA it also checks rows_attention's kernel against MLX's over exact keys (bit-identical?).
 Prints a line per run as it goes; writes decode_anatomy.{json,md} to --out.
 
     python -m benchmarks.decode_anatomy --shapes 8b,0.6b --tokens 128 --out bench-out
+    python -m benchmarks.decode_anatomy --shapes 8b --tokens 256 --repeats 5 --variants matrix
     python -m benchmarks.decode_anatomy --shapes tiny --tokens 16 --repeats 1      # CPU dry run
 """
 
@@ -38,7 +46,7 @@ from mtplx import rows_attention
 from mtplx.architectures import capture_backend
 from mtplx.cache import BatchCache, RowKVCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.fusion import fuse_projections, unstack
+from mtplx.fusion import NAMED, fuse_projections, unstack
 from mtplx.generation import Engine, _Runtime
 from mtplx.graphbank import CompiledVerifyBank
 from mtplx.request import Request, SamplingParams
@@ -163,7 +171,7 @@ def rows_attention_check(dtype=mx.bfloat16):
     return out
 
 
-# (label, variant, rows_attention installed, projections stacked)
+# (label, variant, rows_attention installed, projections stacked: False, True (all), or a NAMED group)
 VARIANTS = [
     ("mlx-lm generate_step", v_generate_step, False, False),
     ("bare+KVCache", v_bare_kv, False, False),
@@ -171,24 +179,58 @@ VARIANTS = [
     ("bare+BatchCache exact", v_bare_batch(True), False, False),
     ("engine eager masked", v_engine("off", exact=False), False, False),
     ("engine eager", v_engine("off"), True, False),
+    ("engine eager +stacked", v_engine("off"), True, True),
     ("engine compiled plain", v_engine("on"), False, False),
     ("engine compiled +rowattn", v_engine("on"), True, False),
     ("engine compiled +rowattn+stacked", v_engine("on"), True, True),
+    ("engine compiled +rowattn+stacked qkv", v_engine("on"), True, "qkv"),
+    ("engine compiled +rowattn+stacked mlp", v_engine("on"), True, "mlp"),
     ("bare+KVCache +stacked", v_bare_kv, False, True),
 ]
 REFERENCE = "bare+KVCache"
+# issue 20's one-stream question: which engine path is fastest, and does stacking pay, eager or compiled
+MATRIX = ["mlx-lm generate_step", "bare+KVCache", "engine eager", "engine eager +stacked", "engine compiled +rowattn",
+          "engine compiled +rowattn+stacked", "engine compiled +rowattn+stacked qkv", "engine compiled +rowattn+stacked mlp"]
 
 
-def set_paths(model, rowattn: bool, stacked: bool):
+def pick_variants(spec: str):
+    """`all`, `matrix`, or comma-separated labels; an unknown label is an error naming the known ones."""
+    if spec == "all":
+        return VARIANTS
+    labels = MATRIX if spec == "matrix" else [s.strip() for s in spec.split(",") if s.strip()]
+    known = {v[0]: v for v in VARIANTS}
+    bad = [lab for lab in labels if lab not in known]
+    if bad:
+        raise SystemExit(f"--variants: unknown {bad}; known: all, matrix, " + ", ".join(known))
+    return [known[lab] for lab in labels]
+
+
+def set_paths(model, rowattn: bool, stacked):
     """Put the model in the state a variant runs in (the engine's own installs are off here)."""
     if rowattn:
         rows_attention.install(model)
     else:
         rows_attention.uninstall()
+    unstack(model)
     if stacked:
-        fuse_projections(model)
-    else:
-        unstack(model)
+        fuse_projections(model, [NAMED[stacked]] if isinstance(stacked, str) else NAMED.values())
+
+
+def summary(name, variants, runs, toks_of, roof):
+    """One row per variant: the median time per token of its runs, against generate_step's."""
+    base = runs.get("mlx-lm generate_step")
+    base = 1 / float(np.median(base)) if base else None
+    rows = []
+    for label, *_ in variants:
+        if not runs[label]:
+            rows.append({"model": name, "variant": label, "error": "failed"})
+            continue
+        spt = float(np.median(runs[label]))
+        rows.append({"model": name, "variant": label, "tok/s": 1 / spt, "ms/token": spt * 1e3,
+                     "x mlx-lm": (1 / spt) / base if base else None, "% roofline": 100 / spt / roof,
+                     "runs tok/s": " ".join(f"{1 / t:.0f}" for t in runs[label]),
+                     "same tokens": toks_of[label] == toks_of.get(REFERENCE, toks_of[label])})
+    return rows
 
 
 def load_model(name):
@@ -206,8 +248,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of every variant (interleaved)")
+    ap.add_argument("--variants", default="all", help="all, matrix (issue 20's one-stream matrix), or comma-separated labels")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
+    chosen = pick_variants(args.variants)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [s for s in args.shapes.split(",") if s] + ([args.model] if args.model else [])
@@ -225,7 +269,7 @@ def main():
                 attn_rows += [dict(model=name, **r) for r in rows_attention_check()]
             except Exception as e:  # noqa: BLE001 (the kernel failing to build must not cost the rest)
                 print(f"rows_attention check FAILED {type(e).__name__}: {e}", flush=True)
-        variants = VARIANTS  # off CUDA rows_attention installs nothing: +rowattn runs without it
+        variants = chosen  # off CUDA rows_attention installs nothing: +rowattn runs without it
         runs = {label: [] for label, *_ in variants}
         toks_of = {}
         for rep in range(-1, args.repeats):  # -1: the warm-up round (kernels, compiled programs)
@@ -235,27 +279,20 @@ def main():
                 try:
                     toks, dt = fn(target, prompt, min(args.tokens, 16) if rep < 0 else args.tokens)
                 except Exception as e:  # noqa: BLE001 (one variant failing must not cost the others)
-                    print(f"{name:6s} {label:34s} FAILED {type(e).__name__}: {e}", flush=True)
+                    print(f"{name:6s} {label:38s} FAILED {type(e).__name__}: {e}", flush=True)
                     continue
                 if rep < 0:
                     continue
                 spt = dt / max(1, len(toks) - 1)
                 runs[label].append(spt)
                 toks_of[label] = toks
-                print(f"{name:6s} {label:34s} run {rep}: {1 / spt:8.1f} tok/s {spt * 1e3:7.2f} ms/tok", flush=True)
+                print(f"{name:6s} {label:38s} run {rep}: {1 / spt:8.1f} tok/s {spt * 1e3:7.2f} ms/tok", flush=True)
+            if 0 <= rep < args.repeats - 1:  # the medians so far: a run cut short still reports
+                print(f"-- {name}: medians after {rep + 1} round(s)", flush=True)
+                print(table([r for r in summary(name, variants, runs, toks_of, roof) if "tok/s" in r],
+                            ["variant", "tok/s", "x mlx-lm", "% roofline", "runs tok/s"]), flush=True)
         set_paths(bundle.model, False, False)
-        base = runs.get("mlx-lm generate_step")
-        base = 1 / float(np.median(base)) if base else None
-        for label, *_ in variants:
-            if not runs[label]:
-                rows.append({"model": name, "variant": label, "error": "failed"})
-                continue
-            spt = float(np.median(runs[label]))
-            row = {"model": name, "variant": label, "tok/s": 1 / spt, "ms/token": spt * 1e3,
-                   "x mlx-lm": (1 / spt) / base if base else None, "% roofline": 100 / spt / roof,
-                   "runs tok/s": " ".join(f"{1 / t:.0f}" for t in runs[label]),
-                   "same tokens": toks_of[label] == toks_of.get(REFERENCE, toks_of[label])}
-            rows.append(row)
+        rows += summary(name, variants, runs, toks_of, roof)
         print(table([r for r in rows if r["model"] == name and "tok/s" in r]), flush=True)
         del bundle
         mx.clear_cache()

@@ -17,6 +17,10 @@
 #                                           # at the same width, few-shot MMLU vs batch_generate (+ its phases)
 #   bash benchmarks/gpu_session.sh fixed    # issue 20 (~4 min): few-shot MMLU vs batch_generate, its fixed costs
 #                                           # by phase (benchmarks/fixed_costs.py), startup to the first token
+#   bash benchmarks/gpu_session.sh widths   # issue 20 (<= 4 min): a job at widths 32/64/128/256 (plain and prompt
+#                                           # lookup) vs batch_generate at the same width, one process, warmed up
+#   bash benchmarks/gpu_session.sh decode   # issue 20 (<= 4 min): 8B one stream, eager vs compiled, with and
+#                                           # without stacked projections, vs generate_step (medians, interleaved)
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -119,12 +123,30 @@ fixed)  # issue 20's fixed costs alone (~4 min): few-shot MMLU vs batch_generate
   LIMIT=$((90 * SLOW)) bench startup benchmarks.startup --model $MODEL --repeats 2
   collect
   ;;
+widths)  # one process (benchmarks/job_widths.py): the model loads once, a short run builds the kernels, then
+  # per width 2 x W MMLU rows (distinct prompts), ours plain and prompt lookup, batch_generate at W; a table
+  # after every width; no width starts after BUDGET s. Dry run: WIDTHS=2,4 TOKENS=4 SLOW=4 (a CPU)
+  SLOW=${SLOW:-1}
+  timeout $((235 * SLOW)) python3 -m benchmarks.job_widths jobs/eval.yaml --set input.path=mmlu-1k \
+    --set speculative.method=none --widths "${WIDTHS:-32,64,128,256}" --rows-per-width "${PER:-2}" \
+    --tokens "${TOKENS:-64}" --methods none,ngram --budget $((${BUDGET:-150} * SLOW)) --out "$WORK" 2>&1 | tee -a "$OUT/$STEP.log"
+  echo "job_widths rc=${PIPESTATUS[0]}" | tee -a "$OUT/$STEP.log"
+  collect
+  ;;
+decode)  # benchmarks/decode_anatomy.py --variants matrix: one stream on the 8B shape, medians printed after
+  # every round of interleaved runs. Dry run: SHAPES=tiny TOKENS=8 REPEATS=1 SLOW=3 (a CPU)
+  SLOW=${SLOW:-1}
+  timeout $((235 * SLOW)) python3 -m benchmarks.decode_anatomy --shapes "${SHAPES:-8b}" --tokens "${TOKENS:-192}" \
+    --repeats "${REPEATS:-6}" --variants matrix --out "$WORK" 2>&1 | tee -a "$OUT/$STEP.log"
+  echo "decode_anatomy rc=${PIPESTATUS[0]}" | tee -a "$OUT/$STEP.log"
+  collect
+  ;;
 train)
   python3 -m pipelines.cli train-head $MODEL --data $CODE_PROMPTS --out /tmp/head \
     --steps "${STEPS:-1500}" --batch-size 16 --seq-len 384 --max-new-tokens 128 --eval-every 250 --quiet > "$OUT/train.log" 2>&1
   tail -c 2000 "$OUT/train.log"
   ;;
 *)
-  sed -n 2,12p "$0"; exit 2
+  sed -n 2,23p "$0"; exit 2
   ;;
 esac

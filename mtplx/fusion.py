@@ -30,6 +30,8 @@ from . import rows_attention
 
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# the groups by a short name (benchmarks/decode_anatomy stacks one kind at a time)
+NAMED = {"qkv": GROUPS[0], "mlp": GROUPS[1]}
 
 
 def _like(layer: nn.Module, arrays) -> nn.Module:
@@ -96,13 +98,13 @@ def _fusable(layers) -> bool:
             and len({_settings(m) for m in layers}) == 1)
 
 
-def fuse_projections(model) -> int:
-    """Replace each bias-free group of GROUPS in `model` (plain or quantized Linear layers of one
+def fuse_projections(model, groups: Sequence[Sequence[str]] = GROUPS) -> int:
+    """Replace each bias-free group of `groups` in `model` (plain or quantized Linear layers of one
     kind) by StackedParts (a group already stacked is left alone); returns how many parts. Each
     group's originals are dropped as it is stacked, so memory grows by one group at most."""
     n = 0
     for _, module in list(model.named_modules()):
-        for names in GROUPS:
+        for names in groups:
             if not all(k in module for k in names):
                 continue
             layers = [module[k] for k in names]

@@ -116,3 +116,37 @@ def test_torch_peer_uses_transformers_default_attention(tiny_model):
 
     model = to_torch(load(tiny_model("llama")), dtype="float32", device="cpu")
     assert attention(model) == "sdpa"
+
+
+def test_job_widths_runs_every_width_and_method_on_the_same_rows(tiny_model, tmp_path, monkeypatch):
+    """benchmarks/job_widths: one row per width, each side over rows_per_width x width rows, our
+    greedy plain and prompt-lookup runs making the same number of tokens (lossless), and the
+    width set on both sides."""
+    import json
+    import sys
+
+    from benchmarks import job_widths
+    from jobkit import job_dict, sample_rows, write_job, write_parquet
+
+    data = write_parquet(tmp_path / "in.parquet", sample_rows(8))
+    job = write_job(tmp_path / "job.yaml", job_dict(tiny_model("llama"), data, tmp_path / "run", generation={"max_tokens": 6}))
+    seen = []
+    real_peer = job_widths.peer
+    monkeypatch.setattr(job_widths, "peer", lambda b, p, t, w: seen.append((len(p), w)) or real_peer(b, p, t, w))
+    monkeypatch.setattr(sys, "argv", ["job_widths", str(job), "--widths", "2,4", "--tokens", "5", "--out", str(tmp_path / "out")])
+    job_widths.main()
+    rows = json.loads((tmp_path / "out" / "job_widths.json").read_text())["rows"]
+    assert [(r["width"], r["rows"]) for r in rows] == [(2, 4), (4, 8)]
+    assert (4, 2) in seen and (8, 4) in seen  # the timed peer runs: 2 x width rows at that width
+    for r in rows:
+        assert r["none tokens"] == r["ngram tokens"] and 0 < r["none tokens"] <= 5 * r["rows"]
+        assert r["none / mlx-lm"] == pytest.approx(r["ours none tok/s"] / r["mlx-lm tok/s"])
+
+
+def test_decode_anatomy_matrix_names_known_variants():
+    from benchmarks import decode_anatomy
+
+    assert [v[0] for v in decode_anatomy.pick_variants("matrix")] == decode_anatomy.MATRIX
+    assert decode_anatomy.pick_variants("engine eager,bare+KVCache")[1][0] == "bare+KVCache"
+    with pytest.raises(SystemExit, match="unknown"):
+        decode_anatomy.pick_variants("engine warp speed")

@@ -94,3 +94,19 @@ def test_quantized_projections_stack_exactly(tiny_model):
     assert fuse_projections(model) == 5 * len(model.model.layers)
     for a, b in zip(_logits(model), ref):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("group, per_layer", [("qkv", 3), ("mlp", 2)])
+def test_one_group_stacks_alone_and_keeps_the_logits(qwen3, group, per_layer):
+    from mtplx.fusion import NAMED
+
+    ref = _logits(qwen3)
+    assert fuse_projections(qwen3, [NAMED[group]]) == per_layer * len(qwen3.model.layers)
+    layer = qwen3.model.layers[0]
+    stacked = {k for k in ("q_proj", "k_proj", "v_proj") if isinstance(layer.self_attn[k], StackedPart)}
+    stacked |= {k for k in ("gate_proj", "up_proj") if isinstance(layer.mlp[k], StackedPart)}
+    assert stacked == set(NAMED[group])
+    got = _logits(qwen3)
+    assert unstack(qwen3) == per_layer * len(qwen3.model.layers)
+    for a, b in zip(got, ref):
+        assert np.array_equal(a, b)
