@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import re
 import sys
 import tempfile
 import time
@@ -33,6 +34,7 @@ from mtplx.request import Request, SamplingParams
 
 from . import phase_profile
 from .common import device_name, sync, table
+from .round_graph import GraphCounter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,7 +96,7 @@ def _time_prefill(eng):
 
 
 def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens: int, profile=None, phases=False,
-        sync_rounds=False):
+        sync_rounds=False, graph=False):
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
     if sync_rounds:  # the drafter as if it drafted on the host: one synchronous round per call (the old path)
         d = eng.drafter
@@ -118,13 +120,21 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
         if profile is not None:
             profile.disable()
     rounds = eng.counters["rounds"] - rounds0
+    reads = eng.counters["host_reads"]
+    counted = {}
+    if graph:  # once more, counting what each round hands the device (slow: not timed)
+        rounds1 = eng.counters["rounds"]
+        with GraphCounter(eng) as g:
+            list(eng.generate(reqs))
+        counted = g.summary(eng.counters["rounds"] - rounds1)
+        counted["reads/round"] = (eng.counters["host_reads"] - reads) / max(eng.counters["rounds"] - rounds1, 1)
     n = sum(len(r.tokens) for r in res)
     verifies = sum(r.stats.verify_calls for r in res)
     decode = dt - prefill[0]
     return {"tok/s": n / dt, "tokens": n, "rounds": rounds, "prefill s": prefill[0], "ms/round": 1e3 * decode / max(rounds, 1),
             "evals/round": evals.calls / max(rounds, 1),
             "tokens/verify": (sum(r.stats.accepted_tokens for r in res) + verifies) / verifies if verifies else 1.0,
-            "mean depth": sum(r.stats.draft_depth for r in res) / len(res)}
+            "mean depth": sum(r.stats.draft_depth for r in res) / len(res), **counted}
 
 
 def peer(bundle, prompts, width: int, rows: int, tokens: int):
@@ -145,10 +155,12 @@ def main():
     ap.add_argument("--widths", default="32", help="batch widths, in the order run")
     ap.add_argument("--rows", type=int, default=4, help="rows per width: max(width, ROWS)")
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--depths", default="1,3", help="MTP depths to run ('a': adaptive from 3; a trailing 's': synchronous rounds, the path before pipelining)")
+    ap.add_argument("--depths", default="1,3", help="MTP depths to run ('a': adaptive from 3; a trailing 's': synchronous "
+                    "rounds, the path before pipelining; a trailing 'lN': with speculative.mtp_lookup N, e.g. 3l2)")
     ap.add_argument("--peer", action="store_true", help="also mlx-lm on the same rows (generate_step at width 1, else batch_generate)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the N costliest functions of the last MTP run")
     ap.add_argument("--phases", action="store_true", help="after the first width, its last MTP setting once more, timed per phase")
+    ap.add_argument("--graph", action="store_true", help="each setting once more, counting kernels / programs / reads per round")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         bundle, head, prompts = tiny_setup(Path(tmp)) if args.tiny else real_setup(args.model, args.head, args.prompts)
@@ -156,17 +168,21 @@ def main():
         out, prof, phased = [], None, False
         for width in (int(w) for w in args.widths.split(",")):
             rows = max(width, args.rows)
-            plain = run(bundle, prompts, SpeculativeConfig(method="none"), width, rows, args.tokens)
+            plain = run(bundle, prompts, SpeculativeConfig(method="none"), width, rows, args.tokens, graph=args.graph)
             out.append({"width": width, "rows": rows, "method": "plain", **plain, "x plain round": 1.0, "x plain tok/s": 1.0})
             print(table(out), flush=True)
             for d in args.depths.split(","):
-                sync_rounds = d.endswith("s")
-                d = d.rstrip("s")
+                m = re.fullmatch(r"(\d+|a)(s?)(?:l(\d+))?", d)
+                if m is None:
+                    raise SystemExit(f"--depths: {d!r} is not DEPTH, 'a', a trailing 's' or 'lN' (e.g. 3, 3s, a, 3l2)")
+                d, sync_rounds, lookup = m.group(1), bool(m.group(2)), int(m.group(3) or 0)
                 adaptive = d == "a"
-                spec = SpeculativeConfig(method="mtp", depth=3 if adaptive else int(d), adaptive_depth=adaptive, mtp_head=head)
+                spec = SpeculativeConfig(method="mtp", depth=3 if adaptive else int(d), adaptive_depth=adaptive, mtp_head=head,
+                                         mtp_lookup=lookup)
                 prof = cProfile.Profile() if args.cprofile else None
-                r = run(bundle, prompts, spec, width, rows, args.tokens, prof, sync_rounds=sync_rounds)
-                out.append({"width": width, "rows": rows, "method": f"mtp depth {d}{' (synchronous rounds)' if sync_rounds else ''}", **r,
+                r = run(bundle, prompts, spec, width, rows, args.tokens, prof, sync_rounds=sync_rounds, graph=args.graph)
+                label = f"mtp depth {d}{' (synchronous rounds)' if sync_rounds else ''}{f' + lookup {lookup}' if lookup else ''}"
+                out.append({"width": width, "rows": rows, "method": label, **r,
                             "x plain round": r["ms/round"] / plain["ms/round"], "x plain tok/s": r["tok/s"] / plain["tok/s"]})
                 print(table(out), flush=True)
             if args.peer:

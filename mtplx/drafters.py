@@ -14,8 +14,10 @@ A drafter keeps per-slot state that mirrors the engine's batch slots:
 them only then). `device_side`: the drafter also has `advance(n, nxt, counts, most, verify_in,
 hidden)`, `commit` with device arrays it never reads (`counts`: each row's committed tokens,
 `most`: a host upper bound of them), so the engine can queue the next round before it reads
-this one (generation.py); its cache lengths on the host are then upper bounds until the engine
+this one (spec_rounds.py); its cache lengths on the host are then upper bounds until the engine
 corrects them (`cache.rows`, cache.py RowLengths). Prompt lookup drafts on the host: not device-side.
+`drafts_ahead`: `advance(..., following=(K, sampler, u))` also drafts the next round (MTP: in the
+commit's compiled program), and `propose` with that K, sampler and u returns those drafts.
 
 A new draft method is one class with this interface and one line in `DRAFTERS`.
 """
@@ -291,6 +293,7 @@ class MtpDrafter(_CachedDrafter):
 
     name = "mtp"
     needs_hidden = True
+    drafts_ahead = True  # advance(following=...) drafts the next round in the commit's program
 
     @property
     def device_side(self) -> bool:
@@ -306,6 +309,7 @@ class MtpDrafter(_CachedDrafter):
         self.lookup = lookup
         self.cache: Optional[BatchCache] = None
         self.extra: List[mx.array] = []  # [first-draft logits [W, S], head hidden [W, D]]
+        self.ready: Optional[tuple] = None  # (K, sampler, u, drafts, q): drafted ahead by advance
 
     def _new_cache(self):
         return BatchCache(list(self.head.cache_kinds), [0])
@@ -330,22 +334,20 @@ class MtpDrafter(_CachedDrafter):
         state = (cache, [project(self.head, self.vocab, h_last), h_last])
         return state if self.lookup is None else state + (self.lookup.prefill_row(tokens, None, first_token),)
 
-    def reset(self):
-        super().reset()
-        if self.lookup is not None:
-            self.lookup.reset()
-
     def extend(self, states):
+        self.ready = None
         super().extend(states)
         if self.lookup is not None:
             self.lookup.extend([s[2] for s in states])
 
     def write(self, slot, state):
+        self.ready = None
         super().write(slot, state)
         if self.lookup is not None:
             self.lookup.write(slot, state[2])
 
     def take(self, keep):
+        self.ready = None
         super().take(keep)
         if self.lookup is not None:
             self.lookup.take(keep)
@@ -364,6 +366,9 @@ class MtpDrafter(_CachedDrafter):
         return self.lookup.mix(chosen, drafts, q)
 
     def _propose_head(self, K, sampler, u):
+        ready, self.ready = self.ready, None
+        if ready is not None and ready[0] == K and ready[1] is sampler and ready[2] is u:
+            return ready[3], ready[4]  # drafted with the last commit (advance's `following`)
         first_logits, h = self.extra
         if self.bank is not None:
             out = self.bank.propose(self.cache, first_logits, h, sampler, u, K)
@@ -389,15 +394,29 @@ class MtpDrafter(_CachedDrafter):
         if self.lookup is not None:
             self.lookup.commit(n_accept, next_tokens, drafts, active)
 
-    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False):
-        out = None
+    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False, following=None):
+        """Commit a verified round; with `following` = (K, sampler, u), also draft the next round
+        from the state after it, in the same compiled program where one serves (`propose` with
+        that K, sampler and u then returns those drafts)."""
+        out, self.ready = None, None
+        plan = None if following is None or self.lookup is not None else (counts,) + tuple(following)
         if self.bank is not None:
-            out = self.bank.commit(self.cache, hidden, verify_in, n, nxt)
+            out = self.bank.commit(self.cache, hidden, verify_in, n, nxt, plan)
         if out is None:
             h_at = at_accepted(self.head.hidden(hidden, commit_inputs(verify_in, n, nxt), self.cache.layers), n)
             out = project(self.head, self.vocab, h_at), h_at
         self.cache.advance(counts, most, exact)
-        self.extra = list(out)
+        self.extra = list(out[:2])
+        if plan is not None:
+            K, sampler, u = following
+            drafts = out[2:] if len(out) > 2 else self._propose_head(K, sampler, u)
+            self.ready = (K, sampler, u) + tuple(drafts)
+
+    def reset(self):
+        super().reset()
+        self.ready = None
+        if self.lookup is not None:
+            self.lookup.reset()
 
 
 class LookupFallback(NgramDrafter):

@@ -25,7 +25,7 @@ import numpy as np
 from .cache import BatchCache, RowKVCache
 from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profile, profile_path
 from .config import ScheduleConfig, SpeculativeConfig, prefill_chunk_env, sustained_prefill_env
-from .depth import DepthController, position_counts
+from .depth import DepthController
 from .drafters import make_drafter
 from .fusion import decode_paths
 from .architectures import PASSED_FILE, capture_backend, prepare, probe_key
@@ -35,7 +35,8 @@ from .models.mtp import has_trunk_split, project_logits, trunk_hidden
 from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
 from . import stops
 from .request import Request, Result, RowStats
-from .sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs, uniforms
+from .spec_rounds import SpeculativeRounds
+from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
 
 # -- memory ----------------------------------------------------------------------------------------
 def device_memory_bytes() -> int:
@@ -80,6 +81,7 @@ class _Row:
     width_sum: int = 0
     depth_sum: int = 0
     rounds: int = 0
+    u_next: Optional[np.ndarray] = None  # uniforms drawn for a round not yet queued (Engine._plan)
 
 
 class _Batch:
@@ -104,7 +106,7 @@ class _Batch:
         return req
 
 
-class Engine:
+class Engine(SpeculativeRounds):
     def __init__(self, bundle: ModelBundle, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None):
         # Progress hook: on_progress("prefill", n) after each prefill span (n prompt tokens), and
         # on_progress("decode", n) after each decode round (n tokens generated over all rows).
@@ -361,27 +363,6 @@ class Engine:
         spare = [int(i) for i in np.nonzero(~active)[0]][: width - len(live)]
         return sorted(live + spare)
 
-    def _row_depths(self, slots, n_active: int, ahead: int = 0) -> np.ndarray:
-        """Each row's drafted tokens in the round being queued (`ahead`: rounds queued before it
-        and not yet read, each of which emits at least one token).
-
-        Greedy rows follow the adaptive depth (their text cannot change), capped by the tokens
-        they can still emit. Sampled rows always draft `speculative.depth` (drafts past their
-        max_tokens are cut off at emit): how far a row has got when a round is queued depends on
-        when the pipeline last drained, which depends on the other rows, and a sampled row's text
-        must depend on its own seed and settings alone, never on which rows share its batch.
-        """
-        greedy_depth = self.depth_control.choose(n_active)
-        depths = np.zeros(len(slots), dtype=np.int64)
-        for i, s in enumerate(slots):
-            if s is None:
-                continue
-            if s.req.params.greedy:
-                depths[i] = max(0, min(greedy_depth, s.max_tokens - len(s.tokens) - ahead - 1))
-            else:
-                depths[i] = self.spec.depth
-        return depths
-
     def _verify(self, tokens: mx.array, cache: BatchCache):
         """The target model over `tokens` [W, L]: (logits, hidden, compiled?, parity failures per row)."""
         if self.bank is not None:
@@ -449,151 +430,3 @@ class Engine:
                 yield from finished
                 return
             current = following
-
-    def _round(self, slots: List[Optional[_Row]], active: np.ndarray, cache: BatchCache, drained: bool = False):
-        """Speculative rounds. A drafter that drafts on the device (MTP, a draft model) runs one
-        round ahead, as `_plain_rounds` does: round r+1 (propose, verify, accept, commit) is
-        queued from round r's device arrays before round r is read, and each round is read
-        once. Returns when a row finishes and its slot can be used (`drained`: no request waits,
-        so finished rows only leave, until half the slots are idle) or no row is left. Prompt
-        lookup drafts on the host from the tokens it has read: one round per call."""
-        sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
-        pending = mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32))
-        if not self.drafter.device_side:
-            started = time.perf_counter()
-            flight = self._launch(slots, cache, sampler, pending, 0)
-            out = self._read(flight)
-            self.drafter.commit(out[:, 0], out[:, 1], out[:, 2:], flight.live, flight.verify_in, flight.hidden)
-            finished = self._land(slots, cache, flight, out, time.perf_counter() - started)
-            yield from finished
-            return
-        # Each round is timed from the previous read (the first from the call's start: filling the
-        # pipeline is part of what a call's rounds cost), so the depth controller sees what rounds
-        # cost as they run, pipeline drains included.
-        landed_at = time.perf_counter()
-        current = self._launch(slots, cache, sampler, pending, 0)
-        while True:
-            following = self._launch(slots, cache, sampler, current.nxt, 1) if any(slots) else None
-            out = self._read(current)
-            now = time.perf_counter()
-            finished = self._land(slots, cache, current, out, now - landed_at)
-            landed_at = now
-            live = sum(s is not None for s in slots)
-            if following is None or (finished and (not drained or live <= len(slots) // 2 or not live)):
-                if following is not None:
-                    out = self._read(following)
-                    finished += self._land(slots, cache, following, out, time.perf_counter() - landed_at)
-                cache.rows.settle()  # exact host lengths again for admission and compaction
-                self.drafter.settle()
-                yield from finished
-                return
-            yield from finished
-            current = following
-
-    def _launch(self, slots, cache: BatchCache, sampler: SamplerBatch, pending: mx.array, ahead: int) -> "_Flight":
-        """Queue one round on the device (nothing is read): draft, verify, accept, commit."""
-        W, D = len(slots), self.spec.depth
-        live = np.array([s is not None for s in slots])
-        n_active = int(live.sum())
-        depths = self._row_depths(slots, n_active, ahead)
-        K = int(depths.max()) if W else 0
-        if sampler.all_greedy:  # greedy rows never read their uniforms
-            u = self._zeros(W, 2 * D + 1)
-        else:  # a fixed number per sampled row and round (drafts, accepts, next token), whatever K is
-            draws = np.zeros((W, 2 * D + 1), dtype=np.float32)
-            for i, s in enumerate(slots):
-                if s is not None and not s.req.params.greedy:
-                    draws[i] = uniforms(s.rng, 2 * D + 1)
-            u = mx.array(draws)
-        limit = mx.array(depths.astype(np.int32))
-        if K > 0:
-            drafts, q = self.drafter.propose(K, pending, sampler, u[:, :K])
-        else:
-            drafts, q = mx.zeros((W, 0), mx.int32), None
-        verify_in = mx.concatenate([pending[:, None], drafts.astype(mx.int32)], axis=1)
-        logits, hidden, compiled, failures = self._verify(verify_in, cache)
-        if sampler.all_greedy:
-            n, nxt = accept_greedy(logits, drafts, limit)
-        else:
-            n, nxt = accept_sampled(shaped_probs(logits, sampler), drafts, q, u[:, D : D + K], u[:, 2 * D], limit)
-        most = np.where(live, depths + 1, 0)  # a row keeps at most its own drafts, plus the next token
-        counts = mx.where(mx.array(live), n + 1, 0).astype(mx.int32)
-        cache.advance(counts, most)
-        if self.drafter.device_side:
-            self.drafter.advance(n, nxt, counts, most, verify_in, hidden)
-        out = mx.concatenate([n[:, None].astype(mx.int32), nxt[:, None].astype(mx.int32), drafts.astype(mx.int32)], axis=1)
-        mx.async_eval(out, cache.rows.device)
-        return _Flight(out, nxt.astype(mx.int32), verify_in, hidden, depths, K, live, most, n_active, compiled, failures)
-
-    def _zeros(self, W: int, n: int) -> mx.array:
-        key = (W, n)
-        if key not in self._const:
-            self._const[key] = mx.zeros((W, n), mx.float32)
-        return self._const[key]
-
-    def _read(self, flight: "_Flight") -> np.ndarray:
-        """The one host read of a round: [W, 2 + K] of (accepted count, next token, drafts)."""
-        self.counters["host_reads"] += 1
-        return np.array(flight.out)
-
-    def _land(self, slots, cache: BatchCache, flight: "_Flight", out: np.ndarray, seconds: Optional[float]) -> List[Result]:
-        """A round that was read: correct the host lengths, record stats, emit tokens. Rows that
-        finished in an earlier round (now None) drop what this round made for them."""
-        n_h, nxt_h, drafts_h = out[:, 0].astype(np.int64), out[:, 1], out[:, 2:]
-        depths, K, n_active = flight.depths, flight.K, flight.n_active
-        excess = flight.most - np.where(flight.live, n_h + 1, 0)
-        cache.rows.correct(excess)
-        if self.drafter.device_side:
-            self.drafter.correct(excess)
-        self.counters["rounds"] += 1
-        greedy = np.array([s is not None and s.req.params.greedy for s in slots])
-        if greedy.any():
-            tried = int(np.minimum(n_h + 1, depths)[greedy].sum())
-            reached, passed = position_counts(n_h[greedy], depths[greedy], K)
-            self.depth_control.record(n_active, K, seconds, int(n_h[greedy].sum()), tried, reached, passed)
-        finished, emitted, D = [], 0, self.spec.depth
-        # plain lists: indexing numpy per row and token costs more than the work itself
-        k_of, a_of, nxt_of, drafts_of = depths.tolist(), n_h.tolist(), nxt_h.tolist(), drafts_h.tolist()
-        for i, row in enumerate(slots):
-            if row is None:
-                continue
-            st, k, a = row.stats, k_of[i], a_of[i]
-            row.rounds += 1
-            row.width_sum += n_active
-            row.depth_sum += k
-            if k > 0:
-                st.verify_calls += 1
-                st.drafted_tokens += k
-                st.accepted_tokens += a
-                by_depth = st.accepted_by_depth
-                if len(by_depth) < D:
-                    by_depth += [0] * (D - len(by_depth))
-                for j in range(a):
-                    by_depth[j] += 1
-            self._record_forward(st, i, flight.compiled, flight.failures)
-            before = len(row.tokens)
-            reason = self._emit(row, drafts_of[i][:a] + [nxt_of[i]])
-            emitted += len(row.tokens) - before
-            row.pending = nxt_of[i]
-            if reason is not None:
-                slots[i] = None
-                finished.append(self._finish(row, reason))
-        self._progress("decode", emitted)
-        return finished
-
-
-@dataclass
-class _Flight:
-    """A queued speculative round: its lazy outputs and what the host knew when it queued it."""
-
-    out: mx.array  # [W, 2 + K]: accepted count, next token, drafts
-    nxt: mx.array
-    verify_in: mx.array
-    hidden: Optional[mx.array]
-    depths: np.ndarray
-    K: int
-    live: np.ndarray  # rows in flight when it was queued
-    most: np.ndarray  # host upper bound of each row's committed tokens
-    n_active: int
-    compiled: bool
-    failures: Optional[np.ndarray]

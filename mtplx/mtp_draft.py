@@ -189,48 +189,79 @@ class CompiledDraftBank:
         def build():
             def run(first, h, u, temps, top_p, top_k, lengths, *arrays):
                 s = SamplerBatch(temps, top_p, top_k, *flags)
-                tok, q = pick(first, s, u[:, 0], vocab)
-                drafts, qs = [tok], [q]
-                arrays = list(arrays)
-                for j in range(1, K):
-                    shadow = _shadow_cache(kinds, lengths + (j - 1), arrays)
-                    h = head.hidden(h[:, None], tok[:, None], shadow.layers, step=j)[:, 0]
-                    arrays = _shadow_outputs(shadow)
-                    tok, q = pick(project(head, vocab, h, j), s, u[:, j], vocab)
-                    drafts.append(tok)
-                    qs.append(q)
-                d, q = stack_drafts(drafts, qs)
-                return d, (mx.zeros((0,)) if q is None else q)
+                return _packed(draft_chain(head, vocab, kinds, first, h, s, u, lengths, list(arrays), K))
             return run
 
         out = self._call(key, build, first_logits, h, u, sampler.temps, sampler.top_p, sampler.top_k,
                          cache.rows.device, *arrays)
-        if out is None:
-            return None
-        return out[0], (out[1] if out[1].size else None)
+        return None if out is None else _unpacked(out)
 
-    def commit(self, cache: BatchCache, hidden, verify_in, n, next_tokens):
+    def commit(self, cache: BatchCache, hidden, verify_in, n, next_tokens, following=None):
         """Run the head over the verified tokens, mirror its cache; (first logits, head hidden) at
-        each row's accepted position, or None when this shape runs eagerly."""
+        each row's accepted position, or None when this shape runs eagerly.
+
+        `following` = (counts, K, sampler, u): also draft the next round's K tokens in the same
+        program, from the head's state after this commit (the lengths advanced by `counts`); the
+        result then ends with (drafts [W, K], q or None)."""
         W, K1 = verify_in.shape
-        arrays = self._ready(cache, K1)
+        K = following[1] if following is not None else 0
+        arrays = self._ready(cache, K1 + K)
         if arrays is None:
             self._eager("cache not compilable")
             return None
         kinds, head, vocab = list(cache.kinds), self.head, self.vocab
-        key = ("commit", W, K1, arrays[0].shape[2], str(hidden.dtype))
+        flags = () if following is None else (following[2].all_greedy, following[2].any_top_k, following[2].any_top_p)
+        key = ("commit" if following is None else "commit+propose", W, K1, arrays[0].shape[2], str(hidden.dtype), K) + flags
+        n_arrays = len(arrays)
 
         def build():
-            def run(hidden, verify_in, n, nxt, lengths, *arrays):
+            def run(hidden, verify_in, n, nxt, lengths, *rest):
+                arrays, extra = list(rest[:n_arrays]), rest[n_arrays:]
                 shadow = _shadow_cache(kinds, lengths, arrays)
                 h_at = at_accepted(head.hidden(hidden, commit_inputs(verify_in, n, nxt), shadow.layers), n)
-                return (project(head, vocab, h_at), h_at) + tuple(_shadow_outputs(shadow))
+                first = project(head, vocab, h_at)
+                arrays = _shadow_outputs(shadow)
+                out = (first, h_at) + tuple(arrays)
+                if not extra:
+                    return out
+                counts, u, temps, top_p, top_k = extra
+                s = SamplerBatch(temps, top_p, top_k, *flags)
+                return out + _packed(draft_chain(head, vocab, kinds, first, h_at, s, u, lengths + counts, arrays, K))
             return run
 
-        out = self._call(key, build, hidden, verify_in, n, next_tokens, cache.rows.device, *arrays)
+        args = [hidden, verify_in, n, next_tokens, cache.rows.device, *arrays]
+        if following is not None:
+            counts, _, sampler, u = following
+            args += [counts, u, sampler.temps, sampler.top_p, sampler.top_k]
+        out = self._call(key, build, *args)
         if out is None:
             return None
-        it = iter(out[2:])
-        for layer in cache.layers:
-            layer.keys, layer.values = next(it), next(it)
-        return out[0], out[1]
+        for i, layer in enumerate(cache.layers):
+            layer.keys, layer.values = out[2 + 2 * i], out[3 + 2 * i]
+        if following is None:
+            return out[0], out[1]
+        return (out[0], out[1]) + _unpacked(out[2 + n_arrays:])
+
+
+def draft_chain(head: MTPHead, vocab: Optional[DraftVocab], kinds, first, h, s: SamplerBatch, u, lengths, arrays, K: int):
+    """K drafts per row from the head's first logits and hidden state, over a shadow of its cache
+    whose rows hold `lengths` entries (the K-1 steps write past them, into arrays nobody keeps)."""
+    tok, q = pick(first, s, u[:, 0], vocab)
+    drafts, qs = [tok], [q]
+    for j in range(1, K):
+        shadow = _shadow_cache(kinds, lengths + (j - 1), arrays)
+        h = head.hidden(h[:, None], tok[:, None], shadow.layers, step=j)[:, 0]
+        arrays = _shadow_outputs(shadow)
+        tok, q = pick(project(head, vocab, h, j), s, u[:, j], vocab)
+        drafts.append(tok)
+        qs.append(q)
+    return stack_drafts(drafts, qs)
+
+
+def _packed(drafts_q):
+    d, q = drafts_q
+    return d, (mx.zeros((0,)) if q is None else q)
+
+
+def _unpacked(out):
+    return out[0], (out[1] if out[1].size else None)

@@ -140,3 +140,20 @@ def test_synchronous_mtp_rounds_keep_exact_lengths(setup):
     out = {r.key: r.tokens for r in eng.generate(_requests(rows))}
     assert [out[i] for i in range(len(rows))] == refs
     assert rounds and set(rounds) == {0}
+
+
+def test_a_pipelined_mtp_round_runs_two_programs(setup):
+    """The head's commit of round r and its drafts for round r+1 are one compiled program: a
+    round is the verify and that program, plus one proposal where a call's first round starts
+    (admission may have changed the rows) and the drafts of the round after a call's last."""
+    _, _, _, rows, refs = setup
+    eng = _engine(setup, "mtp", 4)
+    calls = [0]
+    inner = eng._round
+    eng._round = lambda *a, **k: (calls.__setitem__(0, calls[0] + 1), (yield from inner(*a, **k)))[1]
+    out = {r.key: r.tokens for r in eng.generate(_requests(rows))}
+    assert [out[i] for i in range(len(rows))] == refs
+    rounds, head = eng.counters["rounds"], eng.drafter.bank.stats
+    assert eng.bank.stats["compiled_calls"] == rounds and head["eager_calls"] == 0
+    assert rounds > 2 * calls[0]
+    assert head["compiled_calls"] <= rounds + calls[0], (head, rounds, calls)  # two per round before

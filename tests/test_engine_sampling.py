@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mtplx.generation
+import mtplx.spec_rounds
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.models.loading import load
@@ -167,19 +167,20 @@ def _wrong_residual(p, drafts, q, u_accept, u_next, limit=None):
 @pytest.mark.parametrize("method", ["ngram", "draft", "mtp"])
 def test_a_wrong_residual_is_detected(setup, method, monkeypatch):
     bundle, draft, exact = setup
-    monkeypatch.setattr(mtplx.generation, "accept_sampled", _wrong_residual)
+    monkeypatch.setattr(mtplx.spec_rounds, "accept_sampled", _wrong_residual)
     samples, _ = run_rows(bundle, draft, method, SEEDS[method], rows=WRONG_ROWS_PER_SETTING)
     worst = {name: min(p for _, _, _, p in distribution_tests(samples[name], exact[name])) for name in SETTINGS}
     assert max(worst.values()) < P_REJECT, f"a wrong residual went unnoticed: {worst}"
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft", "mtp"])
-def test_a_sampled_row_does_not_depend_on_its_batch_mates(setup, method):
-    """A row's seed alone fixes its sampled text: alone, or next to other rows of other lengths."""
+@pytest.mark.parametrize("method,compiled", [("none", "off"), ("ngram", "off"), ("draft", "off"), ("mtp", "off"), ("mtp", "on")])
+def test_a_sampled_row_does_not_depend_on_its_batch_mates(setup, method, compiled):
+    """A row's seed alone fixes its sampled text: alone, or next to other rows of other lengths
+    (whose ends decide where the engine's calls end, and with them the rounds drafted ahead)."""
     bundle, draft, _ = setup
 
     def run(requests):
-        spec = SpeculativeConfig(method=method, depth=3, adaptive_depth=False, compiled_verify="off",
+        spec = SpeculativeConfig(method=method, depth=3, adaptive_depth=False, compiled_verify=compiled,
                                  draft_model=draft["draft"] if method == "draft" else None,
                                  mtp_head=draft["mtp"] if method == "mtp" else None)
         eng = Engine(bundle, spec, ScheduleConfig(max_batch=8))

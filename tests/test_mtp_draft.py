@@ -38,39 +38,55 @@ def _sidecar(bundle, out, vocab_ids=None, seed=0):
 
 
 class _Checked(MtpDrafter):
-    """Runs every proposal and commit both compiled and eagerly, and records the differences."""
+    """Runs every proposal and commit both compiled and eagerly, and records the differences
+    (a commit that also drafts the next round, `following`, is checked against an eager commit
+    followed by an eager proposal)."""
 
     def __init__(self, other: MtpDrafter):
         super().__init__(other.head, other.chunk, other.vocab, compiled=True)
-        self.checks = {"propose": 0, "commit": 0}
+        self.checks = {"propose": 0, "commit": 0, "commit+propose": 0, "drafted ahead": 0}
         self.draft_diffs, self.q_diff, self.commit_diff = 0, 0.0, 0.0
 
-    def propose(self, K, pending, sampler, u):
-        before = self.bank.stats["compiled_calls"]
-        drafts, q = super().propose(K, pending, sampler, u)
-        assert self.bank.stats["compiled_calls"] == before + 1
-        bank, self.bank = self.bank, None
-        ref_d, ref_q = super().propose(K, pending, sampler, u)
-        self.bank = bank
+    def _compare(self, drafts, q, ref_d, ref_q):
         self.draft_diffs += int((np.array(drafts) != np.array(ref_d)).sum())
         assert (q is None) == (ref_q is None)
         if q is not None:
             self.q_diff = max(self.q_diff, float(mx.abs(q - ref_q).max()))
+
+    def propose(self, K, pending, sampler, u):
+        ahead = self.ready is not None and self.ready[0] == K and self.ready[2] is u
+        before = self.bank.stats["compiled_calls"]
+        drafts, q = super().propose(K, pending, sampler, u)
+        if ahead:  # drafted (and checked) in the commit before
+            self.checks["drafted ahead"] += 1
+            assert self.bank.stats["compiled_calls"] == before
+            return drafts, q
+        assert self.bank.stats["compiled_calls"] == before + 1
+        bank, self.bank = self.bank, None
+        ref_d, ref_q = super().propose(K, pending, sampler, u)
+        self.bank = bank
+        self._compare(drafts, q, ref_d, ref_q)
         self.checks["propose"] += 1
         return drafts, q
 
-    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False):
+    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False, following=None):
         saved = [(c.keys, c.values) for c in self.cache.layers], self.cache.rows.mark()
-        super().advance(n, nxt, counts, most, verify_in, hidden, exact)
-        got = [np.array(a) for a in self.extra]
+        before = self.bank.stats["compiled_calls"]
+        super().advance(n, nxt, counts, most, verify_in, hidden, exact, following)
+        assert self.bank.stats["compiled_calls"] == before + 1  # one program, drafting or not
+        got, ready = [np.array(a) for a in self.extra], self.ready
         for c, (k, v) in zip(self.cache.layers, saved[0]):
             c.keys, c.values = k, v
         self.cache.rows.restore(saved[1])
         bank, self.bank = self.bank, None
-        super().advance(n, nxt, counts, most, verify_in, hidden, exact)
+        super().advance(n, nxt, counts, most, verify_in, hidden, exact, following)
         self.bank = bank
         for a, b in zip(got, self.extra):
             self.commit_diff = max(self.commit_diff, float(np.abs(a - np.array(b)).max()))
+        if following is not None:
+            self._compare(ready[3], ready[4], self.ready[3], self.ready[4])
+            self.ready = ready
+            self.checks["commit+propose"] += 1
         self.checks["commit"] += 1
 
 
@@ -95,7 +111,8 @@ def test_compiled_drafts_equal_eager_drafts(tiny_model, tmp_path, family):
     d = eng.drafter
     print(f"\n{family}: {d.checks} checked, programs {d.bank.stats['programs']}, max |q diff| {d.q_diff:.2g}, "
           f"max commit diff {d.commit_diff:.2g}")
-    assert d.checks["propose"] >= 10 and d.checks["commit"] >= 10
+    assert d.checks["propose"] >= 3 and d.checks["commit"] >= 10
+    assert d.checks["commit+propose"] >= 10 and d.checks["drafted ahead"] >= 10
     assert d.draft_diffs == 0
     assert d.q_diff < 1e-5 and d.commit_diff < 1e-4
     assert d.bank.stats["programs"] >= 2 and d.bank.stats["eager_calls"] == 0

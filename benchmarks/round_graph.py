@@ -1,0 +1,111 @@
+"""What the device runs per decode round, counted on any backend: primitives (≈ kernels) and programs.
+
+On a launch-bound GPU a round costs about what its kernel launches cost, so the count of
+primitives each round hands to the device says more than a CPU's wall time does. `GraphCounter`
+wraps `mx.async_eval` / `mx.eval`: before each call it writes the lazy graph of the arrays
+about to be evaluated (`mx.export_to_dot`, only what is not evaluated yet) and counts its
+primitives by name. View-only primitives (reshape, broadcast, slice, ...) are counted apart:
+they rarely launch a kernel. Every compiled-program call (verify bank, draft bank) is counted by
+wrapping the banks' call sites. Use it in `benchmarks.round_cost --graph`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections import Counter
+
+import mlx.core as mx
+
+VIEWS = {"Broadcast", "BroadcastAxes", "ExpandDims", "Squeeze", "Reshape", "Slice", "Transpose", "StopGradient",
+         "AsStrided", "Flatten", "Unflatten", "Depends"}
+_LABEL = re.compile(r'label ="([^"]+)", shape=rectangle')
+
+
+def graph_primitives(arrays) -> Counter:
+    """Primitive names in the unevaluated graph behind `arrays` (one count per primitive node)."""
+    arrays = [a for a in arrays if isinstance(a, mx.array)]
+    if not arrays:
+        return Counter()
+    fd, path = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+    try:
+        mx.export_to_dot(path, *arrays)
+        with open(path) as f:
+            return Counter(_LABEL.findall(f.read()))
+    finally:
+        os.unlink(path)
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _flat(a)
+        elif isinstance(a, dict):
+            yield from _flat(list(a.values()))
+        else:
+            yield a
+
+
+class GraphCounter:
+    """Counts primitives handed to the device and compiled-program calls while active."""
+
+    def __init__(self, engine=None):
+        self.primitives = Counter()
+        self.programs = Counter()
+        self.engine = engine
+        self._restore = []
+
+    def _wrap(self, owner, name, fn):
+        real = getattr(owner, name)
+        self._restore.append((owner, name, real))
+        setattr(owner, name, fn(real))
+
+    def __enter__(self):
+        def counting(real):
+            def wrapped(*args, **kwargs):
+                self.primitives.update(graph_primitives(list(_flat(args))))
+                return real(*args, **kwargs)
+            return wrapped
+
+        self._wrap(mx, "async_eval", counting)
+        self._wrap(mx, "eval", counting)
+        eng = self.engine
+        if eng is not None and eng.bank is not None:
+            self._program_counter(eng.bank, "_program", "verify")
+        bank = getattr(getattr(eng, "drafter", None), "bank", None)
+        if bank is not None:
+            self._program_counter(bank, "_get", "draft")
+        return self
+
+    def _program_counter(self, owner, name, label):
+        counter = self.programs
+
+        def outer(real):
+            def get(key, *args, **kwargs):
+                fn = real(key, *args, **kwargs)
+
+                def call(*a, **k):
+                    counter[key[0] if isinstance(key[0], str) else label] += 1
+                    return fn(*a, **k)
+                return call
+            return get
+
+        self._wrap(owner, name, outer)
+
+    def __exit__(self, *exc):
+        for owner, name, real in reversed(self._restore):
+            setattr(owner, name, real)
+
+    def summary(self, rounds: int) -> dict:
+        """Per round: kernels (non-view primitives), views, program calls, the costliest names."""
+        r = max(rounds, 1)
+        kernels = sum(v for k, v in self.primitives.items() if k not in VIEWS)
+        views = sum(v for k, v in self.primitives.items() if k in VIEWS)
+        costly = [(k, v) for k, v in self.primitives.most_common() if k not in VIEWS][:8]
+        top = ", ".join(f"{k} {v / r:.1f}" for k, v in costly)
+        return {"kernels/round": kernels / r, "views/round": views / r,
+                "programs/round": sum(self.programs.values()) / r,
+                "programs": ", ".join(f"{k} {v / r:.2f}" for k, v in sorted(self.programs.items())),
+                "top kernels/round": top}
