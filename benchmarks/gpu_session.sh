@@ -19,7 +19,7 @@
 #                                           # by phase (benchmarks/fixed_costs.py), startup to the first token
 #   bash benchmarks/gpu_session.sh widths   # issue 20 (<= 4 min): a job at widths 32/64/128/256 (plain and prompt
 #                                           # lookup) vs batch_generate at the same width, one process, warmed up
-#   bash benchmarks/gpu_session.sh decode   # issue 20 (<= 4 min): 8B one stream, eager vs compiled, with and
+#   bash benchmarks/gpu_session.sh decode   # issue 20 (<= 4 min): 8B, 0.6B one stream, eager vs compiled, with and
 #                                           # without stacked projections, vs generate_step (medians, interleaved)
 set -uo pipefail
 OUT=${OUT:-bench-out}
@@ -136,8 +136,8 @@ widths)  # one process (benchmarks/job_widths.py): the model loads once, a short
 decode)  # benchmarks/decode_anatomy.py --variants matrix: one stream on the 8B shape, medians printed after
   # every round of interleaved runs. Dry run: SHAPES=tiny TOKENS=8 REPEATS=1 SLOW=3 (a CPU)
   SLOW=${SLOW:-1}
-  timeout $((235 * SLOW)) python3 -m benchmarks.decode_anatomy --shapes "${SHAPES:-8b}" --tokens "${TOKENS:-192}" \
-    --repeats "${REPEATS:-6}" --variants matrix --out "$WORK" 2>&1 | tee -a "$OUT/$STEP.log"
+  timeout $((235 * SLOW)) python3 -m benchmarks.decode_anatomy --shapes "${SHAPES:-8b,0.6b}" --tokens "${TOKENS:-160}" \
+    --repeats "${REPEATS:-5}" --variants matrix --out "$WORK" 2>&1 | tee -a "$OUT/$STEP.log"
   echo "decode_anatomy rc=${PIPESTATUS[0]}" | tee -a "$OUT/$STEP.log"
   collect
   ;;
