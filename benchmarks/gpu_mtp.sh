@@ -7,7 +7,7 @@
 #
 #   bash benchmarks/gpu_mtp.sh train   # install, assets, train-head (the recipe, <= 6 min) -> ~/keep/head and $OUT
 #   bash benchmarks/gpu_mtp.sh bench   # HumanEval rows the head never saw + GSM8K: ours vs mlx-lm; phase profile
-#   bash benchmarks/gpu_mtp.sh round   # the shipped head: MTP (pipelined, synchronous, adaptive) vs plain vs mlx-lm at widths 32/1/8, phases at 32
+#   bash benchmarks/gpu_mtp.sh round   # the shipped head: MTP 3 (pipelined; + lookup 2) vs plain vs mlx-lm, widths 1/32/8, HumanEval held out + GSM8K, phases at 1
 #   bash benchmarks/gpu_mtp.sh lookup  # the shipped head: mtp vs mtp + lookup fallback vs ngram vs plain vs mlx-lm, HumanEval held out + GSM8K
 set -uo pipefail
 OUT=${OUT:-bench-out}
@@ -68,13 +68,15 @@ bench)
     --set speculative.mtp_head="$HEAD" --out /tmp/b/prof 2>&1 | tail -30 | tee -a "$OUT/bench.log"
   cat /tmp/b/prof/*.md > "$OUT/profile.md" 2>/dev/null
   ;;
-round)  # issue 18/20: what an MTP round costs with the shipped head, one process (~4 min on a cold host)
-  # sizes are env vars so the same step dry-runs on a CPU with tiny ones. One process: the model is
-  # converted and each kernel built once; every setting runs once untimed first; width 32 first.
-  SHIPPED=heads/smollm2-135m-instruct; TOKENS=${TOKENS:-128}; ROWS=${ROWS:-4}; WIDTHS=${WIDTHS:-32,1,8}
+round)  # issue 18 (h5r): what an MTP round costs with the shipped head, one process, ~4 min on a warm host.
+  # Held-out HumanEval rows, then GSM8K; widths 1, 32, 8: ours plain, MTP depth 3 (pipelined, the head's
+  # commit + next drafts in one program), MTP depth 3 + mtp_lookup 2, mlx-lm generate_step / batch_generate;
+  # after width 1 of the first dataset the per-phase split of an MTP round. Sizes are env vars (CPU dry runs).
+  SHIPPED=heads/smollm2-135m-instruct; TOKENS=${TOKENS:-96}; ROWS=${ROWS:-4}; WIDTHS=${WIDTHS:-1,32,8}
   heldout $SHIPPED
-  timeout ${LIMIT:-270} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED --prompts /tmp/humaneval-heldout.jsonl \
-    --widths $WIDTHS --rows $ROWS --tokens $TOKENS --depths 3,3s,a --peer --phases 2>&1 | tee "$OUT/round-cost.log"
+  timeout ${LIMIT:-230} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED \
+    --prompts /tmp/humaneval-heldout.jsonl,/tmp/gsm8k.jsonl --widths $WIDTHS --rows $ROWS --tokens $TOKENS \
+    --depths ${DEPTHS:-3,3l2} --peer --phases 2>&1 | tee "$OUT/round-cost.log"
   ;;
 lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs mlx-lm; 1 stream and width 32;
   # held-out HumanEval rows and GSM8K in one process (~2.5 min warm). Sizes are env vars (CPU dry runs).

@@ -34,6 +34,7 @@ from mtplx.request import Request, SamplingParams
 
 from . import phase_profile
 from .common import device_name, sync, table
+from .real_models import load_prompts
 from .round_graph import GraphCounter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,11 +53,9 @@ def tiny_setup(tmp: Path, layers: int = 30):
     return bundle, str(head), prompts
 
 
-def real_setup(model: str, head: str, prompts_source: str):
-    from .real_models import load_prompts
-
+def real_setup(model: str, head: str, prompts_source):
     bundle = load(model)
-    return bundle, head, load_prompts(prompts_source, bundle.tokenizer, 256)
+    return bundle, head, load_prompts(prompts_source, bundle.tokenizer, 256) if prompts_source else None
 
 
 class EvalCounter:
@@ -151,7 +150,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a 30-layer width-64 random llama with a random head")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--head", default="heads/smollm2-135m-instruct")
-    ap.add_argument("--prompts", default="humaneval")
+    ap.add_argument("--prompts", default="humaneval", help="datasets (names or .jsonl files), comma-separated: one after the other")
     ap.add_argument("--widths", default="32", help="batch widths, in the order run")
     ap.add_argument("--rows", type=int, default=4, help="rows per width: max(width, ROWS)")
     ap.add_argument("--tokens", type=int, default=48)
@@ -159,17 +158,22 @@ def main():
                     "rounds, the path before pipelining; a trailing 'lN': with speculative.mtp_lookup N, e.g. 3l2)")
     ap.add_argument("--peer", action="store_true", help="also mlx-lm on the same rows (generate_step at width 1, else batch_generate)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the N costliest functions of the last MTP run")
-    ap.add_argument("--phases", action="store_true", help="after the first width, its last MTP setting once more, timed per phase")
+    ap.add_argument("--phases", action="store_true", help="after the first width, its first MTP setting once more, timed per phase")
     ap.add_argument("--graph", action="store_true", help="each setting once more, counting kernels / programs / reads per round")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        bundle, head, prompts = tiny_setup(Path(tmp)) if args.tiny else real_setup(args.model, args.head, args.prompts)
+        if args.tiny:
+            bundle, head, prompts = tiny_setup(Path(tmp))
+            sets = [("tiny", prompts)]
+        else:
+            bundle, head, _ = real_setup(args.model, args.head, None)
+            sets = [(Path(src).stem, load_prompts(src, bundle.tokenizer, 256)) for src in args.prompts.split(",")]
         print(f"device: {device_name()}; widths {args.widths}, {args.tokens} tokens a row", flush=True)
-        out, prof, phased = [], None, False
-        for width in (int(w) for w in args.widths.split(",")):
+        out, prof, phased, phase_spec = [], None, False, None
+        for (data, prompts), width in ((s, int(w)) for s in sets for w in args.widths.split(",")):
             rows = max(width, args.rows)
             plain = run(bundle, prompts, SpeculativeConfig(method="none"), width, rows, args.tokens, graph=args.graph)
-            out.append({"width": width, "rows": rows, "method": "plain", **plain, "x plain round": 1.0, "x plain tok/s": 1.0})
+            out.append({"data": data, "width": width, "rows": rows, "method": "plain", **plain, "x plain round": 1.0, "x plain tok/s": 1.0})
             print(table(out), flush=True)
             for d in args.depths.split(","):
                 m = re.fullmatch(r"(\d+|a)(s?)(?:l(\d+))?", d)
@@ -179,18 +183,19 @@ def main():
                 adaptive = d == "a"
                 spec = SpeculativeConfig(method="mtp", depth=3 if adaptive else int(d), adaptive_depth=adaptive, mtp_head=head,
                                          mtp_lookup=lookup)
+                phase_spec = phase_spec or spec
                 prof = cProfile.Profile() if args.cprofile else None
                 r = run(bundle, prompts, spec, width, rows, args.tokens, prof, sync_rounds=sync_rounds, graph=args.graph)
                 label = f"mtp depth {d}{' (synchronous rounds)' if sync_rounds else ''}{f' + lookup {lookup}' if lookup else ''}"
-                out.append({"width": width, "rows": rows, "method": label, **r,
+                out.append({"data": data, "width": width, "rows": rows, "method": label, **r,
                             "x plain round": r["ms/round"] / plain["ms/round"], "x plain tok/s": r["tok/s"] / plain["tok/s"]})
                 print(table(out), flush=True)
             if args.peer:
                 r = peer(bundle, prompts, width, rows, args.tokens)
-                out.append({"width": width, "rows": rows, **r, "x plain tok/s": r["tok/s"] / plain["tok/s"]})
+                out.append({"data": data, "width": width, "rows": rows, **r, "x plain tok/s": r["tok/s"] / plain["tok/s"]})
                 print(table(out), flush=True)
-            if args.phases and not phased:  # after the first width
-                phased = True
+            if args.phases and not phased:  # after the first width, its first MTP setting
+                phased, spec = True, phase_spec
                 r = run(bundle, prompts, spec, width, rows, args.tokens, phases=True)
                 split = [{"phase": k, "ms/round": 1e3 * v / max(r["rounds"], 1), "calls/round": phase_profile.CALLS[k] / max(r["rounds"], 1)}
                          for k, v in sorted(phase_profile.TIMES.items(), key=lambda kv: -kv[1])]

@@ -150,3 +150,21 @@ def test_decode_anatomy_matrix_names_known_variants():
     assert decode_anatomy.pick_variants("engine eager,bare+KVCache")[1][0] == "bare+KVCache"
     with pytest.raises(SystemExit, match="unknown"):
         decode_anatomy.pick_variants("engine warp speed")
+
+
+def test_round_graph_counts_primitives_and_programs(tiny_model):
+    """round_graph counts what each evaluation hands the device (each primitive once, views apart)
+    and every compiled verify call: plain decoding is one verify program per round."""
+    from benchmarks.round_graph import VIEWS, GraphCounter, graph_primitives
+
+    a = mx.ones((4, 4))
+    counted = graph_primitives([mx.exp(a) @ a.T + 1])
+    assert counted["Exp"] == 1 and counted["Matmul"] == 1 and set(counted) & VIEWS
+    eng = Engine(load(tiny_model("llama")), SpeculativeConfig(method="none"), ScheduleConfig(max_batch=2))
+    reqs = [Request(key=i, prompt_tokens=[3 + i, 17, 9], params=SamplingParams(max_tokens=6)) for i in range(2)]
+    list(eng.generate(reqs))
+    rounds = eng.counters["rounds"]
+    with GraphCounter(eng) as g:
+        list(eng.generate(reqs))
+    summary = g.summary(eng.counters["rounds"] - rounds)
+    assert summary["programs/round"] == 1.0 and summary["kernels/round"] > 20
