@@ -11,9 +11,10 @@ import hashlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -54,6 +55,7 @@ class TrainData:
     heldout: List[int] = field(default_factory=list)  # indices of held-out sequences
     rows: Optional[List[int]] = None  # the job rows (input indices) the prompts came from, when sampled
     groups: Optional[List[int]] = None  # sequences of one prompt share a group: held out together
+    extra: Optional["TrainData"] = None  # training-only sequences (--prompts), appended after the split
 
     def __post_init__(self):
         if self.starts is None:
@@ -153,36 +155,56 @@ def _encode_text(tok, text: str, piece_chars: int = 4000) -> List[int]:
 
 def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  max_batch: int = 32, seq_len: Optional[int] = None, quiet: bool = True,
-                 samples: int = 0, temperature: float = 0.8, seed: int = 0) -> TrainData:
+                 samples: Union[int, Sequence[int]] = 0, temperature: float = 0.8, seed: int = 0,
+                 seconds: Optional[float] = None, log: Optional[Callable[[str], None]] = None) -> TrainData:
     """prompt + the model's own greedy continuation for every prompt, plus `samples` sampled ones
-    (at `temperature`, seeded) that show the head other paths the trunk takes (batched, plain
-    decoding); scored from the first generated token on."""
+    (one count for all prompts or one per prompt; at `temperature`, seeded) that show the head
+    other paths the trunk takes; `max_batch` rows decoded together (plain decoding, continuous
+    batching); scored from the first generated token on. With `seconds`, generation stops at that
+    wall time and keeps the continuations finished by then (the requests run in prompt order, so
+    the first prompts are complete). `log` gets a progress line every ~15 s."""
     from ..config import ScheduleConfig, SpeculativeConfig
     from ..generation import Engine
     from ..request import Request, SamplingParams
 
-    engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"),
+    started = time.monotonic()
+    compiled = "on" if mx.default_device() == mx.gpu else "off"  # on a CPU compiling costs more than it saves
+    engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify=compiled),
                     ScheduleConfig(order="input", max_batch=max_batch))
-    kinds = [SamplingParams(max_tokens=max_new_tokens, temperature=0.0)]
-    kinds += [SamplingParams(max_tokens=max_new_tokens, temperature=temperature)] * max(samples, 0)
-    reqs = []
+    counts = [samples] * len(prompts) if isinstance(samples, int) else list(samples)
+    greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    sampled = SamplingParams(max_tokens=max_new_tokens, temperature=temperature)
+    reqs, groups = [], []
     for i, p in enumerate(prompts):
         p = list(p)
         if seq_len is not None and len(p) > seq_len - 2:
             p = p[: max(1, seq_len - 2)]  # the tail would be cut off anyway
-        for j, params in enumerate(kinds):
-            reqs.append(Request(key=len(reqs), prompt_tokens=p, params=params, seed=seed * 1_000_003 + i * 101 + j))
+        for j in range(1 + max(counts[i], 0)):
+            reqs.append(Request(key=len(reqs), prompt_tokens=p, params=sampled if j else greedy,
+                                seed=seed * 1_000_003 + i * 101 + j))
+            groups.append(i)
     out: Dict[int, List[int]] = {}
     bar = _bar(len(reqs), "generating", not quiet)
+    generated, last_log = 0, started
     for res in engine.generate(reqs):
-        seq = reqs[res.key].prompt_tokens + (res.tokens if res.finish_reason != "error" else [])
-        out[res.key] = seq
+        out[res.key] = reqs[res.key].prompt_tokens + (res.tokens if res.finish_reason != "error" else [])
+        generated += len(res.tokens)
         bar.update(1)
+        now = time.monotonic()
+        if log is not None and (now - last_log > 15 or len(out) == len(reqs)):
+            last_log = now
+            log(f"generating: {len(out)}/{len(reqs)} continuations, {generated:,} tokens, "
+                f"{generated / max(now - started, 1e-9):,.0f} tok/s ({now - started:.0f}s)")
+        if seconds is not None and now - started > seconds and len(out) < len(reqs):
+            if log is not None:
+                log(f"generation time limit of {seconds:.0f}s: kept {len(out)} of {len(reqs)} continuations "
+                    f"({generated:,} tokens)")
+            break
     bar.close()
-    seqs = [out[i] for i in range(len(reqs))]
+    keys = sorted(out)
     # t = P-1 is the first position the head drafts from: (h_{P-1}, x_P = the trunk's first token) -> x_{P+1}
-    return TrainData(seqs, "self-distilled", [max(len(r.prompt_tokens) - 1, 0) for r in reqs],
-                     groups=[k // len(kinds) for k in range(len(reqs))])
+    return TrainData([out[k] for k in keys], "self-distilled", [max(len(reqs[k].prompt_tokens) - 1, 0) for k in keys],
+                     groups=[groups[k] for k in keys])
 
 
 def sample_rows(rows, n: Optional[int], seed: int):
@@ -257,7 +279,7 @@ def is_job_or_table(path: str) -> bool:
     return low.endswith((".yaml", ".yml")) or any(low.endswith(suf) for suf in TABLE_FORMATS)
 
 
-def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True) -> TrainData:
+def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, log=None) -> TrainData:
     """Training sequences from `data`: ReadData (a job's or a table's rows, read by the caller), a
     text file, a list of strings (plain text), a list of token-id lists (every position scored), or
     a TrainData."""
@@ -266,7 +288,7 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True) 
     if isinstance(data, TrainData):
         return TrainData(list(data.sequences), data.source, list(data.starts)).clip(cfg.seq_len, limit)
     if isinstance(data, ReadData):
-        return _read_data(bundle, data, cfg, quiet)
+        return _read_data(bundle, data, cfg, quiet, log)
     if isinstance(data, (list, tuple)):
         if all(isinstance(x, str) for x in data):
             seqs = [w for text in data for w in _windows(_encode_text(tok, text), cfg.seq_len)]
@@ -288,14 +310,55 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True) 
     return TrainData(seqs, f"text:{os.path.abspath(path)}").clip(cfg.seq_len, limit)
 
 
-def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: bool) -> TrainData:
-    if data.prompts:
-        out = self_distill(bundle, data.prompts, data.max_new_tokens, cfg.gen_batch, cfg.seq_len, quiet,
-                           cfg.samples_per_prompt, cfg.temperature, cfg.seed)
-        out.source, out.rows = data.source, data.rows
-        return out.clip(cfg.seq_len)
-    seqs = [w for t in data.texts for w in _windows(_encode_text(bundle.tokenizer, t), cfg.seq_len)]
-    return TrainData(seqs, data.source).clip(cfg.seq_len)
+def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: bool, log=None) -> TrainData:
+    """The rows' prompts self-distilled together with the general prompts of `cfg.prompts` (one
+    engine run: the job's rows first, so a generation time limit cuts the general ones), which
+    come back as `extra` (training only); or the rows' texts cut into windows."""
+    if not data.prompts:
+        seqs = [w for t in data.texts for w in _windows(_encode_text(bundle.tokenizer, t), cfg.seq_len)]
+        return TrainData(seqs, data.source).clip(cfg.seq_len)
+    general, kinds = _general(bundle, cfg)
+    n = len(data.prompts)
+    both = self_distill(bundle, list(data.prompts) + general, data.max_new_tokens, cfg.gen_batch, cfg.seq_len, quiet,
+                        [cfg.samples_per_prompt] * n + [GENERAL_SAMPLES] * len(general), cfg.temperature, cfg.seed,
+                        cfg.data_seconds, log)
+    own = [i for i, g in enumerate(both.groups) if g < n]
+    out = _subset(both, own, data.source)
+    out.rows = data.rows
+    if general:
+        out.extra = _subset(both, [i for i, g in enumerate(both.groups) if g >= n], _general_source(cfg, kinds))
+    return out.clip(cfg.seq_len)
+
+
+GENERAL_SAMPLES = 1  # a --prompts prompt gets its greedy continuation and this many sampled ones
+
+
+def _general(bundle: ModelBundle, cfg: TrainConfig):
+    if not cfg.prompts:
+        return [], []
+    from .head_prompts import general_prompts
+
+    return general_prompts(bundle.tokenizer, cfg.prompts, cfg.seed)
+
+
+def _general_source(cfg: TrainConfig, kinds) -> str:
+    return "prompts:" + ",".join(f"{spec.split(':')[0]}:{kinds.count(spec.split(':')[0])}" for spec in cfg.prompts)
+
+
+def general_data(bundle: ModelBundle, cfg: TrainConfig, quiet: bool = True, log=None) -> Optional["TrainData"]:
+    """The `--prompts` prompts self-distilled alone (for data without prompts of its own: text)."""
+    general, kinds = _general(bundle, cfg)
+    if not general:
+        return None
+    out = self_distill(bundle, general, cfg.max_new_tokens or 256, cfg.gen_batch, cfg.seq_len, quiet,
+                       GENERAL_SAMPLES, cfg.temperature, cfg.seed, cfg.data_seconds, log)
+    out.source = _general_source(cfg, kinds)
+    return out.clip(cfg.seq_len)
+
+
+def _subset(data: TrainData, idx: Sequence[int], source: str) -> TrainData:
+    return TrainData([data.sequences[i] for i in idx], source, [data.starts[i] for i in idx],
+                     groups=[data.groups[i] for i in idx])
 
 
 # -- trunk features --------------------------------------------------------------------------------
@@ -314,9 +377,19 @@ class Features:
         return sum(max(len(t) - 2 - st, 0) for t, st in zip(self.tokens, self.starts))
 
 
+LENGTH_BUCKET = 64  # batches are padded to a multiple of this: few distinct shapes, few kernel builds on a GPU
+
+
+def padded_length(n: int) -> int:
+    return -(-n // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
 def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[int], store_dtype, want_greedy: bool,
-                   batch_tokens: int = 4096, desc: str = "trunk", quiet: bool = True) -> Features:
-    """Run the frozen trunk once over `sequences` (right-padded batches of similar length)."""
+                   batch_tokens: Optional[int] = None, desc: str = "trunk", quiet: bool = True) -> Features:
+    """Run the frozen trunk once over `sequences` (right-padded batches of similar length, padded
+    to a multiple of LENGTH_BUCKET; causal attention keeps padding out of the real positions)."""
+    if batch_tokens is None:
+        batch_tokens = 16384 if mx.default_device() == mx.gpu else 4096
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     hidden: List[Optional[mx.array]] = [None] * len(sequences)
     greedy: List[Optional[np.ndarray]] = [None] * len(sequences)
@@ -328,7 +401,7 @@ def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[i
         while j < len(order) and (j - i + 1) * len(sequences[order[j]]) <= max(batch_tokens, len(sequences[order[j]])):
             j += 1
         idx = order[i:j]
-        L = max(len(sequences[k]) for k in idx)
+        L = padded_length(max(len(sequences[k]) for k in idx))
         x = np.zeros((len(idx), L), dtype=np.int32)
         for r, k in enumerate(idx):
             x[r, : len(sequences[k])] = sequences[k]

@@ -43,7 +43,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .head_data import TrainData, TrainHeadError, _bar, build_data, is_job_or_table, text_data, trunk_features
+from .head_data import (TrainData, TrainHeadError, _bar, build_data, general_data, is_job_or_table, text_data,
+                        trunk_features)
+from .head_prompts import parse_spec
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
 from ..mtp_draft import DRAFT_VOCAB_FILE, frequent_tokens, save_draft_vocab
@@ -84,6 +86,8 @@ class TrainConfig:
     sample: Optional[int] = None  # job / table data: a seeded sample of N rows (None: all, up to max_rows)
     samples_per_prompt: int = 0  # self-distillation: sampled continuations per prompt besides the greedy one
     temperature: float = 0.8  # self-distillation: temperature of the sampled continuations
+    prompts: Tuple[str, ...] = ()  # general prompts self-distilled for training only: "stdlib-code:N", "stdlib-chat:N"
+    data_seconds: Optional[float] = None  # self-distillation stops at this wall time, keeping what finished
     text: Tuple[str, ...] = ()  # general text mixed into training: files, directories, or "stdlib"
     text_tokens: int = 200_000  # tokens of general text at most
     heldout_data: Optional[str] = None  # a second, different dataset evaluated (never trained on)
@@ -122,6 +126,15 @@ class TrainConfig:
             problems.append(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         if self.sample is not None and self.sample < 1:
             problems.append(f"sample must be >= 1 rows, got {self.sample}")
+        if self.gen_batch < 1:
+            problems.append(f"gen_batch must be >= 1 rows, got {self.gen_batch}")
+        if self.data_seconds is not None and self.data_seconds <= 0:
+            problems.append(f"data_seconds must be > 0, got {self.data_seconds}")
+        for spec in self.prompts:
+            try:
+                parse_spec(spec)
+            except TrainHeadError as e:
+                problems.append(str(e))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if problems:
@@ -304,7 +317,8 @@ def data_key(data, cfg: TrainConfig) -> Optional[dict]:
     return {"path": os.path.abspath(data), "sha256": h.hexdigest()[:16], "max_rows": cfg.max_rows,
             "max_new_tokens": cfg.max_new_tokens, "seq_len": cfg.seq_len, "heldout": cfg.heldout, "seed": cfg.seed,
             "sample": cfg.sample, "samples_per_prompt": cfg.samples_per_prompt, "temperature": cfg.temperature,
-            "text": list(cfg.text), "text_tokens": cfg.text_tokens}
+            "text": list(cfg.text), "text_tokens": cfg.text_tokens, "prompts": list(cfg.prompts),
+            "gen_batch": cfg.gen_batch, "data_seconds": cfg.data_seconds}
 
 
 def _read(read, data, bundle: ModelBundle, cfg: TrainConfig):
@@ -415,8 +429,11 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         tdata = TrainData.load(data_file)  # an earlier run stopped before its first checkpoint
         log(f"reusing {len(tdata.sequences)} sequences from {data_file}")
     else:
-        tdata = build_data(bundle, _read(read, data, bundle, cfg), cfg, quiet).clip(cfg.seq_len)
+        tdata = build_data(bundle, _read(read, data, bundle, cfg), cfg, quiet, log).clip(cfg.seq_len)
+        extra = tdata.extra if tdata.extra is not None else general_data(bundle, cfg, quiet, log)
         tdata.split(cfg.heldout, cfg.seed)
+        if extra is not None:  # --prompts: training only, like --text
+            tdata.extend(extra)
         if cfg.text:  # general text: training only, so the held-out split stays the data's own
             tdata.extend(text_data(bundle, cfg.text, cfg.text_tokens, cfg.seq_len, cfg.seed).clip(cfg.seq_len))
         ck.mkdir(parents=True, exist_ok=True)
@@ -432,9 +449,10 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                              store_dtype, False, desc="trunk (train)", quiet=quiet)
     held_f = trunk_features(mdl, [tdata.sequences[i] for i in tdata.heldout], [tdata.starts[i] for i in tdata.heldout],
                             store_dtype, True, desc="trunk (held-out)", quiet=quiet)
-    other, other_f = _other_heldout(bundle, cfg, ck, store_dtype, quiet, read)
+    other, other_f = _other_heldout(bundle, cfg, ck, store_dtype, quiet, read, log)
     log(f"{len(train_idx)} training sequences ({train_f.positions} positions), {len(tdata.heldout)} held out "
-        f"({held_f.positions} positions)" + (f", {other_f.positions} positions of {cfg.heldout_data} held out" if other else ""))
+        f"({held_f.positions} positions)" + (f", {other_f.positions} positions of {cfg.heldout_data} held out" if other else "")
+        + f"; data and trunk passes took {time.monotonic() - started:.0f}s")
     passes = cfg.steps * min(cfg.batch_size, len(train_idx)) / len(train_idx)
     if passes > 30:
         log(f"note: {cfg.steps} steps x {cfg.batch_size} sequences pass over the training data {passes:.0f} times; "
@@ -499,6 +517,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                 last_eval = {"step": step, "train_loss": ema, "heldout_loss": hl, "heldout_acceptance": ha}
                 history.append(last_eval)
                 metrics.update(heldout_loss=hl, heldout_acceptance=ha)
+                log(f"step {step}/{cfg.steps}: train loss {ema:.3f}, held-out loss {hl:.3f}, acceptance {ha:.3f} "
+                    f"({time.monotonic() - started:.0f}s)")
             bar.set_postfix_str(f"loss {ema:.3f} held-out acc {last_eval['heldout_acceptance']:.3f}", refresh=False)
             bar.update(1)
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
@@ -578,7 +598,7 @@ def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx
                            cfg.draft_vocab, V, eos)
 
 
-def _other_heldout(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read=None):
+def _other_heldout(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read=None, log=None):
     """A second dataset (`heldout_data`), self-distilled like the training data but never trained on."""
     if not cfg.heldout_data:
         return None, None
@@ -587,8 +607,8 @@ def _other_heldout(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype,
     if path.exists() and TrainData.stored_key(path) == key:
         other = TrainData.load(path)
     else:
-        ocfg = replace(cfg, sample=cfg.heldout_rows, max_rows=cfg.heldout_rows, samples_per_prompt=0)
-        other = build_data(bundle, _read(read, cfg.heldout_data, bundle, ocfg), ocfg, quiet).clip(cfg.seq_len)
+        ocfg = replace(cfg, sample=cfg.heldout_rows, max_rows=cfg.heldout_rows, samples_per_prompt=0, prompts=())
+        other = build_data(bundle, _read(read, cfg.heldout_data, bundle, ocfg), ocfg, quiet, log).clip(cfg.seq_len)
         ck.mkdir(parents=True, exist_ok=True)
         other.save(path, key)
     feats = trunk_features(bundle.model, other.sequences, other.starts, store_dtype, True,
