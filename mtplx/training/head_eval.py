@@ -62,14 +62,16 @@ def _causal(head: MTPHead, L: int):
     return create_causal_mask(L) if head._array_mask else "causal"
 
 
-def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int):
+def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int, project=None):
     """(logits, targets, mask, head hidden) at draft depths 1..`depths`. Depth k+1 at position i takes
-    the head's own depth-k output there and the token that depth k predicts (teacher-forced)."""
+    the head's own depth-k output there and the token that depth k predicts (teacher-forced).
+    `project` (h -> logits; default the head's own) gives logits over a drafting vocabulary."""
     out = []
     for _ in range(depths):
         if tokens.shape[1] == 0:
             break
-        hidden, logits = head(hidden, tokens, mask=_causal(head, tokens.shape[1]))
+        hidden = head.hidden(hidden, tokens, mask=_causal(head, tokens.shape[1]))
+        logits = head.logits(hidden) if project is None else project(hidden)
         out.append((logits, targets, mask, hidden))
         hidden, tokens, targets, mask = hidden[:, :-1], targets[:, :-1], targets[:, 1:], mask[:, :-1] * mask[:, 1:]
     return out
@@ -91,10 +93,7 @@ def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.flo
         grid = np.full((len(batch), depths, tok.shape[1]), -1, dtype=np.int8)
         for k, (logits, _, mk, _) in enumerate(_unrolled(head, hidden, tok, tgt, m, depths)):
             if vocab is not None:
-                if outside is None:
-                    keep = np.zeros(logits.shape[-1], dtype=bool)
-                    keep[np.asarray(vocab)] = True
-                    outside = mx.array(~keep)
+                outside = _outside(vocab, logits.shape[-1]) if outside is None else outside
                 logits = mx.where(outside, -mx.inf, logits)
             hit = np.array(mx.argmax(logits, axis=-1) == ref[:, k:])
             scored = np.array(mk) > 0
@@ -102,6 +101,12 @@ def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.flo
         for r, i in enumerate(batch):
             out[i] = grid[r, :, : max(len(feats.tokens[i]) - 2, 0)]
     return out
+
+
+def _outside(vocab: Sequence[int], size: int) -> mx.array:
+    keep = np.zeros(size, dtype=bool)
+    keep[np.asarray(vocab)] = True
+    return mx.array(~keep)
 
 
 def acceptance_by_depth(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
@@ -162,16 +167,21 @@ def tokens_per_verify(by_depth: Sequence[float], depth: int) -> float:
     return total
 
 
-def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_size: int = 8) -> Tuple[float, float]:
-    """(mean cross-entropy against x_{t+2}, acceptance against the trunk's greedy token) over all
-    held-out positions."""
+def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_size: int = 8,
+             vocab: Optional[Sequence[int]] = None) -> Tuple[float, float]:
+    """(mean cross-entropy against x_{t+2}, acceptance against the trunk's greedy token, the argmax
+    taken among `vocab` when given) over all held-out positions."""
     total_loss = total_hit = total_n = 0.0
     idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
+    outside = None
     for s in range(0, len(idx), batch_size):
         hidden, tok, tgt, m, g, _ = _batch(feats, idx[s : s + batch_size], compute_dtype)
         _, logits = head(hidden, tok, mask=_causal(head, tok.shape[1]))
         ce = nn.losses.cross_entropy(logits.astype(mx.float32), tgt, reduction="none")
         ref = g if g is not None else tgt
+        if vocab is not None:
+            outside = _outside(vocab, logits.shape[-1]) if outside is None else outside
+            logits = mx.where(outside, -mx.inf, logits)
         hit = (mx.argmax(logits, axis=-1) == ref).astype(mx.float32)
         l, h, n = (ce * m).sum(), (hit * m).sum(), m.sum()
         mx.eval(l, h, n)

@@ -48,7 +48,7 @@ from .head_data import (TrainData, TrainHeadError, _bar, build_data, general_dat
 from .head_prompts import parse_spec
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
-from ..mtp_draft import DRAFT_VOCAB_FILE, frequent_tokens, save_draft_vocab
+from ..mtp_draft import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
 from ..models.mtp import (SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, has_trunk_split, project_logits,
                           trunk_probe, trunk_signature)
 
@@ -100,7 +100,7 @@ class TrainConfig:
 
     # Keys that change what is trained: a resume with different values is refused.
     RESUME_KEYS = ("depth_layers", "draft_depths", "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
-                   "weight_decay", "grad_clip", "init", "dtype", "seed", "loss", "hidden_weight")
+                   "weight_decay", "grad_clip", "init", "dtype", "seed", "loss", "hidden_weight", "draft_vocab")
 
     def check(self):
         problems = []
@@ -170,21 +170,27 @@ class TrainResult:
 
 
 def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1, teacher=None, kind: str = "tokens",
-          hidden_weight: float = 0.0):
+          hidden_weight: float = 0.0, vocab: Optional[DraftVocab] = None, index=None):
     """Mean over depths of: cross-entropy to the trunk's distribution (kl; equal to the KL up to the
     trunk's entropy), to its argmax, or to the data's tokens; plus `hidden_weight` x the squared
     error between the head's hidden state and the trunk's at the same position (depth k at i
-    stands for the trunk at i + k)."""
+    stands for the trunk at i + k). With a drafting vocabulary (`vocab`, and `index`: token id ->
+    its place in it, -1 outside) both distributions are over its tokens alone, as drafting is:
+    a projection to 8k instead of 49k tokens; data tokens outside it are not scored."""
     total = 0.0
-    levels = _unrolled(head, hidden, tokens, targets, mask, depths)
+    levels = _unrolled(head, hidden, tokens, targets, mask, depths, None if vocab is None else vocab.logits)
     for d, (logits, tgt, m, h) in enumerate(levels):
         logp = logits.astype(mx.float32)
         logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
         t = None if teacher is None else mx.stop_gradient(teacher[:, d : d + tgt.shape[1]])
         if kind == "tokens" or t is None:
+            if index is not None:
+                tgt = index[tgt]
+                m = m * (tgt >= 0)
+                tgt = mx.maximum(tgt, 0)
             ce = -mx.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
         else:
-            t_logits = project_logits(head._trunk[0], t).astype(mx.float32)
+            t_logits = (project_logits(head._trunk[0], t) if vocab is None else vocab.logits(t)).astype(mx.float32)
             if kind == "kl":
                 ce = -(mx.softmax(t_logits, axis=-1) * logp).sum(axis=-1)
             else:
@@ -461,6 +467,15 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
 
     # 3. head + optimizer (fresh, or from the checkpoint)
     head = _init_head(mdl, cfg)
+    # the drafting vocabulary, fixed before training: the head is trained over it, as it drafts
+    vocab = _draft_vocab(bundle, head, tdata, train_idx, cfg)
+    draft = index = None
+    if vocab is not None:
+        V = int(head.logits(mx.zeros((1, head.fc.weight.shape[0]))).shape[-1])
+        draft = DraftVocab(head, vocab, V)
+        table = np.full(V, -1, dtype=np.int32)
+        table[np.array(draft.ids)] = np.arange(draft.size, dtype=np.int32)
+        index = mx.array(table)
     _causal(head, 2)  # settle the mask kind outside any gradient transform
     opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
     opt.init(head.trainable_parameters())
@@ -479,7 +494,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         initial = None
     resumed_from = step
     if initial is None:
-        l0, a0 = evaluate(head, held_f, compute_dtype)
+        l0, a0 = evaluate(head, held_f, compute_dtype, vocab=vocab)
         initial = {"step": 0, "heldout_loss": l0, "heldout_acceptance": a0}
         history.append(initial)
         log(f"untrained head: held-out loss {l0:.4f}, acceptance {a0:.3f}")
@@ -488,7 +503,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
 
     def train_step(batch):
         hidden, tok, tgt, m, _, teacher = batch
-        loss, grads = loss_and_grad(head, hidden, tok, tgt, m, cfg.draft_depths, teacher, cfg.loss, cfg.hidden_weight)
+        loss, grads = loss_and_grad(head, hidden, tok, tgt, m, cfg.draft_depths, teacher, cfg.loss, cfg.hidden_weight,
+                                    draft, index)
         if cfg.grad_clip:
             grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(head, grads)
@@ -513,7 +529,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
             train_loss = ema
             metrics = {"loss": lv, "lr": float(opt.learning_rate.item()) if isinstance(opt.learning_rate, mx.array) else float(opt.learning_rate)}
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                hl, ha = evaluate(head, held_f, compute_dtype)
+                hl, ha = evaluate(head, held_f, compute_dtype, vocab=vocab)
                 last_eval = {"step": step, "train_loss": ema, "heldout_loss": hl, "heldout_acceptance": ha}
                 history.append(last_eval)
                 metrics.update(heldout_loss=hl, heldout_acceptance=ha)
@@ -535,12 +551,11 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         raise interrupted
 
     if last_eval["step"] != step:
-        hl, ha = evaluate(head, held_f, compute_dtype)
+        hl, ha = evaluate(head, held_f, compute_dtype, vocab=vocab)
         last_eval = {"step": step, "train_loss": train_loss, "heldout_loss": hl, "heldout_acceptance": ha}
         history.append(last_eval)
     if checkpoint_step(out) != step:
         _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
-    vocab = _draft_vocab(bundle, head, tdata, train_idx, cfg)
     depths = max(cfg.draft_depths, 4)
     held_report = depth_report(head, held_f, depths, compute_dtype, vocab)
     by_depth = held_report["acceptance_by_depth"]

@@ -1,0 +1,65 @@
+"""Training over the drafting vocabulary: with `--draft-vocab N` the head's loss compares its
+distribution and the trunk's over those N tokens alone (renormalized), as drafting does; over the
+whole vocabulary it is the loss without one."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtplx.models.loading import load
+from mtplx.models.mtp import MTPHead, project_logits
+from mtplx.mtp_draft import DraftVocab
+from mtplx.training.head_eval import _causal
+from mtplx.training.train_head import _loss
+
+
+def _setup(tiny_model):
+    bundle = load(tiny_model("llama"))
+    mx.random.seed(0)
+    head = MTPHead(bundle.model)
+    _causal(head, 2)
+    rng = np.random.default_rng(0)
+    B, L, D = 2, 12, head.fc.weight.shape[0]
+    hidden = mx.array(rng.standard_normal((B, L, D)).astype(np.float32))
+    teacher = mx.array(rng.standard_normal((B, L + 1, D)).astype(np.float32))
+    tokens = mx.array(rng.integers(3, 500, (B, L)).astype(np.int32))
+    targets = mx.array(rng.integers(3, 500, (B, L)).astype(np.int32))
+    mask = mx.ones((B, L))
+    return bundle, head, hidden, teacher, tokens, targets, mask
+
+
+def _index(vocab, V):
+    table = np.full(V, -1, dtype=np.int32)
+    table[np.array(vocab.ids)] = np.arange(vocab.size, dtype=np.int32)
+    return mx.array(table)
+
+
+@pytest.mark.parametrize("kind", ["kl", "tokens"])
+def test_loss_over_the_whole_vocabulary_is_the_plain_loss(tiny_model, kind):
+    bundle, head, hidden, teacher, tokens, targets, mask = _setup(tiny_model)
+    V = bundle.vocab_size
+    vocab = DraftVocab(head, np.arange(V), V)
+    plain = _loss(head, hidden, tokens, targets, mask, 2, teacher, kind)
+    sub = _loss(head, hidden, tokens, targets, mask, 2, teacher, kind, 0.0, vocab, _index(vocab, V))
+    assert abs(plain.item() - sub.item()) < 1e-4 * max(1.0, abs(plain.item()))
+
+
+def test_kl_over_a_subset_renormalizes_both_distributions(tiny_model):
+    bundle, head, hidden, teacher, tokens, targets, mask = _setup(tiny_model)
+    V = bundle.vocab_size
+    ids = np.sort(np.random.default_rng(1).choice(V, 64, replace=False))
+    vocab = DraftVocab(head, ids, V)
+    got = _loss(head, hidden, tokens, targets, mask, 1, teacher, "kl", 0.0, vocab, _index(vocab, V)).item()
+    # reference: the full logits of head and trunk, cut to the subset, each renormalized there
+    _, logits = head(hidden, tokens, mask=_causal(head, tokens.shape[1]))
+    s = np.array(logits)[..., ids].astype(np.float64)
+    t = np.array(project_logits(bundle.model, teacher[:, : tokens.shape[1]]))[..., ids].astype(np.float64)
+    logq = s - np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True)) - s.max(-1, keepdims=True)
+    p = np.exp(t - t.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = float(-(p * logq).sum(-1).mean())
+    assert abs(got - want) < 1e-3 * max(1.0, abs(want))
+    full = _loss(head, hidden, tokens, targets, mask, 1, teacher, "kl").item()
+    assert abs(full - want) > 0.1  # the subset loss is another quantity than the full one
