@@ -1,6 +1,7 @@
-"""Training over the drafting vocabulary: with `--draft-vocab N` the head's loss compares its
-distribution and the trunk's over those N tokens alone (renormalized), as drafting does; over the
-whole vocabulary it is the loss without one."""
+"""The training loss. Over the drafting vocabulary: with `--draft-vocab N` the head's loss compares
+its distribution and the trunk's over those N tokens alone (renormalized), as drafting does; over
+the whole vocabulary it is the loss without one. Padding a batch to one fixed length (what a GPU
+run does, so every step has one shape) does not change it."""
 
 from __future__ import annotations
 
@@ -63,3 +64,19 @@ def test_kl_over_a_subset_renormalizes_both_distributions(tiny_model):
     assert abs(got - want) < 1e-3 * max(1.0, abs(want))
     full = _loss(head, hidden, tokens, targets, mask, 1, teacher, "kl").item()
     assert abs(full - want) > 0.1  # the subset loss is another quantity than the full one
+
+
+def test_a_batch_padded_to_a_fixed_length_gives_the_same_loss(tiny_model):
+    from mtplx.training.head_data import trunk_features
+    from mtplx.training.head_eval import _batch
+
+    bundle, head, *_ = _setup(tiny_model)
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(3, 500, n).tolist() for n in (17, 30, 41)]
+    feats = trunk_features(bundle.model, seqs, [0, 5, 2], mx.float32, False)
+    losses = []
+    for length in (None, 128):
+        hidden, tok, tgt, m, _, teacher = _batch(feats, [0, 1, 2], mx.float32, length)
+        assert tok.shape[1] == (64 if length is None else 128) - 2
+        losses.append(_loss(head, hidden, tok, tgt, m, 3, teacher, "kl", 0.1).item())
+    assert abs(losses[0] - losses[1]) < 1e-5 * abs(losses[0])

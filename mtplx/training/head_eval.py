@@ -19,11 +19,12 @@ from ..models.mtp import MTPHead
 from .head_data import Features, padded_length
 
 
-def _batch(feats: Features, idx: Sequence[int], compute_dtype):
+def _batch(feats: Features, idx: Sequence[int], compute_dtype, length: Optional[int] = None):
     """(hidden [B, L-2, D], tokens in [B, L-2], targets [B, L-2], mask [B, L-2], greedy targets or None,
     teacher [B, L-1, D]: the trunk's hidden at positions 1..L-1, whose projection is its distribution
-    over the token after each)."""
-    L = padded_length(max(len(feats.tokens[k]) for k in idx))  # few distinct shapes: few kernel builds on a GPU
+    over the token after each). L: `length` (training: one shape for every step), else the longest
+    sequence padded to a multiple of LENGTH_BUCKET (few distinct shapes: few kernel builds on a GPU)."""
+    L = max(length or 0, padded_length(max(len(feats.tokens[k]) for k in idx)))
     B = len(idx)
     x = np.zeros((B, L), dtype=np.int32)
     m = np.zeros((B, L - 2), dtype=np.float32)

@@ -43,8 +43,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .head_data import (TrainData, TrainHeadError, _bar, build_data, general_data, is_job_or_table, text_data,
-                        trunk_features)
+from .head_data import (TrainData, TrainHeadError, _bar, build_data, general_data, is_job_or_table, padded_length,
+                        text_data, trunk_features)
 from .head_prompts import parse_spec
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
@@ -77,7 +77,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     heldout: float = 0.1  # fraction of sequences held out (at least one, at most 64)
     max_rows: Optional[int] = None  # prompts (job / table) or windows (text) used at most
-    max_new_tokens: Optional[int] = None  # self-distillation: cap on tokens generated per prompt
+    max_new_tokens: Optional[int] = None  # self-distillation: tokens generated per prompt (None: the job's max_tokens, or 256)
     gen_batch: int = 32  # self-distillation: rows decoded together
     init: str = "random"  # random (MLX default init) | trunk: blocks start as copies of the trunk's last layer
     loss: str = "kl"  # kl: to the trunk's next-token distribution | argmax: CE to the trunk's argmax | tokens: CE to the data
@@ -510,6 +510,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         opt.update(head, grads)
         return loss
 
+    # on a GPU every step gets the one shape (each new shape builds kernels); on a CPU the padding costs more
+    fixed = padded_length(cfg.seq_len) if mx.default_device() == mx.gpu else None
     last_eval = history[-1]
     bar = _bar(cfg.steps, "train-head", not quiet)
     bar.update(step)
@@ -521,7 +523,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                 log(f"time limit of {cfg.max_seconds:.0f}s reached at step {step} of {cfg.steps}")
                 break
             idx = rng.choice(len(train_idx), size=min(cfg.batch_size, len(train_idx)), replace=False)
-            loss = train_step(_batch(train_f, sorted(int(i) for i in idx), compute_dtype))
+            loss = train_step(_batch(train_f, sorted(int(i) for i in idx), compute_dtype, fixed))
             mx.eval(loss, head.parameters(), opt.state)
             step += 1
             lv = loss.item()

@@ -61,7 +61,7 @@ def _terminate_as_interrupt(signum, frame):
 @click.option("--max-rows", type=click.IntRange(min=1), default=None, help="Use at most N prompts / text windows.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
               help="Self-distillation: tokens generated per prompt (default: the job's generation.max_tokens, "
-                   "or 256).")
+                   "or 256; given, it wins over the job's).")
 @click.option("--sample", type=click.IntRange(min=1), default=None, metavar="N",
               help="Job or table data: train on a seeded random sample of N of its rows (their indices go to "
                    "mtp_head.json as sample_rows).")

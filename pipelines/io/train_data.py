@@ -40,9 +40,9 @@ def _job(path: str, tokenizer, cfg) -> ReadData:
                                   None if cfg.sample else cfg.max_rows) if it.tokens][: cfg.max_rows or None]
     if not items:
         raise TrainHeadError(f"{path}: the job's input gave no usable prompts")
-    max_new = job.generation.max_tokens
-    if cfg.max_new_tokens is not None:
-        max_new = min(max_new, cfg.max_new_tokens)
+    # --max-new-tokens, when given, wins: a head drafts best up to the lengths it was trained on,
+    # so train past the job's max_tokens when the head will also serve longer runs
+    max_new = job.generation.max_tokens if cfg.max_new_tokens is None else cfg.max_new_tokens
     return ReadData(f"job:{os.path.abspath(path)}", prompts=[it.tokens for it in items], max_new_tokens=max_new,
                     rows=[it.index for it in items])
 
