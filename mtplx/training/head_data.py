@@ -319,6 +319,10 @@ def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: boo
         return TrainData(seqs, data.source).clip(cfg.seq_len)
     general, kinds = _general(bundle, cfg)
     n = len(data.prompts)
+    if log is not None:
+        log(f"self-distilling {n} rows x {1 + cfg.samples_per_prompt} continuations"
+            + (f" + {len(general)} general prompts x {1 + GENERAL_SAMPLES} ({_general_source(cfg, kinds)})" if general else "")
+            + f", {data.max_new_tokens} tokens each, {cfg.gen_batch} rows at a time")
     both = self_distill(bundle, list(data.prompts) + general, data.max_new_tokens, cfg.gen_batch, cfg.seq_len, quiet,
                         [cfg.samples_per_prompt] * n + [GENERAL_SAMPLES] * len(general), cfg.temperature, cfg.seed,
                         cfg.data_seconds, log)

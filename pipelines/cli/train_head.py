@@ -18,10 +18,13 @@ Examples:
   mtplx-batch train-head models/smollm2 --data jobs/eval.yaml --out heads/smollm2
   mtplx-batch train-head models/smollm2 --data corpus.txt --out heads/smollm2 --steps 2000
   mtplx-batch train-head models/smollm2 --data prompts.jsonl --out heads/smollm2 --max-new-tokens 128
-  # the recipe (docs/train-head.md): a sample of the job, greedy + sampled continuations, general
-  # text, depths 1-3 unrolled, a second dataset held out
-  mtplx-batch train-head smollm2-135m-instruct --data jobs/eval.yaml --sample 100 --samples-per-prompt 1 \
-      --text stdlib --heldout-data jobs/gsm8k.yaml --out heads/smollm2
+  # the recipe (docs/train-head.md): a sample of the job with greedy + 8 sampled continuations,
+  # general prompts from the stdlib (code and chat), generated 128 rows at a time for at most 150 s,
+  # general text, depths 1-3 unrolled, a second dataset held out, training cut at 430 s
+  mtplx-batch train-head smollm2-135m-instruct --data jobs/eval.yaml --sample 100 --samples-per-prompt 8 \
+      --max-new-tokens 192 --prompts stdlib-code:2000 --prompts stdlib-chat:1000 --gen-batch 128 \
+      --data-seconds 150 --text stdlib --heldout-data jobs/gsm8k.yaml --steps 1600 --batch-size 32 \
+      --seq-len 448 --hidden-weight 0.1 --max-seconds 430 --out heads/smollm2
 
 \b
 --data is a job YAML (its prompts + this model's own greedy continuations: self-distillation),
