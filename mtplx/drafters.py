@@ -15,7 +15,8 @@ them only then). `device_side`: the drafter also has `advance(n, nxt, counts, mo
 hidden)`, `commit` with device arrays it never reads (`counts`: each row's committed tokens,
 `most`: a host upper bound of them), so the engine can queue the next round before it reads
 this one (spec_rounds.py); its cache lengths on the host are then upper bounds until the engine
-corrects them (`cache.rows`, cache.py RowLengths). Prompt lookup drafts on the host: not device-side.
+corrects them (`cache.rows`, cache.py RowLengths). The ngram method drafts on the host: not device-side
+(MTP's prompt-lookup fallback matches on the device: LookupFallback).
 `drafts_ahead`: `advance(..., following=(K, sampler, u))` also drafts the next round (MTP: in the
 commit's compiled program), and `propose` with that K, sampler and u returns those drafts.
 
@@ -29,11 +30,12 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .cache import BatchCache, RowStateCache
+from .cache import BatchCache, RowStateCache, capacity_bucket
 from .config import SPEC_METHODS, SpeculativeConfig
 from .models.loading import ModelBundle
 from .models.mtp import MTPHead
-from .mtp_draft import CompiledDraftBank, DraftVocab, at_accepted, commit_inputs, pick, project, stack_drafts
+from .mtp_draft import (CompiledDraftBank, DraftVocab, at_accepted, commit_inputs, history_append, lookup_drafts, pick,
+                        project, stack_drafts)
 from .sampling import SamplerBatch, sample_from, shaped_probs
 
 
@@ -287,18 +289,16 @@ class MtpDrafter(_CachedDrafter):
     """The model's multi-token-prediction head drafts from the trunk's hidden state, recursively.
 
     With a `DraftVocab` it drafts only among those tokens (q is zero elsewhere: verification is
-    unchanged); with a `CompiledDraftBank` a proposal and a commit are one compiled call each
-    (mtp_draft.py), and the eager code below is the reference they must match.
+    unchanged); with a `CompiledDraftBank` a commit and the next round's proposal are one
+    compiled call (mtp_draft.py), and the eager code below is the reference it must match. With a
+    `LookupFallback` each row's context lives on the device too (`history`), so rounds still run
+    one ahead.
     """
 
     name = "mtp"
     needs_hidden = True
+    device_side = True
     drafts_ahead = True  # advance(following=...) drafts the next round in the commit's program
-
-    @property
-    def device_side(self) -> bool:
-        """Rounds run one ahead, unless the lookup fallback must read each round's tokens first."""
-        return self.lookup is None
 
     def __init__(self, head: MTPHead, chunk_size: int = 512, vocab: Optional[DraftVocab] = None,
                  compiled: bool = True, lookup: Optional["LookupFallback"] = None):
@@ -309,7 +309,8 @@ class MtpDrafter(_CachedDrafter):
         self.lookup = lookup
         self.cache: Optional[BatchCache] = None
         self.extra: List[mx.array] = []  # [first-draft logits [W, S], head hidden [W, D]]
-        self.ready: Optional[tuple] = None  # (K, sampler, u, drafts, q): drafted ahead by advance
+        self.ready: Optional[tuple] = None  # (K, sampler, u, drafts, q, lookup rows): drafted ahead by advance
+        self.history: Optional[mx.array] = None  # [W, C] each row's prompt + output (lookup only)
 
     def _new_cache(self):
         return BatchCache(list(self.head.cache_kinds), [0])
@@ -332,48 +333,66 @@ class MtpDrafter(_CachedDrafter):
             cache.eval()
         h_last = h_out[:, -1]
         state = (cache, [project(self.head, self.vocab, h_last), h_last])
-        return state if self.lookup is None else state + (self.lookup.prefill_row(tokens, None, first_token),)
+        # the row's context: one token longer than its head cache (the head's entry for the last
+        # token comes with the next commit)
+        return state if self.lookup is None else state + (mx.array(list(tokens) + [int(first_token)], dtype=mx.int32)[None],)
+
+    def reset(self):
+        super().reset()
+        self.ready, self.history = None, None
+
+    def _history_room(self, need: int):
+        """At least `need` history columns, in capacity buckets (few compiled programs)."""
+        have = self.history.shape[1]
+        if need > have:
+            self.history = mx.pad(self.history, [(0, 0), (0, capacity_bucket(need) - have)])
 
     def extend(self, states):
         self.ready = None
         super().extend(states)
         if self.lookup is not None:
-            self.lookup.extend([s[2] for s in states])
+            rows = [s[2] for s in states] if self.history is None else [self.history] + [s[2] for s in states]
+            cap = capacity_bucket(max(r.shape[1] for r in rows))
+            self.history = mx.concatenate([mx.pad(r, [(0, 0), (0, cap - r.shape[1])]) for r in rows])
 
     def write(self, slot, state):
         self.ready = None
         super().write(slot, state)
         if self.lookup is not None:
-            self.lookup.write(slot, state[2])
+            row = state[2]
+            self._history_room(row.shape[1])
+            self.history[slot : slot + 1] = mx.pad(row, [(0, 0), (0, self.history.shape[1] - row.shape[1])])
 
     def take(self, keep):
         self.ready = None
         super().take(keep)
         if self.lookup is not None:
-            self.lookup.take(keep)
+            self.history = self.history[mx.array(np.asarray(keep, dtype=np.int32))]
 
     def snapshot(self, state, length, hidden_at_edge):
         """A prefix of `length` trunk positions: the head has length-1 entries plus h[length-1]."""
         return state[0].snapshot_row(0, length - 1), hidden_at_edge
 
-    def propose(self, K, pending, sampler, u):
-        chosen = None if self.lookup is None else self.lookup.choose(K)
-        if chosen is not None and chosen[0].all():
-            return mx.array(chosen[1]), None  # every row drafts from its context: point masses
-        drafts, q = self._propose_head(K, sampler, u)
-        if chosen is None or not chosen[0].any():
-            return drafts, q
-        return self.lookup.mix(chosen, drafts, q)
+    def _lookup_arg(self, extra: int):
+        """(lookup, history) with room for `extra` more tokens per row, or None without lookup."""
+        if self.lookup is None:
+            return None
+        self._history_room(self.cache.rows.max + 1 + extra)
+        return self.lookup, self.history
 
-    def _propose_head(self, K, sampler, u):
+    def propose(self, K, pending, sampler, u):
         ready, self.ready = self.ready, None
         if ready is not None and ready[0] == K and ready[1] is sampler and ready[2] is u:
             return ready[3], ready[4]  # drafted with the last commit (advance's `following`)
         first_logits, h = self.extra
         if self.bank is not None:
-            out = self.bank.propose(self.cache, first_logits, h, sampler, u, K)
+            out = self.bank.propose(self.cache, first_logits, h, sampler, u, K, self._lookup_arg(K))
             if out is not None:
-                return out
+                return out[0], out[1]
+        return self._propose_eager(K, sampler, u)[:2]
+
+    def _propose_eager(self, K, sampler, u):
+        first_logits, h = self.extra
         start = self.cache.rows.mark()
         ones = np.ones(self.cache.batch, dtype=np.int64)
         tok, q = pick(first_logits, sampler, u[:, 0], self.vocab)
@@ -385,76 +404,83 @@ class MtpDrafter(_CachedDrafter):
             drafts.append(tok)
             qs.append(q)
         self.cache.rows.restore(start)
-        return stack_drafts(drafts, qs)
+        drafts, q = stack_drafts(drafts, qs)
+        if self.lookup is None:
+            return drafts, q, None
+        use, looked = self.lookup.drafts(self._lookup_arg(K)[1], self.cache.rows.device + 1, K)
+        return self.lookup.mix(use, looked, drafts, q) + (use,)
 
     def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
         keep = np.where(active, n_accept + 1, 0)
         self.advance(mx.array(n_accept.astype(np.int32)), mx.array(next_tokens.astype(np.int32)),
                      mx.array(keep.astype(np.int32)), keep, verify_in, hidden, exact=True)
-        if self.lookup is not None:
-            self.lookup.commit(n_accept, next_tokens, drafts, active)
 
     def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False, following=None):
         """Commit a verified round; with `following` = (K, sampler, u), also draft the next round
         from the state after it, in the same compiled program where one serves (`propose` with
         that K, sampler and u then returns those drafts)."""
         out, self.ready = None, None
-        plan = None if following is None or self.lookup is not None else (counts,) + tuple(following)
+        plan = None if following is None else (counts,) + tuple(following)
+        K1 = verify_in.shape[1]
+        lookup = self._lookup_arg(K1 + (following[0] if following else 0))
         if self.bank is not None:
-            out = self.bank.commit(self.cache, hidden, verify_in, n, nxt, plan)
+            out = self.bank.commit(self.cache, hidden, verify_in, n, nxt, plan, lookup)
         if out is None:
-            h_at = at_accepted(self.head.hidden(hidden, commit_inputs(verify_in, n, nxt), self.cache.layers), n)
-            out = project(self.head, self.vocab, h_at), h_at
+            committed = commit_inputs(verify_in, n, nxt)
+            h_at = at_accepted(self.head.hidden(hidden, committed, self.cache.layers), n)
+            out = (project(self.head, self.vocab, h_at), h_at)
+            if lookup is not None:
+                out += (history_append(self.history, self.cache.rows.device + 1, committed),)
         self.cache.advance(counts, most, exact)
         self.extra = list(out[:2])
+        if lookup is not None:
+            self.history = out[2]
         if plan is not None:
             K, sampler, u = following
-            drafts = out[2:] if len(out) > 2 else self._propose_head(K, sampler, u)
-            self.ready = (K, sampler, u) + tuple(drafts)
-
-    def reset(self):
-        super().reset()
-        self.ready = None
-        if self.lookup is not None:
-            self.lookup.reset()
+            drafted = out[2 + (lookup is not None):] or self._propose_eager(K, sampler, u)
+            self.ready = (K, sampler, u) + tuple(drafted)
+            if self.lookup is not None:
+                self.lookup.record(drafted[2], counts)
 
 
-class LookupFallback(NgramDrafter):
-    """Prompt lookup inside MTP drafting (`speculative.mtp_lookup`): each round, a row whose own
-    context (prompt + output) has a suffix of at least `min_match` tokens seen before, followed
-    there by at least the round's depth of tokens, drafts that continuation; the others draft
-    with the head. The choice is made from the context before the round, and a lookup draft's
-    proposal distribution is the point mass on it, so acceptance (and the output) stays exact."""
+class LookupFallback:
+    """Prompt lookup inside MTP drafting (`speculative.mtp_lookup`), on the device: each round, a
+    row whose own context (prompt + output, `MtpDrafter.history`) has a suffix of at least
+    `min_match` tokens seen before, followed there by at least the round's depth of tokens,
+    drafts that continuation (mtp_draft.lookup_drafts: what NgramDrafter.match finds on the
+    host); the others draft with the head. The choice is made from the context before the round,
+    and a lookup draft's proposal distribution is the point mass on it, so acceptance (and the
+    output) stays exact. Nothing is read for it: rounds stay one ahead."""
 
     def __init__(self, ngram_size: int, min_match: int):
-        super().__init__(max(ngram_size, min_match))
+        self.n = max(ngram_size, min_match)
         self.min_match = min_match
-        self.counts = {"lookup": 0, "head": 0}  # row-rounds drafted each way
+        self._tally = mx.zeros((2,), mx.int32)  # row-rounds drafted (by lookup, in all), on the device
 
-    def choose(self, K: int) -> Tuple[np.ndarray, np.ndarray]:
+    def drafts(self, history: mx.array, lengths: mx.array, K: int):
         """(rows that draft from their context [W] bool, those drafts [W, K])."""
-        use = np.zeros(len(self.rows), dtype=bool)
-        drafts = np.zeros((len(self.rows), K), dtype=np.int32)
-        for i, row in enumerate(self.rows):
-            if row is None:
-                continue
-            size, cont = self.match(row[0], row[1], K)
-            if size >= self.min_match and len(cont) >= K:
-                use[i], drafts[i] = True, cont
-        live = sum(r is not None for r in self.rows)
-        self.counts["lookup"] += int(use.sum())
-        self.counts["head"] += live - int(use.sum())
-        return use, drafts
+        return lookup_drafts(history, lengths, K, self.n, self.min_match)
 
     @staticmethod
-    def mix(chosen, drafts: mx.array, q: Optional[mx.array]):
+    def mix(use: mx.array, looked: mx.array, drafts: mx.array, q: Optional[mx.array]):
         """The head's drafts and q, with the lookup rows' drafts and point masses in their place."""
-        use, looked = mx.array(chosen[0]), mx.array(chosen[1])
         drafts = mx.where(use[:, None], looked, drafts.astype(mx.int32))
         if q is not None:
             point = (mx.arange(q.shape[-1])[None, None] == looked[..., None]).astype(q.dtype)
             q = mx.where(use[:, None, None], point, q)
         return drafts, q
+
+    def record(self, use: mx.array, counts: mx.array):
+        """Count a round's choices among its live rows (evaluated with the round, read on demand)."""
+        live = counts > 0
+        self._tally = self._tally + mx.stack([(use & live).sum(), live.sum()]).astype(mx.int32)
+        mx.async_eval(self._tally)
+
+    @property
+    def counts(self) -> Dict[str, int]:
+        """Row-rounds drafted each way (one read)."""
+        used, rows = np.array(self._tally).tolist()
+        return {"lookup": used, "head": rows - used}
 
 
 def _draft_model(spec: SpeculativeConfig, bundle: ModelBundle) -> DraftModelDrafter:

@@ -176,33 +176,42 @@ class CompiledDraftBank:
         self.stats["compiled_calls"] += 1
         return out
 
-    def propose(self, cache: BatchCache, first_logits, h, sampler: SamplerBatch, u, K: int):
-        """Drafts [W, K] and q ([W, K, V] or None), or None when this shape runs eagerly."""
+    def propose(self, cache: BatchCache, first_logits, h, sampler: SamplerBatch, u, K: int, lookup=None):
+        """Drafts [W, K], q ([W, K, V] or None) and the rows that drafted from their context (or
+        None), or None when this shape runs eagerly. `lookup` = (LookupFallback, history [W, C])."""
         arrays = self._ready(cache, K)
         if arrays is None:
             self._eager("cache not compilable")
             return None
         kinds, head, vocab = list(cache.kinds), self.head, self.vocab
         flags = (sampler.all_greedy, sampler.any_top_k, sampler.any_top_p)
-        key = ("propose", cache.batch, K, arrays[0].shape[2]) + flags
+        finder = None if lookup is None else lookup[0]
+        key = ("propose", cache.batch, K, arrays[0].shape[2]) + flags + _lookup_key(lookup)
 
         def build():
             def run(first, h, u, temps, top_p, top_k, lengths, *arrays):
+                hist = arrays[-1] if finder is not None else None
+                arrays = list(arrays[:-1] if finder is not None else arrays)
                 s = SamplerBatch(temps, top_p, top_k, *flags)
-                return _packed(draft_chain(head, vocab, kinds, first, h, s, u, lengths, list(arrays), K))
+                d, q = draft_chain(head, vocab, kinds, first, h, s, u, lengths, arrays, K)
+                return _packed(*_looked_up(finder, hist, lengths + 1, K, d, q))
             return run
 
+        extra = [] if lookup is None else [lookup[1]]
         out = self._call(key, build, first_logits, h, u, sampler.temps, sampler.top_p, sampler.top_k,
-                         cache.rows.device, *arrays)
+                         cache.rows.device, *arrays, *extra)
         return None if out is None else _unpacked(out)
 
-    def commit(self, cache: BatchCache, hidden, verify_in, n, next_tokens, following=None):
-        """Run the head over the verified tokens, mirror its cache; (first logits, head hidden) at
-        each row's accepted position, or None when this shape runs eagerly.
+    def commit(self, cache: BatchCache, hidden, verify_in, n, next_tokens, following=None, lookup=None):
+        """Run the head over the verified tokens, mirror its cache: (first logits, head hidden) at
+        each row's accepted position, or None when this shape runs eagerly. With `lookup` =
+        (LookupFallback, history [W, C]) the committed tokens are written into the history, and
+        the result then ends with the new history.
 
         `following` = (counts, K, sampler, u): also draft the next round's K tokens in the same
-        program, from the head's state after this commit (the lengths advanced by `counts`); the
-        result then ends with (drafts [W, K], q or None)."""
+        program, from the head's state after this commit (the lengths advanced by `counts`), with
+        the lookup where it is on; the result then ends with (drafts [W, K], q or None, the rows
+        that drafted from their context or None)."""
         W, K1 = verify_in.shape
         K = following[1] if following is not None else 0
         arrays = self._ready(cache, K1 + K)
@@ -211,25 +220,35 @@ class CompiledDraftBank:
             return None
         kinds, head, vocab = list(cache.kinds), self.head, self.vocab
         flags = () if following is None else (following[2].all_greedy, following[2].any_top_k, following[2].any_top_p)
-        key = ("commit" if following is None else "commit+propose", W, K1, arrays[0].shape[2], str(hidden.dtype), K) + flags
-        n_arrays = len(arrays)
+        key = (("commit" if following is None else "commit+propose", W, K1, arrays[0].shape[2], str(hidden.dtype), K)
+               + flags + _lookup_key(lookup))
+        n_arrays, finder = len(arrays), None if lookup is None else lookup[0]
 
         def build():
             def run(hidden, verify_in, n, nxt, lengths, *rest):
-                arrays, extra = list(rest[:n_arrays]), rest[n_arrays:]
+                arrays, rest = list(rest[:n_arrays]), list(rest[n_arrays:])
+                hist = rest.pop(0) if finder is not None else None
                 shadow = _shadow_cache(kinds, lengths, arrays)
-                h_at = at_accepted(head.hidden(hidden, commit_inputs(verify_in, n, nxt), shadow.layers), n)
+                committed = commit_inputs(verify_in, n, nxt)
+                h_at = at_accepted(head.hidden(hidden, committed, shadow.layers), n)
                 first = project(head, vocab, h_at)
                 arrays = _shadow_outputs(shadow)
                 out = (first, h_at) + tuple(arrays)
-                if not extra:
+                if finder is not None:
+                    hist = history_append(hist, lengths + 1, committed)
+                    out += (hist,)
+                if not rest:
                     return out
-                counts, u, temps, top_p, top_k = extra
+                counts, u, temps, top_p, top_k = rest
                 s = SamplerBatch(temps, top_p, top_k, *flags)
-                return out + _packed(draft_chain(head, vocab, kinds, first, h_at, s, u, lengths + counts, arrays, K))
+                ahead = lengths + counts
+                d, q = draft_chain(head, vocab, kinds, first, h_at, s, u, ahead, arrays, K)
+                return out + _packed(*_looked_up(finder, hist, ahead + 1, K, d, q))
             return run
 
         args = [hidden, verify_in, n, next_tokens, cache.rows.device, *arrays]
+        if lookup is not None:
+            args.append(lookup[1])
         if following is not None:
             counts, _, sampler, u = following
             args += [counts, u, sampler.temps, sampler.top_p, sampler.top_k]
@@ -238,9 +257,9 @@ class CompiledDraftBank:
             return None
         for i, layer in enumerate(cache.layers):
             layer.keys, layer.values = out[2 + 2 * i], out[3 + 2 * i]
-        if following is None:
-            return out[0], out[1]
-        return (out[0], out[1]) + _unpacked(out[2 + n_arrays:])
+        rest = out[2 + n_arrays:]
+        return (out[0], out[1]) + tuple(rest[:1] if lookup is not None else ()) + (
+            _unpacked(rest[1 if lookup is not None else 0:]) if following is not None else ())
 
 
 def draft_chain(head: MTPHead, vocab: Optional[DraftVocab], kinds, first, h, s: SamplerBatch, u, lengths, arrays, K: int):
@@ -258,10 +277,53 @@ def draft_chain(head: MTPHead, vocab: Optional[DraftVocab], kinds, first, h, s: 
     return stack_drafts(drafts, qs)
 
 
-def _packed(drafts_q):
-    d, q = drafts_q
-    return d, (mx.zeros((0,)) if q is None else q)
+# -- prompt lookup on the device (speculative.mtp_lookup; drafters.LookupFallback) -----------------
+def history_append(hist: mx.array, hlen: mx.array, committed: mx.array) -> mx.array:
+    """Write a round's committed tokens into each row's history [W, C] at its length `hlen`: the
+    first counts of `committed` [W, K+1] (commit_inputs) are the row's new tokens; the rest land
+    past its new length, where nothing reads before a later round overwrites them."""
+    pos = hlen[:, None] + mx.arange(committed.shape[1], dtype=mx.int32)[None]
+    return mx.put_along_axis(hist, pos, committed.astype(hist.dtype), axis=1)
+
+
+def lookup_drafts(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int):
+    """Per row of `hist` [W, C] (its first `hlen` tokens): does the longest suffix of `shortest`..
+    `longest` tokens seen before, at its latest earlier place, have K tokens after it there?
+    Returns (that [W] bool, those K tokens [W, K]): what NgramDrafter.match gives on the host."""
+    W, C = hist.shape
+    end = mx.arange(C, dtype=mx.int32)[None]  # an n-gram of size m ending before position `end`
+    best, found = mx.full((W,), -1, mx.int32), mx.zeros((W,), mx.bool_)
+    for m in range(longest, shortest - 1, -1):
+        suffix = mx.take_along_axis(hist, mx.maximum(hlen[:, None] - m + mx.arange(m, dtype=mx.int32)[None], 0), axis=1)
+        padded = mx.pad(hist, [(0, 0), (m, 0)])
+        hit = (end >= m) & (end < hlen[:, None])
+        for j in range(m):
+            hit = hit & (padded[:, j : j + C] == suffix[:, j : j + 1])
+        last = mx.max(mx.where(hit, end, -1), axis=1)
+        best = mx.where(found, best, last)
+        found = found | (last >= 0)
+    use = found & (best + K <= hlen)
+    at = mx.clip(best[:, None] + mx.arange(K, dtype=mx.int32)[None], 0, C - 1)
+    return use, mx.take_along_axis(hist, at, axis=1)
+
+
+def _looked_up(finder, hist, hlen, K, drafts, q):
+    """The head's drafts and q with the lookup rows' in their place, and those rows (or None)."""
+    if finder is None:
+        return drafts, q, None
+    use, looked = finder.drafts(hist, hlen, K)
+    drafts, q = finder.mix(use, looked, drafts, q)
+    return drafts, q, use
+
+
+def _lookup_key(lookup) -> tuple:
+    return () if lookup is None else ("lookup", lookup[0].n, lookup[0].min_match, lookup[1].shape[1])
+
+
+def _packed(d, q, *rest):
+    """Program outputs: None -> an empty array (compiled programs return arrays only)."""
+    return tuple(mx.zeros((0,)) if a is None else a for a in (d, q) + rest)
 
 
 def _unpacked(out):
-    return out[0], (out[1] if out[1].size else None)
+    return tuple(a if a.size else None for a in out)

@@ -39,7 +39,8 @@ def setup(tiny_model, tmp_path_factory):
 def _engine(setup, method, width, depth=3, adaptive=False, compiled="on"):
     bundle, head, drafts, _, _ = setup
     spec = SpeculativeConfig(method=method.split("-")[0], depth=depth, adaptive_depth=adaptive, compiled_verify=compiled,
-                             mtp_head=head if method == "mtp" else None, draft_model=drafts.get(method))
+                             mtp_head=head if method.startswith("mtp") else None, draft_model=drafts.get(method),
+                             mtp_lookup=2 if method == "mtp-lookup" else 0)
     return Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
 
 
@@ -47,7 +48,7 @@ def _requests(rows):
     return [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
 
 
-@pytest.mark.parametrize("method", ["mtp", "draft"])
+@pytest.mark.parametrize("method", ["mtp", "mtp-lookup", "draft"])
 def test_the_next_round_is_queued_before_this_one_is_read(setup, method):
     eng = _engine(setup, method, 4)
     events = []
@@ -67,7 +68,7 @@ def test_the_next_round_is_queued_before_this_one_is_read(setup, method):
     assert sum(a == 1 for a in ahead) > len(ahead) / 2, ahead
 
 
-@pytest.mark.parametrize("method", ["mtp", "draft"])
+@pytest.mark.parametrize("method", ["mtp", "mtp-lookup", "draft"])
 def test_a_decode_round_reads_the_device_once(setup, method, monkeypatch):
     eng = _engine(setup, method, 4)
     in_prefill, evals = [False], []
@@ -91,6 +92,7 @@ def test_a_decode_round_reads_the_device_once(setup, method, monkeypatch):
 
 @pytest.mark.parametrize("width", [1, 4, 7])
 @pytest.mark.parametrize("method,adaptive,compiled", [("mtp", False, "on"), ("mtp", True, "on"), ("mtp", False, "off"),
+                                                       ("mtp-lookup", False, "on"), ("mtp-lookup", True, "off"),
                                                        ("draft", False, "on"), ("draft-self", False, "off")])
 def test_greedy_output_through_the_pipeline_equals_plain(setup, method, adaptive, compiled, width):
     """Eager forwards (compiled_verify: off, the draft model's own) take the cache's shared-length
@@ -127,13 +129,15 @@ def test_rounds_queued_past_a_rows_end_stay_compiled(setup, method):
     assert eng.bank.stats["fallback_calls"] == 0, eng.bank.stats["fallback_reasons"]
 
 
-def test_synchronous_mtp_rounds_keep_exact_lengths(setup):
-    """MTP with the lookup fallback reads every round before the next (it drafts from the tokens):
-    its commits are exact, so its head cache's lengths never turn into upper bounds."""
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_synchronous_mtp_rounds_keep_exact_lengths(setup, lookup):
+    """An MTP drafter run synchronously (as if it drafted on the host: each round read before the
+    next) commits exactly, so its head cache's lengths never turn into upper bounds."""
     bundle, head, _, rows, refs = setup
-    spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, mtp_head=head, mtp_lookup=2)
+    spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, mtp_head=head, mtp_lookup=lookup)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=4, order="input"))
-    assert not eng.drafter.device_side
+    d = eng.drafter
+    d.__class__ = type("SynchronousMtpDrafter", (type(d),), {"device_side": False})
     rounds = []
     land = eng._land
     eng._land = lambda *a: (rounds.append(eng.drafter.cache.rows.unread), land(*a))[1]

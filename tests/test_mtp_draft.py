@@ -43,7 +43,7 @@ class _Checked(MtpDrafter):
     followed by an eager proposal)."""
 
     def __init__(self, other: MtpDrafter):
-        super().__init__(other.head, other.chunk, other.vocab, compiled=True)
+        super().__init__(other.head, other.chunk, other.vocab, compiled=True, lookup=other.lookup)
         self.checks = {"propose": 0, "commit": 0, "commit+propose": 0, "drafted ahead": 0}
         self.draft_diffs, self.q_diff, self.commit_diff = 0, 0.0, 0.0
 
@@ -70,19 +70,23 @@ class _Checked(MtpDrafter):
         return drafts, q
 
     def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False, following=None):
-        saved = [(c.keys, c.values) for c in self.cache.layers], self.cache.rows.mark()
+        saved = [(c.keys, c.values) for c in self.cache.layers], self.cache.rows.mark(), self.history
         before = self.bank.stats["compiled_calls"]
         super().advance(n, nxt, counts, most, verify_in, hidden, exact, following)
         assert self.bank.stats["compiled_calls"] == before + 1  # one program, drafting or not
-        got, ready = [np.array(a) for a in self.extra], self.ready
+        got, ready, history = [np.array(a) for a in self.extra], self.ready, self.history
         for c, (k, v) in zip(self.cache.layers, saved[0]):
             c.keys, c.values = k, v
         self.cache.rows.restore(saved[1])
+        self.history = saved[2]
         bank, self.bank = self.bank, None
         super().advance(n, nxt, counts, most, verify_in, hidden, exact, following)
         self.bank = bank
         for a, b in zip(got, self.extra):
             self.commit_diff = max(self.commit_diff, float(np.abs(a - np.array(b)).max()))
+        if history is not None:
+            h, ref = np.array(history), np.array(self.history)
+            self.draft_diffs += int((h[:, : ref.shape[1]] != ref).sum())  # columns past the eager one's: padding
         if following is not None:
             self._compare(ready[3], ready[4], self.ready[3], self.ready[4])
             self.ready = ready
@@ -99,15 +103,21 @@ def _run(bundle, spec, prompts, params, max_batch=3, check=False):
     return [out[i] for i in range(len(reqs))], eng
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
-def test_compiled_drafts_equal_eager_drafts(tiny_model, tmp_path, family):
+@pytest.mark.parametrize("family,lookup", [("llama", 0), ("qwen3_next", 0), ("llama", 2)])
+def test_compiled_drafts_equal_eager_drafts(tiny_model, tmp_path, family, lookup):
+    """(With `lookup`, the prompt-lookup fallback on the device: drafts, q and the rows' histories.)"""
     bundle = load(tiny_model(family))
     head = _sidecar(bundle, tmp_path / "head") if family == "llama" else None  # qwen3_next ships mtp.*
     rng = np.random.default_rng(1)
     prompts = [rng.integers(5, 200, int(n)).tolist() for n in (5, 40, 17, 9, 250, 3)]
     params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=24, temperature=0.9, top_k=20)]
-    spec = SpeculativeConfig(method="mtp", mtp_head=head, depth=3, adaptive_depth=False)
+    if lookup:
+        prompts = [(p[: len(p) // 3 + 1] * 3)[: len(p)] for p in prompts]  # repeats: lookup rows happen
+    spec = SpeculativeConfig(method="mtp", mtp_head=head, depth=3, adaptive_depth=False, mtp_lookup=lookup)
     results, eng = _run(bundle, spec, prompts, params, check=True)
+    if lookup:
+        counts = eng.drafter.lookup.counts
+        assert counts["lookup"] >= 3 and counts["head"] >= 10, counts
     d = eng.drafter
     print(f"\n{family}: {d.checks} checked, programs {d.bank.stats['programs']}, max |q diff| {d.q_diff:.2g}, "
           f"max commit diff {d.commit_diff:.2g}")

@@ -12,11 +12,12 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.drafters import LookupFallback
+from mtplx.drafters import LookupFallback, NgramDrafter
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
@@ -52,26 +53,50 @@ def test_lookup_fallback_keeps_greedy_output_identical(tiny_model, tmp_path, com
         assert r.tokens == reference_tokens(bundle.model, p, 40, eng.eos)
 
 
-def test_choose_needs_a_match_and_a_long_enough_continuation():
+def _history(rows, extra=3):
+    hist = np.zeros((len(rows), max(map(len, rows)) + extra), dtype=np.int32)
+    for i, r in enumerate(rows):
+        hist[i, : len(r)] = r
+    return mx.array(hist), mx.array([len(r) for r in rows], dtype=mx.int32)
+
+
+def test_lookup_needs_a_match_and_a_long_enough_continuation():
     lk = LookupFallback(ngram_size=3, min_match=2)
-    lk.extend([lk.prefill_row([1, 2, 3, 4, 9, 1, 2], None, 3),  # suffix (1, 2, 3) seen: 4 9 1 follow
-               lk.prefill_row([5, 6, 7, 8], None, 5),  # only (5,) seen before: too short a match
-               lk.prefill_row([1, 2, 3, 4, 1, 2], None, 3)])  # (1, 2, 3) seen, but only 4 1 2 3 follow...
-    use, drafts = lk.choose(3)
-    assert use.tolist() == [True, False, True]
-    assert drafts[0].tolist() == [4, 9, 1] and drafts[2].tolist() == [4, 1, 2]
-    use, drafts = lk.choose(5)  # ...which is shorter than a depth of 5
-    assert use.tolist() == [True, False, False] and drafts[0].tolist() == [4, 9, 1, 2, 3]
+    rows = [[1, 2, 3, 4, 9, 1, 2, 3],  # suffix (1, 2, 3) seen: 4 9 1 follow
+            [5, 6, 7, 8, 5],  # only (5,) seen before: too short a match
+            [1, 2, 3, 4, 1, 2, 3]]  # (1, 2, 3) seen, but only 4 1 2 3 follow...
+    hist, lengths = _history(rows)
+    use, drafts = lk.drafts(hist, lengths, 3)
+    assert np.array(use).tolist() == [True, False, True]
+    assert np.array(drafts[0]).tolist() == [4, 9, 1] and np.array(drafts[2]).tolist() == [4, 1, 2]
+    use, drafts = lk.drafts(hist, lengths, 5)  # ...which is shorter than a depth of 5
+    assert np.array(use).tolist() == [True, False, False] and np.array(drafts[0]).tolist() == [4, 9, 1, 2, 3]
+
+
+@pytest.mark.parametrize("n,min_match", [(3, 2), (3, 1), (4, 3)])
+def test_device_lookup_finds_what_the_host_lookup_finds(n, min_match):
+    """On random short-alphabet histories (many repeats), the device match is NgramDrafter.match's:
+    the longest suffix seen before, its latest earlier place, and whether K tokens follow there."""
+    rng = np.random.default_rng(n * 10 + min_match)
+    rows = [rng.integers(0, 4, int(rng.integers(1, 40))).tolist() for _ in range(64)]
+    hist, lengths = _history(rows)
+    host = NgramDrafter(n)
+    for K in (1, 3, 5):
+        use, drafts = LookupFallback(n, min_match).drafts(hist, lengths, K)
+        use, drafts = np.array(use), np.array(drafts)
+        for i, r in enumerate(rows):
+            size, cont = host.match(r, host._index(r), K)
+            want = size >= min_match and len(cont) >= K
+            assert use[i] == want, (r, K)
+            if want:
+                assert drafts[i].tolist() == cont, (r, K)
 
 
 class _HeadQForLookupRows(LookupFallback):
     """The bug the point masses prevent: lookup rows keep the head's q for drafts it did not draw."""
 
     @staticmethod
-    def mix(chosen, drafts, q):
-        import mlx.core as mx
-
-        use, looked = mx.array(chosen[0]), mx.array(chosen[1])
+    def mix(use, looked, drafts, q):
         return mx.where(use[:, None], looked, drafts.astype(mx.int32)), q
 
 
