@@ -83,9 +83,11 @@ round)  # issue 18 (h5r): what an MTP round costs with the shipped head, one pro
   # after width 1 of the first dataset the per-phase split of an MTP round. Sizes are env vars (CPU dry runs).
   SHIPPED=heads/smollm2-135m-instruct; TOKENS=${TOKENS:-96}; ROWS=${ROWS:-4}; WIDTHS=${WIDTHS:-1,32,8}
   heldout $SHIPPED
+  timeout 60 python3 -c "from mtplx import rows_attention as r; from benchmarks.decode_anatomy import rows_attention_check as c
+c() if r.cuda_ready() else print('rows_attention check: not on CUDA')" 2>&1 | tee "$OUT/round-cost.log"
   timeout ${LIMIT:-230} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED \
     --prompts /tmp/humaneval-heldout.jsonl,/tmp/gsm8k.jsonl --widths $WIDTHS --rows $ROWS --tokens $TOKENS \
-    --depths ${DEPTHS:-3,3l2} --peer --phases 2>&1 | tee "$OUT/round-cost.log"
+    --depths ${DEPTHS:-3,3l2} --peer --phases 2>&1 | tee -a "$OUT/round-cost.log"
   ;;
 lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs mlx-lm; 1 stream and width 32;
   # held-out HumanEval rows and GSM8K in one process (~2.5 min warm). Sizes are env vars (CPU dry runs).

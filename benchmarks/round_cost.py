@@ -133,7 +133,8 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
     return {"tok/s": n / dt, "tokens": n, "rounds": rounds, "prefill s": prefill[0], "ms/round": 1e3 * decode / max(rounds, 1),
             "evals/round": evals.calls / max(rounds, 1),
             "tokens/verify": (sum(r.stats.accepted_tokens for r in res) + verifies) / verifies if verifies else 1.0,
-            "mean depth": sum(r.stats.draft_depth for r in res) / len(res), **counted}
+            "mean depth": sum(r.stats.draft_depth for r in res) / len(res), **counted,
+            "texts": {r.key: list(r.tokens) for r in res}}
 
 
 def peer(bundle, prompts, width: int, rows: int, tokens: int):
@@ -173,6 +174,8 @@ def main():
         for (data, prompts), width in ((s, int(w)) for s in sets for w in args.widths.split(",")):
             rows = max(width, args.rows)
             plain = run(bundle, prompts, SpeculativeConfig(method="none"), width, rows, args.tokens, graph=args.graph)
+            texts = plain.pop("texts")
+            plain["rows = plain"] = f"{len(texts)}/{len(texts)}"
             out.append({"data": data, "width": width, "rows": rows, "method": "plain", **plain, "x plain round": 1.0, "x plain tok/s": 1.0})
             print(table(out), flush=True)
             for d in args.depths.split(","):
@@ -186,6 +189,8 @@ def main():
                 phase_spec = phase_spec or spec
                 prof = cProfile.Profile() if args.cprofile else None
                 r = run(bundle, prompts, spec, width, rows, args.tokens, prof, sync_rounds=sync_rounds, graph=args.graph)
+                got = r.pop("texts")
+                r["rows = plain"] = f"{sum(got[k] == texts[k] for k in texts)}/{len(texts)}"  # greedy: all, up to exact ties
                 label = f"mtp depth {d}{' (synchronous rounds)' if sync_rounds else ''}{f' + lookup {lookup}' if lookup else ''}"
                 out.append({"data": data, "width": width, "rows": rows, "method": label, **r,
                             "x plain round": r["ms/round"] / plain["ms/round"], "x plain tok/s": r["tok/s"] / plain["tok/s"]})
