@@ -152,7 +152,7 @@ def rows_attention_check(dtype=mx.bfloat16):
     """mtplx/rows_attention.py against MLX's own kernel over each row's exact keys (contiguous copies
     of 37 / 300 / 1000 keys: MLX's one-pass vector kernel). Returns rows for the table."""
     out = []
-    for L in (1, 3):
+    for L in (1, 3, 4, 8):  # 4, 8: speculative verifies of depth 3 and 7
         B, Hq, Hk, D, cap = 3, 8, 2, 128, 1024
         q = mx.random.normal((B, Hq, L, D)).astype(dtype)
         k = mx.random.normal((B, Hk, cap, D)).astype(dtype)

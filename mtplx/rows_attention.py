@@ -22,7 +22,11 @@ import mlx.core as mx
 
 
 HEAD_DIMS = (64, 96, 128)
-MAX_QUERIES = 3  # MLX's vector kernel takes query lengths < 4
+# MLX's vector kernel takes query lengths < 4; here each query is its own block (grid y), so the
+# limit is only where a verify stops being "a few tokens": 8 covers speculative depths up to 7
+# (an MTP / draft verify of depth 3 is 4 queries, which otherwise fall back to matmul + select +
+# softmax + matmul under the boolean mask in every layer)
+MAX_QUERIES = 8
 
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
 _SOURCE = """
@@ -140,7 +144,7 @@ def usable(q: mx.array, k: mx.array, v: mx.array) -> bool:
 
 def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths: mx.array) -> mx.array:
     """softmax(q k^T * scale) v where query i of row b reads keys 0..lengths[b] + i of k/v
-    [B, H_kv, cap, D] (the rest of the bucket is never read). q: [B, H_q, L, D], L <= 3."""
+    [B, H_kv, cap, D] (the rest of the bucket is never read). q: [B, H_q, L, D], L <= MAX_QUERIES."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mtplx_rows_attention", input_names=["q", "k", "v", "lengths", "scale"],
