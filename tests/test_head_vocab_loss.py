@@ -80,3 +80,33 @@ def test_a_batch_padded_to_a_fixed_length_gives_the_same_loss(tiny_model):
         assert tok.shape[1] == (64 if length is None else 128) - 2
         losses.append(_loss(head, hidden, tok, tgt, m, 3, teacher, "kl", 0.1).item())
     assert abs(losses[0] - losses[1]) < 1e-5 * abs(losses[0])
+
+
+def test_fit_steps_plans_the_schedule_into_the_time_limit_and_a_rerun_keeps_it(tiny_model, tmp_path):
+    """--fit-steps: after timing steps 5-25 the cosine schedule is re-planned to the steps the time
+    left holds (at most --steps), the learning rate follows that plan from then on, the plan is in
+    mtp_head.json and the checkpoint, and rerunning the finished run keeps it (trains nothing)."""
+    import json
+    from dataclasses import replace
+
+    from mtplx.models.mtp import SIDECAR_META
+    from mtplx.training.train_head import FIT_PROBE, TrainConfig, _schedule, train_head
+
+    bundle = load(tiny_model("llama"))
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(3, 500, 40).tolist() for _ in range(24)]
+    cfg = TrainConfig(steps=100_000, batch_size=2, seq_len=64, heldout=0.1, eval_every=50, checkpoint_every=50,
+                      max_seconds=12.0, fit_steps=True)
+    lrs = {}
+    train_head(bundle, seqs, tmp_path / "h", cfg, callback=lambda s, m: lrs.__setitem__(s, m["lr"]))
+    meta = json.loads((tmp_path / "h" / SIDECAR_META).read_text())
+    planned = meta["planned_steps"]
+    assert FIT_PROBE[1] < planned < 100_000
+    want = _schedule(replace(cfg, steps=planned))
+    for s in [k for k in lrs if k > FIT_PROBE[1]][:50]:
+        assert abs(lrs[s] - want(mx.array(s - 1)).item()) < 1e-9 + 1e-6 * lrs[s]
+    if meta["steps"] == planned:  # ended on its schedule (a loaded machine may hit the limit first)
+        assert abs(lrs[planned] - cfg.lr * cfg.min_lr_ratio) < 0.05 * cfg.lr * cfg.min_lr_ratio  # the cosine's end
+    again = train_head(bundle, seqs, tmp_path / "h", cfg)
+    assert json.loads((tmp_path / "h" / SIDECAR_META).read_text())["planned_steps"] == planned
+    assert again.resumed_from == again.steps == meta["steps"] or again.steps == planned

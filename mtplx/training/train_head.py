@@ -97,10 +97,12 @@ class TrainConfig:
     eval_every: int = 100  # steps between held-out evaluations (progress bar, log)
     checkpoint_every: int = 100  # steps between checkpoints
     max_seconds: Optional[float] = None  # stop training after this much wall time (the head is evaluated and saved)
+    fit_steps: bool = False  # with max_seconds: shorten the schedule (at most `steps`) to what the measured step time fits
 
     # Keys that change what is trained: a resume with different values is refused.
     RESUME_KEYS = ("depth_layers", "draft_depths", "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
-                   "weight_decay", "grad_clip", "init", "dtype", "seed", "loss", "hidden_weight", "draft_vocab")
+                   "weight_decay", "grad_clip", "init", "dtype", "seed", "loss", "hidden_weight", "draft_vocab",
+                   "fit_steps")
 
     def check(self):
         problems = []
@@ -311,6 +313,18 @@ def _schedule(cfg: TrainConfig):
     return decay
 
 
+FIT_PROBE = (5, 25)  # --fit-steps times steps 5..25 of a run (the first ones build kernels on a GPU)
+
+
+def _fit(cfg: TrainConfig, step: int, per_step: float, eval_seconds: float, left: float) -> int:
+    """Steps the schedule can span: what `left` seconds hold at `per_step` plus the held-out
+    evaluations every eval_every steps, after a reserve for the final evaluation and report
+    (about ten evaluations' worth, at least 10 s); at most cfg.steps, at least one more."""
+    reserve = max(10.0, 10 * eval_seconds)
+    more = (left - reserve) / (per_step + eval_seconds / cfg.eval_every)
+    return int(min(cfg.steps, max(step + 1, step + int(more))))
+
+
 def data_key(data, cfg: TrainConfig) -> Optional[dict]:
     """What identifies the training data of a path: the file's content and the settings that shape
     the sequences. None for in-memory data."""
@@ -412,7 +426,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     state_dir = _ckpt_state_dir(out)
     state = json.loads((state_dir / "state.json").read_text()) if state_dir else None
     if state is not None:
-        saved = dict({"draft_depths": 1}, **state["config"])  # checkpoints from before draft_depths trained depth 1
+        saved = dict({"draft_depths": 1, "fit_steps": False}, **state["config"])  # checkpoints from before draft_depths trained depth 1
         diff = [f"{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in cfg.resume_view().items()
                 if saved.get(k) != v]
         if state["trunk"] != sig:
@@ -477,7 +491,12 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         table[np.array(draft.ids)] = np.arange(draft.size, dtype=np.int32)
         index = mx.array(table)
     _causal(head, 2)  # settle the mask kind outside any gradient transform
-    opt = optim.AdamW(learning_rate=_schedule(cfg), weight_decay=cfg.weight_decay)
+    # the schedule spans `total` steps: cfg.steps, or what --fit-steps planned (kept in the checkpoint)
+    total = int((state or {}).get("planned_steps") or cfg.steps)
+    if (state or {}).get("planned_steps"):
+        header["planned_steps"] = total
+    plan = {"lr": _schedule(replace(cfg, steps=total))}
+    opt = optim.AdamW(learning_rate=lambda s: plan["lr"](s), weight_decay=cfg.weight_decay)
     opt.init(head.trainable_parameters())
     rng = np.random.default_rng(cfg.seed)
     history: List[dict] = []
@@ -493,8 +512,11 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     else:
         initial = None
     resumed_from = step
+    eval_seconds = 0.0
     if initial is None:
+        t0 = time.monotonic()
         l0, a0 = evaluate(head, held_f, compute_dtype, vocab=vocab)
+        eval_seconds = time.monotonic() - t0
         initial = {"step": 0, "heldout_loss": l0, "heldout_acceptance": a0}
         history.append(initial)
         log(f"untrained head: held-out loss {l0:.4f}, acceptance {a0:.3f}")
@@ -513,33 +535,47 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     # on a GPU every step gets the one shape (each new shape builds kernels); on a CPU the padding costs more
     fixed = padded_length(cfg.seq_len) if mx.default_device() == mx.gpu else None
     last_eval = history[-1]
-    bar = _bar(cfg.steps, "train-head", not quiet)
+    bar = _bar(total, "train-head", not quiet)
     bar.update(step)
     ema = train_loss
     interrupted = None
+    fitting = (cfg.fit_steps and cfg.max_seconds is not None and "planned_steps" not in (state or {})
+               and cfg.steps > step + FIT_PROBE[1])
+    probe = (step + FIT_PROBE[0], step + FIT_PROBE[1], None)
     try:
-        while step < cfg.steps:
+        while step < total:
             if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:
-                log(f"time limit of {cfg.max_seconds:.0f}s reached at step {step} of {cfg.steps}")
+                log(f"time limit of {cfg.max_seconds:.0f}s reached at step {step} of {total}")
                 break
             idx = rng.choice(len(train_idx), size=min(cfg.batch_size, len(train_idx)), replace=False)
             loss = train_step(_batch(train_f, sorted(int(i) for i in idx), compute_dtype, fixed))
             mx.eval(loss, head.parameters(), opt.state)
             step += 1
+            if fitting and step == probe[0]:
+                probe = (probe[0], probe[1], time.monotonic())
+            elif fitting and step == probe[1]:
+                fitting = False
+                total = _fit(cfg, step, (time.monotonic() - probe[2]) / (probe[1] - probe[0]), eval_seconds,
+                             cfg.max_seconds - (time.monotonic() - started))
+                plan["lr"] = _schedule(replace(cfg, steps=total))
+                header["planned_steps"] = total
+                bar.total = total
+                log(f"--fit-steps: {(time.monotonic() - probe[2]) / (probe[1] - probe[0]):.3f} s a step; the schedule "
+                    f"now spans {total} steps (of at most {cfg.steps})")
             lv = loss.item()
             ema = lv if ema is None else 0.95 * ema + 0.05 * lv
             train_loss = ema
             metrics = {"loss": lv, "lr": float(opt.learning_rate.item()) if isinstance(opt.learning_rate, mx.array) else float(opt.learning_rate)}
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            if step % cfg.eval_every == 0 or step == total:
                 hl, ha = evaluate(head, held_f, compute_dtype, vocab=vocab)
                 last_eval = {"step": step, "train_loss": ema, "heldout_loss": hl, "heldout_acceptance": ha}
                 history.append(last_eval)
                 metrics.update(heldout_loss=hl, heldout_acceptance=ha)
-                log(f"step {step}/{cfg.steps}: train loss {ema:.3f}, held-out loss {hl:.3f}, acceptance {ha:.3f} "
+                log(f"step {step}/{total}: train loss {ema:.3f}, held-out loss {hl:.3f}, acceptance {ha:.3f} "
                     f"({time.monotonic() - started:.0f}s)")
             bar.set_postfix_str(f"loss {ema:.3f} held-out acc {last_eval['heldout_acceptance']:.3f}", refresh=False)
             bar.update(1)
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            if step % cfg.checkpoint_every == 0 or step == total:
                 _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
             if callback is not None:
                 callback(step, metrics)
@@ -567,6 +603,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                       **depth_report(head, other_f, depths, compute_dtype, vocab)}
     meta = {
         "steps": step,
+        "planned_steps": header.get("planned_steps"),
         "train_loss": train_loss,
         "heldout_loss": last_eval["heldout_loss"],
         "heldout_acceptance": last_eval["heldout_acceptance"],

@@ -22,8 +22,8 @@ Examples:
   # general prompts from the stdlib (code and chat), generated 128 rows at a time for at most 150 s,
   # general text, depths 1-3 unrolled, a second dataset held out, training cut at 430 s
   mtplx-batch train-head smollm2-135m-instruct --data jobs/eval.yaml --sample 100 --samples-per-prompt 8 \
-      --max-new-tokens 192 --prompts stdlib-code:2000 --prompts stdlib-chat:1000 --gen-batch 128 \
-      --data-seconds 150 --text stdlib --heldout-data jobs/gsm8k.yaml --steps 1600 --batch-size 32 \
+      --max-new-tokens 192 --prompts stdlib-code:3000 --prompts stdlib-chat:2000 --gen-batch 128 \
+      --data-seconds 150 --text stdlib --heldout-data jobs/gsm8k.yaml --steps 6000 --fit-steps --batch-size 32 \
       --seq-len 448 --hidden-weight 0.1 --max-seconds 430 --out heads/smollm2
 
 \b
@@ -110,6 +110,10 @@ def _terminate_as_interrupt(signum, frame):
 @click.option("--max-seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Stop training after this much wall time (data and trunk passes included); the head is "
                    "evaluated and written as usual.")
+@click.option("--fit-steps", is_flag=True,
+              help="With --max-seconds: time steps 5-25, then shorten the schedule (warmup, cosine) to the steps "
+                   "the time left holds, at most --steps, so the run ends on its schedule, not at the limit. "
+                   "The plan is kept in the checkpoint (a resume follows it).")
 @gguf_mode_option
 @click.option("--restart", is_flag=True, help="Discard HEAD_DIR/checkpoint/ and start over.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or messages; errors only.")
@@ -118,7 +122,8 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
                samples_per_prompt: int, temperature: float, prompts, gen_batch: int, data_seconds: Optional[float],
                text, text_tokens: int, heldout_data: Optional[str],
                heldout_rows: int, loss: str, hidden_weight: float, draft_vocab: int, init: str,
-               dtype: str, seed: int, eval_every: int, checkpoint_every: int, max_seconds: Optional[float], gguf_mode: str,
+               dtype: str, seed: int, eval_every: int, checkpoint_every: int, max_seconds: Optional[float], fit_steps: bool,
+               gguf_mode: str,
                restart: bool, quiet: bool):
     """Train a multi-token-prediction head for MODEL (it predicts token t+2 from the trunk's hidden
     state at t and token t+1) and write it to HEAD_DIR as a sidecar for speculative decoding."""
@@ -134,7 +139,8 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
                       samples_per_prompt=samples_per_prompt, temperature=temperature, prompts=tuple(prompts),
                       gen_batch=gen_batch, data_seconds=data_seconds, text=tuple(text),
                       text_tokens=text_tokens, heldout_data=heldout_data, heldout_rows=heldout_rows, loss=loss,
-                      hidden_weight=hidden_weight, draft_vocab=draft_vocab, max_seconds=max_seconds)
+                      hidden_weight=hidden_weight, draft_vocab=draft_vocab, max_seconds=max_seconds,
+                      fit_steps=fit_steps)
     log = None if quiet else (lambda m: click.echo(m, err=True))
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     try:
