@@ -71,7 +71,10 @@ class SpeculativeRounds:
         landed_at = time.perf_counter()
         current = self._launch(slots, cache, sampler, pending, 0)
         while True:
-            following = self._launch(slots, cache, sampler, current.nxt, 1, current.plan) if any(slots) else None
+            # a round after this one only if some row can still be going after it (a row emits at
+            # least one token a round: one that is a token short of max_tokens ends with this round)
+            going = any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
+            following = self._launch(slots, cache, sampler, current.nxt, 1, current.plan) if going else None
             out = self._read(current)
             now = time.perf_counter()
             finished = self._land(slots, cache, current, out, now - landed_at)

@@ -161,3 +161,16 @@ def test_a_pipelined_mtp_round_runs_two_programs(setup):
     assert eng.bank.stats["compiled_calls"] == rounds and head["eager_calls"] == 0
     assert rounds > 2 * calls[0]
     assert head["compiled_calls"] <= rounds + calls[0], (head, rounds, calls)  # two per round before
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft"])
+def test_no_round_is_queued_past_the_last_rows_length(setup, method):
+    """One row at a time: a row a token short of max_tokens ends with the round in flight, so no
+    round is queued after it; only rows that end at an eos pay for one round past their end."""
+    _, _, _, rows, refs = setup
+    eng = _engine(setup, method, 1)
+    out = {r.key: r for r in eng.generate(_requests(rows))}
+    assert [out[i].tokens for i in range(len(rows))] == refs
+    forwards = sum(r.stats.compiled_verify_calls + r.stats.eager_verify_calls for r in out.values())
+    at_eos = sum(r.finish_reason == "stop" for r in out.values())
+    assert forwards <= eng.counters["rounds"] <= forwards + at_eos, (forwards, eng.counters["rounds"], at_eos)
