@@ -127,7 +127,7 @@ widths)  # one process (benchmarks/job_widths.py): the model loads once, a short
   # per width 2 x W MMLU rows (distinct prompts), ours plain and prompt lookup, batch_generate at W; a table
   # after every width; no width starts after BUDGET s. Dry run: WIDTHS=2,4 TOKENS=4 SLOW=4 (a CPU)
   SLOW=${SLOW:-1}
-  timeout $((235 * SLOW)) python3 -m benchmarks.job_widths jobs/eval.yaml --set input.path=mmlu-1k \
+  timeout $((235 * SLOW)) python3 -m benchmarks.job_widths jobs/eval.yaml --set input.path=mmlu-1k --set output.shard_rows=1000 \
     --set speculative.method=none --widths "${WIDTHS:-32,64,128,256}" --rows-per-width "${PER:-2}" \
     --tokens "${TOKENS:-64}" --methods none,ngram --budget $((${BUDGET:-150} * SLOW)) --out "$WORK" 2>&1 | tee -a "$OUT/$STEP.log"
   echo "job_widths rc=${PIPESTATUS[0]}" | tee -a "$OUT/$STEP.log"
