@@ -32,27 +32,14 @@ import numpy as np
 
 from .cache import BatchCache, RowStateCache, capacity_bucket
 from .config import SPEC_METHODS, SpeculativeConfig
+from .gdn import install_capture
+from .recurrent import install_stepping
+from .draft_chain import MAX_BACKLOG, Backlog, DraftChainBank, draft_chain
 from .models.loading import ModelBundle
 from .models.mtp import MTPHead
 from .mtp_draft import (CompiledDraftBank, DraftVocab, at_accepted, commit_inputs, history_append, lookup_drafts, pick,
                         project, stack_drafts)
 from .sampling import SamplerBatch, sample_from, shaped_probs
-
-
-def _fit_vocab(x: mx.array, vocab: int) -> mx.array:
-    V = x.shape[-1]
-    if V == vocab:
-        return x
-    if V > vocab:
-        return x[..., :vocab]
-    pad = [(0, 0)] * (x.ndim - 1) + [(0, vocab - V)]
-    return mx.pad(x, pad)
-
-
-def _draw(probs: mx.array, sampler: SamplerBatch, u: mx.array) -> mx.array:
-    if sampler.all_greedy:
-        return mx.argmax(probs, axis=-1).astype(mx.int32)
-    return sample_from(probs, u)
 
 
 class Drafter(Protocol):
@@ -192,29 +179,38 @@ class _CachedDrafter:
 
 
 class DraftModelDrafter(_CachedDrafter):
-    """A smaller model with the same tokenizer drafts K tokens autoregressively."""
+    """A smaller model with the same tokenizer drafts K tokens autoregressively, K draft steps a
+    round (draft_chain.py: its cache one token behind the target's, a backlog while rounds do
+    not draft, the steps one compiled call when its cache is attention only)."""
 
     name = "draft"
     needs_hidden = False
     device_side = True
 
-    def __init__(self, draft_model, vocab_size: int, chunk_size: int = 512):
+    def __init__(self, draft_model, vocab_size: int, chunk_size: int = 512, compiled: bool = True):
+        install_capture(draft_model)  # a recurrent draft's states after every token fed (the rollback)
+        install_stepping(draft_model)
         self.model = draft_model
         self.vocab = vocab_size
         self.chunk = chunk_size
+        self.bank = DraftChainBank(draft_model, vocab_size) if compiled else None
         self.cache: Optional[BatchCache] = None
-        self.extra: List[mx.array] = []
+        self.extra: List[mx.array] = []  # [backlog tokens [W, MAX_BACKLOG]]
+        self.backlog = Backlog()
+        self._state_layers: List[RowStateCache] = []
+        self._steps: Optional[list] = None  # per token fed this round: each recurrent layer's state
 
     def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
-        """(cache, [], snapshot at `edge` or None). The prefill splits at the edge; a hybrid draft's
-        recurrent state is copied there (it cannot be cut back to the edge afterwards)."""
+        """(cache of all prompt tokens but the last, [its backlog: the last], snapshot at `edge` or
+        None). The prefill splits at the edge; a hybrid draft's recurrent state is copied there (it
+        cannot be cut back to the edge afterwards)."""
         cache = BatchCache.for_model(self.model, 1)
-        start = 0
+        start, end = 0, len(tokens) - 1
         if prefix is not None:
             cache.write_row(0, prefix)
             start = prefix[0]
-        cut = [edge] if start < edge < len(tokens) else []
-        bounds = sorted({*range(start, len(tokens), self.chunk), *cut, len(tokens)})
+        cut = [edge] if start < edge <= end else []
+        bounds = sorted({*range(start, end, self.chunk), *cut, end})
         at_edge = None
         for s, e in zip(bounds, bounds[1:]):
             self.model(mx.array(tokens[s:e], dtype=mx.int32)[None], cache=cache.layers)
@@ -222,7 +218,7 @@ class DraftModelDrafter(_CachedDrafter):
             cache.eval()
             if cut and e == edge and any(isinstance(c, RowStateCache) for c in cache.layers):
                 at_edge = cache.snapshot_row(0)
-        return cache, [], at_edge
+        return cache, [Backlog.row(tokens[-1])], at_edge
 
     def snapshot(self, state, length, hidden_at_edge=None):
         at_edge = state[2]
@@ -230,59 +226,104 @@ class DraftModelDrafter(_CachedDrafter):
             return at_edge
         return state[0].snapshot_row(0, length)
 
-    def _begin(self):
-        self.start = self.cache.rows.mark()
-        # Recurrent (Gated DeltaNet) layers of a hybrid draft cannot rewind by length: keep
-        # their state after every feed of this round, and pick each row's at commit.
-        self._state_layers = [c for c in self.cache.leaves if isinstance(c, RowStateCache)]
-        self._steps = [[list(c.cache) for c in self._state_layers]] if self._state_layers else []
+    def reset(self):
+        super().reset()
+        self.backlog = Backlog()
 
-    def _feed(self, tok):
-        logits = self.model(tok[:, None], cache=self.cache.layers)
-        self.cache.commit(np.ones(self.cache.batch, dtype=np.int64))
-        if self._state_layers:
-            self._steps.append([list(c.cache) for c in self._state_layers])
+    # the backlog tokens are the row state `extra` the shared slot bookkeeping moves
+    def extend(self, states):
+        self.extra[:1] = [self.backlog.tokens] if self.extra else []
+        super().extend(states)
+        self.backlog.tokens = self.extra[0]
+        self.backlog.size = np.concatenate([self.backlog.size, np.ones(len(states), dtype=np.int64)])
+
+    def write(self, slot, state):
+        self.extra[0] = self.backlog.tokens
+        super().write(slot, state)
+        self.backlog.tokens = self.extra[0]
+        self.backlog.size[slot] = 1
+
+    def take(self, keep):
+        self.extra[0] = self.backlog.tokens
+        super().take(keep)
+        self.backlog.tokens = self.extra[0]
+        self.backlog.size = self.backlog.size[np.asarray(keep, dtype=np.int64)]
+
+    # -- feeding the draft model eagerly (the reference, and recurrent drafts) ------------------
+    def _feed(self, tokens: mx.array, counts: np.ndarray):
+        """The draft model over tokens [W, L]; each row keeps counts[i] of them. Recurrent layers
+        capture their state after every position: kept in `_steps` while a round drafts."""
+        self.cache.set_capturing(True)
+        logits = self.model(tokens, cache=self.cache.layers)
+        self.cache.set_capturing(False)
+        if self._state_layers and self._steps is not None:
+            for t in range(tokens.shape[1]):
+                self._steps.append([[None if s is None else s[:, t] for s in c._steps] for c in self._state_layers])
+        self.cache.advance(mx.array(counts.astype(np.int32)), counts, exact=True)
         return logits
 
-    def _restore_states(self, at: mx.array):
+    def _catch_up(self, keep: int):
+        """Feed each row's backlog but its last `keep` tokens, in one forward."""
+        m = np.maximum(self.backlog.size - keep, 0)
+        if not m.any():
+            return
+        L = 1 << (int(m.max()) - 1).bit_length()  # few shapes
+        self._steps = None
+        self._feed(self.backlog.tokens[:, :L], m)
+        self.backlog.drop(m)
+
+    def _restore_states(self, counts: mx.array):
+        """Each recurrent layer's state after each row's counts[i] tokens of the round."""
         for li, layer in enumerate(self._state_layers):
             for i in range(len(layer.cache)):
                 steps = [s[li][i] for s in self._steps]
                 if any(x is None for x in steps):
                     continue
-                stacked = mx.stack(steps, axis=1)  # [W, feeds + 1, ...]
-                idx = at.reshape((-1,) + (1,) * (stacked.ndim - 1))
+                stacked = mx.stack(steps, axis=1)  # [W, fed + 1, ...]
+                idx = counts.reshape((-1,) + (1,) * (stacked.ndim - 1))
                 layer.cache[i] = mx.take_along_axis(stacked, idx, axis=1).squeeze(1)
-        self._steps = []
+        self._steps = None
 
     def propose(self, K, pending, sampler, u):
-        self._begin()
-        tok = pending
-        drafts, qs = [], []
-        for j in range(K + 1):
-            logits = self._feed(tok)
-            if j == K:
-                break  # the last feed only keeps the draft cache level with the target
-            q = shaped_probs(_fit_vocab(logits, self.vocab), sampler)[:, 0]
-            tok = _draw(q, sampler, u[:, j])
-            drafts.append(tok)
-            qs.append(q)
-        return mx.stack(drafts, axis=1), mx.stack(qs, axis=1)
+        self._state_layers = [c for c in self.cache.leaves if isinstance(c, RowStateCache)]
+        self._steps = None
+        self._catch_up(keep=1)
+        feed = mx.concatenate([self.backlog.tokens[:, :1], pending[:, None].astype(mx.int32)], axis=1)
+        self.start = self.cache.rows.mark()
+        out = None if self.bank is None else self.bank.propose(self.cache, feed, sampler, u, K)
+        if out is not None:
+            return out
+        # Recurrent (Gated DeltaNet) layers of a hybrid draft cannot rewind by length: keep their
+        # state after every token of this round, and pick each row's at commit.
+        self._steps = [[list(c.cache) for c in self._state_layers]] if self._state_layers else None
+        W = self.cache.batch
+        step = lambda tokens, j: self._feed(tokens, np.full(W, tokens.shape[1], dtype=np.int64))
+        return draft_chain(step, feed, sampler, u, K, self.vocab)
 
     def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
         keep = np.where(active, n_accept + 1, 0)
-        self.advance(None, None, mx.array(keep.astype(np.int32)), keep, verify_in, hidden, exact=True)
+        self.advance(mx.array(n_accept.astype(np.int32)), None, mx.array(keep.astype(np.int32)), keep,
+                     verify_in, hidden, exact=True)
 
     def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False):
-        if verify_in is not None and verify_in.shape[1] == 1:
-            # A round without drafts (K = 0) skipped propose: the draft model has not seen the
-            # pending token yet, and the start mark is a previous round's (maybe another width).
-            self._begin()
-            self._feed(verify_in[:, 0])
+        """The round's commit: the draft cache keeps each row's counts (the pending token and its
+        accepted drafts, less the last of them, plus the token before: the round fed both)."""
+        live = np.asarray(most) > 0
+        if verify_in.shape[1] == 1:  # a round without drafts: the pending token joins the backlog
+            self.backlog.append(verify_in[:, 0], live)
+            W = self.cache.batch  # (nothing fed, but the engine corrects every advance it queued)
+            self.cache.rows.advance(mx.zeros(W, mx.int32), np.zeros(W, dtype=np.int64), exact)
+            if self.backlog.size.max() >= MAX_BACKLOG:
+                self._state_layers = [c for c in self.cache.leaves if isinstance(c, RowStateCache)]
+                self._catch_up(keep=1)
+            return
         self.cache.rows.restore(self.start)
         self.cache.rows.advance(counts, most, exact)
-        if self._state_layers:
+        if self._steps is not None:
             self._restore_states(counts)
+        n = mx.maximum(counts - 1, 0) if n is None else n
+        last = mx.take_along_axis(verify_in, n.astype(mx.int32)[:, None], axis=1)[:, 0]
+        self.backlog.after_round(last)
 
 
 class MtpDrafter(_CachedDrafter):
@@ -497,7 +538,7 @@ def _draft_model(spec: SpeculativeConfig, bundle: ModelBundle) -> DraftModelDraf
     from .architectures import prepare
 
     prepare(draft.model, draft.model_type, bundle.vocab_size)  # batching adapters; refuses what it cannot batch
-    return DraftModelDrafter(draft.model, bundle.vocab_size)
+    return DraftModelDrafter(draft.model, bundle.vocab_size, compiled=spec.compiled_verify != "off")
 
 
 def _mtp(spec: SpeculativeConfig, bundle: ModelBundle) -> MtpDrafter:

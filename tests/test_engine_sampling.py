@@ -120,8 +120,10 @@ def setup(tiny_model, tmp_path_factory):
 
 
 def run_rows(bundle, draft, method, seed_base, rows=ROWS_PER_SETTING):
+    """`method`-compiled: with the compiled programs (the verify, the draft model's proposal)."""
+    method, compiled = method.split("-")[0], "on" if method.endswith("-compiled") else "off"
     spec = SpeculativeConfig(
-        method=method, depth=2, adaptive_depth=False, compiled_verify="off",
+        method=method, depth=2, adaptive_depth=False, compiled_verify=compiled,
         draft_model=draft["draft"] if method == "draft" else None, mtp_head=draft["mtp"] if method == "mtp" else None,
     )
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=128))
@@ -136,13 +138,15 @@ def run_rows(bundle, draft, method, seed_base, rows=ROWS_PER_SETTING):
         samples[r.key[0]].append(r.tokens[:3])
         stats["drafted"] += r.stats.drafted_tokens
         stats["accepted"] += r.stats.accepted_tokens
+    bank = getattr(eng.drafter, "bank", None)
+    stats["compiled_proposals"] = bank.stats["compiled_calls"] if bank is not None else 0
     return samples, stats
 
 
-SEEDS = {"none": 0, "ngram": 10**6, "draft": 2 * 10**6, "mtp": 3 * 10**6}
+SEEDS = {"none": 0, "ngram": 10**6, "draft": 2 * 10**6, "mtp": 3 * 10**6, "draft-compiled": 4 * 10**6}
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft", "mtp"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "mtp", "draft-compiled"])
 def test_sampled_output_follows_the_target_distribution(setup, method):
     bundle, draft, exact = setup
     samples, stats = run_rows(bundle, draft, method, SEEDS[method])
@@ -150,6 +154,8 @@ def test_sampled_output_follows_the_target_distribution(setup, method):
         # the first round really speculated, and both outcomes happened often
         assert stats["drafted"] >= 2 * len(SETTINGS) * ROWS_PER_SETTING
         assert 0.05 < stats["accepted"] / stats["drafted"] < 0.9, stats
+    if method == "draft-compiled":
+        assert stats["compiled_proposals"] > 0, stats
     failures = []
     for name in SETTINGS:
         for test, stat, dof, p in distribution_tests(samples[name], exact[name]):
@@ -164,7 +170,7 @@ def _wrong_residual(p, drafts, q, u_accept, u_next, limit=None):
     return n, sample_from(mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0], u_next)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "mtp"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "mtp", "draft-compiled"])
 def test_a_wrong_residual_is_detected(setup, method, monkeypatch):
     bundle, draft, exact = setup
     monkeypatch.setattr(mtplx.spec_rounds, "accept_sampled", _wrong_residual)

@@ -1,0 +1,144 @@
+"""The draft-model method's proposal (mtplx/draft_chain.py, DraftModelDrafter).
+
+- A round of depth K runs the draft model K times (its cache one token behind the target's), as
+  mlx-lm's speculative_generate_step does, and, compiled, is one program call.
+- The compiled proposal gives the drafts (and q) of the eager one, round after round, through
+  partial accepts.
+- Rounds without drafts run no draft step: the tokens wait in a backlog that the next drafting
+  round (or a full backlog) feeds; greedy output stays plain decoding's, attention-only and
+  hybrid drafts, at widths 1 and 3.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.draft_chain import MAX_BACKLOG
+from mtplx.drafters import DraftModelDrafter
+from mtplx.generation import Engine
+from mtplx.models.loading import load
+from mtplx.request import Request, SamplingParams
+from mtplx.sampling import SamplerBatch
+from tiny_models import reference_tokens
+
+
+class CountingModel:
+    """The draft model, counting its forwards."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        return self.model(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model):
+    target = load(tiny_model("llama"))
+    draft = load(tiny_model("llama", seed=1)).model
+    V = target.vocab_size
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 400, int(n)).tolist() for n in (5, 13, 1)]
+    return target, draft, V, prompts, rng
+
+
+def _drafter(model, V, prompts, compiled):
+    d = DraftModelDrafter(model, V, compiled=compiled)
+    d.reset()
+    d.extend([d.prefill_row(p, None, 0) for p in prompts])
+    return d
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_compiled_drafts_equal_eager_drafts_round_after_round(pair, sampled):
+    _, draft, V, prompts, rng = pair
+    W, K = len(prompts), 3
+    params = SamplingParams(temperature=1.0, top_k=20) if sampled else SamplingParams()
+    sampler = SamplerBatch.from_params([params] * W)
+    eager, compiled = _drafter(draft, V, prompts, False), _drafter(draft, V, prompts, True)
+    pending = mx.array(rng.integers(3, 400, W).astype(np.int32))
+    for n_accept in ([0, 2, 3], [3, 0, 1], [1, 3, 0]):
+        u = mx.array(rng.random((W, K)).astype(np.float32))
+        d_e, q_e = eager.propose(K, pending, sampler, u)
+        d_c, q_c = compiled.propose(K, pending, sampler, u)
+        assert np.array_equal(np.array(d_e), np.array(d_c))
+        if sampled:
+            np.testing.assert_allclose(np.array(q_c), np.array(q_e), atol=1e-5)
+        else:
+            assert q_e is None and q_c is None  # greedy: no softmax over the vocabulary
+        drafts = np.array(d_e)
+        nxt = rng.integers(3, 400, W).astype(np.int32)
+        verify_in = mx.array(np.concatenate([np.array(pending)[:, None], drafts], axis=1))
+        for d in (eager, compiled):
+            d.commit(np.array(n_accept), nxt, drafts, np.ones(W, bool), verify_in, None)
+        assert np.array_equal(eager.cache.rows.host, compiled.cache.rows.host)
+        pending = mx.array(nxt)
+    assert compiled.bank.stats["compiled_calls"] == 3 and compiled.bank.stats["eager_calls"] == 0
+    assert compiled.bank.stats["programs"] == 1  # one program serves every round of its shape
+
+
+def test_a_round_of_depth_k_runs_the_draft_model_k_times(pair):
+    """And its cache then holds what the target's does, less the last accepted token."""
+    _, draft, V, prompts, rng = pair
+    counting = CountingModel(draft)
+    d = _drafter(counting, V, prompts, compiled=False)
+    assert list(d.cache.rows.host) == [len(p) - 1 for p in prompts]
+    W, sampler = len(prompts), SamplerBatch.from_params([SamplingParams()] * len(prompts))
+    for K in (1, 2, 4):
+        before, lengths = counting.calls, d.cache.rows.host.copy()
+        pending = mx.array(rng.integers(3, 400, W).astype(np.int32))
+        drafts, _ = d.propose(K, pending, sampler, mx.zeros((W, K)))
+        assert counting.calls - before == K
+        n = np.array([0, K, K // 2])
+        verify_in = mx.array(np.concatenate([np.array(pending)[:, None], np.array(drafts)], axis=1))
+        d.commit(n, np.zeros(W, np.int32), np.array(drafts), np.ones(W, bool), verify_in, None)
+        assert np.array_equal(d.cache.rows.host, lengths + n + 1)
+
+
+def _rows(prompt_lengths, max_tokens, seed=5):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(3, 400, int(n)).tolist(), int(m)) for n, m in zip(prompt_lengths, max_tokens)]
+
+
+@pytest.mark.parametrize("draft_arch", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("width,compiled", [(1, "on"), (3, "on"), (3, "off")])
+def test_rounds_without_drafts_feed_nothing_and_greedy_output_stays_plain(tiny_model, draft_arch, width, compiled):
+    """Depth 0 for longer than the backlog holds, then drafting again, then 0 again: the draft model
+    runs only in drafting rounds and when the backlog is full, and the text is plain decoding's."""
+    target_path = tiny_model("qwen3_next") if draft_arch == "qwen3_next" else tiny_model("llama")
+    bundle = load(target_path)
+    rows = _rows([4, 17, 9, 2], [MAX_BACKLOG + 20, 50, MAX_BACKLOG + 9, 12])
+    eos = set(bundle.tokenizer.eos_token_ids)
+    refs = [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
+    spec = SpeculativeConfig(method="draft", depth=3, adaptive_depth=True, compiled_verify=compiled,
+                             draft_model=str(target_path))  # the target drafts for itself: every draft passes
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
+    counting = CountingModel(eng.drafter.model)
+    eng.drafter.model = counting
+    schedule = [0] * (MAX_BACKLOG + 3) + [3] * 4 + [0] * 6 + [2] * 3
+    chosen = []
+
+    def choose(n_active):
+        chosen.append(schedule[len(chosen)] if len(chosen) < len(schedule) else 0)
+        return chosen[-1]
+
+    eng.depth_control.choose = choose
+    out = {r.key: r for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
+    for i, ref in enumerate(refs):
+        assert out[i].tokens == ref, (draft_arch, width, compiled, i)
+        # the draft model's state is the text's (backlog fed, nothing lost): it drafts the target's tokens
+        assert out[i].stats.accepted_tokens == out[i].stats.drafted_tokens, (i, out[i].stats)
+    assert sum(r.stats.drafted_tokens for r in out.values()) > 0
+    if compiled == "on" and draft_arch == "llama":
+        assert eng.drafter.bank.stats["compiled_calls"] > 0
+    # forwards: prefills, one per drafting step, and backlog catch-ups: far fewer than rounds
+    assert counting.calls < eng.counters["rounds"] / 2, (counting.calls, eng.counters["rounds"])
+    cache = eng.drafter.cache
+    assert np.array_equal(cache.rows.host, np.array(cache.rows.device))
