@@ -58,6 +58,11 @@ class DepthController:
         if not known:
             return self._shape(bucket, k)  # nothing measured at this width: relative units
         d0, t0 = min(known.items(), key=lambda kv: abs(kv[0] - k))
+        if len(known) > 1:  # two depths measured: their own cost per drafted token, not the assumed
+            # shape (a draft model's step costs most of a target step; a verify token far less)
+            d1, t1 = min(((d, t) for d, t in known.items() if d != d0), key=lambda kv: abs(kv[0] - k))
+            slope = max((t1 - t0) / (d1 - d0), 0.0)
+            return max(t0 + slope * (k - d0), 0.25 * t0)
         return t0 * self._shape(bucket, k) / self._shape(bucket, d0)
 
     def position_acceptance(self, j: int) -> float:
@@ -86,6 +91,8 @@ class DepthController:
         self.rounds += 1
         if self.rounds % EXPLORE_EVERY == 0:
             step = 1 if (self.rounds // EXPLORE_EVERY) % 2 else -1
+            if not 0 <= best + step <= self.max_depth:
+                step = -step  # at a bound: try the neighbour there is
             best = min(max(best + step, 0), self.max_depth)
         return best
 

@@ -538,6 +538,9 @@ def _draft_model(spec: SpeculativeConfig, bundle: ModelBundle) -> DraftModelDraf
     from .architectures import prepare
 
     prepare(draft.model, draft.model_type, bundle.vocab_size)  # batching adapters; refuses what it cannot batch
+    from .fusion import decode_paths
+
+    decode_paths(draft.model, spec.compiled_verify != "off")  # the target's CUDA decode paths (off CUDA: none)
     return DraftModelDrafter(draft.model, bundle.vocab_size, compiled=spec.compiled_verify != "off")
 
 

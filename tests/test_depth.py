@@ -76,3 +76,20 @@ def test_position_counts():
     # rows drafted 3, 3, 1 tokens and kept 0, 2, 1 of them
     reached, passed = position_counts(np.array([0, 2, 1]), np.array([3, 3, 1]), 3)
     assert reached == [3, 1, 1] and passed == [2, 1, 0]
+
+
+def test_a_draft_model_whose_steps_cost_a_target_step_falls_back_to_plain():
+    """A draft model on a launch-bound GPU: each drafted token costs about a target step (the H200
+    with Qwen2.5-Coder 1.5B / 0.5B), so even drafts that pass 80% of the time lose to plain decoding.
+    The verify-shaped prior (0.15 per token) says otherwise until two depths are measured; then
+    their own slope decides, and the controller falls back to depth 0 within a few explorations."""
+    ctrl = DepthController(3)
+    width, chosen = 1, []
+    for _ in range(10 * EXPLORE_EVERY):
+        k = ctrl.choose(width)
+        chosen.append(k)
+        # a round of depth k costs 1 + 0.9 k; each draft passes 80% of the time (a fraction per position)
+        ctrl.record(width, k, 1.0 + 0.9 * k, int(0.8 * k), k, [1] * k, [0.8] * k)
+    assert chosen[0] == 3  # the prior drafts deep first
+    tail = chosen[-EXPLORE_EVERY * 4:]
+    assert max(set(tail), key=tail.count) == 0, chosen
