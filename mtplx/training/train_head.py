@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,17 +48,12 @@ from .head_data import (TrainData, TrainHeadError, _bar, build_data, general_dat
 from .head_prompts import parse_spec
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
+from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint, checkpoint_step,  # noqa: F401
+                         nextn_weights, save_sidecar)  # nextn_weights: exported here too
 from ..mtp_draft import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
-from ..models.mtp import (SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, has_trunk_split, project_logits,
-                          trunk_probe, trunk_signature)
+from ..models.mtp import MTPHead, _probe_matches, has_trunk_split, project_logits, trunk_probe, trunk_signature
 
-CHECKPOINT_DIR = "checkpoint"
-DATA_FILE = "data.npz"
 OTHER_FILE = "heldout_other.npz"
-STATE_DIR = "latest"
-
-# head parameter names -> DeepSeek NextN names (under model.layers.{N}.)
-NEXTN_NAMES = {"norm_embedding": "enorm", "norm_hidden": "hnorm", "fc": "eh_proj", "norm": "shared_head.norm"}
 
 LOSSES = ("kl", "argmax", "tokens")
 
@@ -205,53 +200,7 @@ def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1, teacher
     return total / len(levels)
 
 
-# -- sidecar ---------------------------------------------------------------------------------------
-def nextn_weights(head: MTPHead, num_hidden_layers: int, dtype=None) -> Dict[str, mx.array]:
-    """The head's parameters under DeepSeek NextN names: model.layers.{N}.enorm/hnorm/eh_proj/
-    shared_head.norm and the block's own keys; block i > 0 of a deeper head at model.layers.{N+i}.
-    No shared_head.head / embed_tokens: those are the trunk's."""
-    N = num_hidden_layers
-    out = {}
-    for k, v in tree_flatten(head.parameters()):
-        if k.startswith("layers."):
-            _, i, rest = k.split(".", 2)
-            name = f"model.layers.{N + int(i)}.{rest}"
-        else:
-            mod, param = k.split(".", 1)
-            if mod not in NEXTN_NAMES:
-                raise ValueError(f"head parameter {k!r} has no NextN name")
-            name = f"model.layers.{N}.{NEXTN_NAMES[mod]}.{param}"
-        out[name] = v.astype(dtype) if dtype is not None and mx.issubdtype(v.dtype, mx.floating) else v
-    return out
-
-
-def save_sidecar(bundle: ModelBundle, head: MTPHead, out_dir: Union[str, os.PathLike], meta: dict) -> Path:
-    """Write mtp_head.safetensors + mtp_head.json into out_dir (atomically, each file)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    N = int(bundle.config["num_hidden_layers"])
-    weights = nextn_weights(head, N, _trunk_dtype(bundle.model))
-    tmp = out / (SIDECAR_WEIGHTS + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "layout": "nextn"})
-    os.replace(tmp, out / SIDECAR_WEIGHTS)
-    full = {"trunk": trunk_signature(bundle), "num_hidden_layers": N, "layout": "nextn",
-            "depth_layers": len(head.layers), **meta, "trunk_probe": trunk_probe(bundle)}
-    _write_json(out / SIDECAR_META, full)
-    return out
-
-
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def _write_json(path: Path, obj):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False))
-    os.replace(tmp, path)
-
-
-def _trunk_dtype(model):
-    """The trunk's activation dtype (a quantized embedding stores uint32 but yields float)."""
-    return model.model.embed_tokens(mx.array([0])).dtype
 
 
 def _dtypes(cfg: TrainConfig, model):
@@ -353,42 +302,6 @@ def _resolve_bundle(model, gguf_mode: str = "auto") -> ModelBundle:
     if isinstance(model, ModelBundle):
         return model
     return load(model, gguf_mode=gguf_mode)
-
-
-# -- checkpoint ------------------------------------------------------------------------------------
-def _ckpt_state_dir(out: Path) -> Optional[Path]:
-    ck = out / CHECKPOINT_DIR
-    for name in (STATE_DIR, STATE_DIR + ".old"):
-        if (ck / name / "state.json").exists():
-            return ck / name
-    return None
-
-
-def _save_checkpoint(out: Path, head: MTPHead, opt: optim.Optimizer, step: int, rng: np.random.Generator,
-                     header: dict, history: List[dict], train_loss: Optional[float]):
-    ck = out / CHECKPOINT_DIR
-    tmp = ck / (STATE_DIR + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    mx.save_safetensors(str(tmp / "head.safetensors"), dict(tree_flatten(head.parameters())))
-    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
-    state = dict(header, step=step, rng=rng.bit_generator.state, history=history, train_loss=train_loss)
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    cur, old = ck / STATE_DIR, ck / (STATE_DIR + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if cur.exists():
-        os.replace(cur, old)
-    os.replace(tmp, cur)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def checkpoint_step(out_dir) -> Optional[int]:
-    """The step of the checkpoint in HEAD_DIR, or None."""
-    d = _ckpt_state_dir(Path(out_dir))
-    return None if d is None else int(json.loads((d / "state.json").read_text())["step"])
 
 
 # -- training --------------------------------------------------------------------------------------
