@@ -423,10 +423,14 @@ class Engine(SpeculativeRounds):
 
         current = launch(mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32)))
         while True:
-            following = launch(current[0])
+            # a round after this one only if some row can still be going after it (each round emits
+            # one token per row: a row a token short of max_tokens ends with this one)
+            going = any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
+            following = launch(current[0]) if going else None
             finished = emit(current)
-            if finished:
-                finished += emit(following)  # rows that go on keep the round in flight
+            if finished or following is None:
+                if following is not None:
+                    finished += emit(following)  # rows that go on keep the round in flight
                 yield from finished
                 return
             current = following

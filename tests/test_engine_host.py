@@ -27,3 +27,23 @@ def test_greedy_plain_rounds_draw_no_uniforms_and_keep_the_text(tiny_model, monk
         assert out[req.key] == reference_tokens(bundle.model, req.prompt_tokens, 12, engine.eos)
     list(engine.generate(_requests(2, temperature=1.0)))
     assert calls
+
+
+def test_no_plain_round_is_queued_past_the_last_rows_length(tiny_model):
+    """Rows that end by length: the round that gives their last token is the last forward (each
+    round emits one token per row, so none is queued after it), at one row and at several; the
+    text is still mlx-lm's."""
+    bundle = load(tiny_model("llama"))
+    for width, compiled in ((1, "on"), (1, "off"), (3, "on")):
+        engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify=compiled), ScheduleConfig(max_batch=width))
+        engine.eos = set()  # every row runs to max_tokens
+        forwards = []
+        real = engine._verify
+        engine._verify = lambda tokens, cache: (forwards.append(tokens.shape[0]), real(tokens, cache))[1]
+        reqs = _requests(3)
+        out = {r.key: r for r in engine.generate(reqs)}
+        assert all(r.finish_reason == "length" and len(r.tokens) == 12 for r in out.values())
+        # the first token of a row comes from its prefill: 11 decode forwards per row, rows batched
+        assert len(forwards) == (33 if width == 1 else 11), (width, compiled, len(forwards))
+        for req in reqs:
+            assert out[req.key].tokens == reference_tokens(bundle.model, req.prompt_tokens, 12, set())
