@@ -71,11 +71,19 @@ def run_engine(bundle, prompts, tokens, spec: SpeculativeConfig, width: int, war
         "acceptance": (sum(r.stats.accepted_tokens for r in res) / max(1, sum(r.stats.drafted_tokens for r in res))),
         "accept_by_depth": (by_depth / max(verifies, 1)).round(3).tolist() if verifies else [],
         "compiled_calls": eng.bank.stats["compiled_calls"] if eng.bank else 0,
+        # the draft model's proposals: compiled program calls / eager ones (both runs counted)
+        "draft_calls": _draft_calls(eng.drafter),
+        "mean_depth": round(float(np.mean([r.stats.draft_depth for r in res])), 2),
         "peak_gb": peak_gb(),
         "texts": [r.tokens for r in res],
         # mtp_lookup: the share of row-rounds that drafted from the context (both runs counted alike)
         "lookup_share": _lookup_share(eng.drafter),
     }
+
+
+def _draft_calls(drafter):
+    bank = getattr(drafter, "bank", None) if getattr(drafter, "name", "") == "draft" else None
+    return f"{bank.stats['compiled_calls']}/{bank.stats['eager_calls']}" if bank is not None else ""
 
 
 def _lookups(args):
@@ -235,7 +243,7 @@ def run_source(args, bundle, source: str, out: Path):
         r = median_run(lambda: run_engine(bundle, single_prompts, args.tokens, spec(method, depth), 1))
         if method == "none":
             plain = r
-        rows.append({"setting": "1 stream", "method": f"ours {method}", "depth": depth if method != "none" else "", "tok/s": r["tok_s"], "spread": r["spread"], "peak GB": r["peak_gb"], "x mlx-lm": r["tok_s"] / peer["tok_s"], "tokens/verify": r["tokens_per_verify"], "acceptance": r["acceptance"], "accept by depth": r["accept_by_depth"], "lookup share": r["lookup_share"]})
+        rows.append({"setting": "1 stream", "method": f"ours {method}", "depth": depth if method != "none" else "", "tok/s": r["tok_s"], "spread": r["spread"], "peak GB": r["peak_gb"], "x mlx-lm": r["tok_s"] / peer["tok_s"], "tokens/verify": r["tokens_per_verify"], "acceptance": r["acceptance"], "accept by depth": r["accept_by_depth"], "lookup share": r["lookup_share"], "draft compiled/eager": r["draft_calls"]})
         if method != "none":
             share, gaps = identity(bundle, single_prompts, plain["texts"], r["texts"])
             ident.append({"method": method, "depth": depth, "rows identical": share, "divergences": len(gaps), "max top-2 gap at divergence": max(gaps) if gaps else 0.0, "all at near-ties": all(g < NEAR_TIE for g in gaps)})
@@ -262,6 +270,9 @@ def run_source(args, bundle, source: str, out: Path):
             entry[f"ours {method} peak GB"] = r["peak_gb"]
             if method.startswith("mtp"):
                 entry[f"ours {method} tokens/verify"] = r["tokens_per_verify"]
+            if method == "draft":  # adaptive: the depth it settled on (0: drafting did not pay)
+                entry["ours draft mean depth"] = r["mean_depth"]
+                entry["ours draft tokens/verify"] = r["tokens_per_verify"]
             if method == "none":
                 batch_plain = r["texts"]
         if args.torch and torch_peer.available() and width > 1:  # width 1: the single-stream run above
@@ -283,7 +294,7 @@ def run_source(args, bundle, source: str, out: Path):
                "single": rows, "identity": ident, "batched": batch_rows, "torch": torch_rows}
     save_json(out / "real_models.json", payload)
     md = (f"device: {payload['device']}; model {args.model}; prompts {source}; {args.tokens} new tokens\n\n"
-          + table(rows, ["setting", "method", "depth", "tok/s", "spread", "peak GB", "x mlx-lm", "tokens/verify", "acceptance", "accept by depth", "lookup share"])
+          + table(rows, ["setting", "method", "depth", "tok/s", "spread", "peak GB", "x mlx-lm", "tokens/verify", "acceptance", "accept by depth", "lookup share", "draft compiled/eager"])
           + f"\nplain greedy == mlx-lm greedy on {same_as_peer:.0%} of rows\n\n" + table(ident) + "\n" + table(batch_rows)
           + ("\nPyTorch + transformers generate (greedy, transformers' default attention: see the attention column), same weights in bf16:\n\n" + table(torch_rows) if torch_rows else ""))
     (out / "real_models.md").write_text(md)
