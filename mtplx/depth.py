@@ -7,8 +7,10 @@ controller keeps a_j per draft position, measured, and no single per-token figur
 on a GPU a verify of 4 tokens can cost what a verify of 1 does, on a CPU it costs nearly four
 times as much. So the controller measures: it keeps the wall time of recent rounds per (width
 bucket, depth), extrapolates depths it has not tried, picks the depth with the most tokens per
-second, and now and then tries a neighbour so the estimates stay honest. Depth 0 (no drafting)
-is a candidate: when speculation does not pay, it stops speculating.
+second, and now and then tries a neighbour so the estimates stay honest (every width bucket on its
+own count of rounds: with one count, a width whose rounds fell between another's could never
+explore, and kept the depth it started at). Depth 0 (no drafting) is a candidate: when
+speculation does not pay, it stops speculating.
 
 A calibration profile (calibrate.py, `mtplx-batch calibrate`) gives the controller the shape of
 each width's cost curve measured on this machine (a verify of k + 1 tokens relative to one of 1),
@@ -36,7 +38,7 @@ class DepthController:
         self.passed: Dict[int, float] = {}  # draft position j -> EMA of P(draft j passes | j-1 passed)
         self.seconds: Dict[Tuple[int, int], float] = {}  # (width bucket, depth) -> EMA round time
         self.seen: Dict[Tuple[int, int], int] = {}
-        self.rounds = 0
+        self.rounds: Dict[int, int] = {}  # width bucket -> rounds chosen (each width explores on its own)
 
     @staticmethod
     def _bucket(width: int) -> int:
@@ -88,9 +90,9 @@ class DepthController:
             return self.max_depth
         bucket = self._bucket(width)
         best = max(range(self.max_depth + 1), key=lambda k: self._rate(bucket, k))
-        self.rounds += 1
-        if self.rounds % EXPLORE_EVERY == 0:
-            step = 1 if (self.rounds // EXPLORE_EVERY) % 2 else -1
+        n = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
+        if n % EXPLORE_EVERY == 0:
+            step = 1 if (n // EXPLORE_EVERY) % 2 else -1
             if not 0 <= best + step <= self.max_depth:
                 step = -step  # at a bound: try the neighbour there is
             best = min(max(best + step, 0), self.max_depth)

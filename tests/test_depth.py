@@ -93,3 +93,28 @@ def test_a_draft_model_whose_steps_cost_a_target_step_falls_back_to_plain():
     assert chosen[0] == 3  # the prior drafts deep first
     tail = chosen[-EXPLORE_EVERY * 4:]
     assert max(set(tail), key=tail.count) == 0, chosen
+
+
+def test_one_controller_drafts_deep_at_one_stream_and_shallow_at_width_32():
+    """An MTP head on a launch-bound GPU, one controller for both widths (rows leave and the batch
+    narrows): at one stream a round of depth k costs 1 + 0.12 k (the head's steps; a verify of k + 1
+    tokens costs what one of 1 does), at width 32 1 + 0.45 k (the verify's tokens cost there too).
+    Drafts pass with conditional rates 0.55 / 0.75 / 0.8 by position. Tokens per unit of time: one
+    stream 1.68 at depth 3 (best), width 32 1.07 at depth 1 (best; 0.97 at depth 3)."""
+    rates = [0.55, 0.75, 0.8]
+    ctrl = DepthController(3)
+    chosen = {1: [], 32: []}
+    for r in range(12 * EXPLORE_EVERY):
+        width = 1 if r % 2 else 32
+        k = ctrl.choose(width)
+        chosen[width].append(k)
+        reached, passed, run = [], [], 1.0
+        for j in range(k):
+            reached.append(run)
+            run *= rates[j]
+            passed.append(run)
+        cost = 1.0 + (0.12 if width == 1 else 0.45) * k
+        ctrl.record(width, k, cost, int(sum(passed)), k, reached, passed)
+    for width, want in ((1, 3), (32, 1)):
+        tail = chosen[width][-EXPLORE_EVERY * 2:]
+        assert max(set(tail), key=tail.count) == want, (width, chosen[width])
