@@ -80,12 +80,13 @@ bench)
   cat /tmp/b/prof/*.md > "$OUT/profile.md" 2>/dev/null
   ;;
 round)  # issue 18 (h5r): what an MTP round costs with the shipped head, one process, ~4 min on a warm host.
-  # Held-out HumanEval rows, then GSM8K; widths 1, 32, 8: ours plain, MTP depth 3 (pipelined, the head's
-  # commit + next drafts in one program), MTP depth 3 + mtp_lookup 2, mlx-lm generate_step / batch_generate;
-  # after width 1 of the first dataset the per-phase split of an MTP round. Sizes are env vars (CPU dry runs).
+  # Widths 1, 32, 8, each on held-out HumanEval rows then GSM8K: ours plain, MTP depth 3 (pipelined, the
+  # head's commit + next drafts in one program), MTP depth 3 + mtp_lookup 2, mlx-lm generate_step /
+  # batch_generate; after the first (width 1, HumanEval) the per-phase split of an MTP round. Sizes are
+  # env vars (CPU dry runs; DEPTHS=3,3s,3l2,a adds synchronous rounds and adaptive depth).
   SHIPPED=heads/smollm2-135m-instruct; TOKENS=${TOKENS:-96}; ROWS=${ROWS:-4}; WIDTHS=${WIDTHS:-1,32,8}
   heldout $SHIPPED
-  timeout 60 python3 -c "from mtplx import rows_attention as r; from benchmarks.decode_anatomy import rows_attention_check as c
+  timeout 45 python3 -c "from mtplx import rows_attention as r; from benchmarks.decode_anatomy import rows_attention_check as c
 c() if r.cuda_ready() else print('rows_attention check: not on CUDA')" 2>&1 | tee "$OUT/round-cost.log"
   timeout ${LIMIT:-230} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED \
     --prompts /tmp/humaneval-heldout.jsonl,/tmp/gsm8k.jsonl --widths $WIDTHS --rows $ROWS --tokens $TOKENS \

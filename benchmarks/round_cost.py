@@ -151,7 +151,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a 30-layer width-64 random llama with a random head")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--head", default="heads/smollm2-135m-instruct")
-    ap.add_argument("--prompts", default="humaneval", help="datasets (names or .jsonl files), comma-separated: one after the other")
+    ap.add_argument("--prompts", default="humaneval", help="datasets (names or .jsonl files), comma-separated: each at a width, then the next width")
     ap.add_argument("--widths", default="32", help="batch widths, in the order run")
     ap.add_argument("--rows", type=int, default=4, help="rows per width: max(width, ROWS)")
     ap.add_argument("--tokens", type=int, default=48)
@@ -171,7 +171,7 @@ def main():
             sets = [(Path(src).stem, load_prompts(src, bundle.tokenizer, 256)) for src in args.prompts.split(",")]
         print(f"device: {device_name()}; widths {args.widths}, {args.tokens} tokens a row", flush=True)
         out, prof, phased, phase_spec = [], None, False, None
-        for (data, prompts), width in ((s, int(w)) for s in sets for w in args.widths.split(",")):
+        for width, (data, prompts) in ((int(w), s) for w in args.widths.split(",") for s in sets):
             rows = max(width, args.rows)
             plain = run(bundle, prompts, SpeculativeConfig(method="none"), width, rows, args.tokens, graph=args.graph)
             texts = plain.pop("texts")
