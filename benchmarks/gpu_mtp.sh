@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_mtp.sh bench   # HumanEval rows the head never saw + GSM8K: ours vs mlx-lm; phase profile
 #   bash benchmarks/gpu_mtp.sh round   # the shipped head: MTP 3 (pipelined; + lookup 2) vs plain vs mlx-lm, widths 1/32/8, HumanEval held out + GSM8K, phases at 1
 #   bash benchmarks/gpu_mtp.sh lookup  # the shipped head: mtp vs mtp + lookup fallback vs ngram vs plain vs mlx-lm, HumanEval held out + GSM8K
+#   bash benchmarks/gpu_mtp.sh jobs    # jobs/eval-mtp.yaml as shipped vs the same job with ngram / none, each vs batch_generate
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -91,6 +92,15 @@ c() if r.cuda_ready() else print('rows_attention check: not on CUDA')" 2>&1 | te
   timeout ${LIMIT:-230} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED \
     --prompts /tmp/humaneval-heldout.jsonl,/tmp/gsm8k.jsonl --widths $WIDTHS --rows $ROWS --tokens $TOKENS \
     --depths ${DEPTHS:-3,3l2} --peer --phases 2>&1 | tee -a "$OUT/round-cost.log"
+  ;;
+jobs)  # issue 18: is the eval-mtp job the fastest way to run it? The whole job (ROWS rows, its own width)
+  # through the pipeline with each method, each against batch_generate on the same rows (~1.5 min warm).
+  for m in mtp ngram none; do
+    echo "== eval-mtp method=$m $(date +%T)" | tee -a "$OUT/jobs.log"
+    timeout ${LIMIT:-90} python3 -m benchmarks.jobs_vs_peer jobs/eval-mtp.yaml --set speculative.method=$m \
+      --set input.limit=${ROWS:-64} --set output.keep_columns=[] --out /tmp/b/jobs-$m >> "$OUT/jobs.log" 2>&1
+    grep -h '^| ' /tmp/b/jobs-$m/*.md 2>/dev/null | tee -a "$OUT/jobs.log"
+  done
   ;;
 lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs mlx-lm; 1 stream and width 32;
   # held-out HumanEval rows and GSM8K in one process (~2.5 min warm). Sizes are env vars (CPU dry runs).
