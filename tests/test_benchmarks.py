@@ -168,3 +168,16 @@ def test_round_graph_counts_primitives_and_programs(tiny_model):
         list(eng.generate(reqs))
     summary = g.summary(eng.counters["rounds"] - rounds)
     assert summary["programs/round"] == 1.0 and summary["kernels/round"] > 20
+
+
+def test_draft_rounds_counts_k_draft_forwards_or_one_program_a_round(tiny_model):
+    from benchmarks.draft_rounds import measure
+
+    bundle = load(tiny_model("llama"))
+    draft = str(tiny_model("llama", seed=1))
+    for depth in (2, 3):
+        eager, compiled = (measure(bundle, draft, depth, c, tokens=12) for c in ("off", "on"))
+        prefills = 2 / eager["rounds"]  # one draft prefill per row; rounds near max_tokens may draft less
+        assert depth / 2 < eager["eager draft forwards / round"] <= depth + prefills + 1e-9, eager
+        assert 0.5 < compiled["compiled proposals / round"] <= 1, compiled
+        assert compiled["eager draft forwards / round"] * compiled["rounds"] == 2, compiled
