@@ -38,9 +38,13 @@ class _Counting:
 
 
 def measure(bundle, draft: str, depth: int, compiled: str, tokens: int) -> dict:
+    """`compiled`: "on" (the verify and the draft steps compiled), "verify" (the verify compiled,
+    the draft steps eager), "off" (both eager)."""
     spec = SpeculativeConfig(method="draft", draft_model=draft, depth=depth, adaptive_depth=False,
-                             compiled_verify=compiled)
+                             compiled_verify="off" if compiled == "off" else "on")
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=1))
+    if compiled == "verify":
+        eng.drafter.bank = None
     counting = eng.drafter.model = _Counting(eng.drafter.model)
     reqs = lambda: [Request(i, bundle.tokenizer.encode(p), SamplingParams(max_tokens=tokens)) for i, p in enumerate(PROMPTS)]
     list(eng.generate(reqs()))  # builds the programs
@@ -63,7 +67,8 @@ def main():
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--draft", default="smollm2-135m-instruct")
     ap.add_argument("--depths", default="2,4")
-    ap.add_argument("--compiled", default="off,on", help="compiled_verify settings (off: the eager draft steps)")
+    ap.add_argument("--compiled", default="off,verify,on",
+                    help="on: verify and draft steps compiled; verify: only the verify (eager draft steps); off: neither")
     ap.add_argument("--tokens", type=int, default=40)
     args = ap.parse_args()
     bundle = load(args.model)
