@@ -345,7 +345,9 @@ class RowStateCache(ArraysSurface):
 
     def write_row(self, row: int, arrays, batch: int):
         for i, a in enumerate(arrays):
-            if a is None:
+            if a is None:  # no state yet (no tokens): mlx-lm's layers start from zeros
+                if self.cache[i] is not None:
+                    self.cache[i][row : row + 1] = 0
                 continue
             if self.cache[i] is None:
                 self.cache[i] = mx.zeros((batch,) + a.shape[1:], a.dtype)
@@ -356,7 +358,9 @@ class RowStateCache(ArraysSurface):
         """Rows `rows` of `src` (their state now) at `slots`."""
         at = _slot_index(slots)
         for i, a in enumerate(src.cache):
-            if a is None:
+            if a is None:  # no state yet: zeros, not what a slot's last row left there
+                if self.cache[i] is not None:
+                    self.cache[i][at] = 0
                 continue
             if self.cache[i] is None:
                 self.cache[i] = mx.zeros((batch,) + a.shape[1:], a.dtype)

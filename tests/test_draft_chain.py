@@ -142,3 +142,20 @@ def test_rounds_without_drafts_feed_nothing_and_greedy_output_stays_plain(tiny_m
     assert counting.calls < eng.counters["rounds"] / 2, (counting.calls, eng.counters["rounds"])
     cache = eng.drafter.cache
     assert np.array_equal(cache.rows.host, np.array(cache.rows.device))
+
+
+@pytest.mark.parametrize("draft_arch", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("width", [1, 3])
+def test_one_token_prompts_start_with_an_empty_draft_cache(tiny_model, draft_arch, width):
+    """A one-token prompt leaves the draft model nothing to prefill (its cache holds all prompt
+    tokens but the last): the first round feeds that token, beside rows with long prompts."""
+    path = tiny_model("qwen3_next") if draft_arch == "qwen3_next" else tiny_model("llama")
+    bundle = load(path)
+    rows = _rows([1, 9, 1, 1, 20], [8, 6, 10, 3, 7], seed=9)
+    eos = set(bundle.tokenizer.eos_token_ids)
+    spec = SpeculativeConfig(method="draft", depth=3, adaptive_depth=False, draft_model=str(path))
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
+    out = {r.key: r for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
+    for i, (p, m) in enumerate(rows):
+        assert out[i].error is None and out[i].tokens == reference_tokens(bundle.model, p, m, eos), i
+        assert out[i].stats.accepted_tokens == out[i].stats.drafted_tokens, (i, out[i].stats)
