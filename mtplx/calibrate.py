@@ -8,11 +8,16 @@ fits the memory budget, and returns a profile:
     tokens_per_second   {width: plain decoding, width / verify_seconds[width][0]}
     depth_that_pays     {width: the depth with the most tokens per second at `acceptance`}
     best_width          the width with the most plain tokens per second
+    one_stream          one row's plain decoding, pipelined as the engine runs it: tokens/s of the
+                        compiled program and of the eager forward, and the `faster` of the two
 
 The profile is JSON, stored beside the converted model by default (`profile_path`), with the
 device and model config it was measured on. An engine started with `schedule.max_batch: auto`
 takes `best_width` from it, capped so that `auto_rows` rows of `AUTO_ROW_TOKENS` tokens fit the
-memory budget; the depth controller (depth.py) takes the shape of its verify cost curves from it.
+memory budget; the depth controller (depth.py) takes the shape of its verify cost curves from it;
+plain decoding of one row runs the `one_stream` path that was faster here (the two give the same
+logits: which is faster depends on whether the host or the device bounds a step, i.e. on the
+machine and the model's size).
 `mtplx-batch calibrate MODEL [--out PROFILE]` writes one.
 """
 
@@ -87,6 +92,49 @@ def _time_width(engine, width: int, max_len: int, context: int, repeats: int, rn
     return out
 
 
+def _one_stream_seconds(engine, compiled: bool, context: int, steps: int, rng) -> float:
+    """Seconds per token of one row's plain decoding, pipelined as the engine runs it (step i+1
+    queued before step i is read): through the compiled bank, or the eager forward."""
+    from .cache import BatchCache
+
+    cache = BatchCache.for_model(engine.model, 1)
+    prompt = mx.array(rng.integers(0, engine.vocab_size, (1, context)).astype(np.int32))
+    y = mx.argmax(engine.runtime.forward(prompt, cache)[0][:, -1], axis=-1).astype(mx.int32)
+    cache.commit(np.array([context]))
+    ones = np.ones(1, dtype=np.int64)
+    mx.eval(y)
+    start = None
+    for i in range(steps + 1):
+        logits = engine._verify(y[:, None], cache, eager=not compiled)[0]
+        cache.commit(ones)
+        nxt = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+        mx.async_eval(nxt)
+        y.item()  # read this step while the next one runs
+        if i == 0:
+            start = time.perf_counter()
+        y = nxt
+    y.item()
+    return (time.perf_counter() - start) / steps
+
+
+def one_stream(engine, context: int = 128, steps: int = 32, repeats: int = 3, seed: int = 0) -> Optional[dict]:
+    """Plain one-row decoding through the compiled bank and eagerly, each run once untimed, then
+    `repeats` times in turn (median): {"compiled": tok/s, "eager": tok/s, "faster": name}. None when
+    the engine has no compiled bank (then every forward is eager anyway)."""
+    if engine.bank is None:
+        return None
+    rng = np.random.default_rng(seed)
+    runs = {"compiled": [], "eager": []}
+    for i in range(repeats + 1):
+        for name in runs:
+            t = _one_stream_seconds(engine, name == "compiled", context, steps if i else 4, rng)
+            if i:
+                runs[name].append(t)
+    out = {name: 1 / float(np.median(ts)) for name, ts in runs.items()}
+    out["faster"] = max(("compiled", "eager"), key=out.get)
+    return out
+
+
 def calibrate(engine, widths: Sequence[int] = DEFAULT_WIDTHS, depth: Optional[int] = None, context: int = 128,
               repeats: int = 3, log=None, seed: int = 0) -> dict:
     """Measure this machine (see the module docstring); `log(message)` hears each width."""
@@ -102,6 +150,10 @@ def calibrate(engine, widths: Sequence[int] = DEFAULT_WIDTHS, depth: Optional[in
             costs = verify[str(w)]
             log(f"width {w}: {w / costs[0]:.1f} tok/s plain; verify ms by length "
                 + " ".join(f"{1000 * c:.2f}" for c in costs))
+    single = one_stream(engine, context, repeats=repeats, seed=seed) if 1 in fits else None
+    if log and single:
+        log(f"one stream: compiled {single['compiled']:.1f} tok/s, eager {single['eager']:.1f} tok/s: "
+            f"{single['faster']} runs one-row plain decoding")
     tps = {w: int(w) / c[0] for w, c in verify.items()}
     pays = {w: max(range(len(c)), key=lambda k: rate(c, k)) for w, c in verify.items()}
     return {
@@ -116,6 +168,7 @@ def calibrate(engine, widths: Sequence[int] = DEFAULT_WIDTHS, depth: Optional[in
         "tokens_per_second": tps,
         "depth_that_pays": pays,
         "best_width": int(max(tps, key=tps.get)) if tps else None,
+        "one_stream": single,
         "skipped_widths": skipped,  # over the memory budget
     }
 
@@ -148,6 +201,11 @@ def auto_max_batch(profile: Optional[dict], memory_budget: int, row_bytes: int) 
     than `memory_budget // row_bytes` (rows of AUTO_ROW_TOKENS tokens), and at least 1."""
     want = (profile or {}).get("best_width") or AUTO_FALLBACK
     return max(1, min(int(want), int(memory_budget // max(row_bytes, 1))))
+
+
+def one_stream_eager(profile: Optional[dict]) -> bool:
+    """Whether one-row plain decoding runs eagerly: only where the profile measured it faster."""
+    return ((profile or {}).get("one_stream") or {}).get("faster") == "eager"
 
 
 def cost_shapes(profile: Optional[dict]) -> Dict[int, list]:

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import BatchCache, RowKVCache
-from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profile, profile_path
+from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profile, one_stream_eager, profile_path
 from .config import ScheduleConfig, SpeculativeConfig, prefill_chunk_env, sustained_prefill_env
 from .depth import DepthController
 from .drafters import make_drafter
@@ -157,6 +157,8 @@ class Engine(SpeculativeRounds):
         self.depth_control = DepthController(self.spec.depth if self.drafter is not None else 0, self.spec.adaptive_depth,
                                              shapes=cost_shapes(profile))
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
+        # one-row plain decoding eagerly (the same logits) where the calibration measured it faster
+        self.one_stream_eager = self.bank is not None and one_stream_eager(profile)
 
     # fusion.decode_paths; benchmarks/decode_anatomy turns them off to measure without.
     stack_projections = True
@@ -363,9 +365,10 @@ class Engine(SpeculativeRounds):
         spare = [int(i) for i in np.nonzero(~active)[0]][: width - len(live)]
         return sorted(live + spare)
 
-    def _verify(self, tokens: mx.array, cache: BatchCache):
-        """The target model over `tokens` [W, L]: (logits, hidden, compiled?, parity failures per row)."""
-        if self.bank is not None:
+    def _verify(self, tokens: mx.array, cache: BatchCache, eager: bool = False):
+        """The target model over `tokens` [W, L]: (logits, hidden, compiled?, parity failures per row);
+        `eager`: the eager forward even where the compiled bank is on."""
+        if self.bank is not None and not eager:
             return self.bank.verify(tokens, cache)
         cache.set_capturing(True)
         logits, hidden = self.runtime.forward(tokens, cache)
@@ -389,9 +392,10 @@ class Engine(SpeculativeRounds):
         sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
         n_active = int(active.sum())
         ones = active.astype(np.int64)
+        eager = self.one_stream_eager and len(slots) == 1
 
         def launch(pending: mx.array):
-            logits, _, compiled, failures = self._verify(pending[:, None], cache)
+            logits, _, compiled, failures = self._verify(pending[:, None], cache, eager)
             if sampler.all_greedy:  # no uniforms to draw: greedy rows never read their generator
                 nxt = mx.argmax(logits[:, 0], axis=-1).astype(mx.int32)
             else:

@@ -96,3 +96,27 @@ def test_cli_calibrate_writes_beside_the_model_and_a_run_records_it(model, tmp_p
 def test_cli_calibrate_refuses_bad_widths(model):
     res = CliRunner().invoke(main, ["calibrate", str(model), "--widths", "0,x"])
     assert res.exit_code == 2 and "--widths" in res.output
+
+
+def test_one_row_plain_decoding_takes_the_calibrated_faster_path(bundle, tmp_path):
+    """The profile times one-row plain decoding both ways; where it says eager was faster, a
+    one-row job forwards eagerly (wider batches stay compiled), with the compiled path's tokens."""
+    from mtplx.request import Request, SamplingParams
+
+    p = calibrate(Engine(bundle, SpeculativeConfig(method="none")), widths=(1, 2), depth=1, context=8, repeats=1)
+    single = p["one_stream"]
+    assert single["compiled"] > 0 and single["eager"] > 0 and single["faster"] == max(("compiled", "eager"), key=single.get)
+    reqs = [Request(key=i, prompt_tokens=[3 + i, 17, 9], params=SamplingParams(max_tokens=8)) for i in range(3)]
+
+    def run(faster, width):
+        path = save_profile({**p, "one_stream": {**single, "faster": faster}}, tmp_path / f"{faster}.json")
+        eng = Engine(bundle, SpeculativeConfig(method="none"), ScheduleConfig(max_batch=width, calibration=str(path)))
+        out = sorted(eng.generate(reqs), key=lambda r: r.key)
+        return [r.tokens for r in out], sum(r.stats.eager_verify_calls for r in out), sum(r.stats.compiled_verify_calls for r in out)
+
+    compiled_tokens, eager_calls, compiled_calls = run("compiled", 1)
+    assert eager_calls == 0 and compiled_calls > 0
+    tokens, eager_calls, compiled_calls = run("eager", 1)
+    assert tokens == compiled_tokens and eager_calls > 0 and compiled_calls == 0
+    tokens, eager_calls, compiled_calls = run("eager", 2)
+    assert tokens == compiled_tokens and compiled_calls > 0

@@ -39,7 +39,7 @@ def test_no_plain_round_is_queued_past_the_last_rows_length(tiny_model):
         engine.eos = set()  # every row runs to max_tokens
         forwards = []
         real = engine._verify
-        engine._verify = lambda tokens, cache: (forwards.append(tokens.shape[0]), real(tokens, cache))[1]
+        engine._verify = lambda tokens, cache, *a: (forwards.append(tokens.shape[0]), real(tokens, cache, *a))[1]
         reqs = _requests(3)
         out = {r.key: r for r in engine.generate(reqs)}
         assert all(r.finish_reason == "length" and len(r.tokens) == 12 for r in out.values())

@@ -23,7 +23,9 @@ Examples:
 It times the verify forward at every width (rows in flight) that fits the memory budget and at
 every verify length 1..depth+1, and prints plain tokens/s by width and the depth that pays. A run
 with schedule.max_batch: auto starts at the best width (capped by memory); the adaptive depth
-controller starts from the measured cost curves. The run's manifest records the profile it used.
+controller starts from the measured cost curves; one-row plain decoding runs whichever of the
+compiled program and the eager forward was faster here (the same logits either way). The run's
+manifest records the profile it used.
 A profile holds its device and model config: one measured elsewhere is ignored.
 """
 
