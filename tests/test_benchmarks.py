@@ -130,6 +130,11 @@ def test_job_widths_runs_every_width_and_method_on_the_same_rows(tiny_model, tmp
 
     data = write_parquet(tmp_path / "in.parquet", sample_rows(8))
     job = write_job(tmp_path / "job.yaml", job_dict(tiny_model("llama"), data, tmp_path / "run", generation={"max_tokens": 6}))
+    import mtplx.fusion as fusion
+
+    # as on CUDA: the engine stacks projections, the peer unstacks them, our next run stacks again
+    monkeypatch.setattr(fusion, "stacking_pays", lambda: True)
+    monkeypatch.setattr(job_widths, "stacking_pays", lambda: True)
     seen = []
     real_peer = job_widths.peer
     monkeypatch.setattr(job_widths, "peer", lambda b, p, t, w: seen.append((len(p), w)) or real_peer(b, p, t, w))
