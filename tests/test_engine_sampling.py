@@ -179,7 +179,8 @@ def test_a_wrong_residual_is_detected(setup, method, monkeypatch):
     assert max(worst.values()) < P_REJECT, f"a wrong residual went unnoticed: {worst}"
 
 
-@pytest.mark.parametrize("method,compiled", [("none", "off"), ("ngram", "off"), ("draft", "off"), ("mtp", "off"), ("mtp", "on")])
+@pytest.mark.parametrize("method,compiled", [("none", "off"), ("ngram", "off"), ("draft", "off"), ("draft", "on"), ("mtp", "off"),
+                                             ("mtp", "on")])
 def test_a_sampled_row_does_not_depend_on_its_batch_mates(setup, method, compiled):
     """A row's seed alone fixes its sampled text: alone, or next to other rows of other lengths
     (whose ends decide where the engine's calls end, and with them the rounds drafted ahead)."""
