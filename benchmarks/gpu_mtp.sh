@@ -54,17 +54,18 @@ train)  # the recipe, data + training + held-out evaluation, under one hard limi
   # The recipe (docs/train-head.md): 100 sampled rows of the job with greedy + 8 sampled continuations
   # each, up to 3000 stdlib functions (signature + docstring) and 2000 stdlib docstrings asked about
   # in words (the stdlib has ~2300 of each), each greedy + 1 sampled, all generated together 128 rows
-  # at a time and cut at 150 s; 200k tokens of stdlib source; depths 1-3 unrolled, KL to the trunk
-  # over the 8192-token drafting vocabulary; GSM8K held out as the second dataset. Batches of 32 x
+  # at a time and cut 120 s after the first continuation finished (on a fresh host that first one
+  # waits ~170 s for kernel builds; session 5's run: 3.7k tok/s, 560k tokens in 150 s); 200k tokens
+  # of stdlib source; depths 1-3 unrolled, KL to the trunk over the 8192-token drafting vocabulary; GSM8K held out as the second dataset. Batches of 32 x
   # 448; --fit-steps times steps 5-25 and fits the cosine schedule (at most 6000 steps) to end
-  # before 430 s from the start, where training stops anyway (evaluated and written either way);
+  # before 440 s from the start, where training stops anyway (evaluated and written either way);
   # the whole command is cut at TOTAL.
   time timeout "${TOTAL:-500}" python3 -m pipelines.cli train-head $MODEL --data jobs/eval.yaml --sample "${SAMPLE:-100}" \
     --samples-per-prompt "${SPP:-8}" --max-new-tokens "${NEW:-192}" --prompts "stdlib-code:${CODE:-3000}" \
-    --prompts "stdlib-chat:${CHAT:-2000}" --gen-batch "${GEN_BATCH:-128}" --data-seconds "${DATA_SECONDS:-150}" \
+    --prompts "stdlib-chat:${CHAT:-2000}" --gen-batch "${GEN_BATCH:-128}" --data-seconds "${DATA_SECONDS:-120}" \
     --text stdlib --text-tokens "${TEXT_TOKENS:-200000}" --heldout-data jobs/gsm8k.yaml --heldout-rows 32 \
     --steps "${STEPS:-6000}" --fit-steps --batch-size "${BATCH:-32}" --seq-len "${SEQ:-448}" --draft-depths 3 --hidden-weight 0.1 \
-    --eval-every "${EVAL_EVERY:-250}" --checkpoint-every 500 --max-seconds "${MAX_SECONDS:-430}" --out "$HEAD" --restart 2>&1 \
+    --eval-every "${EVAL_EVERY:-250}" --checkpoint-every 500 --max-seconds "${MAX_SECONDS:-440}" --out "$HEAD" --restart 2>&1 \
     | grep --line-buffered -v "^\s*$" | while IFS= read -r line; do echo "$(date +%T) $line"; done | tee "$OUT/train.log"
   cp "$HEAD"/mtp_head.json "$HEAD"/mtp_head.safetensors "$HEAD"/mtp_draft_vocab.npy "$OUT"/ 2>/dev/null
   ls -la "$OUT" | tee -a "$OUT/train.log"

@@ -6,7 +6,8 @@ standard library, self-distilled by a real (tiny) trunk through the engine, for 
 - the job's rows and the general prompts are generated in one engine run: each general prompt
   gets its greedy continuation (= mlx-lm's greedy decoding of the rendered prompt) and one
   sampled one, they are never held out, and the source names them;
-- `--data-seconds` stops generation at a wall time and keeps exactly the continuations finished.
+- `--data-seconds` stops generation that long after the first continuation finished and keeps
+  exactly the continuations finished.
 """
 
 from __future__ import annotations
@@ -96,7 +97,10 @@ def test_data_seconds_keeps_the_continuations_finished_in_time(tiny_model):
     assert len(full.sequences) == 12
     lines = []
     cut = self_distill(bundle, prompts, 6, max_batch=2, seconds=1e-6, log=lines.append)
-    assert 1 <= len(cut.sequences) < 12 and any("time limit" in l for l in lines)
+    # the clock starts at the first finished continuation (a fresh GPU's kernel builds do not count),
+    # so even a limit of ~0 keeps more than that first one
+    assert 2 <= len(cut.sequences) < 12 and any("time limit" in l for l in lines)
+    assert any(l.startswith("first continuation after") for l in lines)
     eos = set(bundle.tokenizer.eos_token_ids)
     for seq, g in zip(cut.sequences, cut.groups):  # each kept continuation is complete and the trunk's own
         assert seq == prompts[g] + reference_tokens(bundle.model, prompts[g], 6, eos)

@@ -160,9 +160,11 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
     """prompt + the model's own greedy continuation for every prompt, plus `samples` sampled ones
     (one count for all prompts or one per prompt; at `temperature`, seeded) that show the head
     other paths the trunk takes; `max_batch` rows decoded together (plain decoding, continuous
-    batching); scored from the first generated token on. With `seconds`, generation stops at that
-    wall time and keeps the continuations finished by then (the requests run in prompt order, so
-    the first prompts are complete). `log` gets a progress line every ~15 s."""
+    batching); scored from the first generated token on. With `seconds`, generation stops that
+    long after the first continuation finished (on a fresh GPU host the first rows wait minutes
+    for kernel builds: that time does not count) and keeps the continuations finished by then
+    (the requests run in prompt order, so the first prompts are complete). `log` gets a progress
+    line every ~15 s."""
     from ..config import ScheduleConfig, SpeculativeConfig
     from ..generation import Engine
     from ..request import Request, SamplingParams
@@ -185,17 +187,21 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
             groups.append(i)
     out: Dict[int, List[int]] = {}
     bar = _bar(len(reqs), "generating", not quiet)
-    generated, last_log = 0, started
+    generated, last_log, first = 0, started, None
     for res in engine.generate(reqs):
         out[res.key] = reqs[res.key].prompt_tokens + (res.tokens if res.finish_reason != "error" else [])
         generated += len(res.tokens)
         bar.update(1)
         now = time.monotonic()
+        if first is None:
+            first = now
+            if log is not None:
+                log(f"first continuation after {now - started:.0f}s (model warm-up); the generation limit counts from here")
         if log is not None and (now - last_log > 15 or len(out) == len(reqs)):
             last_log = now
             log(f"generating: {len(out)}/{len(reqs)} continuations, {generated:,} tokens, "
                 f"{generated / max(now - started, 1e-9):,.0f} tok/s ({now - started:.0f}s)")
-        if seconds is not None and now - started > seconds and len(out) < len(reqs):
+        if seconds is not None and now - first > seconds and len(out) < len(reqs):
             if log is not None:
                 log(f"generation time limit of {seconds:.0f}s: kept {len(out)} of {len(reqs)} continuations "
                     f"({generated:,} tokens)")

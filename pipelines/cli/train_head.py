@@ -19,12 +19,12 @@ Examples:
   mtplx-batch train-head models/smollm2 --data corpus.txt --out heads/smollm2 --steps 2000
   mtplx-batch train-head models/smollm2 --data prompts.jsonl --out heads/smollm2 --max-new-tokens 128
   # the recipe (docs/train-head.md): a sample of the job with greedy + 8 sampled continuations,
-  # general prompts from the stdlib (code and chat), generated 128 rows at a time for at most 150 s,
-  # general text, depths 1-3 unrolled, a second dataset held out, training cut at 430 s
+  # general prompts from the stdlib (code and chat), generated 128 rows at a time for at most 120 s,
+  # general text, depths 1-3 unrolled, a second dataset held out, training cut at 440 s
   mtplx-batch train-head smollm2-135m-instruct --data jobs/eval.yaml --sample 100 --samples-per-prompt 8 \
       --max-new-tokens 192 --prompts stdlib-code:3000 --prompts stdlib-chat:2000 --gen-batch 128 \
-      --data-seconds 150 --text stdlib --heldout-data jobs/gsm8k.yaml --steps 6000 --fit-steps --batch-size 32 \
-      --seq-len 448 --hidden-weight 0.1 --max-seconds 430 --out heads/smollm2
+      --data-seconds 120 --text stdlib --heldout-data jobs/gsm8k.yaml --steps 6000 --fit-steps --batch-size 32 \
+      --seq-len 448 --hidden-weight 0.1 --max-seconds 440 --out heads/smollm2
 
 \b
 --data is a job YAML (its prompts + this model's own greedy continuations: self-distillation),
@@ -79,8 +79,9 @@ def _terminate_as_interrupt(signum, frame):
 @click.option("--gen-batch", type=click.IntRange(min=1), default=32, show_default=True,
               help="Self-distillation: rows generated together (wider is faster on a GPU).")
 @click.option("--data-seconds", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Self-distillation stops after this many seconds and keeps the continuations finished by "
-                   "then (the job's rows come first, --prompts after).")
+              help="Self-distillation stops this many seconds after its first continuation finished (a fresh "
+                   "GPU's kernel builds do not count) and keeps the continuations finished by then (the job's "
+                   "rows come first, --prompts after).")
 @click.option("--text", multiple=True, metavar="PATH|stdlib",
               help="General text mixed into training (repeatable): a file, a directory of .py/.md/.rst/.txt, or "
                    "'stdlib' (this Python's standard library source). Scored against the trunk's own predictions.")
