@@ -25,6 +25,9 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 EXPLORE_EVERY = 16  # rounds between tries of a neighbouring depth
+# A width's first try of a neighbouring depth, early: two rounds (a new depth's first round compiles
+# and is not timed), so two depths are measured, and their slope prices the rest, within a few rounds
+FIRST_TRY = (3, 4)
 UNTRIED_SLOPE = 0.15  # assumed extra cost per drafted token before it is measured (optimistic)
 
 
@@ -91,8 +94,8 @@ class DepthController:
         bucket = self._bucket(width)
         best = max(range(self.max_depth + 1), key=lambda k: self._rate(bucket, k))
         n = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
-        if n % EXPLORE_EVERY == 0:
-            step = 1 if (n // EXPLORE_EVERY) % 2 else -1
+        if n in FIRST_TRY or n % EXPLORE_EVERY == 0:
+            step = -1 if n in FIRST_TRY else 1 if (n // EXPLORE_EVERY) % 2 else -1
             if not 0 <= best + step <= self.max_depth:
                 step = -step  # at a bound: try the neighbour there is
             best = min(max(best + step, 0), self.max_depth)
