@@ -39,7 +39,7 @@ from .models.loading import ModelBundle
 from .models.mtp import MTPHead
 from .mtp_draft import (CompiledDraftBank, DraftVocab, at_accepted, commit_inputs, history_append, lookup_drafts, pick,
                         project, stack_drafts)
-from .sampling import SamplerBatch, sample_from, shaped_probs
+from .sampling import SamplerBatch
 
 
 class Drafter(Protocol):
