@@ -24,6 +24,9 @@ from .request import Result
 from .sampling import SamplerBatch, accept_greedy, accept_sampled, shaped_probs, uniforms
 
 
+REFILL_AT = 8  # with requests waiting, a call returns for admission once 1/8 of its slots are free
+
+
 class SpeculativeRounds:
     """Engine methods for decode rounds with a drafter (mixed into generation.Engine)."""
 
@@ -52,8 +55,9 @@ class SpeculativeRounds:
         """Speculative rounds. A drafter that drafts on the device (MTP, a draft model) runs one
         round ahead, as `_plain_rounds` does: round r+1 (propose, verify, accept, commit) is
         queued from round r's device arrays before round r is read, and each round is read
-        once. Returns when a row finishes and its slot can be used (`drained`: no request waits,
-        so finished rows only leave, until half the slots are idle) or no row is left. Prompt
+        once. Returns when finished rows have freed REFILL_AT-th of the slots for admission (at
+        least one; `drained`: no request waits, so finished rows only leave, until half the slots
+        are idle) or no row is left. Prompt
         lookup drafts on the host from the tokens it has read: one round per call."""
         sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
         pending = mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32))
@@ -80,7 +84,10 @@ class SpeculativeRounds:
             finished = self._land(slots, cache, current, out, now - landed_at)
             landed_at = now
             live = sum(s is not None for s in slots)
-            if following is None or (finished and (not drained or live <= len(slots) // 2 or not live)):
+            free = len(slots) - live  # a refill drains the pipeline: wait for a few free slots (an idle
+            # slot of a wide, launch-bound batch costs ~nothing), and refill them with one prefill
+            if following is None or (finished and (free >= max(1, len(slots) // REFILL_AT) if not drained
+                                                   else live <= len(slots) // 2 or not live)):
                 if following is not None:
                     out = self._read(following)
                     finished += self._land(slots, cache, following, out, time.perf_counter() - landed_at)

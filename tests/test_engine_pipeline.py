@@ -174,3 +174,24 @@ def test_no_round_is_queued_past_the_last_rows_length(setup, method):
     forwards = sum(r.stats.compiled_verify_calls + r.stats.eager_verify_calls for r in out.values())
     at_eos = sum(r.finish_reason == "stop" for r in out.values())
     assert forwards <= eng.counters["rounds"] <= forwards + at_eos, (forwards, eng.counters["rounds"], at_eos)
+
+
+def test_with_requests_waiting_a_wide_batch_refills_several_slots_at_once(setup):
+    """A refill drains the pipeline (the round in flight is read, admission prefills): at width 16
+    with requests waiting, a call returns once 1/8 of its slots (2) are free, not at every finished
+    row (rows of staggered lengths end one at a time), and the text stays plain decoding's."""
+    bundle, head, _, rows, _ = setup
+    eng = _engine(setup, "mtp", 16)
+    many = [(rows[i % len(rows)][0], 4 + (i * 7) % 23) for i in range(40)]
+    freed, inner = [], eng._round
+
+    def counted(slots, active, cache, drained=False):
+        yield from inner(slots, active, cache, drained=drained)
+        freed.append((drained, sum(s is None for s in slots), any(s is not None for s in slots)))
+
+    eng._round = counted
+    out = {r.key: r.tokens for r in eng.generate(_requests(many))}
+    for i, (p, m) in enumerate(many):
+        assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i
+    waiting = [f for d, f, going in freed if not d and going]
+    assert waiting and min(waiting) >= 2, freed
