@@ -83,7 +83,7 @@ bench)
   ;;
 round)  # issue 18 (h5r): what an MTP round costs with the shipped head, one process, ~4 min on a warm host.
   # Widths 1, 32, 8, each on held-out HumanEval rows then GSM8K: ours plain, MTP depth 3 (pipelined, the
-  # head's commit + next drafts in one program), MTP depth 3 + mtp_lookup 2, mlx-lm generate_step /
+  # head's commit + next drafts in one program), MTP depth 3 and 5 + mtp_lookup 2, mlx-lm generate_step /
   # batch_generate; after the first (width 1, HumanEval) the per-phase split of an MTP round. Sizes are
   # env vars (CPU dry runs; DEPTHS=3,3s,3l2,a adds synchronous rounds and adaptive depth).
   SHIPPED=heads/smollm2-135m-instruct; TOKENS=${TOKENS:-96}; ROWS=${ROWS:-4}; WIDTHS=${WIDTHS:-1,32,8}
@@ -92,7 +92,7 @@ round)  # issue 18 (h5r): what an MTP round costs with the shipped head, one pro
 c() if r.cuda_ready() else print('rows_attention check: not on CUDA')" 2>&1 | tee "$OUT/round-cost.log"
   timeout ${LIMIT:-230} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED \
     --prompts /tmp/humaneval-heldout.jsonl,/tmp/gsm8k.jsonl --widths $WIDTHS --rows $ROWS --tokens $TOKENS \
-    --depths ${DEPTHS:-3,3l2} --peer --phases 2>&1 | tee -a "$OUT/round-cost.log"
+    --depths ${DEPTHS:-3,3l2,5l2} --peer --phases 2>&1 | tee -a "$OUT/round-cost.log"
   ;;
 jobs)  # issue 18: is the eval-mtp job the fastest way to run it? The whole job (ROWS rows, its own width)
   # through the pipeline with each method, each against batch_generate on the same rows (~1.5 min warm).
