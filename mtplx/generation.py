@@ -35,7 +35,7 @@ from .models.mtp import has_trunk_split, project_logits, trunk_hidden
 from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
 from . import stops
 from .request import Request, Result, RowStats
-from .spec_rounds import SpeculativeRounds
+from .spec_rounds import REFILL_AT, SpeculativeRounds
 from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ class Engine(SpeculativeRounds):
                 batch.slots = [batch.slots[i] for i in keep]
                 active = active[keep]
             if self.drafter is None:
-                yield from self._plain_rounds(batch.slots, active, batch.cache)
+                yield from self._plain_rounds(batch.slots, active, batch.cache, drained=batch.drained)
             else:
                 yield from self._round(batch.slots, active, batch.cache, drained=batch.drained)
 
@@ -385,13 +385,14 @@ class Engine(SpeculativeRounds):
         if failures is not None:
             st.parity_failures += int(failures[i])
 
-    def _plain_rounds(self, slots: List[Optional[_Row]], active: np.ndarray, cache: BatchCache):
+    def _plain_rounds(self, slots: List[Optional[_Row]], active: np.ndarray, cache: BatchCache, drained: bool = False):
         """Decoding without drafts, one round ahead: the next round is queued on the device before
         this round's tokens are read, so building one graph overlaps running the other (as
-        mlx-lm's generate_step does). Returns once a row finishes, so its slot can be refilled."""
+        mlx-lm's generate_step does). Returns, as the speculative rounds do, once finished rows
+        have freed REFILL_AT-th of the slots for admission (at least one; `drained`: no request
+        waits, until half the slots are idle), or no row is left: each return drains the pipeline."""
         sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
-        n_active = int(active.sum())
-        ones = active.astype(np.int64)
+        ones = active.astype(np.int64)  # the rows a round advances; a finished row's slot stops
         eager = self.one_stream_eager and len(slots) == 1
 
         def launch(pending: mx.array):
@@ -408,6 +409,7 @@ class Engine(SpeculativeRounds):
         def emit(launched):
             tokens, compiled, failures = np.array(launched[0]), launched[1], launched[2]
             finished, emitted = [], 0
+            n_active = sum(s is not None for s in slots)
             for i, row in enumerate(slots):
                 if row is None:
                     continue
@@ -420,10 +422,17 @@ class Engine(SpeculativeRounds):
                 emitted += len(row.tokens) - before
                 if reason is not None:
                     slots[i] = None
+                    ones[i] = 0
                     finished.append(self._finish(row, reason))
             self.counters["rounds"] += 1
             self._progress("decode", emitted)
             return finished
+
+        def leave() -> bool:
+            live = sum(s is not None for s in slots)
+            if drained:
+                return live <= len(slots) // 2 or not live
+            return len(slots) - live >= max(1, len(slots) // REFILL_AT) or not live
 
         current = launch(mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32)))
         while True:
@@ -432,9 +441,10 @@ class Engine(SpeculativeRounds):
             going = any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
             following = launch(current[0]) if going else None
             finished = emit(current)
-            if finished or following is None:
+            if following is None or (finished and leave()):
                 if following is not None:
                     finished += emit(following)  # rows that go on keep the round in flight
                 yield from finished
                 return
+            yield from finished
             current = following

@@ -48,9 +48,9 @@ class RecordingEngine(Engine):
         self.log.append((int(active.sum()), len(slots), self.pulled))
         return super()._round(slots, active, cache, **kw)
 
-    def _plain_rounds(self, slots, active, cache):  # no drafter: rounds run one ahead until a row ends
+    def _plain_rounds(self, slots, active, cache, **kw):  # no drafter: rounds run one ahead until rows end
         self.log.append((int(active.sum()), len(slots), self.pulled))
-        return super()._plain_rounds(slots, active, cache)
+        return super()._plain_rounds(slots, active, cache, **kw)
 
 
 class OracleDrafter(NgramDrafter):

@@ -47,3 +47,28 @@ def test_no_plain_round_is_queued_past_the_last_rows_length(tiny_model):
         assert len(forwards) == (33 if width == 1 else 11), (width, compiled, len(forwards))
         for req in reqs:
             assert out[req.key].tokens == reference_tokens(bundle.model, req.prompt_tokens, 12, set())
+
+
+def test_with_requests_waiting_plain_rounds_refill_several_slots_at_once(tiny_model):
+    """A refill drains the pipeline (the round in flight is read, admission prefills): at width 16
+    with requests waiting, plain rounds return once 1/8 of the slots (2) are free, not at every
+    finished row (rows of staggered lengths end one at a time); when none waits, they return once
+    half the slots are idle; the text stays mlx-lm's greedy text."""
+    bundle = load(tiny_model("llama"))
+    for compiled in ("on", "off"):
+        engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify=compiled), ScheduleConfig(max_batch=16))
+        many = [Request(key=i, prompt_tokens=[3 + i % 7, 17, 9, 40 + i % 5], params=SamplingParams(max_tokens=4 + (i * 7) % 23))
+                for i in range(40)]
+        freed, inner = [], engine._plain_rounds
+
+        def counted(slots, active, cache, drained=False):
+            yield from inner(slots, active, cache, drained=drained)
+            freed.append((drained, sum(s is None for s in slots), sum(s is not None for s in slots), len(slots)))
+
+        engine._plain_rounds = counted
+        out = {r.key: r.tokens for r in engine.generate(many)}
+        for req in many:
+            assert out[req.key] == reference_tokens(bundle.model, req.prompt_tokens, req.params.max_tokens, engine.eos)
+        waiting = [free for drained, free, live, _ in freed if not drained and live]
+        assert waiting and min(waiting) >= 2, freed
+        assert all(live <= width // 2 or not live for drained, _, live, width in freed if drained), freed

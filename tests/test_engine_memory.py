@@ -31,9 +31,9 @@ class InFlightEngine(Engine):
         self._log(slots)
         return super()._round(slots, active, cache, **kw)
 
-    def _plain_rounds(self, slots, active, cache):
+    def _plain_rounds(self, slots, active, cache, **kw):
         self._log(slots)
-        return super()._plain_rounds(slots, active, cache)
+        return super()._plain_rounds(slots, active, cache, **kw)
 
 
 @pytest.fixture(scope="module")
