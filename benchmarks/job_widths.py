@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from mtplx.fusion import fuse_projections, stacking_pays, unstack
+from mtplx.fusion import DECODE_GROUPS, fuse_projections, stacking_pays, unstack
 from mtplx.generation import Engine
 from mtplx.prefill import PrefixStore
 from pipelines.execution.opening import load_engine, open_job
@@ -50,7 +50,7 @@ def peer(bundle, prompts, tokens, width):
 def ours(job, engine, rows, width):
     """The whole job over its first `rows` rows at `width`: (completion tokens, seconds)."""
     if engine.spec.compiled_verify != "off" and Engine.stack_projections and stacking_pays():
-        fuse_projections(engine.model)  # as fusion.decode_paths set it up (the peer unstacks)
+        fuse_projections(engine.model, DECODE_GROUPS)  # as fusion.decode_paths set it up (the peer unstacks)
     engine.max_batch = width
     job.schedule.max_batch = width
     job.input.limit = rows

@@ -32,6 +32,7 @@ from . import rows_attention
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # the groups by a short name (benchmarks/decode_anatomy stacks one kind at a time)
 NAMED = {"qkv": GROUPS[0], "mlp": GROUPS[1]}
+DECODE_GROUPS = GROUPS  # what the engine stacks for compiled CUDA decoding (decode_paths)
 
 
 def _like(layer: nn.Module, arrays) -> nn.Module:
@@ -141,4 +142,4 @@ def decode_paths(model, compiled: bool, stack: bool = True, rows: bool = True) -
     and, when decode steps are compiled, stacked projections. Both keep the values exactly; off
     CUDA nothing changes. Returns what was installed (counts)."""
     return {"rows_attention": rows_attention.install(model) if rows else 0,
-            "stacked_projections": fuse_projections(model) if stack and compiled and stacking_pays() else 0}
+            "stacked_projections": fuse_projections(model, DECODE_GROUPS) if stack and compiled and stacking_pays() else 0}
