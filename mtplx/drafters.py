@@ -414,6 +414,11 @@ class MtpDrafter(_CachedDrafter):
         """A prefix of `length` trunk positions: the head has length-1 entries plus h[length-1]."""
         return state[0].snapshot_row(0, length - 1), hidden_at_edge
 
+    def settle(self):
+        super().settle()
+        if self.lookup is not None:
+            self.lookup.settle()
+
     def _lookup_arg(self, extra: int):
         """(lookup, history) with room for `extra` more tokens per row, or None without lookup."""
         if self.lookup is None:
@@ -512,9 +517,13 @@ class LookupFallback:
         return drafts, q
 
     def record(self, use: mx.array, counts: mx.array):
-        """Count a round's choices among its live rows (evaluated with the round, read on demand)."""
+        """Count a round's choices among its live rows: additions over arrays the rounds evaluate
+        anyway, evaluated when the engine's call ends (`settle`), not by an eval of their own each
+        round (which would run the head program before the round's read)."""
         live = counts > 0
         self._tally = self._tally + mx.stack([(use & live).sum(), live.sum()]).astype(mx.int32)
+
+    def settle(self):
         mx.async_eval(self._tally)
 
     @property
