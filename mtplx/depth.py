@@ -25,8 +25,9 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 EXPLORE_EVERY = 16  # rounds between tries of a neighbouring depth
-# A width's first try of a neighbouring depth, early: two rounds (a new depth's first round compiles
-# and is not timed), so two depths are measured, and their slope prices the rest, within a few rounds
+# A width's first try of depth 0 (no drafting), early: two rounds (a new depth's first round compiles
+# and is not timed), so what drafting must beat is measured, and with it the slope to the depth in
+# use prices the rest, within a few rounds (a draft model's rounds cost more than the verify's slope)
 FIRST_TRY = (3, 4)
 UNTRIED_SLOPE = 0.15  # assumed extra cost per drafted token before it is measured (optimistic)
 
@@ -94,8 +95,10 @@ class DepthController:
         bucket = self._bucket(width)
         best = max(range(self.max_depth + 1), key=lambda k: self._rate(bucket, k))
         n = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
-        if n in FIRST_TRY or n % EXPLORE_EVERY == 0:
-            step = -1 if n in FIRST_TRY else 1 if (n // EXPLORE_EVERY) % 2 else -1
+        if n in FIRST_TRY:
+            return 0  # what drafting must beat, measured
+        if n % EXPLORE_EVERY == 0:
+            step = 1 if (n // EXPLORE_EVERY) % 2 else -1
             if not 0 <= best + step <= self.max_depth:
                 step = -step  # at a bound: try the neighbour there is
             best = min(max(best + step, 0), self.max_depth)
