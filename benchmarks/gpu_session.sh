@@ -63,6 +63,9 @@ setup)  # after the copy calls (../shared/GPU.md): ~/keep holds cuda-aa/ab, the 
   if [ -f "$KEEP/qp-00" ] && [ ! -d /tmp/qwen/q15-4bit ]; then
     mkdir -p /tmp/qwen && cat "$KEEP"/qp-?? | tar xf - -C /tmp/qwen && rm -f "$KEEP"/qp-??
   fi
+  # CUDA kernels built on an earlier host (MLX's NVRTC cache, /tmp/mlx/<version>/ptx), carried as .gpu-k/ptx.tgz:
+  # a fresh host otherwise spends its first 1-3 minutes of SmolLM2/MTP runs building them
+  [ -f .gpu-k/ptx.tgz ] && [ ! -d /tmp/mlx ] && tar xzf .gpu-k/ptx.tgz -C /tmp && echo "kernel cache: $(du -sh /tmp/mlx | cut -f1)"
   sha256sum "$G" | cut -c1-16
   python3 -c "import mlx.core as mx; print(mx.default_device(), mx.__version__)"
   ;;
