@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_mtp.sh bench   # HumanEval rows the head never saw + GSM8K: ours vs mlx-lm; phase profile
 #   bash benchmarks/gpu_mtp.sh round   # the shipped head: MTP 3 (pipelined; + lookup 2) vs plain vs mlx-lm, widths 1/32/8, HumanEval held out + GSM8K, phases at 1
 #   bash benchmarks/gpu_mtp.sh lookup  # the shipped head: mtp vs mtp + lookup fallback vs ngram vs plain vs mlx-lm, HumanEval held out + GSM8K
+#   bash benchmarks/gpu_mtp.sh attn    # width 32 MTP rounds with rows_attention's query limit at 3 vs 8 (the session-5 width-32 question)
 #   bash benchmarks/gpu_mtp.sh jobs    # jobs/eval-mtp.yaml as shipped vs the same job with ngram / none, each vs batch_generate
 set -uo pipefail
 OUT=${OUT:-bench-out}
@@ -93,6 +94,16 @@ c() if r.cuda_ready() else print('rows_attention check: not on CUDA')" 2>&1 | te
   timeout ${LIMIT:-230} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED \
     --prompts /tmp/humaneval-heldout.jsonl,/tmp/gsm8k.jsonl --widths $WIDTHS --rows $ROWS --tokens $TOKENS \
     --depths ${DEPTHS:-3,3l2,5l2} --peer --phases 2>&1 | tee -a "$OUT/round-cost.log"
+  ;;
+attn)  # issue 18: did rows_attention at 4 queries x 32 rows make a width-32 MTP round dearer on CUDA (session 5:
+  # 11.2 ms vs 6.1 plain; session 4, matmul attention at 4 queries: 1.33x plain)? The same rows, limit 3 vs 8 (~2 min warm).
+  heldout heads/smollm2-135m-instruct
+  for q in 3 8; do
+    echo "== rows_attention query limit $q $(date +%T)" | tee -a "$OUT/attn.log"
+    timeout ${LIMIT:-100} python3 -m benchmarks.round_cost --model $MODEL --head heads/smollm2-135m-instruct \
+      --prompts /tmp/humaneval-heldout.jsonl --widths ${WIDTHS:-32} --rows ${ROWS:-32} --tokens ${TOKENS:-96} \
+      --depths 3 --attention-queries $q 2>&1 | tee -a "$OUT/attn.log"
+  done
   ;;
 jobs)  # issue 18: is the eval-mtp job the fastest way to run it? The whole job (ROWS rows, its own width)
   # through the pipeline with each method, each against batch_generate on the same rows (~1.5 min warm).

@@ -164,7 +164,14 @@ def main():
     ap.add_argument("--cprofile", type=int, default=0, help="print the N costliest functions of the last MTP run")
     ap.add_argument("--phases", action="store_true", help="after the first width, its first MTP setting once more, timed per phase")
     ap.add_argument("--graph", action="store_true", help="each setting once more, counting kernels / programs / reads per round")
+    ap.add_argument("--attention-queries", type=int, default=None,
+                    help="rows_attention's query limit for this run (CUDA; default its MAX_QUERIES, 8): 3 is MLX's own "
+                         "limit, so a depth-3 verify (4 queries) runs on masked matmul + softmax as before session 5")
     args = ap.parse_args()
+    if args.attention_queries is not None:
+        from mtplx import rows_attention
+
+        rows_attention.MAX_QUERIES = args.attention_queries
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
             bundle, head, prompts = tiny_setup(Path(tmp))
