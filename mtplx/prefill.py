@@ -7,7 +7,8 @@ state (captured exactly at the edge) and the drafter's own state. Every later ro
 copies that state and prefills only its suffix. Rows that need no snapshot are prefilled
 together in padded batches of similar length (`length_groups`): each row writes its own span at
 its own offset, so padding never enters a row's cache, and grouping by length keeps the padding
-(work spent on no token) to a fraction of the real tokens.
+(work spent on no token) to a fraction of the real tokens. The MTP head prefills such a group
+together too (head_prefill.py): one forward and one eval per chunk for the group.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import numpy as np
 
 from .cache import BatchCache, CacheRow
 from .config import prefill_chunk_env, sustained_prefill_env
+from .drafters import MtpDrafter
+from .head_prefill import head_prefill_rows
 from .models.mtp import project_logits, trunk_hidden
 from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
 
@@ -178,8 +181,10 @@ class Prefiller:
                 for i in together]
         for group in length_groups(todo):
             members = [together[g] for g in group]
-            for i, res in zip(members, self._many([rows[i] for i in members], [keys[i] for i in members])):
-                out[i] = self._drafter_prefill(drafter, rows[i], keys[i], *res)
+            results = self._many([rows[i] for i in members], [keys[i] for i in members])
+            states = self._head_states(drafter, [rows[i] for i in members], results)
+            for i, res, state in zip(members, results, states):
+                out[i] = self._drafter_prefill(drafter, rows[i], keys[i], *res, state=state)
         for row in rows:
             row.stats.prompt_tokens = len(row.req.prompt_tokens)
         return out
@@ -262,14 +267,28 @@ class Prefiller:
         self.counters["prefill_tokens"] += n - start
         self.counters["cached_prompt_tokens"] += start
 
-    def _drafter_prefill(self, drafter, row, key, cache, hidden, first, hit, target_snap):
+    @staticmethod
+    def _head_states(drafter, rows, results) -> List[Optional[tuple]]:
+        """The MTP head's states of a group prefilled together, in one batched head prefill
+        (head_prefill.py) over its rows without a restored prefix; None for the others (they
+        take `prefill_row`)."""
+        at = [b for b, res in enumerate(results) if res[1] is not None and res[3] is None]
+        states = [None] * len(rows)
+        if isinstance(drafter, MtpDrafter) and len(at) > 1:
+            got = head_prefill_rows(drafter, [rows[b].req.prompt_tokens for b in at],
+                                    [results[b][1] for b in at], [results[b][2] for b in at])
+            for b, state in zip(at, got):
+                states[b] = state
+        return states
+
+    def _drafter_prefill(self, drafter, row, key, cache, hidden, first, hit, target_snap, state=None):
         """(cache, the drafter's state, first token), storing the prefix snapshot (target +
-        drafter) if this row leads."""
+        drafter) if this row leads. `state`: the drafter's state, already built (`_head_states`)."""
         toks, edge = row.req.prompt_tokens, self._edge(row)
-        state = None
         drafter_snap = None
         if drafter is not None:
-            state = drafter.prefill_row(toks, hidden, first, hit[1] if hit is not None else None, edge=edge)
+            if state is None:
+                state = drafter.prefill_row(toks, hidden, first, hit[1] if hit is not None else None, edge=edge)
             if target_snap is not None:
                 at_edge = hidden[:, edge - 1 : edge] if hidden is not None else None
                 drafter_snap = drafter.snapshot(state, edge, at_edge)

@@ -1,0 +1,91 @@
+"""The MTP head's prefill of a length group in one batched forward per chunk (head_prefill.py).
+
+- Each row's state equals what `MtpDrafter.prefill_row` builds for it alone: head KV over the
+  row's length, first-draft logits, head hidden, and (with lookup) its context; over several
+  head chunks and rows of different lengths.
+- Admitting N rows of one length group syncs the host about once per chunk, not once per row.
+- Greedy output at widths 1/4/7 stays plain decoding's.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.generation import Engine
+from mtplx.head_prefill import head_prefill_rows
+from mtplx.models.loading import load
+from mtplx.request import Request, SamplingParams
+from test_mtp_draft import _sidecar
+from tiny_models import reference_tokens
+
+
+def _engine(bundle, head, max_batch, lookup=0):
+    spec = SpeculativeConfig(method="mtp", mtp_head=head, depth=3, adaptive_depth=False, mtp_lookup=lookup)
+    return Engine(bundle, spec, ScheduleConfig(max_batch=max_batch, order="input"))
+
+
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_batched_head_prefill_equals_prefill_row(tiny_model, tmp_path, lookup):
+    bundle = load(tiny_model("llama"))
+    eng = _engine(bundle, _sidecar(bundle, tmp_path / "head"), 4, lookup)
+    d = eng.drafter
+    d.chunk = 16  # several head chunks; rows end in different ones
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, 200, int(n)).tolist() for n in (40, 33, 5, 17, 16)]
+    rows = [eng._new_row(Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=4)))[0]
+            for i, p in enumerate(prompts)]
+    results = eng.prefiller._many(rows, [None] * len(rows))
+    got = head_prefill_rows(d, prompts, [r[1] for r in results], [r[2] for r in results])
+    for p, res, state in zip(prompts, results, got):
+        ref = d.prefill_row(p, res[1], res[2])
+        assert int(state[0].lengths[0]) == int(ref[0].lengths[0]) == len(p)
+        for a, b in zip(state[0].leaves, ref[0].leaves):
+            assert a.keys.shape == b.keys.shape  # the same capacity bucket
+            for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                assert np.allclose(np.array(x[..., : len(p), :]), np.array(y[..., : len(p), :]), atol=1e-5)
+        for x, y in zip(state[1], ref[1]):
+            assert x.shape == y.shape and np.allclose(np.array(x), np.array(y), atol=1e-4)
+        assert len(state) == len(ref) == (3 if lookup else 2)
+        if lookup:
+            assert np.array_equal(np.array(state[2]), np.array(ref[2]))
+
+
+def test_admitting_a_length_group_evals_once_per_chunk_not_per_row(tiny_model, tmp_path, monkeypatch):
+    bundle = load(tiny_model("llama"))
+    eng = _engine(bundle, _sidecar(bundle, tmp_path / "head"), 8)
+    N = 8
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(5, 200, 12).tolist() for _ in range(N)]  # one length group, one chunk each
+    calls = []
+    run = eng.prefiller.run
+
+    def counted(rows, drafter=None):
+        real = mx.eval
+        monkeypatch.setattr(mx, "eval", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+        try:
+            return run(rows, drafter)
+        finally:
+            monkeypatch.setattr(mx, "eval", real)
+
+    eng.prefiller.run = counted
+    out = {r.key: r.tokens for r in eng.generate([Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=6))
+                                                 for i, p in enumerate(prompts)])}
+    assert len(calls) <= 2 < N, calls  # the trunk's chunk and the head's, for all eight rows
+    for i, p in enumerate(prompts):
+        assert out[i] == reference_tokens(bundle.model, p, 6, eng.eos)
+
+
+@pytest.mark.parametrize("width", [1, 4, 7])
+def test_greedy_output_is_plain_decoding_at_widths(tiny_model, tmp_path, width):
+    bundle = load(tiny_model("llama"))
+    eng = _engine(bundle, _sidecar(bundle, tmp_path / "head"), width)
+    eng.drafter.chunk = 8
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(5, 200, int(n)).tolist() for n in (9, 10, 11, 12, 30, 31, 3)]
+    out = {r.key: r.tokens for r in eng.generate([Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=16))
+                                                 for i, p in enumerate(prompts)])}
+    for i, p in enumerate(prompts):
+        assert out[i] == reference_tokens(bundle.model, p, 16, eng.eos)
