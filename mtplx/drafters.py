@@ -37,6 +37,7 @@ from .recurrent import install_stepping
 from .draft_chain import MAX_BACKLOG, Backlog, DraftChainBank, draft_chain
 from .models.loading import ModelBundle
 from .models.mtp import MTPHead
+from .head_prefill import head_prefill_rows
 from .mtp_draft import (CompiledDraftBank, DraftVocab, at_accepted, commit_inputs, history_append, lookup_drafts, pick,
                         project, stack_drafts)
 from .sampling import SamplerBatch
@@ -49,6 +50,8 @@ class Drafter(Protocol):
 
     def prefill_row(self, tokens: Sequence[int], hidden: Optional[mx.array], first_token: int,
                     prefix: Optional[object] = None, edge: int = 0) -> object: ...
+    # optional: prefill_rows(prompts, hiddens, firsts) -> states, several rows without a prefix at once
+
 
     def snapshot(self, state: object, length: int, hidden_at_edge: Optional[mx.array]) -> object: ...
 
@@ -355,6 +358,11 @@ class MtpDrafter(_CachedDrafter):
 
     def _new_cache(self):
         return BatchCache(list(self.head.cache_kinds), [0])
+
+    def prefill_rows(self, prompts, hiddens, firsts):
+        """`prefill_row` for rows without a stored prefix, all at once: one head forward and one
+        eval per chunk for the group (head_prefill.py)."""
+        return head_prefill_rows(self, prompts, hiddens, firsts)
 
     def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
         """`hidden` holds the trunk's hidden states for positions start..n-1 of `tokens`."""

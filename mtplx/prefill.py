@@ -22,8 +22,6 @@ import numpy as np
 
 from .cache import BatchCache, CacheRow
 from .config import prefill_chunk_env, sustained_prefill_env
-from .drafters import MtpDrafter
-from .head_prefill import head_prefill_rows
 from .models.mtp import project_logits, trunk_hidden
 from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
 
@@ -270,13 +268,14 @@ class Prefiller:
     @staticmethod
     def _head_states(drafter, rows, results) -> List[Optional[tuple]]:
         """The MTP head's states of a group prefilled together, in one batched head prefill
-        (head_prefill.py) over its rows without a restored prefix; None for the others (they
-        take `prefill_row`)."""
+        (a drafter's `prefill_rows`, where it has one) over its rows without a restored prefix;
+        None for the others (they take `prefill_row`)."""
         at = [b for b, res in enumerate(results) if res[1] is not None and res[3] is None]
         states = [None] * len(rows)
-        if isinstance(drafter, MtpDrafter) and len(at) > 1:
-            got = head_prefill_rows(drafter, [rows[b].req.prompt_tokens for b in at],
-                                    [results[b][1] for b in at], [results[b][2] for b in at])
+        together = getattr(drafter, "prefill_rows", None)
+        if together is not None and len(at) > 1:
+            got = together([rows[b].req.prompt_tokens for b in at], [results[b][1] for b in at],
+                           [results[b][2] for b in at])
             for b, state in zip(at, got):
                 states[b] = state
         return states
