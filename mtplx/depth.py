@@ -12,6 +12,12 @@ own count of rounds: with one count, a width whose rounds fell between another's
 explore, and kept the depth it started at). Depth 0 (no drafting) is a candidate: when
 speculation does not pay, it stops speculating.
 
+Rounds run one ahead (spec_rounds.py), so the time between two reads also holds the queueing
+of the round after: the engine passes a round's time only when that round drafted what it did
+(else None: a plain round followed by a costly drafting round would carry that round's cost, and
+drafting that loses would look as if it paid). So a try of another depth lasts more than one
+round: FIRST_TRY's three, TRY_ROUNDS for the neighbour tries.
+
 A calibration profile (calibrate.py, `mtplx-batch calibrate`) gives the controller the shape of
 each width's cost curve measured on this machine (a verify of k + 1 tokens relative to one of 1),
 so it starts from those ratios instead of an assumed slope; its own round times set the scale.
@@ -25,10 +31,12 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 EXPLORE_EVERY = 16  # rounds between tries of a neighbouring depth
-# A width's first try of depth 0 (no drafting), early: two rounds (a new depth's first round compiles
-# and is not timed), so what drafting must beat is measured, and with it the slope to the depth in
-# use prices the rest, within a few rounds (a draft model's rounds cost more than the verify's slope)
-FIRST_TRY = (3, 4)
+TRY_ROUNDS = 2  # rounds a neighbour try lasts (its last one is followed by another depth: untimed)
+# A width's first try of depth 0 (no drafting), early: three rounds (a new depth's first round
+# compiles, the last is followed by another depth: neither is timed), so what drafting must beat is
+# measured, and with it the slope to the depth in use prices the rest, within a few rounds (a draft
+# model's rounds cost more than the verify's slope)
+FIRST_TRY = (3, 4, 5)
 UNTRIED_SLOPE = 0.15  # assumed extra cost per drafted token before it is measured (optimistic)
 
 
@@ -43,6 +51,7 @@ class DepthController:
         self.seconds: Dict[Tuple[int, int], float] = {}  # (width bucket, depth) -> EMA round time
         self.seen: Dict[Tuple[int, int], int] = {}
         self.rounds: Dict[int, int] = {}  # width bucket -> rounds chosen (each width explores on its own)
+        self.trying: Dict[int, int] = {}  # width bucket -> the depth its current neighbour try runs
 
     @staticmethod
     def _bucket(width: int) -> int:
@@ -101,17 +110,19 @@ class DepthController:
             step = 1 if (n // EXPLORE_EVERY) % 2 else -1
             if not 0 <= best + step <= self.max_depth:
                 step = -step  # at a bound: try the neighbour there is
-            best = min(max(best + step, 0), self.max_depth)
+            self.trying[bucket] = min(max(best + step, 0), self.max_depth)
+        if n >= EXPLORE_EVERY and n % EXPLORE_EVERY < TRY_ROUNDS:
+            return self.trying[bucket]
         return best
 
-    def record(self, width: int, depth: int, seconds: float, accepted: int, tried: int,
+    def record(self, width: int, depth: int, seconds: Optional[float], accepted: int, tried: int,
                reached=None, passed=None) -> None:
-        """One round's wall time at `depth`, its accepted / attempted draft positions, and per draft
-        position j (1-based, index j-1) how many rows reached it (drafted it, all before passed)
-        and how many of those passed."""
+        """One round's wall time at `depth` (None: not its own, see the module docstring), its
+        accepted / attempted draft positions, and per draft position j (1-based, index j-1) how many
+        rows reached it (drafted it, all before passed) and how many of those passed."""
         key = (self._bucket(width), depth)
         self.seen[key] = self.seen.get(key, 0) + 1
-        if self.seen[key] > 1:  # the first round of a shape pays for compiling and allocating
+        if self.seen[key] > 1 and seconds is not None:  # a shape's first round compiles and allocates
             old = self.seconds.get(key)
             self.seconds[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
         if tried:

@@ -30,6 +30,8 @@ REFILL_AT = 8  # with requests waiting, a call returns for admission once 1/8 of
 class SpeculativeRounds:
     """Engine methods for decode rounds with a drafter (mixed into generation.Engine)."""
 
+    clock = staticmethod(time.perf_counter)  # what rounds are timed with for the depth controller (tests inject one)
+
     def _row_depths(self, slots, n_active: int, ahead: int = 0) -> np.ndarray:
         """Each row's drafted tokens in the round being queued (`ahead`: rounds queued before it
         and not yet read, each of which emits at least one token).
@@ -62,26 +64,28 @@ class SpeculativeRounds:
         sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
         pending = mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32))
         if not self.drafter.device_side:
-            started = time.perf_counter()
+            started = self.clock()
             flight = self._launch(slots, cache, sampler, pending, 0)
             out = self._read(flight)
             self.drafter.commit(out[:, 0], out[:, 1], out[:, 2:], flight.live, flight.verify_in, flight.hidden)
-            finished = self._land(slots, cache, flight, out, time.perf_counter() - started)
+            finished = self._land(slots, cache, flight, out, self.clock() - started)
             yield from finished
             return
-        # Each round is timed from the previous read (the first from the call's start: filling the
-        # pipeline is part of what a call's rounds cost), so the depth controller sees what rounds
-        # cost as they run, pipeline drains included.
-        landed_at = time.perf_counter()
+        # Each round is timed from the previous read (the first from its own queueing), which holds
+        # the queueing of the round after it: the depth controller gets the time only when that
+        # round drafts as deep (then it is what a run of such rounds costs each), else None: a
+        # cheap round would carry a costly one's queueing, or the last one none (depth.py).
         current = self._launch(slots, cache, sampler, pending, 0)
+        landed_at = self.clock()
         while True:
             # a round after this one only if some row can still be going after it (a row emits at
             # least one token a round: one that is a token short of max_tokens ends with this round)
             going = any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
             following = self._launch(slots, cache, sampler, current.nxt, 1, current.plan) if going else None
             out = self._read(current)
-            now = time.perf_counter()
-            finished = self._land(slots, cache, current, out, now - landed_at)
+            now = self.clock()
+            steady = following is not None and following.K == current.K
+            finished = self._land(slots, cache, current, out, now - landed_at if steady else None)
             landed_at = now
             live = sum(s is not None for s in slots)
             free = len(slots) - live  # a refill drains the pipeline: wait for a few free slots (an idle
@@ -90,7 +94,7 @@ class SpeculativeRounds:
                                                    else live <= len(slots) // 2 or not live)):
                 if following is not None:
                     out = self._read(following)
-                    finished += self._land(slots, cache, following, out, time.perf_counter() - landed_at)
+                    finished += self._land(slots, cache, following, out, None)  # nothing queued behind it
                 cache.rows.settle()  # exact host lengths again for admission and compaction
                 self.drafter.settle()
                 yield from finished
