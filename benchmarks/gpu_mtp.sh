@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_mtp.sh bench   # HumanEval rows the head never saw + GSM8K: ours vs mlx-lm; phase profile
 #   bash benchmarks/gpu_mtp.sh round   # the shipped head: MTP 3 (pipelined; + lookup 2) vs plain vs mlx-lm, widths 1/32/8, HumanEval held out + GSM8K, phases at 1
 #   bash benchmarks/gpu_mtp.sh lookup  # the shipped head: mtp vs mtp + lookup fallback vs ngram vs plain vs mlx-lm, HumanEval held out + GSM8K
-#   bash benchmarks/gpu_mtp.sh attn    # width 32 MTP rounds with rows_attention's query limit at 3 vs 8 (the session-5 width-32 question)
+#   bash benchmarks/gpu_mtp.sh attn    # rows_attention's checks + timing, then width-32 MTP rounds (one wave, refilled stream), limit 8 vs 3
 #   bash benchmarks/gpu_mtp.sh jobs    # jobs/eval-mtp.yaml as shipped vs the same job with ngram / none, each vs batch_generate
 set -uo pipefail
 OUT=${OUT:-bench-out}
@@ -95,13 +95,19 @@ c() if r.cuda_ready() else print('rows_attention check: not on CUDA')" 2>&1 | te
     --prompts /tmp/humaneval-heldout.jsonl,/tmp/gsm8k.jsonl --widths $WIDTHS --rows $ROWS --tokens $TOKENS \
     --depths ${DEPTHS:-3,3l2,5l2} --peer --phases 2>&1 | tee -a "$OUT/round-cost.log"
   ;;
-attn)  # issue 18: did rows_attention at 4 queries x 32 rows make a width-32 MTP round dearer on CUDA (session 5:
-  # 11.2 ms vs 6.1 plain; session 4, matmul attention at 4 queries: 1.33x plain)? The same rows, limit 3 vs 8 (~2 min warm).
+attn)  # issue 18 (h6a): rows_attention as chunks of queries a block (each key read once for a KV head's G x L
+  # queries), ~4 min warm: its checks and timing (benchmarks/attn_check: same bits whatever the chunk / query count,
+  # MLX's bits on exact keys, us a call vs a block per query / the masked fallback / MLX), then width-32 MTP depth 3
+  # vs plain with it, one wave (32 rows: the last rounds run part-empty) and a refilled stream (64 held-out rows, as a
+  # job runs), then the same stream with the query limit at 3 (a 4-query verify on the masked fallback) to compare.
   heldout heads/smollm2-135m-instruct
-  for q in 3 8; do
-    echo "== rows_attention query limit $q $(date +%T)" | tee -a "$OUT/attn.log"
-    timeout ${LIMIT:-100} python3 -m benchmarks.round_cost --model $MODEL --head heads/smollm2-135m-instruct \
-      --prompts /tmp/humaneval-heldout.jsonl --widths ${WIDTHS:-32} --rows ${ROWS:-32} --tokens ${TOKENS:-96} \
+  echo "== attn_check $(date +%T)" | tee -a "$OUT/attn.log"
+  timeout ${CHECK_LIMIT:-90} python3 -m benchmarks.attn_check 2>&1 | tee -a "$OUT/attn.log"
+  for q in 8 3; do
+    rows=${ROWS:-32,64}; [ $q = 3 ] && rows=${ROWS3:-64}
+    echo "== rows_attention query limit $q, rows $rows $(date +%T)" | tee -a "$OUT/attn.log"
+    timeout ${LIMIT:-120} python3 -m benchmarks.round_cost --model $MODEL --head heads/smollm2-135m-instruct \
+      --prompts /tmp/humaneval-heldout.jsonl --widths ${WIDTHS:-32} --rows $rows --tokens ${TOKENS:-96} \
       --depths 3 --attention-queries $q 2>&1 | tee -a "$OUT/attn.log"
   done
   ;;

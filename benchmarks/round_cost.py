@@ -133,7 +133,8 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
     n = sum(len(r.tokens) for r in res)
     verifies = sum(r.stats.verify_calls for r in res)
     decode = dt - prefill[0]
-    return {"tok/s": n / dt, "tokens": n, "rounds": rounds, "prefill s": prefill[0], "ms/round": 1e3 * decode / max(rounds, 1),
+    return {"tok/s": n / dt, "tokens": n, "rounds": rounds, "tok/round": n / max(rounds, 1), "prefill s": prefill[0],
+            "ms/round": 1e3 * decode / max(rounds, 1),
             "evals/round": evals.calls / max(rounds, 1),
             "tokens/verify": (sum(r.stats.accepted_tokens for r in res) + verifies) / verifies if verifies else 1.0,
             "mean depth": sum(r.stats.draft_depth for r in res) / len(res), **counted,
@@ -156,7 +157,9 @@ def main():
     ap.add_argument("--head", default="heads/smollm2-135m-instruct")
     ap.add_argument("--prompts", default="humaneval", help="datasets (names or .jsonl files), comma-separated: each at a width, then the next width")
     ap.add_argument("--widths", default="32", help="batch widths, in the order run")
-    ap.add_argument("--rows", type=int, default=4, help="rows per width: max(width, ROWS)")
+    ap.add_argument("--rows", default="4", help="rows per width, comma-separated, each max(width, ROWS): ROWS = width is one "
+                    "wave (rows that accept more finish first, the last rounds run part-empty); more rows than width is a "
+                    "stream, refilled as rows finish, as a job runs (tok/round says how full the rounds ran)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--depths", default="1,3", help="MTP depths to run ('a': adaptive from 3; a trailing 's': synchronous "
                     "rounds, the path before pipelining; a trailing 'lN': with speculative.mtp_lookup N, e.g. 3l2)")
@@ -181,8 +184,11 @@ def main():
             sets = [(Path(src).stem, load_prompts(src, bundle.tokenizer, 256)) for src in args.prompts.split(",")]
         print(f"device: {device_name()}; widths {args.widths}, {args.tokens} tokens a row", flush=True)
         out, prof, phased, phase_spec = [], None, False, None
-        for width, (data, prompts) in ((int(w), s) for w in args.widths.split(",") for s in sets):
-            rows = max(width, args.rows)
+        for width, rows, (data, prompts) in ((int(w), max(int(w), int(r)), s) for w in args.widths.split(",")
+                                             for r in args.rows.split(",") for s in sets):
+            if rows > len(prompts):
+                print(f"{data}: {len(prompts)} prompts, fewer than {rows} rows: {len(prompts)} rows", flush=True)
+                rows = len(prompts)
             plain = run(bundle, prompts, SpeculativeConfig(method="none"), width, rows, args.tokens, graph=args.graph)
             texts = plain.pop("texts")
             plain["rows = plain"] = f"{len(texts)}/{len(texts)}"

@@ -3,12 +3,26 @@
 The batch cache (cache.py) writes every row at its own offset and, for rows of different
 lengths and inside compiled verify programs, attends over the whole capacity bucket under a
 [B, 1, N, cap] boolean mask. On CUDA, MLX has no fused kernel for a boolean mask (its vector
-kernel takes none), so each layer falls back to matmul, select, softmax, matmul. This kernel is
-MLX's one-pass vector attention kernel (scaled_dot_product_attention.cu, `kernel_sdpav_1pass`,
-causal) with the key count read per row from the lengths array: query i of row b reads keys
-0..lengths[b] + i, exactly what MLX's kernel computes over that row's exact slice (up to 1024
-keys, where MLX keeps the one-pass kernel; past that MLX splits the keys in two passes and this
-kernel stays one pass: the same softmax, summed in another order).
+kernel takes none), so each layer falls back to matmul, select, softmax, matmul. This kernel
+computes every query with the arithmetic of MLX's one-pass vector attention kernel
+(scaled_dot_product_attention.cu, `kernel_sdpav_1pass`, causal), with the key count read per row
+from the lengths array: query i of row b reads keys 0..lengths[b] + i, and its result is bit for
+bit what MLX's kernel computes over that row's exact slice (up to 1024 keys, where MLX keeps the
+one-pass kernel; past that MLX splits the keys in two passes and this kernel stays one pass: the
+same softmax, summed in another order, and still the same for every query count here).
+
+Layout: a block of 32 warps x 32 lanes per (row, KV head, chunk of that KV head's G x L queries;
+G = H_q / H_kv). Warp w reads keys w, w + 32, ... once (lane l holds elements l * D/32 ..) and
+applies each key to every query of the chunk: per query, the lane's products summed in element
+order, the warp's butterfly sum, the warp's running max / sum / output update, and at the end the
+same cross-warp reductions as MLX's kernel. A key past a query's limit is skipped for that query.
+So a query's result does not depend on how many queries share its block, nor on L or G: the plain
+step (one query) and a verify (several) compute it alike, which keeps greedy speculation
+token-identical to plain decoding. A block per query (chunks of one) is MLX's own layout; larger
+chunks read each key once for many queries (a width-32 verify of 4 queries with 9 heads over 3 KV
+heads was 1,152 blocks each re-reading its KV head, 12 reads of every key). `split` picks the
+chunk: as large as a lane's registers allow (CHUNK_MOST), but small enough that the grid still
+has FILL_BLOCKS blocks where it can (one stream: many small blocks beat a few busy ones).
 
 `install(model)` points the model's attention modules at `attention`, which takes this kernel
 for a RowKVCache's own mask on CUDA and otherwise calls mlx-lm's function unchanged.
@@ -22,11 +36,17 @@ import mlx.core as mx
 
 
 HEAD_DIMS = (64, 96, 128)
-# MLX's vector kernel takes query lengths < 4; here each query is its own block (grid y), so the
-# limit is only where a verify stops being "a few tokens": 8 covers speculative depths up to 7
-# (an MTP / draft verify of depth 3 is 4 queries, which otherwise fall back to matmul + select +
-# softmax + matmul under the boolean mask in every layer)
+# MLX's vector kernel takes query lengths < 4; here the limit is only where a verify stops being
+# "a few tokens": 8 covers speculative depths up to 7 (an MTP / draft verify of depth 3 is 4
+# queries, which otherwise fall back to matmul + select + softmax + matmul under the boolean mask
+# in every layer)
 MAX_QUERIES = 8
+# Queries one block carries, by head dim: a lane keeps D/32 outputs plus a running max and sum per
+# query in registers (the queries themselves sit in shared memory), and a 1024-thread block has 64
+# registers a lane: at most ~32 of them for the queries' state.
+CHUNK_MOST = {64: 8, 96: 5, 128: 4}
+# Blocks a launch should have where the queries allow it (an H100 / H200 has 132 SMs).
+FILL_BLOCKS = 132
 
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
 _SOURCE = """
@@ -34,12 +54,16 @@ _SOURCE = """
   constexpr int BD = 32;
   constexpr int VPT = D / BD;
   typedef float U;
-  U qv[VPT];
+  __shared__ U qs[QB][D];
+  __shared__ U outputs[QB][BN][BD + 1];
+  __shared__ U max_scores[QB][BN];
+  __shared__ U sum_exp_scores[QB][BN];
+  __shared__ int limits[QB];  // key counts: 0 for the chunk's unused places
   U kv[VPT];
-  U o[VPT];
-  __shared__ U outputs[BN][BD + 1];
-  __shared__ U max_scores[BN];
-  __shared__ U sum_exp_scores[BN];
+  U vv[VPT];
+  U o[QB][VPT];
+  U max_score[QB];
+  U sum_exp_score[QB];
 
   const U scale_log2 = (U)((double)scale[0] * 1.4426950408889634);
   auto block = cg::this_thread_block();
@@ -51,74 +75,120 @@ _SOURCE = """
   const int L = q_shape[2];
   const int Hk = k_shape[1];
   const int cap = k_shape[2];
+  const int G = Hq / Hk;
   const int batch_idx = blockIdx.z;
-  const int head_idx = blockIdx.x;
-  const int kv_head_idx = head_idx / (Hq / Hk);
-  const int q_seq_idx = blockIdx.y;
-  const int kL = lengths[batch_idx] + q_seq_idx + 1;  // this query's keys: 0 .. length + i
+  const int kv_head_idx = blockIdx.y;
+  const int first = blockIdx.x * QB;  // this block's queries: t = first .. first + nq - 1 of the
+  const int nq = min(QB, G * L - first);  // KV head's G x L, t = g * L + i (head kv * G + g, query i)
+  const int base = lengths[batch_idx];  // query i reads keys 0 .. base + i
 
-  const T* Q = q + (((size_t)batch_idx * Hq + head_idx) * L + q_seq_idx) * D;
+  // The chunk's queries, scaled as MLX's kernel scales them, into shared memory.
+  for (int e = threadIdx.x; e < QB * D; e += BN * BD) {
+    const int c = e / D;
+    const int t = first + c;
+    U x = 0.f;
+    if (c < nq) {
+      x = scale_log2 * static_cast<U>(q[(((size_t)batch_idx * Hq + kv_head_idx * G + t / L) * L + t % L) * D + e % D]);
+    }
+    qs[c][e % D] = x;
+  }
+  int most = 0;  // the chunk's longest key count
+#pragma unroll
+  for (int c = 0; c < QB; c++) {
+    const int n = c < nq ? base + (first + c) % L + 1 : 0;
+    most = max(most, n);
+    if (threadIdx.x == 0) {
+      limits[c] = n;
+    }
+#pragma unroll
+    for (int j = 0; j < VPT; j++) {
+      o[c][j] = 0.f;
+    }
+    max_score[c] = Limits<U>::finite_min();
+    sum_exp_score[c] = 0.f;
+  }
+  block.sync();
+
   const T* K = k + (((size_t)batch_idx * Hk + kv_head_idx) * cap + warp_idx) * D;
   const T* V = v + (((size_t)batch_idx * Hk + kv_head_idx) * cap + warp_idx) * D;
-  T* O = out + (((size_t)batch_idx * Hq + head_idx) * L + q_seq_idx) * D;
-
-#pragma unroll
-  for (int i = 0; i < VPT; i++) {
-    qv[i] = scale_log2 * static_cast<U>(Q[VPT * lane_idx + i]);
-  }
-#pragma unroll
-  for (int i = 0; i < VPT; i++) {
-    o[i] = 0.f;
-  }
-  U max_score = Limits<U>::finite_min();
-  U sum_exp_score = 0.f;
-
-  for (int i = warp_idx; i < kL; i += BN) {
+  for (int i = warp_idx; i < most; i += BN) {
 #pragma unroll
     for (int j = 0; j < VPT; j++) {
       kv[j] = K[VPT * lane_idx + j];
+      vv[j] = static_cast<U>(V[VPT * lane_idx + j]);
     }
-    U score = 0.f;
 #pragma unroll
-    for (int j = 0; j < VPT; j++) {
-      score += qv[j] * kv[j];
-    }
-    score = cg::reduce(warp, score, cg::plus<U>());
-    U new_max = max(max_score, score);
-    U factor = exp2f(max_score - new_max);
-    U exp_score = exp2f(score - new_max);
-    max_score = new_max;
-    sum_exp_score = sum_exp_score * factor + exp_score;
+    for (int c = 0; c < QB; c++) {
+      if (i < limits[c]) {  // the same for the whole warp
+        U score = 0.f;
 #pragma unroll
-    for (int j = 0; j < VPT; j++) {
-      o[j] = o[j] * factor + exp_score * static_cast<U>(V[VPT * lane_idx + j]);
+        for (int j = 0; j < VPT; j++) {
+          score += qs[c][VPT * lane_idx + j] * kv[j];
+        }
+        score = cg::reduce(warp, score, cg::plus<U>());
+        U new_max = max(max_score[c], score);
+        U factor = exp2f(max_score[c] - new_max);
+        U exp_score = exp2f(score - new_max);
+        max_score[c] = new_max;
+        sum_exp_score[c] = sum_exp_score[c] * factor + exp_score;
+#pragma unroll
+        for (int j = 0; j < VPT; j++) {
+          o[c][j] = o[c][j] * factor + exp_score * vv[j];
+        }
+      }
     }
     K += BN * D;
     V += BN * D;
   }
 
+  // Across the warps, per query as MLX's kernel does (max_score / sum_exp_score become the
+  // warp's rescale factor and the query's 1 / sum).
   if (lane_idx == 0) {
-    max_scores[warp_idx] = max_score;
-    sum_exp_scores[warp_idx] = sum_exp_score;
+#pragma unroll
+    for (int c = 0; c < QB; c++) {
+      max_scores[c][warp_idx] = max_score[c];
+      sum_exp_scores[c][warp_idx] = sum_exp_score[c];
+    }
   }
   block.sync();
-  max_score = max_scores[lane_idx];
-  U new_max = cg::reduce(warp, max_score, cg::greater<U>());
-  U factor = exp2f(max_score - new_max);
-  sum_exp_score = cg::reduce(warp, sum_exp_scores[lane_idx] * factor, cg::plus<U>());
-  sum_exp_score = sum_exp_score == 0 ? 0 : __frcp_rn(sum_exp_score);
 #pragma unroll
-  for (int i = 0; i < VPT; i++) {
-    outputs[lane_idx][warp_idx] = o[i];
+  for (int c = 0; c < QB; c++) {
+    if (c < nq) {
+      U m = max_scores[c][lane_idx];
+      U new_max = cg::reduce(warp, m, cg::greater<U>());
+      U factor = exp2f(m - new_max);
+      U s = cg::reduce(warp, sum_exp_scores[c][lane_idx] * factor, cg::plus<U>());
+      max_score[c] = factor;
+      sum_exp_score[c] = s == 0 ? 0 : __frcp_rn(s);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < VPT; j++) {
+#pragma unroll
+    for (int c = 0; c < QB; c++) {
+      outputs[c][lane_idx][warp_idx] = o[c][j];
+    }
     block.sync();
-    U ot = outputs[warp_idx][lane_idx] * factor;
-    o[i] = cg::reduce(warp, ot, cg::plus<U>()) * sum_exp_score;
+#pragma unroll
+    for (int c = 0; c < QB; c++) {
+      if (c < nq) {
+        U ot = outputs[c][warp_idx][lane_idx] * max_score[c];
+        o[c][j] = cg::reduce(warp, ot, cg::plus<U>()) * sum_exp_score[c];
+      }
+    }
     block.sync();
   }
   if (lane_idx == 0) {
 #pragma unroll
-    for (int i = 0; i < VPT; i++) {
-      O[VPT * warp_idx + i] = static_cast<T>(o[i]);
+    for (int c = 0; c < QB; c++) {
+      if (c < nq) {
+        const int t = first + c;
+        T* O = out + (((size_t)batch_idx * Hq + kv_head_idx * G + t / L) * L + t % L) * D;
+#pragma unroll
+        for (int j = 0; j < VPT; j++) {
+          O[VPT * warp_idx + j] = static_cast<T>(o[c][j]);
+        }
+      }
     }
   }
 """
@@ -142,19 +212,34 @@ def usable(q: mx.array, k: mx.array, v: mx.array) -> bool:
             and Hq % k.shape[1] == 0 and q.dtype in (mx.bfloat16, mx.float16, mx.float32) and k.dtype == q.dtype)
 
 
-def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths: mx.array) -> mx.array:
+def split(B: int, Hk: int, queries: int, D: int) -> tuple[int, int]:
+    """(queries a block, blocks a KV head) for `queries` = G x L queries per (row, KV head): as few
+    blocks as CHUNK_MOST allows, more (down to a query each) while the grid has < FILL_BLOCKS."""
+    blocks = max(-(-queries // CHUNK_MOST[D]), min(queries, -(-FILL_BLOCKS // (B * Hk))))
+    per = -(-queries // blocks)
+    return per, -(-queries // per)
+
+
+def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths: mx.array,
+                   per_block: int | None = None) -> mx.array:
     """softmax(q k^T * scale) v where query i of row b reads keys 0..lengths[b] + i of k/v
-    [B, H_kv, cap, D] (the rest of the bucket is never read). q: [B, H_q, L, D], L <= MAX_QUERIES."""
+    [B, H_kv, cap, D] (the rest of the bucket is never read). q: [B, H_q, L, D], L <= MAX_QUERIES.
+    `per_block`: queries a block (default `split`'s; benchmarks/attn_check times others; 1 is
+    MLX's layout). Every choice gives every query the same bits."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mtplx_rows_attention", input_names=["q", "k", "v", "lengths", "scale"],
                                       output_names=["out"], source=_SOURCE, header=_HEADER)
     B, Hq, L, D = q.shape
+    Hk = k.shape[1]
+    per, blocks = split(B, Hk, Hq // Hk * L, D)
+    if per_block is not None:
+        per, blocks = per_block, -(-(Hq // Hk * L) // per_block)
     if scale not in _scales:
         _scales[scale] = mx.array([scale], dtype=mx.float32)
     (out,) = _kernel(inputs=[q, k, v, lengths.astype(mx.int32), _scales[scale]],
-                     template=[("T", q.dtype), ("D", D)], grid=(Hq * 1024, L, B), threadgroup=(1024, 1, 1),
-                     output_shapes=[q.shape], output_dtypes=[q.dtype])
+                     template=[("T", q.dtype), ("D", D), ("QB", per)], grid=(blocks * 1024, Hk, B),
+                     threadgroup=(1024, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype])
     return out
 
 
