@@ -11,7 +11,9 @@ Per case (B rows, H_q / H_kv heads, head dim D, L queries, ragged lengths, dtype
   alone      query i of the L-query call == that query alone (L = 1 at length + i: the plain step)
   vs MLX     each query against mx.fast.scaled_dot_product_attention over its row's exact keys:
              how many are bit-identical (all, up to 1024 keys: MLX's one-pass kernel) and the
-             largest difference (within TOL past 1024, where MLX sums in two passes)
+             largest difference (within TOL past 1024, where MLX sums in two passes); where rows
+             share a length, also MLX over a slice of the cache (the plain step's path then; MLX may
+             take cuDNN there past 256 keys: reported, not a failure)
 Timing, SmolLM2-135M's attention (9 / 3 heads, D 64) then Qwen3-8B's (32 / 8, D 128), bf16, 250 keys
 a row in a 512 bucket: microseconds a call, as a compiled chain of 30 calls (a layer each), the
 median of REPEATS evals: `1/block` (rows_attention, a block per query: the layout before this
@@ -48,7 +50,7 @@ def ragged(B, lo, hi):
 CASES = [
     ("smollm2 width 32, depth-3 verify", 32, 9, 3, 64, 4, ragged(32, 40, 400), mx.bfloat16),
     ("smollm2 width 32, plain step", 32, 9, 3, 64, 1, ragged(32, 40, 400), mx.bfloat16),
-    ("smollm2 width 1, depth-3 verify", 1, 9, 3, 64, 4, [250], mx.bfloat16),
+    ("smollm2 width 1, depth-3 verify", 1, 9, 3, 64, 4, [300], mx.bfloat16),
     ("smollm2 width 8, depth-7 verify", 8, 9, 3, 64, 8, ragged(8, 5, 700), mx.bfloat16),
     ("qwen3-8b width 8, depth-3 verify", 8, 32, 8, 128, 4, ragged(8, 100, 900), mx.bfloat16),
     ("D 96 fp16, 4 heads a KV head", 4, 16, 4, 96, 3, ragged(4, 30, 500), mx.float16),
@@ -104,6 +106,12 @@ def check(attn, name, B, Hq, Hk, D, L, lengths, dtype) -> list[str]:
             diffs.append(mx.abs(mine.astype(mx.float32) - ref.astype(mx.float32)).max())
             ident.append(mx.all(mine.view(BITS[dtype]) == ref.view(BITS[dtype])))
     worst, same = mx.stack(diffs).max().item(), int(mx.stack(ident).sum().item())
+    sliced = "-"
+    if len(set(lengths)) == 1:  # the plain step's path where rows share a length: MLX over a slice of the cache
+        n0 = lengths[0]
+        refs = [mx.fast.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, :n0 + i + 1], v[:, :, :n0 + i + 1], scale=SCALE)
+                for i in range(L)]
+        sliced = f"{sum(same_bits(r, got[:, :, i:i + 1], dtype) for i, r in enumerate(refs))}/{L}"
     short = max(lengths) + L <= 1024
     if worst > TOL[dtype]:
         fails.append(f"{name}: max |rows_attention - MLX| {worst:.3g} > {TOL[dtype]}")
@@ -112,6 +120,7 @@ def check(attn, name, B, Hq, Hk, D, L, lengths, dtype) -> list[str]:
     row = {"case": name, "B": B, "Hq/Hk": f"{Hq}/{Hk}", "D": D, "L": L, "dtype": str(dtype).split(".")[-1],
            "keys": f"{min(lengths) + 1}..{max(lengths) + L}", "chunks": ",".join(map(str, chunks)), "split": split,
            "chunks same": not differ, "alone same": not alone_bad, "MLX bit-identical": f"{same}/{B * L}",
+           "MLX on a cache slice": sliced,
            "max abs diff": worst, "ok": not fails, "s": time.perf_counter() - t0}
     print(table([row]), flush=True)
     return fails
