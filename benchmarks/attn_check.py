@@ -16,8 +16,9 @@ Per case (B rows, H_q / H_kv heads, head dim D, L queries, ragged lengths, dtype
              take cuDNN there past 256 keys: reported, not a failure)
 Timing, SmolLM2-135M's attention (9 / 3 heads, D 64) then Qwen3-8B's (32 / 8, D 128), bf16, 250 keys
 a row in a 512 bucket: microseconds a call, as a compiled chain of 30 calls (a layer each), the
-median of REPEATS evals: `1/block` (rows_attention, a block per query: the layout before this
-change), `split` (its chunks), `masked` (MLX's attention over the bucket under the boolean mask:
+median of REPEATS evals: `c=N` (rows_attention with N queries a block; c=1, a block per query, is
+the layout before chunks), `split` (the chunk split() picks), `masked` (MLX's attention over the
+bucket under the boolean mask:
 what runs without rows_attention), `mlx exact` (MLX's attention over exactly the keys, all rows one
 length: the path of a step whose rows share a length).
 Exits 1 naming every failed case.
@@ -145,8 +146,15 @@ def time_us(run, args, repeats) -> float:
     return 1e6 * statistics.median(spent) / 30
 
 
+CHUNKS = (1, 2, 4, 6, 8)
+
+
 def timing(attn, shape, widths, queries, repeats, length=250):
+    """us a call per path; `c=N`: rows_attention with N queries a block (c=1: a block per query, the
+    layout before chunks), `split`: what split() picks, then the masked fallback and MLX on exact keys."""
     name, Hq, Hk, D = shape
+    columns = ["shape", "width", "L", "split", *[f"c={c} us" for c in CHUNKS], "split us", "masked us", "mlx exact us",
+               "split / c=1", "split / masked", "fastest chunk"]
     out = []
     for B in widths:
         for L in queries:
@@ -154,28 +162,31 @@ def timing(attn, shape, widths, queries, repeats, length=250):
             limit = lens[:, None, None, None] + mx.arange(L)[None, None, :, None]
             mask = mx.arange(k.shape[2])[None, None, None, :] <= limit
             ks, vs = mx.array(k[:, :, :length + L]) + 0, mx.array(v[:, :, :length + L]) + 0
-            split = ra.split(B, Hk, Hq // Hk * L, D)[0]
-            paths = {
-                "1/block us": (chained(lambda q, k, v, n: attn(q, k, v, SCALE, n, per_block=1)), (q, k, v, lens)),
-                "split us": (chained(lambda q, k, v, n: attn(q, k, v, SCALE, n)), (q, k, v, lens)),
-                "masked us": (chained(lambda q, k, v, m: mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=m)),
-                           (q, k, v, mask)),
-                "mlx exact us": (chained(lambda q, k, v, _: mx.fast.scaled_dot_product_attention(
-                    q, k, v, scale=SCALE, mask="causal" if L > 1 else None)), (q, ks, vs, lens)),
-            }
-            row = {"shape": name, "width": B, "L": L}
+            GL = Hq // Hk * L
+            split = ra.split(B, Hk, GL, D)[0]
+            paths = {f"c={c} us": (chained(lambda q, k, v, n, c=c: attn(q, k, v, SCALE, n, per_block=c)), (q, k, v, lens))
+                     for c in CHUNKS if c <= min(GL, ra.CHUNK_MOST[D])}
+            paths["split us"] = (chained(lambda q, k, v, n: attn(q, k, v, SCALE, n)), (q, k, v, lens))
+            paths["masked us"] = (chained(lambda q, k, v, m: mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask=m)),
+                                  (q, k, v, mask))
+            paths["mlx exact us"] = (chained(lambda q, k, v, _: mx.fast.scaled_dot_product_attention(
+                q, k, v, scale=SCALE, mask="causal" if L > 1 else None)), (q, ks, vs, lens))
+            row = {"shape": name, "width": B, "L": L, "split": split}
             for label, (run, args) in paths.items():
                 try:
                     row[label] = time_us(run, args, repeats)
                 except Exception as e:  # a path that fails to run is reported, not fatal
                     row[label] = f"{type(e).__name__}: {e}"[:60]
-            row["split/block"] = split
-            if isinstance(row["1/block us"], float) and isinstance(row["split us"], float):
-                row["split / 1-block"] = row["split us"] / row["1/block us"]
-                if isinstance(row["masked us"], float):
-                    row["split / masked"] = row["split us"] / row["masked us"]
+            got = lambda key: row.get(key) if isinstance(row.get(key), float) else None
+            if got("split us") and got("c=1 us"):
+                row["split / c=1"] = row["split us"] / row["c=1 us"]
+            if got("split us") and got("masked us"):
+                row["split / masked"] = row["split us"] / row["masked us"]
+            timed = [(row[f"c={c} us"], c) for c in CHUNKS if got(f"c={c} us")]
+            row["fastest chunk"] = min(timed)[1] if timed else "-"
             out.append(row)
-            print(table([row]), flush=True)
+            print(table([row], columns), flush=True)
+    print(table(out, columns), flush=True)
     return out
 
 
