@@ -19,6 +19,8 @@ log-probabilities, which can break bf16 ties differently):
   engine compiled +rowattn+stacked qkv / mlp   ... only q/k/v, only gate/up stacked
   engine eager +stacked         the eager engine with both stacked
   bare+KVCache +stacked         stacking in an eager loop
+  engine compiled +rowattn+stacked+skinny   what ships, with mtplx/skinny_matmul.py's kernel (CUDA)
+  bare+KVCache +skinny          the bare loop with the kernel
 
 `--variants matrix` runs only issue 20's one-stream matrix (MATRIX: eager vs compiled, with and
 without stacking, against generate_step and the bare loop); a comma-separated list of labels
@@ -42,7 +44,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mtplx import rows_attention
+from mtplx import rows_attention, skinny_matmul
 from mtplx.architectures import capture_backend
 from mtplx.cache import BatchCache, RowKVCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
@@ -186,6 +188,9 @@ VARIANTS = [
     ("engine compiled +rowattn+stacked qkv", v_engine("on"), True, "qkv"),
     ("engine compiled +rowattn+stacked mlp", v_engine("on"), True, "mlp"),
     ("bare+KVCache +stacked", v_bare_kv, False, True),
+    # a fifth field True: mtplx/skinny_matmul.py's few-row kernel for the bf16 matmuls (CUDA only)
+    ("engine compiled +rowattn+stacked+skinny", v_engine("on"), True, True, True),
+    ("bare+KVCache +skinny", v_bare_kv, False, False, True),
 ]
 REFERENCE = "bare+KVCache"
 # issue 20's one-stream question: which engine path is fastest, and does stacking pay, eager or compiled
@@ -205,8 +210,11 @@ def pick_variants(spec: str):
     return [known[lab] for lab in labels]
 
 
-def set_paths(model, rowattn: bool, stacked):
+def set_paths(model, rowattn: bool, stacked, skinny: bool = False):
     """Put the model in the state a variant runs in (the engine's own installs are off here)."""
+    skinny_matmul.uninstall(model)
+    if skinny:
+        skinny_matmul.install(model)
     if rowattn:
         rows_attention.install(model)
     else:
@@ -256,6 +264,7 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [s for s in args.shapes.split(",") if s] + ([args.model] if args.model else [])
     rows, attn_rows = [], []
+    skinny_default = Engine.use_skinny_matmul
     for name in names:
         t0 = time.perf_counter()
         bundle = load_model(name)
@@ -263,7 +272,7 @@ def main():
         roof = HBM_BYTES_PER_S / wb
         print(f"== {name}: {wb / 1e9:.2f} GB of weights, roofline {roof:.0f} tok/s, loaded in {time.perf_counter() - t0:.1f} s", flush=True)
         prompt = np.random.default_rng(1).integers(0, 1000, args.prompt).tolist()
-        Engine.stack_projections = Engine.use_rows_attention = False  # set_paths decides
+        Engine.stack_projections = Engine.use_rows_attention = Engine.use_skinny_matmul = False  # set_paths decides
         if rows_attention.cuda_ready():
             try:
                 attn_rows += [dict(model=name, **r) for r in rows_attention_check()]
@@ -273,8 +282,8 @@ def main():
         runs = {label: [] for label, *_ in variants}
         toks_of = {}
         for rep in range(-1, args.repeats):  # -1: the warm-up round (kernels, compiled programs)
-            for label, fn, rowattn, stacked in variants:
-                set_paths(bundle.model, rowattn, stacked)
+            for label, fn, rowattn, stacked, *skinny in variants:
+                set_paths(bundle.model, rowattn, stacked, bool(skinny and skinny[0]))
                 target = bundle if getattr(fn, "wants_bundle", False) else bundle.model
                 try:
                     toks, dt = fn(target, prompt, min(args.tokens, 16) if rep < 0 else args.tokens)
@@ -297,6 +306,7 @@ def main():
         del bundle
         mx.clear_cache()
     Engine.stack_projections = Engine.use_rows_attention = True
+    Engine.use_skinny_matmul = skinny_default
     payload = {"device": device_name(), "versions": versions(), "tokens": args.tokens, "prompt": args.prompt,
                "decode": rows, "rows_attention": attn_rows}
     save_json(out_dir / "decode_anatomy.json", payload)

@@ -32,15 +32,20 @@ def layer_weights(shape: dict, dtype) -> list[mx.array]:
     return [(scale * mx.random.normal((n, k))).astype(dtype) for n, k in ((qkv, h), (h, o_in), (2 * i, h), (h, i))]
 
 
-def chain(layers, head, x):
-    """x [R, hidden] through every layer's four matmuls (each output cut to feed the next), then the head."""
+def mlx_matmul(x, w):
+    return x @ w.T
+
+
+def chain(layers, head, x, mm=mlx_matmul):
+    """x [R, hidden] through every layer's four matmuls `mm(x, w)` = x @ w.T (each output cut to feed
+    the next), then the head."""
     h = x
     for qkv, o, gate_up, down in layers:
-        a = h @ qkv.T
-        h = a[:, : o.shape[1]] @ o.T
-        g = h @ gate_up.T
-        h = g[:, : down.shape[1]] @ down.T
-    return h @ head.T
+        a = mm(h, qkv)
+        h = mm(a[:, : o.shape[1]], o)
+        g = mm(h, gate_up)
+        h = mm(g[:, : down.shape[1]], down)
+    return mm(h, head)
 
 
 def time_pass(fn, x, repeats):
