@@ -21,13 +21,17 @@ log-probabilities, which can break bf16 ties differently):
   bare+KVCache +stacked         stacking in an eager loop
   engine compiled +rowattn+stacked+skinny   what ships, with mtplx/skinny_matmul.py's kernel (CUDA)
   bare+KVCache +skinny          the bare loop with the kernel
+  engine compiled +rowattn+stacked+layerk   what ships, and mtplx/layer_kernels.py (residual add + RMSNorm,
+                                q/k norm + RoPE, one kernel each; benchmarks/step_kernels.py counts)
+  engine eager +layerk          the eager engine with layer_kernels
 
 `--variants matrix` runs only issue 20's one-stream matrix (MATRIX: eager vs compiled, with and
 without stacking, against generate_step and the bare loop); a comma-separated list of labels
 picks others. After every round of runs the medians so far are printed, so a run cut short still
 says what it measured.
 
-On CUDA it also checks rows_attention's kernel against MLX's over exact keys (bit-identical?).
+On CUDA it also checks rows_attention's kernel against MLX's over exact keys (bit-identical?), and
+when a `+layerk` variant runs, layer_kernels' kernels against the unfused ops (step_kernels.check).
 Prints a line per run as it goes; writes decode_anatomy.{json,md} to --out.
 
     python -m benchmarks.decode_anatomy --shapes 8b,0.6b --tokens 128 --out bench-out
@@ -44,7 +48,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mtplx import rows_attention, skinny_matmul
+from mtplx import layer_kernels, rows_attention, skinny_matmul
 from mtplx.architectures import capture_backend
 from mtplx.cache import BatchCache, RowKVCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
@@ -173,7 +177,8 @@ def rows_attention_check(dtype=mx.bfloat16):
     return out
 
 
-# (label, variant, rows_attention installed, projections stacked: False, True (all), or a NAMED group)
+# (label, variant, rows_attention installed, projections stacked: False, True (all), or a NAMED group
+# [, skinny_matmul installed [, layer_kernels installed]])
 VARIANTS = [
     ("mlx-lm generate_step", v_generate_step, False, False),
     ("bare+KVCache", v_bare_kv, False, False),
@@ -191,11 +196,16 @@ VARIANTS = [
     # a fifth field True: mtplx/skinny_matmul.py's few-row kernel for the bf16 matmuls (CUDA only)
     ("engine compiled +rowattn+stacked+skinny", v_engine("on"), True, True, True),
     ("bare+KVCache +skinny", v_bare_kv, False, False, True),
+    # a sixth field True: mtplx/layer_kernels.py (residual add + RMSNorm, q/k norm + RoPE; CUDA only)
+    ("engine compiled +rowattn+stacked+layerk", v_engine("on"), True, True, False, True),
+    ("engine compiled +rowattn+stacked+skinny+layerk", v_engine("on"), True, True, True, True),
+    ("engine eager +layerk", v_engine("off"), True, False, False, True),
 ]
 REFERENCE = "bare+KVCache"
 # issue 20's one-stream question: which engine path is fastest, and does stacking pay, eager or compiled
 MATRIX = ["mlx-lm generate_step", "bare+KVCache", "engine eager", "engine eager +stacked", "engine compiled +rowattn",
-          "engine compiled +rowattn+stacked", "engine compiled +rowattn+stacked qkv", "engine compiled +rowattn+stacked mlp"]
+          "engine compiled +rowattn+stacked", "engine compiled +rowattn+stacked qkv", "engine compiled +rowattn+stacked mlp",
+          "engine compiled +rowattn+stacked+layerk"]
 
 
 def pick_variants(spec: str):
@@ -210,9 +220,12 @@ def pick_variants(spec: str):
     return [known[lab] for lab in labels]
 
 
-def set_paths(model, rowattn: bool, stacked, skinny: bool = False):
+def set_paths(model, rowattn: bool, stacked, skinny: bool = False, layerk: bool = False):
     """Put the model in the state a variant runs in (the engine's own installs are off here)."""
     skinny_matmul.uninstall(model)
+    layer_kernels.uninstall(model)
+    if layerk:
+        layer_kernels.install(model)
     if skinny:
         skinny_matmul.install(model)
     if rowattn:
@@ -265,6 +278,7 @@ def main():
     names = [s for s in args.shapes.split(",") if s] + ([args.model] if args.model else [])
     rows, attn_rows = [], []
     skinny_default = Engine.use_skinny_matmul
+    layerk_default = Engine.use_layer_kernels
     for name in names:
         t0 = time.perf_counter()
         bundle = load_model(name)
@@ -272,18 +286,25 @@ def main():
         roof = HBM_BYTES_PER_S / wb
         print(f"== {name}: {wb / 1e9:.2f} GB of weights, roofline {roof:.0f} tok/s, loaded in {time.perf_counter() - t0:.1f} s", flush=True)
         prompt = np.random.default_rng(1).integers(0, 1000, args.prompt).tolist()
-        Engine.stack_projections = Engine.use_rows_attention = Engine.use_skinny_matmul = False  # set_paths decides
+        Engine.stack_projections = Engine.use_rows_attention = Engine.use_skinny_matmul = Engine.use_layer_kernels = False  # set_paths decides
         if rows_attention.cuda_ready():
             try:
                 attn_rows += [dict(model=name, **r) for r in rows_attention_check()]
             except Exception as e:  # noqa: BLE001 (the kernel failing to build must not cost the rest)
                 print(f"rows_attention check FAILED {type(e).__name__}: {e}", flush=True)
+            if any(len(v) > 5 and v[5] for v in chosen):
+                try:
+                    from .step_kernels import check
+
+                    attn_rows += [dict(model=name, **r) for r in check(("bfloat16", "float16"))]
+                except Exception as e:  # noqa: BLE001
+                    print(f"layer_kernels check FAILED {type(e).__name__}: {e}", flush=True)
         variants = chosen  # off CUDA rows_attention installs nothing: +rowattn runs without it
         runs = {label: [] for label, *_ in variants}
         toks_of = {}
         for rep in range(-1, args.repeats):  # -1: the warm-up round (kernels, compiled programs)
-            for label, fn, rowattn, stacked, *skinny in variants:
-                set_paths(bundle.model, rowattn, stacked, bool(skinny and skinny[0]))
+            for label, fn, rowattn, stacked, *extra in variants:  # extra: skinny, layer_kernels
+                set_paths(bundle.model, rowattn, stacked, *map(bool, extra))
                 target = bundle if getattr(fn, "wants_bundle", False) else bundle.model
                 try:
                     toks, dt = fn(target, prompt, min(args.tokens, 16) if rep < 0 else args.tokens)
@@ -307,6 +328,7 @@ def main():
         mx.clear_cache()
     Engine.stack_projections = Engine.use_rows_attention = True
     Engine.use_skinny_matmul = skinny_default
+    Engine.use_layer_kernels = layerk_default
     payload = {"device": device_name(), "versions": versions(), "tokens": args.tokens, "prompt": args.prompt,
                "decode": rows, "rows_attention": attn_rows}
     save_json(out_dir / "decode_anatomy.json", payload)

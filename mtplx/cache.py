@@ -51,6 +51,7 @@ class RowLengths:
     # The plain per-row causal mask RowKVCache.make_mask last built (no window): the layers of one
     # forward share it, and rows_attention.py recognizes it by identity as "keys 0..length + i".
     mask: Optional[mx.array] = None
+    _positions = None  # (device lengths, L, positions): see `positions`
 
     def __init__(self, lengths: Sequence[int]):
         self.set(lengths)
@@ -64,6 +65,15 @@ class RowLengths:
     def _share(self):
         exact = self.unread == 0 and self.host.size and (self.host == self.host[0]).all()
         self.shared = int(self.host[0]) if exact else None
+
+    def positions(self, L: int) -> mx.array:
+        """[B, 1, L, 1]: where a forward of L tokens writes each row's entries (its length + 0..L-1).
+        Built once per forward and shared by its layers: per layer it was two more kernels a layer
+        (an arange and an add; compile does not merge them across layers)."""
+        c = self._positions
+        if c is None or c[0] is not self.device or c[1] != L:
+            c = self._positions = (self.device, L, (self.device[:, None] + mx.arange(L, dtype=mx.int32))[:, None, :, None])
+        return c[2]
 
     def advance(self, counts: mx.array, most: np.ndarray, exact: bool = False):
         """Device lengths += counts (lazy, not read); host lengths += most (counts <= most;
@@ -142,7 +152,7 @@ class RowKVCache:
             if L == 1:
                 return self.keys[..., : n + 1, :], self.values[..., : n + 1, :]
             return self.keys, self.values  # several tokens: the bucket under make_mask's mask (see there)
-        pos = (self.rows.device[:, None] + mx.arange(L, dtype=mx.int32))[:, None, :, None]
+        pos = self.rows.positions(L)
         self.keys = mx.put_along_axis(
             self.keys, mx.broadcast_to(pos, keys.shape), keys, axis=2
         )

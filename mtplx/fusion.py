@@ -26,7 +26,7 @@ from typing import List, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import rows_attention, skinny_matmul
+from . import layer_kernels, rows_attention, skinny_matmul
 
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -137,11 +137,14 @@ def stacking_pays() -> bool:
     return rows_attention.cuda_ready()
 
 
-def decode_paths(model, compiled: bool, stack: bool = True, rows: bool = True, skinny: bool = False) -> dict:
+def decode_paths(model, compiled: bool, stack: bool = True, rows: bool = True, skinny: bool = False,
+                 layer: bool = False) -> dict:
     """The engine's CUDA decode paths: per-row attention for masked attention (rows_attention.py)
     and, when decode steps are compiled, stacked projections and (`skinny`) the few-row matmul kernel
-    (skinny_matmul.py). The first two keep the values exactly, the kernel keeps each row's value
-    whatever the row count; off CUDA nothing changes. Returns what was installed (counts)."""
+    (skinny_matmul.py); (`layer`) a layer's small ops as fewer kernels (layer_kernels.py). The first
+    two and the last keep the values exactly, the kernel keeps each row's value whatever the row
+    count; off CUDA nothing changes. Returns what was installed (counts)."""
     return {"rows_attention": rows_attention.install(model) if rows else 0,
             "stacked_projections": fuse_projections(model, DECODE_GROUPS) if stack and compiled and stacking_pays() else 0,
-            "skinny_matmul": skinny_matmul.install(model) if skinny and compiled else 0}
+            "skinny_matmul": skinny_matmul.install(model) if skinny and compiled else 0,
+            "layer_kernels": layer_kernels.install(model) if layer else 0}

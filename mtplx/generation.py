@@ -123,7 +123,8 @@ class Engine(SpeculativeRounds):
         self.hybrid = prepare(self.model, bundle.model_type, self.vocab_size,  # refuses what it cannot batch exactly
                               remember=self._probe_memory(bundle))
         self.decode_paths = decode_paths(self.model, self.spec.compiled_verify != "off",  # CUDA only
-                                         self.stack_projections, self.use_rows_attention, self.use_skinny_matmul)
+                                         self.stack_projections, self.use_rows_attention, self.use_skinny_matmul,
+                                         self.use_layer_kernels)
         self.drafter = make_drafter(self.spec, bundle)
         self.runtime = _Runtime(self.model, want_hidden=self.drafter is not None and self.drafter.needs_hidden)
         self.weight_bytes = _tree_bytes(self.model.parameters())
@@ -164,6 +165,7 @@ class Engine(SpeculativeRounds):
     stack_projections = True
     use_rows_attention = True
     use_skinny_matmul = False  # skinny_matmul.py: off until its GPU check (benchmarks/skinny_check) passes
+    use_layer_kernels = False  # layer_kernels.py: off until the H200 shows it exact and faster
 
     @staticmethod
     def _probe_memory(bundle: ModelBundle):

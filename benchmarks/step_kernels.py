@@ -1,0 +1,200 @@
+"""The kernels of a one-stream decode step, counted on any backend, and (on CUDA) layer_kernels' check.
+
+Count (CPU or GPU): the engine's compiled one-row plain step exactly as it builds it on CUDA
+(CompiledVerifyBank's program over a RowKVCache shadow, stacked q/k/v and gate/up, rows_attention)
+on a random-weight Qwen3 of the 8B shape's widths (one layer, then two, and a small vocabulary: the
+difference is what a layer costs, the rest what a step costs once), traced, compiled by `mx.compile`, and its primitives counted by
+name (`mx.export_to_dot`). On the CPU MLX expands its fast ops (RMSNorm, RoPE) into their
+fallbacks, so the count puts a stand-in of its own name in each fast op's place and in the custom
+kernels' (rows_attention, and with `--layer-kernels` layer_kernels.py's two), each one node as on
+CUDA; views (reshape, slice, transpose, broadcast) launch nothing and are listed apart. Fused
+elementwise groups show as `Compiled...`.
+
+Check (`--check`, CUDA only): layer_kernels' kernels against the unfused MLX ops on the GPU over
+several widths, head counts, lengths and offsets, bf16 / fp16 / fp32: bit-identical, max abs diff.
+
+    python -m benchmarks.step_kernels                                 # the count, default path
+    python -m benchmarks.step_kernels --layer-kernels                 # ... and with layer_kernels
+    python -m benchmarks.step_kernels --check                         # on the H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+
+from mtplx import fusion, layer_kernels, rows_attention
+from mtplx.cache import BatchCache
+from mtplx.generation import _Runtime
+from mtplx.graphbank import CompiledVerifyBank
+
+from .round_graph import VIEWS, graph_primitives
+
+# stand-in primitive (one node, not elementwise: compile does not fuse it) -> the CUDA kernel it is
+STAND_INS = {"CumMax": "RMSNorm (mx.fast.rms_norm)", "CumProd": "RoPE (mx.fast.rope)",
+             "CumMin": "rows_attention (custom)", "CumSum": "add + RMSNorm (layer_kernels)",
+             "CumLogAddExp": "q/k norm + RoPE (layer_kernels)"}
+NAMES = {"Matmul": "matmul (weights)", "ScatterAxis": "KV cache write (put_along_axis)", "Gather": "embedding (take)",
+         "Add": "residual add", "CompiledSigmoidMultiplyMultiply": "SiLU x mul (compile-fused)"}
+
+
+@contextlib.contextmanager
+def stand_ins(layer: bool):
+    """The CUDA path's ops, one named node each, on any backend (values are not meaningful)."""
+    saved = [(mx.fast, "rms_norm"), (mx.fast, "rope"), (rows_attention, "rows_attention"), (rows_attention, "cuda_ready"),
+             (layer_kernels, "cuda_ready"), (layer_kernels, "add_rms_norm"), (layer_kernels, "qk_norm_rope"),
+             (fusion, "stacking_pays")]
+    saved = [(o, n, getattr(o, n)) for o, n in saved]
+
+    def rope(x, dims, traditional=False, base=None, scale=1.0, offset=0, freqs=None):
+        y = mx.cumprod(x, axis=-1)
+        return mx.depends([y], [offset])[0] if isinstance(offset, mx.array) else y
+
+    def qk(q, k, q_norm, k_norm, rope_, offset, n_q, n_kv):
+        B, L, _ = q.shape
+        qo = mx.depends([mx.logcumsumexp(q, axis=-1)], [k] + ([offset] if isinstance(offset, mx.array) else []))[0]
+        ko = mx.depends([k], [qo])[0]
+        return (qo.reshape(B, L, n_q, -1).transpose(0, 2, 1, 3), ko.reshape(B, L, n_kv, -1).transpose(0, 2, 1, 3))
+
+    def add_norm(x, r, w, eps):
+        h = mx.depends([mx.cumsum(x, axis=-1)], [r])[0]
+        return h, h
+
+    mx.fast.rms_norm = lambda x, w, eps: mx.cummax(x, axis=-1)
+    mx.fast.rope = rope
+    rows_attention.rows_attention = lambda q, k, v, scale, lengths: mx.depends([mx.cummin(q, axis=-1)], [k, v, lengths])[0]
+    rows_attention.cuda_ready = layer_kernels.cuda_ready = fusion.stacking_pays = lambda: True
+    layer_kernels.add_rms_norm, layer_kernels.qk_norm_rope = add_norm, qk
+    try:
+        yield
+    finally:
+        for o, n, v in saved:
+            setattr(o, n, v)
+        rows_attention.uninstall()
+
+
+def step_primitives(layers: int, layer: bool, context: int = 100) -> Counter:
+    """Primitives of the compiled one-row plain step (the bank's program) of an 8B-width Qwen3."""
+    from .engine_efficiency import SHAPES, random_qwen3
+
+    shape = dict(SHAPES["8b"], num_hidden_layers=layers)
+    SHAPES["_count"] = shape
+    try:
+        bundle = random_qwen3("_count", vocab=4096)
+    finally:
+        del SHAPES["_count"]
+    model = bundle.model
+    with stand_ins(layer):
+        fusion.decode_paths(model, compiled=True, layer=layer)
+        cache = BatchCache.for_model(model, 1)
+        model(mx.zeros((1, context), dtype=mx.int32), cache=cache.layers)  # a prefilled row (eager)
+        cache.commit(np.array([context]))
+        cache.eval()
+        bank = CompiledVerifyBank(_Runtime(model, want_hidden=False), max_verify_len=1, request_max_tokens=4 * context)
+        seen = Counter()
+        real = bank._program
+
+        def program(key, kinds):
+            fn = real(key, kinds)
+
+            def call(*args):
+                out = fn(*args)
+                seen.update(graph_primitives(list(out)))
+                return out
+            return call
+
+        bank._program = program
+        bank.verify(mx.zeros((1, 1), dtype=mx.int32), cache)
+        layer_kernels.uninstall(model)
+        fusion.unstack(model)
+    return seen
+
+
+def count_table(one: Counter, two: Counter, layers: int = 36) -> str:
+    """Per layer (two layers' count minus one's), once per step, and a `layers`-layer step."""
+    rows = ["| primitive | CUDA kernel | per layer | once per step | 36-layer step |", "|---|---|---|---|---|"]
+    totals = [0, 0, 0]
+    for name in sorted(set(one) | set(two), key=lambda k: (k in VIEWS, -two[k], k)):
+        per = two[name] - one[name]
+        fixed = one[name] - per
+        what = STAND_INS.get(name) or NAMES.get(name) or ("view: no kernel" if name in VIEWS else name)
+        rows.append(f"| {name} | {what} | {per} | {fixed} | {fixed + layers * per} |")
+        if name not in VIEWS:
+            totals = [totals[0] + per, totals[1] + fixed, totals[2] + fixed + layers * per]
+    rows.append(f"| **kernels** | | **{totals[0]}** | **{totals[1]}** | **{totals[2]}** |")
+    return "\n".join(rows)
+
+
+# -- the GPU check ---------------------------------------------------------------------------------
+def _diff(a, b):
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    d = mx.abs(a - b).max().item()
+    same = bool(mx.array_equal(a, b).item())
+    return same, d
+
+
+NORM_CASES = ((64, 3), (576, 5), (1024, 1), (1024, 7), (4096, 1), (4096, 4), (5120, 2), (12288, 1))
+# (q heads, kv heads, head dim, rows, tokens, q/k norm, rope base, offsets: an int or per row)
+QK_CASES = ((32, 8, 128, 1, 1, True, 1e6, 37), (32, 8, 128, 1, 1, True, 1e6, [1000]), (16, 8, 128, 1, 4, True, 1e6, [513]),
+            (32, 8, 128, 3, 1, True, 1e6, [5, 300, 2047]), (32, 8, 128, 2, 8, True, 1e6, [0, 999]),
+            (9, 3, 64, 1, 1, False, 1e5, 77), (9, 3, 64, 2, 3, False, 1e5, [12, 4000]), (32, 8, 128, 1, 32, True, 1e6, 0))
+
+
+def check(dtypes=("bfloat16", "float16", "float32")):
+    """layer_kernels' kernels vs the unfused ops on this device (every case in bf16, two of each in
+    fp16 / fp32: each new shape is a kernel build); rows for a table, printed as it goes."""
+    import mlx.nn as nn
+
+    out = []
+    for name in dtypes:
+        dt = getattr(mx, name)
+        few = name != "bfloat16"
+        for D, rows in (NORM_CASES[5:7] if few else NORM_CASES):
+            x = mx.random.normal((1, rows, D)).astype(dt)
+            r = (0.1 * mx.random.normal((1, rows, D))).astype(dt)
+            w = (1 + 0.1 * mx.random.normal((D,))).astype(dt)
+            h, y = layer_kernels.add_rms_norm(x, r, w, 1e-6)
+            h0, y0 = layer_kernels.add_rms_norm_reference(x, r, w, 1e-6)
+            (sh, dh), (sy, dy) = _diff(h, h0), _diff(y, y0)
+            out.append({"check": f"add_rms_norm {name} D={D} rows={rows}", "bit-identical": sh and sy, "max abs diff": max(dh, dy)})
+            print("layer_kernels", out[-1], flush=True)
+        for (Hq, Hk, D, B, L, norm, base, offsets) in (QK_CASES[3:4] + QK_CASES[6:7] if few else QK_CASES):
+            q = mx.random.normal((B, L, Hq * D)).astype(dt)
+            k = mx.random.normal((B, L, Hk * D)).astype(dt)
+            qn, kn = (nn.RMSNorm(D, eps=1e-6), nn.RMSNorm(D, eps=1e-6)) if norm else (None, None)
+            if norm:
+                qn.weight = (1 + 0.1 * mx.random.normal((D,))).astype(dt)
+                kn.weight = (1 + 0.1 * mx.random.normal((D,))).astype(dt)
+            rope = nn.RoPE(D, traditional=False, base=base)
+            off = offsets if isinstance(offsets, int) else mx.array(offsets, dtype=mx.int32)
+            got = layer_kernels.qk_norm_rope(q, k, qn, kn, rope, off, Hq, Hk)
+            ref = layer_kernels.qk_norm_rope_reference(q, k, qn, kn, rope, off, Hq, Hk)
+            (sq, dq), (sk, dk) = _diff(got[0], ref[0]), _diff(got[1], ref[1])
+            out.append({"check": f"qk_norm_rope {name} Hq={Hq} Hk={Hk} D={D} B={B} L={L} norm={norm} offset={offsets}",
+                        "bit-identical": sq and sk, "max abs diff": max(dq, dk)})
+            print("layer_kernels", out[-1], flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layer-kernels", action="store_true", help="count with mtplx/layer_kernels.py installed")
+    ap.add_argument("--check", action="store_true", help="CUDA: layer_kernels against the unfused ops")
+    args = ap.parse_args()
+    if args.check:
+        rows = check()
+        bad = [r for r in rows if not r["bit-identical"]]
+        print(f"layer_kernels check: {len(rows) - len(bad)}/{len(rows)} bit-identical", flush=True)
+        return
+    for layer in ([False, True] if args.layer_kernels else [False]):
+        one, two = step_primitives(1, layer), step_primitives(2, layer)
+        print(f"\n### the compiled one-row step, {'with' if layer else 'without'} layer_kernels\n")
+        print(count_table(one, two), flush=True)
+
+
+if __name__ == "__main__":
+    main()
