@@ -256,8 +256,10 @@ def qk_norm_rope(q, k, q_norm, k_norm, rope, offset, n_q, n_kv):
     if isinstance(offset, mx.array):
         stride = 1 if offset.ndim == 1 and offset.shape[0] == B and B > 1 else 0
         off = offset.astype(mx.int32).reshape(-1)
-    else:
-        stride, off = 0, mx.array([int(offset)], dtype=mx.int32)
+    else:  # the layers of one eager step share one length: one small array per step, not per layer
+        if _State.offset[0] != int(offset):
+            _State.offset = (int(offset), mx.array([int(offset)], dtype=mx.int32))
+        stride, off = 0, _State.offset[1]
     norm = q_norm is not None
     eps = float(q_norm.eps) if norm else 0.0
     params = _const(eps, log2f(rope.base), float(rope.scale))
@@ -279,6 +281,7 @@ class _State:
     # the last patched block's output, lazily x + r, and its two terms: the next patched block (or
     # final norm) that receives exactly that array adds and normalizes in one kernel
     pending = None
+    offset = (None, None)  # the last int rope offset and its device array
 
 
 def _add_norm(norm, x, r):

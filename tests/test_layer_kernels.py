@@ -171,3 +171,13 @@ def test_write_positions_are_built_once_per_forward(tiny_model, monkeypatch):
     cache.commit(np.array([1, 1]))
     assert np.array(cache.rows.positions(1)).ravel().tolist() == [18, 16]
     assert isinstance(cache.leaves[0], RowKVCache)
+
+
+def test_gpu_check_harness_runs(counting):
+    """benchmarks/step_kernels.check (the H200's bit-identity check) over every case, here with the
+    kernel calls being the unfused ops: every case bit-identical, both ops called."""
+    from benchmarks.step_kernels import check
+
+    rows = check(("bfloat16", "float32"))
+    assert rows and all(r["bit-identical"] for r in rows)
+    assert counting["add_rms_norm"] > 0 and counting["qk_norm_rope"] > 0
