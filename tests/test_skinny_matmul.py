@@ -138,3 +138,19 @@ def test_quantized_layers_keep_mlx_kernels(qwen3):
         assert type(qwen3.model.layers[0].mlp.gate_proj) is nn.QuantizedLinear
     finally:
         sk.uninstall(qwen3)
+
+
+def test_the_gpu_check_fails_loudly_on_a_product_whose_rows_depend_on_the_row_count():
+    """benchmarks/skinny_check's identity check passes the kernel's contract (here in MLX ops) and
+    names the case when a row's value changes with M (MLX's own matmul may: another kernel per M)."""
+    from benchmarks import skinny_check as chk
+
+    w = (0.02 * mx.random.normal((40, 64))).astype(mx.bfloat16)
+    chk.check_identity("ok case", w, None, (1, 2, 3), chk.per_row_reference)
+
+    def drifting(x, w, bias=None, tiles=None):  # the value of every row moves with M
+        m = x.size // w.shape[-1]
+        return chk.per_row_reference(x, w, bias) * (1 + 2 ** -6 * (m > 4))
+
+    with pytest.raises(chk.Failed, match=r"broken case: rows 0\.\.0 of the 1-row product differ"):
+        chk.check_identity("broken case", w, None, (1, 5), drifting)
