@@ -86,7 +86,7 @@ def check_identity(label, w, bias, rows, mm):
             fail(label, f"row {i} computed alone differs from the same row of the 8-row product")
     for t in TILES:
         if not mx.array_equal(mm(x8[:4], w, bias, tiles=t), full[:4]).item():
-            fail(label, f"tiles (R, U) = {t} give other bits than the default {sk.tile(w.shape[0])}")
+            fail(label, f"tiles (R, U) = {t} give other bits than the default {sk.tile(w.shape[0], 4)}")
     if not mx.array_equal(mm(x8[None, :4], w, bias), full[None, :4]).item():
         fail(label, "a [1, 4, K] input gives other bits than [4, K]")
     wide = mx.random.normal((1, k + 3)).astype(w.dtype)
@@ -130,9 +130,18 @@ def timing(label, w, mm, peak, out, calls):
         for name, fn in paths:
             ms = per_call_ms(fn, x, copies, calls=calls)
             gbs = w.nbytes / ms / 1e6
-            row = f"| {label} | {w.shape[0]} x {w.shape[1]} | {m} | {name} | {ms:.4f} | {gbs:,.0f} | {100 * gbs / peak:.1f} |"
-            out.append(row)
-            print(row, flush=True)
+            out.append((label, m, name, ms, 100 * gbs / peak))
+            print(f"| {label} | {w.shape[0]} x {w.shape[1]} | {m} | {name} | {ms:.4f} | {gbs:,.0f} | {100 * gbs / peak:.1f} |", flush=True)
+
+
+def best_tiles(rows):
+    """Per matrix and M: MLX, the default tiling, and the fastest tiling (what tile() should pick)."""
+    print("| matrix | M | mlx ms | default ms | fastest tiling | its ms | % of peak | x mlx |\n|---|---|---|---|---|---|---|---|")
+    for label, m in dict.fromkeys((r[0], r[1]) for r in rows):
+        got = {name: (ms, pct) for lab, mm_, name, ms, pct in rows if (lab, mm_) == (label, m)}
+        best = min((n for n in got if n.startswith("skinny R,U")), key=lambda n: got[n][0])
+        print(f"| {label} | {m} | {got['mlx'][0]:.4f} | {got['skinny'][0]:.4f} | {best[len('skinny R,U='):]} | "
+              f"{got[best][0]:.4f} | {got[best][1]:.1f} | {got['mlx'][0] / got[best][0]:.2f} |", flush=True)
 
 
 def chained(shape_name, mm, peak, repeats, vocab):
@@ -239,6 +248,7 @@ def main():
             for label in TIMED if not args.small else list(mats)[:1]:
                 if label in mats:
                     timing(label, mats[label], mm, args.peak_gbs, timed_rows, 4 if args.small else 48)
+            best_tiles(timed_rows)
         mats = None
         if "chain" not in skip:
             chained("tiny" if args.small else "8b", mm, args.peak_gbs, args.repeats, 4096 if args.small else 151936)

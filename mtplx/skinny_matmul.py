@@ -159,10 +159,10 @@ def _kernel(with_bias: bool):
     return _kernels[with_bias]
 
 
-def tile(n: int) -> tuple:
-    """(R, U): output columns per warp and chunks in flight per lane for an N-row weight. Only speed
-    depends on them (never a value): more columns per warp for long matrices (fewer x reads per weight
-    byte), one per warp for short ones (enough warps to fill 132 SMs)."""
+def tile(n: int, m: int = 1) -> tuple:
+    """(R, U): output columns per warp and chunks in flight per lane for an N-row weight and M rows of
+    x. Only speed depends on them (never a value): more columns per warp for long matrices (fewer x
+    reads per weight byte), one per warp for short ones (enough warps to fill 132 SMs)."""
     return (2, 2) if n >= 8192 else (1, 4)
 
 
@@ -177,7 +177,7 @@ def skinny_matmul(x: mx.array, w: mx.array, bias: Optional[mx.array] = None, til
     """`x @ w.T (+ bias)` for x [..., K] of at most MAX_ROWS rows, w [N, K] (see `fits`), on CUDA."""
     n, k = w.shape
     m = x.size // k
-    r, u = tiles or tile(n)
+    r, u = tiles or tile(n, m)
     inputs = [x.reshape(m, k), w] + ([bias] if bias is not None else [])
     warps = -(-n // r)
     (out,) = _kernel(bias is not None)(
