@@ -205,7 +205,8 @@ REFERENCE = "bare+KVCache"
 # issue 20's one-stream question: which engine path is fastest, and does stacking pay, eager or compiled
 MATRIX = ["mlx-lm generate_step", "bare+KVCache", "engine eager", "engine eager +stacked", "engine compiled +rowattn",
           "engine compiled +rowattn+stacked", "engine compiled +rowattn+stacked qkv", "engine compiled +rowattn+stacked mlp",
-          "engine compiled +rowattn+stacked+layerk"]
+          "engine compiled +rowattn+stacked+layerk", "engine compiled +rowattn+stacked+skinny",
+          "engine compiled +rowattn+stacked+skinny+layerk"]
 
 
 def pick_variants(spec: str):
