@@ -10,7 +10,8 @@ One command, printing as it goes, failing loudly (exit 1, the case named) at the
    head; odd shapes: N not a multiple of a warp's columns, the SmolLM2 / Qwen K = 576, 896, 1536,
    fp16, a bias), rows 0..M-1 of an M-row product equal the first M rows of the 8-row product and
    each row computed alone, bit for bit, for M = 1..8; every tiling (R, U) gives the same bits; a 3-D
-   input, an input at an odd offset, and the product inside mx.compile too.
+   input, an input at an odd offset, a row view of the weight (a stacked sibling's), and the product
+   inside mx.compile too.
 2. error: max |kernel - fp32 product| / max |fp32 product|, beside MLX's own `x @ W.T`'s.
 3. speed: ms and GB/s per matrix at M = 1 and 4, MLX vs the kernel (and each tiling), weights cycled
    through copies that outgrow the L2 cache; then the 36-layer chained pass of benchmarks/gemv_bandwidth
@@ -93,6 +94,11 @@ def check_identity(label, w, bias, rows, mm):
     odd = wide[:, 3:]  # a view 3 elements in: the kernel's unaligned x path (or MLX's copy)
     if not mx.array_equal(mm(odd, w, bias), mm(mx.array(odd) + 0, w, bias)).item():
         fail(label, "an input at an odd offset gives other bits than its copy")
+    n = w.shape[0]
+    a, b = n // 3, n // 3 + max(1, n // 4)  # a stacked sibling's rows: a view of the stacked weight
+    part = mm(x8[:4], w[a:b], bias[a:b] if bias is not None else None)
+    if not mx.array_equal(part, full[:4, a:b]).item():
+        fail(label, f"the weight's rows {a}..{b - 1} (a view) give other bits than the same columns of the whole")
     compiled = mx.compile(lambda a: mm(a, w, bias))
     if not mx.array_equal(compiled(x8[:4]), full[:4]).item():
         fail(label, "inside mx.compile the product gives other bits")
@@ -239,7 +245,7 @@ def main():
             x8, full = check_identity(label, w, bias, rows, mm)
             err, err_mlx = rel_err(x8, w, bias, full), rel_err(x8, w, bias, x8 @ w.T + (bias if with_bias else 0))
             print(f"ok {label:18s} [{n} x {k}] {dt}{' +bias' if with_bias else ''}: bit-identical at M = {','.join(map(str, sorted(set(rows) | {1, 4, 8})))}, "
-                  f"each tiling, 3-D, odd offset, compiled; max rel err {err:.2e} (MLX's {err_mlx:.2e})  "
+                  f"each tiling, 3-D, odd offset, row view, compiled; max rel err {err:.2e} (MLX's {err_mlx:.2e})  "
                   f"[{time.perf_counter() - t0:.0f} s]", flush=True)
             if err > MAX_REL_ERR:
                 fail(label, f"max relative error {err:.3g} > {MAX_REL_ERR}")
