@@ -3,8 +3,8 @@
 One command, printing as it goes, failing loudly (exit 1, the case named) at the first broken check:
 
     python -m benchmarks.skinny_check                 # the H200: ~1-1.5 min (kernel builds included)
-    python -m benchmarks.skinny_check --reference     # CPU dry run: the script's own logic, per-row MLX
-                                                      # products standing in for the kernel
+    python -m benchmarks.skinny_check --reference --small   # CPU dry run: the script's own logic,
+                                                            # per-row MLX products standing in for the kernel
 
 1. identity: for each matrix (the 8B shape's q/k/v and gate/up stacked, o, down, the 151,936-row
    head; odd shapes: N not a multiple of a warp's columns, the SmolLM2 / Qwen K = 576, 896, 1536,
@@ -34,7 +34,8 @@ from benchmarks.gemv_bandwidth import chain, layer_weights, time_pass
 from mtplx import skinny_matmul as sk
 
 TILES = ((1, 2), (1, 4), (2, 2), (4, 2))  # checked for the same bits
-TIMED_TILES = ((1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2))  # timed (which is fastest per shape)
+# timed (which is fastest per shape): (R, U) at 8 warps a block, or (R, U, warps a block)
+TIMED_TILES = ((1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (1, 4, 4), (2, 2, 4))
 # (label, N, K, dtype, bias, rows checked)
 ALL_ROWS = tuple(range(1, sk.MAX_ROWS + 1))
 CASES = [

@@ -36,7 +36,7 @@ from .rows_attention import cuda_ready
 
 MAX_ROWS = 8
 DTYPES = (mx.bfloat16, mx.float16)
-WARPS = 8  # warps per block (256 threads)
+WARPS = 8  # warps a block (256 threads), unless `tiles` says otherwise
 
 _HEADER = """
 // bf16 / fp16 pairs (one 32-bit word, element 0 in the low half) as two floats, exactly
@@ -174,15 +174,16 @@ def fits(x: mx.array, w: mx.array) -> bool:
 
 
 def skinny_matmul(x: mx.array, w: mx.array, bias: Optional[mx.array] = None, tiles: Optional[tuple] = None) -> mx.array:
-    """`x @ w.T (+ bias)` for x [..., K] of at most MAX_ROWS rows, w [N, K] (see `fits`), on CUDA."""
+    """`x @ w.T (+ bias)` for x [..., K] of at most MAX_ROWS rows, w [N, K] (see `fits`), on CUDA.
+    `tiles`: (R, U) or (R, U, warps a block) instead of `tile`'s (benchmarks/skinny_check times them)."""
     n, k = w.shape
     m = x.size // k
-    r, u = tiles or tile(n, m)
+    r, u, warps_a_block = (tuple(tiles or tile(n, m)) + (WARPS,))[:3]
     inputs = [x.reshape(m, k), w] + ([bias] if bias is not None else [])
     warps = -(-n // r)
     (out,) = _kernel(bias is not None)(
         inputs=inputs, template=[("T", w.dtype), ("M", m), ("R", r), ("U", u)],
-        grid=(-(-warps // WARPS) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+        grid=(-(-warps // warps_a_block) * warps_a_block * 32, 1, 1), threadgroup=(warps_a_block * 32, 1, 1),
         output_shapes=[(m, n)], output_dtypes=[w.dtype])
     return out.reshape(*x.shape[:-1], n)
 
