@@ -4,8 +4,8 @@ One stream, a short prompt, N greedy tokens, on the random-weight shapes of engi
 (or a real model with --model). Every variant is warmed up once, then all variants run in turn
 --repeats times (interleaved, so a slow spell of the host hits them alike); each run is timed
 from its first token to its last (prefill excluded), the median is reported, and its tokens are
-compared with the bare loop's (argmax of the logits; mlx-lm's generate_step takes the argmax of
-log-probabilities, which can break bf16 ties differently):
+compared with the bare loop's, or the first variant's when the bare loop does not run (argmax of the
+logits; mlx-lm's generate_step takes the argmax of log-probabilities, which can break bf16 ties differently):
 
   mlx-lm generate_step          the peer
   bare+KVCache                  model + mlx-lm KVCache in generate_step's pipelined loop
@@ -240,6 +240,7 @@ def set_paths(model, rowattn: bool, stacked, skinny: bool = False, layerk: bool 
 
 def summary(name, variants, runs, toks_of, roof):
     """One row per variant: the median time per token of its runs, against generate_step's."""
+    ref = REFERENCE if REFERENCE in toks_of else variants[0][0]  # without the bare loop: the first variant's
     base = runs.get("mlx-lm generate_step")
     base = 1 / float(np.median(base)) if base else None
     rows = []
@@ -251,7 +252,7 @@ def summary(name, variants, runs, toks_of, roof):
         rows.append({"model": name, "variant": label, "tok/s": 1 / spt, "ms/token": spt * 1e3,
                      "x mlx-lm": (1 / spt) / base if base else None, "% roofline": 100 / spt / roof,
                      "runs tok/s": " ".join(f"{1 / t:.0f}" for t in runs[label]),
-                     "same tokens": toks_of[label] == toks_of.get(REFERENCE, toks_of[label])})
+                     "same tokens": toks_of[label] == toks_of.get(ref, toks_of[label])})
     return rows
 
 
@@ -321,7 +322,7 @@ def main():
             if 0 <= rep < args.repeats - 1:  # the medians so far: a run cut short still reports
                 print(f"-- {name}: medians after {rep + 1} round(s)", flush=True)
                 print(table([r for r in summary(name, variants, runs, toks_of, roof) if "tok/s" in r],
-                            ["variant", "tok/s", "x mlx-lm", "% roofline", "runs tok/s"]), flush=True)
+                            ["variant", "tok/s", "x mlx-lm", "% roofline", "runs tok/s", "same tokens"]), flush=True)
         set_paths(bundle.model, False, False)
         rows += summary(name, variants, runs, toks_of, roof)
         print(table([r for r in rows if r["model"] == name and "tok/s" in r]), flush=True)
