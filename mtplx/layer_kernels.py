@@ -18,7 +18,7 @@ the values are meant to be the unfused ops' bit for bit; `benchmarks/step_kernel
 compares them on the GPU. Every forward of a patched model (prefill, eager and compiled steps,
 every verify) takes the same kernels, so plain decoding and speculation see one model.
 
-`install(model)` swaps the classes of the Qwen3 / Llama blocks, attentions and final norm (the
+`install(model)` swaps the classes of the Qwen3 / Llama / Qwen2 blocks, attentions and final norm (the
 instances only; models it does not know keep mlx-lm's code); CUDA only and off by default
 (`Engine.use_layer_kernels`, `fusion.decode_paths`). `install(model, reference=True)` runs the
 same plumbing with the unfused MLX ops in place of the kernels (how the CPU tests check it).
@@ -339,6 +339,7 @@ def _attention_call(self, x, mask=None, cache=None):
 FAMILIES = {
     "mlx_lm.models.qwen3": {"TransformerBlock": _block_call, "Attention": _attention_call},
     "mlx_lm.models.llama": {"TransformerBlock": _block_call, "Attention": _attention_call},
+    "mlx_lm.models.qwen2": {"TransformerBlock": _block_call, "Attention": _attention_call},
 }
 _patched = {}
 
@@ -356,7 +357,7 @@ def _own(module):
 
 
 def _claims(model):
-    """The model's inner decoder (`model.model`) when every layer is a Qwen3 / Llama block with
+    """The model's inner decoder (`model.model`) when every layer is a Qwen3 / Llama / Qwen2 block with
     plain RMSNorms and RoPE, else None."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -374,7 +375,7 @@ def _claims(model):
 
 
 def install(model, reference: bool = False) -> int:
-    """Patch a Qwen3 / Llama model's blocks, attentions and final norm; returns how many layers
+    """Patch a Qwen3 / Llama / Qwen2 model's blocks, attentions and final norm; returns how many layers
     (0: not on CUDA, or a model it does not claim, which keeps mlx-lm's code)."""
     if not (cuda_ready() or reference):
         return 0

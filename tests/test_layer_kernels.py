@@ -132,6 +132,22 @@ def test_engine_with_layer_kernels_is_token_identical(tiny_model, counting, meth
     assert counting["qk_norm_rope"] > 0
 
 
+def test_qwen2_is_claimed_and_keeps_the_logits(counting):
+    """Qwen2 (biased q/k/v, no q/k norm): the Llama path."""
+    from mlx.utils import tree_map
+    from mlx_lm.models import qwen2
+
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=256)
+    model = qwen2.Model(args)
+    model.update(tree_map(lambda p: p.astype(mx.bfloat16), model.parameters()))
+    ref = _logits(model, n=3)
+    assert lk.install(model) == 2
+    got = _logits(model, n=3)
+    lk.uninstall(model)
+    assert _same(got, ref) and counting["qk_norm_rope"] == 3 * 2
+
+
 def test_models_it_does_not_claim_keep_their_code(tiny_model):
     model = load(tiny_model("qwen3_next")).model
     assert lk.install(model, reference=True) == 0
