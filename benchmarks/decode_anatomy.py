@@ -296,9 +296,10 @@ def main():
                 print(f"rows_attention check FAILED {type(e).__name__}: {e}", flush=True)
             if any(len(v) > 5 and v[5] for v in chosen):
                 try:
-                    from .step_kernels import check
+                    from .step_kernels import check, kernel_times
 
                     attn_rows += [dict(model=name, **r) for r in check(("bfloat16", "float16"))]
+                    kernel_times()
                 except Exception as e:  # noqa: BLE001
                     print(f"layer_kernels check FAILED {type(e).__name__}: {e}", flush=True)
         variants = chosen  # off CUDA rows_attention installs nothing: +rowattn runs without it

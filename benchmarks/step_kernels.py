@@ -11,7 +11,8 @@ CUDA; views (reshape, slice, transpose, broadcast) launch nothing and are listed
 elementwise groups show as `Compiled...`.
 
 Check (`--check`, CUDA only): layer_kernels' kernels against the unfused MLX ops on the GPU over
-several widths, head counts, lengths and offsets, bf16 / fp16 / fp32: bit-identical, max abs diff.
+several widths, head counts, lengths and offsets, bf16 / fp16 / fp32: bit-identical, max abs diff;
+then each fused kernel's time against the ops it replaces (`kernel_times`: a compiled chain of 36).
 
     python -m benchmarks.step_kernels                                 # the count, default path
     python -m benchmarks.step_kernels --layer-kernels                 # ... and with layer_kernels
@@ -182,6 +183,57 @@ def check(dtypes=("bfloat16", "float16", "float32")):
     return out
 
 
+def kernel_times(layers: int = 36, iters: int = 20):
+    """us per layer of the fused kernels against the ops they replace, one row of the 8B shape (bf16),
+    each a compiled chain of `layers` dependent calls (as a step chains them); rows for a table."""
+    import time
+
+    import mlx.nn as nn
+
+    dt, D, Hq, Hk, hd = mx.bfloat16, 4096, 32, 8, 128
+    w = (1 + 0.1 * mx.random.normal((D,))).astype(dt)
+    qn, kn = nn.RMSNorm(hd, eps=1e-6), nn.RMSNorm(hd, eps=1e-6)
+    qn.weight, kn.weight = qn.weight.astype(dt), kn.weight.astype(dt)
+    rope = nn.RoPE(hd, base=1e6)
+    off = mx.array([300], dtype=mx.int32)
+
+    def norm_chain(fn):
+        def run(x, r):
+            for _ in range(layers):
+                x, r = fn(x, r, w, 1e-6)
+            return x, r
+        return run
+
+    def qk_chain(fn):
+        def run(q, k):
+            for _ in range(layers):
+                qo, ko = fn(q, k, qn, kn, rope, off, Hq, Hk)
+                q, k = qo.reshape(1, 1, -1), ko.reshape(1, 1, -1)
+            return q, k
+        return run
+
+    cases = [("add + RMSNorm", norm_chain, layer_kernels.add_rms_norm, layer_kernels.add_rms_norm_reference,
+              [mx.random.normal((1, 1, D)).astype(dt), (0.1 * mx.random.normal((1, 1, D))).astype(dt)]),
+             ("q/k norm + RoPE", qk_chain, layer_kernels.qk_norm_rope, layer_kernels.qk_norm_rope_reference,
+              [mx.random.normal((1, 1, Hq * hd)).astype(dt), mx.random.normal((1, 1, Hk * hd)).astype(dt)])]
+    out = []
+    for name, chain, fused, ref, args in cases:
+        row = {"kernel": name}
+        for label, fn in (("fused", fused), ("unfused", ref)):
+            prog = mx.compile(chain(fn))
+            mx.eval(prog(*args))
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                mx.eval(prog(*args))
+                times.append(time.perf_counter() - t0)
+            row[f"{label} us/layer"] = 1e6 * float(np.median(times)) / layers
+        row["saved us/layer"] = row["unfused us/layer"] - row["fused us/layer"]
+        out.append(row)
+        print("layer_kernels timing", row, flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layer-kernels", action="store_true", help="count with mtplx/layer_kernels.py installed")
@@ -191,6 +243,7 @@ def main():
         rows = check()
         bad = [r for r in rows if not r["bit-identical"]]
         print(f"layer_kernels check: {len(rows) - len(bad)}/{len(rows)} bit-identical", flush=True)
+        kernel_times()
         return
     for layer in ([False, True] if args.layer_kernels else [False]):
         one, two = step_primitives(1, layer), step_primitives(2, layer)

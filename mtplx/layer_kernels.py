@@ -154,6 +154,8 @@ _QK_ROPE = """
 """
 
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+# the kernels installed models take (each off here runs its unfused ops through the same plumbing)
+ENABLED = {"add_rms_norm", "qk_norm_rope"}
 _kernels = {}
 _consts = {}
 _log2f = None
@@ -285,7 +287,7 @@ class _State:
 
 
 def _add_norm(norm, x, r):
-    if not _State.reference and add_norm_usable(x, r, norm.weight):
+    if not _State.reference and "add_rms_norm" in ENABLED and add_norm_usable(x, r, norm.weight):
         return add_rms_norm(x, r, norm.weight, norm.eps)
     return add_rms_norm_reference(x, r, norm.weight, norm.eps)
 
@@ -323,7 +325,8 @@ def _attention_call(self, x, mask=None, cache=None):
     q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     offset = cache.offset if cache is not None else 0
-    if not _State.reference and qk_usable(q, k, q_norm, k_norm, self.rope, self.n_heads, self.n_kv_heads):
+    if (not _State.reference and "qk_norm_rope" in ENABLED
+            and qk_usable(q, k, q_norm, k_norm, self.rope, self.n_heads, self.n_kv_heads)):
         q, k = qk_norm_rope(q, k, q_norm, k_norm, self.rope, offset, self.n_heads, self.n_kv_heads)
     else:
         q, k = qk_norm_rope_reference(q, k, q_norm, k_norm, self.rope, offset, self.n_heads, self.n_kv_heads)

@@ -79,6 +79,16 @@ def test_kernel_path_calls_each_kernel_once_per_place(tiny_model, counting, fami
     assert counting == {"qk_norm_rope": 4 * n, "add_rms_norm": 4 * 2 * n}
 
 
+def test_each_kernel_can_be_left_out(tiny_model, counting, monkeypatch):
+    model = load(tiny_model("qwen3", dtype="bfloat16")).model
+    ref = _logits(model, n=2)
+    lk.install(model)
+    monkeypatch.setattr(lk, "ENABLED", {"add_rms_norm"})
+    got = _logits(model, n=2)
+    lk.uninstall(model)
+    assert _same(got, ref) and counting["qk_norm_rope"] == 0 and counting["add_rms_norm"] > 0
+
+
 def test_compiled_forward_keeps_the_logits(tiny_model, counting):
     from mtplx.cache import BatchCache
     from mtplx.generation import _Runtime
