@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -158,6 +159,7 @@ DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 ENABLED = {"add_rms_norm", "qk_norm_rope"}
 _kernels = {}
 _consts = {}
+_no_weight = {}
 _log2f = None
 
 
@@ -265,9 +267,9 @@ def qk_norm_rope(q, k, q_norm, k_norm, rope, offset, n_q, n_kv):
     norm = q_norm is not None
     eps = float(q_norm.eps) if norm else 0.0
     params = _const(eps, log2f(rope.base), float(rope.scale))
-    if not norm:  # the kernel reads no weights then, but they are typed T
-        _consts.setdefault(q.dtype, mx.zeros((1,), dtype=q.dtype))
-    qw, kw = (q_norm.weight, k_norm.weight) if norm else (_consts[q.dtype], _consts[q.dtype])
+    if not norm and q.dtype not in _no_weight:  # the kernel reads no weights then, but they are typed T
+        _no_weight[q.dtype] = mx.zeros((1,), dtype=q.dtype)
+    qw, kw = (q_norm.weight, k_norm.weight) if norm else (_no_weight[q.dtype], _no_weight[q.dtype])
     q_out, k_out = _kernel("qk")(
         inputs=[q, k, qw, kw, off, params],
         template=[("T", q.dtype), ("D", D), ("HQ", n_q), ("HK", n_kv), ("NR", 16 // q.dtype.size), ("NORM", norm),
