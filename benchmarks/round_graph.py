@@ -76,7 +76,8 @@ class GraphCounter:
             self._program_counter(eng.bank, "_program", "verify")
         bank = getattr(getattr(eng, "drafter", None), "bank", None)
         if bank is not None:
-            self._program_counter(bank, "_get", "draft")
+            # the MTP head's bank (mtp_draft.py) or the draft model's (draft_chain.py)
+            self._program_counter(bank, "_get" if hasattr(bank, "_get") else "_program", "draft")
         return self
 
     def _program_counter(self, owner, name, label):

@@ -70,6 +70,25 @@ def draft_chain(step: Callable[[mx.array, int], mx.array], feed: mx.array, sampl
     return mx.stack(drafts, axis=1), (None if qs[0] is None else mx.stack(qs, axis=1))
 
 
+def chain_seconds(chain: Callable[[], Optional[mx.array]], clock: Callable[[], float], repeats: int = 4) -> float:
+    """Seconds a call of `chain()` (queues a round's draft steps, returns the drafts, or None where
+    it cannot run: inf) takes: one untimed (it builds programs and kernels), then `repeats` queued
+    as rounds are, each read while the next one runs."""
+    last = chain()
+    if last is None:
+        return float("inf")
+    np.array(last)
+    started, last = clock(), None
+    for _ in range(repeats):
+        drafts = chain()
+        mx.async_eval(drafts)
+        if last is not None:
+            np.array(last)
+        last = drafts
+    np.array(last)
+    return (clock() - started) / repeats
+
+
 class Backlog:
     """Per row, the tokens the draft cache has not seen yet, before the pending one: one (the last
     accepted token) after a drafting round, one more after each round without drafts."""
@@ -124,7 +143,9 @@ class DraftChainBank:
         self.vocab = vocab
         self._programs: Dict[Tuple, Callable] = {}
         self._broken: Dict[Tuple, str] = {}
-        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "programs": 0, "fallback_reasons": {}}
+        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "programs": 0, "fallback_reasons": {},
+                                         # "width W depth K": (ms compiled, ms eager), DraftModelDrafter.measure
+                                         "measured_ms": {}}
 
     def _eager(self, reason: str):
         self.stats["eager_calls"] += 1

@@ -25,6 +25,7 @@ A new draft method is one class with this interface and one line in `DRAFTERS`.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
@@ -34,7 +35,7 @@ from .cache import BatchCache, RowStateCache, capacity_bucket
 from .config import SPEC_METHODS, SpeculativeConfig
 from .gdn import install_capture
 from .recurrent import install_stepping
-from .draft_chain import MAX_BACKLOG, Backlog, DraftChainBank, draft_chain
+from .draft_chain import MAX_BACKLOG, Backlog, DraftChainBank, chain_seconds, draft_chain
 from .models.loading import ModelBundle
 from .models.mtp import MTPHead
 from .head_prefill import head_prefill_rows
@@ -184,19 +185,28 @@ class _CachedDrafter:
 class DraftModelDrafter(_CachedDrafter):
     """A smaller model with the same tokenizer drafts K tokens autoregressively, K draft steps a
     round (draft_chain.py: its cache one token behind the target's, a backlog while rounds do
-    not draft, the steps one compiled call when its cache is attention only)."""
+    not draft, the steps one compiled call when its cache is attention only).
+
+    `measure`: each (width, depth, sampler kind) drafts through whichever of the compiled chain and
+    the eager steps its first proposal timed faster here (`_compiled_pays`); the two give the same
+    drafts, and which is faster depends on the device and the draft model (the H200 with a
+    0.5B draft: eager 12.5 ms a depth-2 round, compiled 16.8; equal at depth 4)."""
 
     name = "draft"
     needs_hidden = False
     device_side = True
+    clock = staticmethod(time.perf_counter)  # what the two chains are timed with (tests inject one)
 
-    def __init__(self, draft_model, vocab_size: int, chunk_size: int = 512, compiled: bool = True):
+    def __init__(self, draft_model, vocab_size: int, chunk_size: int = 512, compiled: bool = True,
+                 measure: bool = False):
         install_capture(draft_model)  # a recurrent draft's states after every token fed (the rollback)
         install_stepping(draft_model)
         self.model = draft_model
         self.vocab = vocab_size
         self.chunk = chunk_size
         self.bank = DraftChainBank(draft_model, vocab_size) if compiled else None
+        self.measure = measure
+        self.compiled_pays: Dict[tuple, bool] = {}  # (width, K, sampler flags) -> the compiled chain was faster
         self.cache: Optional[BatchCache] = None
         self.extra: List[mx.array] = []  # [backlog tokens [W, MAX_BACKLOG]]
         self.backlog = Backlog()
@@ -293,15 +303,43 @@ class DraftModelDrafter(_CachedDrafter):
         self._catch_up(keep=1)
         feed = mx.concatenate([self.backlog.tokens[:, :1], pending[:, None].astype(mx.int32)], axis=1)
         self.start = self.cache.rows.mark()
-        out = None if self.bank is None else self.bank.propose(self.cache, feed, sampler, u, K)
-        if out is not None:
-            return out
+        out = self.bank.propose(self.cache, feed, sampler, u, K) if self._compiled_pays(K, feed, sampler, u) else None
+        return out if out is not None else self._eager_chain(K, feed, sampler, u)
+
+    def _eager_chain(self, K, feed, sampler, u):
         # Recurrent (Gated DeltaNet) layers of a hybrid draft cannot rewind by length: keep their
         # state after every token of this round, and pick each row's at commit.
         self._steps = [[list(c.cache) for c in self._state_layers]] if self._state_layers else None
         W = self.cache.batch
         step = lambda tokens, j: self._feed(tokens, np.full(W, tokens.shape[1], dtype=np.int64))
         return draft_chain(step, feed, sampler, u, K, self.vocab)
+
+    def _compiled_pays(self, K, feed, sampler, u) -> bool:
+        """Whether this round drafts through the compiled chain: with `measure`, what the first
+        proposal of its shape timed (`_seconds`: the same chain both ways, a few times each),
+        else wherever there is a bank (it falls back to eager steps itself where it cannot compile)."""
+        if self.bank is None:
+            return False
+        if not self.measure or self._state_layers:  # a recurrent draft drafts eagerly anyway
+            return True
+        key = (self.cache.batch, K, sampler.all_greedy, sampler.any_top_k, sampler.any_top_p)
+        if key not in self.compiled_pays:
+            compiled, eager = self._seconds(K, feed, sampler, u, True), self._seconds(K, feed, sampler, u, False)
+            self.compiled_pays[key] = compiled <= eager
+            self.bank.stats["measured_ms"][f"width {key[0]} depth {K}"] = (round(1e3 * compiled, 3), round(1e3 * eager, 3))
+        if not self.compiled_pays[key]:
+            self.bank._eager("the eager steps measured faster at this width and depth")
+        return self.compiled_pays[key]
+
+    def _seconds(self, K, feed, sampler, u, compiled: bool) -> float:
+        """Seconds this round's chain takes here, compiled or eager (draft_chain.chain_seconds); the
+        cache lengths are put back after each: what a chain wrote past them is never read."""
+        def chain():
+            out = self.bank.propose(self.cache, feed, sampler, u, K) if compiled else self._eager_chain(K, feed, sampler, u)
+            self.cache.rows.restore(self.start)
+            return None if out is None else out[0]  # None: the bank cannot compile this cache
+
+        return chain_seconds(chain, self.clock)
 
     def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
         keep = np.where(active, n_accept + 1, 0)
@@ -558,7 +596,7 @@ def _draft_model(spec: SpeculativeConfig, bundle: ModelBundle) -> DraftModelDraf
     from .fusion import decode_paths
 
     decode_paths(draft.model, spec.compiled_verify != "off")  # the target's CUDA decode paths (off CUDA: none)
-    return DraftModelDrafter(draft.model, bundle.vocab_size, compiled=spec.compiled_verify != "off")
+    return DraftModelDrafter(draft.model, bundle.vocab_size, compiled=spec.compiled_verify != "off", measure=True)
 
 
 def _mtp(spec: SpeculativeConfig, bundle: ModelBundle) -> MtpDrafter:

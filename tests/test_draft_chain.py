@@ -120,6 +120,7 @@ def test_rounds_without_drafts_feed_nothing_and_greedy_output_stays_plain(tiny_m
     spec = SpeculativeConfig(method="draft", depth=3, adaptive_depth=True, compiled_verify=compiled,
                              draft_model=str(target_path))  # the target drafts for itself: every draft passes
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
+    eng.drafter.measure = False  # the steps as configured: no timing of both chains (it feeds the model too)
     counting = CountingModel(eng.drafter.model)
     eng.drafter.model = counting
     schedule = [0] * (MAX_BACKLOG + 3) + [3] * 4 + [0] * 6 + [2] * 3
@@ -159,3 +160,39 @@ def test_one_token_prompts_start_with_an_empty_draft_cache(tiny_model, draft_arc
     for i, (p, m) in enumerate(rows):
         assert out[i].error is None and out[i].tokens == reference_tokens(bundle.model, p, m, eos), i
         assert out[i].stats.accepted_tokens == out[i].stats.drafted_tokens, (i, out[i].stats)
+
+
+@pytest.mark.parametrize("compiled_ms,eager_ms", [(10.0, 1.0), (1.0, 10.0)])
+def test_each_shape_drafts_through_the_chain_measured_faster(tiny_model, compiled_ms, eager_ms):
+    """The engine's draft drafter times both chains at each shape's first proposal (an injected
+    clock, charged per chain: no wall time) and drafts through the faster; the text stays plain
+    decoding's either way."""
+    path = tiny_model("llama")
+    bundle = load(path)
+    rows = _rows([4, 17, 9], [30, 24, 18])
+    eos = set(bundle.tokenizer.eos_token_ids)
+    spec = SpeculativeConfig(method="draft", depth=2, adaptive_depth=False, draft_model=str(path))
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=2, order="input"))
+    d, now = eng.drafter, [0.0]
+    d.clock = lambda: now[0]
+    propose, eager = d.bank.propose, d._eager_chain
+
+    def charged(fn, ms):
+        def run(*a, **k):
+            now[0] += ms / 1e3
+            return fn(*a, **k)
+        return run
+
+    d.bank.propose, d._eager_chain = charged(propose, compiled_ms), charged(eager, eager_ms)
+    out = {r.key: r for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
+    for i, (p, m) in enumerate(rows):
+        assert out[i].tokens == reference_tokens(bundle.model, p, m, eos), i
+    want = compiled_ms < eager_ms
+    assert d.compiled_pays and set(d.compiled_pays.values()) == {want}, d.compiled_pays
+    measured = d.bank.stats["measured_ms"]
+    assert all(v == pytest.approx((compiled_ms, eager_ms)) for v in measured.values()), measured
+    shapes = len(d.compiled_pays)
+    if want:  # every round compiled, besides the 5 timed calls of each shape
+        assert d.bank.stats["eager_calls"] == 0
+    else:  # only the timing ran the compiled chain
+        assert d.bank.stats["compiled_calls"] == 5 * shapes and d.bank.stats["eager_calls"] > 0
