@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -52,6 +53,7 @@ def run_engine(bundle, prompts, tokens, spec: SpeculativeConfig, width: int, war
     reqs = [Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=tokens)) for i, p in enumerate(prompts)]
     if warm:  # the same run once, untimed: every compiled program and kernel this run needs exists
         list(eng.generate(reqs))
+    chosen = _count_depths(eng.depth_control)
     reset_peak()
     t0 = time.perf_counter()
     res = sorted(eng.generate(reqs), key=lambda r: r.key)
@@ -74,11 +76,31 @@ def run_engine(bundle, prompts, tokens, spec: SpeculativeConfig, width: int, war
         # the draft model's proposals: compiled program calls / eager ones (both runs counted)
         "draft_calls": _draft_calls(eng.drafter),
         "mean_depth": round(float(np.mean([r.stats.draft_depth for r in res])), 2),
+        "depth_mix": _mix(chosen),  # the depths chosen for the timed run's rounds
         "peak_gb": peak_gb(),
         "texts": [r.tokens for r in res],
         # mtp_lookup: the share of row-rounds that drafted from the context (both runs counted alike)
         "lookup_share": _lookup_share(eng.drafter),
     }
+
+
+def _count_depths(control) -> Counter:
+    """The depths `control` (the engine's DepthController) chooses from now on, counted."""
+    chosen, choose = Counter(), control.choose
+
+    def counted(width):
+        k = choose(width)
+        chosen[k] += 1
+        return k
+
+    control.choose = counted
+    return chosen
+
+
+def _mix(chosen: Counter) -> str:
+    """Share of rounds at each depth, e.g. "0: 88%, 1: 12%"."""
+    n = sum(chosen.values()) or 1
+    return ", ".join(f"{k}: {100 * v / n:.0f}%" for k, v in sorted(chosen.items()))
 
 
 def _draft_calls(drafter):
@@ -272,6 +294,7 @@ def run_source(args, bundle, source: str, out: Path):
                 entry[f"ours {method} tokens/verify"] = r["tokens_per_verify"]
             if method == "draft":  # adaptive: the depth it settled on (0: drafting did not pay)
                 entry["ours draft mean depth"] = r["mean_depth"]
+                entry["ours draft depth mix"] = r["depth_mix"]  # share of rounds by depth
                 entry["ours draft tokens/verify"] = r["tokens_per_verify"]
             if method == "none":
                 batch_plain = r["texts"]

@@ -186,3 +186,22 @@ def test_draft_rounds_counts_k_draft_forwards_or_one_program_a_round(tiny_model)
         assert depth / 2 < eager["eager draft forwards / round"] <= depth + prefills + 1e-9, eager
         assert 0.5 < compiled["compiled proposals / round"] <= 1, compiled
         assert compiled["eager draft forwards / round"] * compiled["rounds"] == 2, compiled
+    measured = measure(bundle, draft, 2, "measured", tokens=12)  # the engine's default: both chains timed
+    assert measured["chain ms compiled / eager"].startswith("width 1 depth 2: "), measured
+
+
+def test_round_graph_counts_the_draft_models_programs(tiny_model):
+    """A draft-model round at fixed depth, compiled: one verify program and one draft-chain program."""
+    from benchmarks.round_graph import GraphCounter
+
+    path = tiny_model("llama")
+    spec = SpeculativeConfig(method="draft", draft_model=str(path), depth=2, adaptive_depth=False, compiled_verify="on")
+    eng = Engine(load(path), spec, ScheduleConfig(max_batch=1))
+    eng.drafter.measure = False
+    reqs = [Request(key=0, prompt_tokens=[3, 17, 9], params=SamplingParams(max_tokens=10))]
+    list(eng.generate(reqs))
+    rounds = eng.counters["rounds"]
+    with GraphCounter(eng) as g:
+        list(eng.generate(reqs))
+    rounds = eng.counters["rounds"] - rounds
+    assert g.programs["verify"] == rounds and 0 < g.programs["draft"] <= rounds, (dict(g.programs), rounds)
