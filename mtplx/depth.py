@@ -7,7 +7,8 @@ controller keeps a_j per draft position, measured, and no single per-token figur
 on a GPU a verify of 4 tokens can cost what a verify of 1 does, on a CPU it costs nearly four
 times as much. So the controller measures: it keeps the wall time of recent rounds per (width
 bucket, depth), extrapolates depths it has not tried, picks the depth with the most tokens per
-second, and now and then tries a neighbour so the estimates stay honest (every width bucket on its
+second, and now and then tries a neighbour (from the deepest depth, every other try is plain
+decoding) so the estimates stay honest (every width bucket on its
 own count of rounds: with one count, a width whose rounds fell between another's could never
 explore, and kept the depth it started at). Depth 0 (no drafting) is a candidate: when
 speculation does not pay, it stops speculating.
@@ -106,11 +107,11 @@ class DepthController:
         n = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
         if n in FIRST_TRY:
             return 0  # what drafting must beat, measured
-        if n % EXPLORE_EVERY == 0:
-            step = 1 if (n // EXPLORE_EVERY) % 2 else -1
-            if not 0 <= best + step <= self.max_depth:
-                step = -step  # at a bound: try the neighbour there is
-            self.trying[bucket] = min(max(best + step, 0), self.max_depth)
+        if n % EXPLORE_EVERY == 0:  # tries alternate the depths above and below the best
+            k = best + 1 if (n // EXPLORE_EVERY) % 2 else best - 1
+            if k > self.max_depth:
+                k = 0  # at the deepest: plain decoding again, what drafting must beat (one high time stays otherwise)
+            self.trying[bucket] = min(abs(k), self.max_depth)  # at depth 0: below is depth 1
         if n >= EXPLORE_EVERY and n % EXPLORE_EVERY < TRY_ROUNDS:
             return self.trying[bucket]
         return best

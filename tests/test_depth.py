@@ -121,17 +121,14 @@ def test_one_controller_drafts_deep_at_one_stream_and_shallow_at_width_32():
         assert max(set(tail), key=tail.count) == want, (width, chosen[width])
 
 
-def test_h200_draft_model_rounds_timed_as_the_engine_times_them_settle_at_plain():
-    """The H200 with Qwen2.5-Coder 1.5B and its 0.5B draft: a plain round 4 ms, depth 1 9 ms,
-    depth 2 14 ms for 2.7 tokens (drafts pass 0.89 / 0.9 by position): plain decoding pays most.
-    Fed as the engine feeds it (spec_rounds.py): a round's depth is chosen two rounds before the
-    round is read, and its time comes only when the round queued after it drafts as deep (None
-    otherwise). It settles at depth 0 and still tries drafting now and then."""
-    cost, rates = {0: 0.004, 1: 0.009, 2: 0.014}, [0.89, 0.9]
-    ctrl = DepthController(2)
-    queued, chosen = [ctrl.choose(1), ctrl.choose(1)], []
-    for _ in range(20 * EXPLORE_EVERY):
-        queued.append(ctrl.choose(1))
+def pipelined(ctrl, cost, rates, rounds, width=1, noisy=None):
+    """Feed `ctrl` as the engine does (spec_rounds.py): a round's depth is chosen two rounds before
+    the round is read, and its time, cost[k] (or noisy(k, i) for the i-th timed round at depth k,
+    where given), comes only when the round queued after it drafts as deep (None otherwise).
+    Drafts pass with conditional rates by position. Returns the depths of the rounds."""
+    queued, chosen, timed = [ctrl.choose(width), ctrl.choose(width)], [], {}
+    for _ in range(rounds):
+        queued.append(ctrl.choose(width))
         k = queued.pop(0)
         chosen.append(k)
         reached, passed, run = [], [], 1.0
@@ -139,8 +136,38 @@ def test_h200_draft_model_rounds_timed_as_the_engine_times_them_settle_at_plain(
             reached.append(run)
             run *= rates[j]
             passed.append(run)
-        ctrl.record(1, k, cost[k] if queued[0] == k else None, round(sum(passed)), k, reached, passed)
+        seconds = None
+        if queued[0] == k:
+            i = timed[k] = timed.get(k, -1) + 1
+            seconds = noisy(k, i) if noisy else cost[k]
+        ctrl.record(width, k, seconds, round(sum(passed)), k, reached, passed)
+    return chosen
+
+
+H200_DRAFT = {0: 0.004, 1: 0.009, 2: 0.014}  # Qwen2.5-Coder 1.5B, its 0.5B draft: s a round by depth
+H200_RATES = [0.89, 0.9]  # 2.7 tokens a depth-2 round
+
+
+def test_h200_draft_model_rounds_timed_as_the_engine_times_them_settle_at_plain():
+    """The H200 with Qwen2.5-Coder 1.5B and its 0.5B draft: a plain round 4 ms, depth 1 9 ms,
+    depth 2 14 ms for 2.7 tokens: plain decoding pays most. Fed as the engine feeds it, the
+    controller settles at depth 0 and still tries drafting now and then."""
+    ctrl = DepthController(2)
+    chosen = pipelined(ctrl, H200_DRAFT, H200_RATES, 20 * EXPLORE_EVERY)
     tail = chosen[-EXPLORE_EVERY * 8:]
     assert tail.count(0) > 0.8 * len(tail), chosen
     assert any(tail), chosen
     assert abs(ctrl.seconds[(1, 0)] - 0.004) < 1e-9 and abs(ctrl.seconds[(1, 2)] - 0.014) < 1e-9
+
+
+def test_a_plain_round_timed_high_once_is_measured_again():
+    """The H200's compiled draft chain (a fixed ~8 ms a round: depth 1 14.2 ms, depth 2 16.8 ms, plain
+    4 ms), with the first timed plain round at 1.7x its time (the device busy elsewhere): depth 2
+    then looks best, depth 1 worse, and a neighbour-only exploration would try depth 1 and never
+    plain decoding again. Tries from the deepest depth alternate depth-1 and plain ones, so the
+    controller still settles at depth 0."""
+    cost = {0: 0.004, 1: 0.0142, 2: 0.0168}
+    noisy = lambda k, i: cost[k] * (1.7 if (k, i) == (0, 1) else 1.0)  # i = 0: untimed (compiles)
+    chosen = pipelined(DepthController(2), cost, H200_RATES, 20 * EXPLORE_EVERY, noisy=noisy)
+    tail = chosen[-EXPLORE_EVERY * 8:]
+    assert tail.count(0) > 0.8 * len(tail), chosen
