@@ -29,9 +29,12 @@ Only greedy rows follow it (their text cannot change); sampled rows keep `specul
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-EXPLORE_EVERY = 16  # rounds between tries of a neighbouring depth
+EXPLORE_EVERY = 16  # rounds between tries of a neighbouring depth, at first;
+EXPLORE_MOST = 64  # doubling up to this while the tries leave the best depth where it was (a try of
+# a draft model from depth 0 feeds its backlog first and drafts at a loss: every 16 rounds, ~7%)
 TRY_ROUNDS = 2  # rounds a neighbour try lasts (its last one is followed by another depth: untimed)
 # A width's first try of depth 0 (no drafting), early: three rounds (a new depth's first round
 # compiles, the last is followed by another depth: neither is timed), so what drafting must beat is
@@ -51,8 +54,7 @@ class DepthController:
         self.passed: Dict[int, float] = {}  # draft position j -> EMA of P(draft j passes | j-1 passed)
         self.seconds: Dict[Tuple[int, int], float] = {}  # (width bucket, depth) -> EMA round time
         self.seen: Dict[Tuple[int, int], int] = {}
-        self.rounds: Dict[int, int] = {}  # width bucket -> rounds chosen (each width explores on its own)
-        self.trying: Dict[int, int] = {}  # width bucket -> the depth its current neighbour try runs
+        self.widths: Dict[int, _Tries] = {}  # width bucket -> its rounds and tries (each width explores on its own)
 
     @staticmethod
     def _bucket(width: int) -> int:
@@ -104,17 +106,19 @@ class DepthController:
             return self.max_depth
         bucket = self._bucket(width)
         best = max(range(self.max_depth + 1), key=lambda k: self._rate(bucket, k))
-        n = self.rounds[bucket] = self.rounds.get(bucket, 0) + 1
+        w = self.widths.setdefault(bucket, _Tries())
+        w.rounds += 1
+        n = w.rounds
         if n in FIRST_TRY:
             return 0  # what drafting must beat, measured
-        if n % EXPLORE_EVERY == 0:  # tries alternate the depths above and below the best
-            k = best + 1 if (n // EXPLORE_EVERY) % 2 else best - 1
+        if n == w.next:
+            w.every = min(2 * w.every, EXPLORE_MOST) if best == w.best_then else EXPLORE_EVERY
+            w.best_then, w.next, w.count = best, n + w.every, w.count + 1
+            k = best + 1 if w.count % 2 else best - 1  # tries alternate the depths above and below the best
             if k > self.max_depth:
                 k = 0  # at the deepest: plain decoding again, what drafting must beat (one high time stays otherwise)
-            self.trying[bucket] = min(abs(k), self.max_depth)  # at depth 0: below is depth 1
-        if n >= EXPLORE_EVERY and n % EXPLORE_EVERY < TRY_ROUNDS:
-            return self.trying[bucket]
-        return best
+            w.depth, w.until = min(abs(k), self.max_depth), n + TRY_ROUNDS  # at depth 0: below is depth 1
+        return w.depth if n < w.until else best
 
     def record(self, width: int, depth: int, seconds: Optional[float], accepted: int, tried: int,
                reached=None, passed=None) -> None:
@@ -132,6 +136,19 @@ class DepthController:
             if r:
                 old = self.passed.get(j, self.position_acceptance(j))
                 self.passed[j] = 0.8 * old + 0.2 * (p / r)
+
+
+@dataclass
+class _Tries:
+    """One width bucket's rounds and its tries of other depths."""
+
+    rounds: int = 0
+    next: int = EXPLORE_EVERY  # the round the next try starts at
+    every: int = EXPLORE_EVERY  # rounds between tries
+    best_then: Optional[int] = None  # the best depth when the last try started
+    count: int = 0  # tries so far
+    depth: int = 0  # the current try's depth, run while rounds < until
+    until: int = 0
 
 
 def position_counts(n_accept, depths, K: int):

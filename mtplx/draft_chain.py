@@ -30,7 +30,9 @@ from .cache import BatchCache
 from .graphbank import _shadow_cache, _shadow_outputs
 from .sampling import SamplerBatch, sample_from, shaped_probs
 
-MAX_BACKLOG = 32  # tokens a row's draft cache may lag behind before a round without drafts feeds them
+MAX_BACKLOG = 64  # tokens a row's draft cache may lag behind before a round without drafts feeds them
+# (on a launch-bound GPU a forward of 64 costs little more than one of 1; at depth 0 a catch-up a try of
+# drafting, every depth.EXPLORE_MOST rounds)
 
 
 def fit_vocab(logits: mx.array, vocab: int) -> mx.array:

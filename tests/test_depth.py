@@ -1,6 +1,6 @@
 """The adaptive depth controller picks what measured round times and acceptance say pays."""
 
-from mtplx.depth import EXPLORE_EVERY, DepthController
+from mtplx.depth import EXPLORE_EVERY, EXPLORE_MOST, DepthController
 
 
 def drive(ctrl, width, cost, acceptance, rounds=200):
@@ -158,6 +158,10 @@ def test_h200_draft_model_rounds_timed_as_the_engine_times_them_settle_at_plain(
     assert tail.count(0) > 0.8 * len(tail), chosen
     assert any(tail), chosen
     assert abs(ctrl.seconds[(1, 0)] - 0.004) < 1e-9 and abs(ctrl.seconds[(1, 2)] - 0.014) < 1e-9
+    # tries that keep confirming plain decoding come less often: one in EXPLORE_MOST rounds, not EXPLORE_EVERY
+    last = chosen[-4 * EXPLORE_MOST:]
+    starts = sum(1 for a, b in zip(last, last[1:]) if a == 0 and b)
+    assert 3 <= starts <= 4, chosen
 
 
 def test_a_plain_round_timed_high_once_is_measured_again():
