@@ -72,13 +72,14 @@ def draft_chain(step: Callable[[mx.array, int], mx.array], feed: mx.array, sampl
     return mx.stack(drafts, axis=1), (None if qs[0] is None else mx.stack(qs, axis=1))
 
 
-def chain_seconds(chain: Callable[[], Optional[mx.array]], clock: Callable[[], float], repeats: int = 4) -> float:
+def chain_seconds(chain: Callable[[], Optional[mx.array]], clock: Callable[[], float],
+                  repeats: int = 4) -> Optional[float]:
     """Seconds a call of `chain()` (queues a round's draft steps, returns the drafts, or None where
-    it cannot run: inf) takes: one untimed (it builds programs and kernels), then `repeats` queued
-    as rounds are, each read while the next one runs."""
+    it cannot run: then None) takes: one untimed (it builds programs and kernels), then `repeats`
+    queued as rounds are, each read while the next one runs."""
     last = chain()
     if last is None:
-        return float("inf")
+        return None
     np.array(last)
     started, last = clock(), None
     for _ in range(repeats):

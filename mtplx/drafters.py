@@ -324,14 +324,17 @@ class DraftModelDrafter(_CachedDrafter):
             return True
         key = (self.cache.batch, K, sampler.all_greedy, sampler.any_top_k, sampler.any_top_p)
         if key not in self.compiled_pays:
-            compiled, eager = self._seconds(K, feed, sampler, u, True), self._seconds(K, feed, sampler, u, False)
+            compiled = self._seconds(K, feed, sampler, u, True)
+            if compiled is None:  # not over this cache (an empty one): the bank drafts eagerly itself, for now
+                return True
+            eager = self._seconds(K, feed, sampler, u, False)
             self.compiled_pays[key] = compiled <= eager
             self.bank.stats["measured_ms"][f"width {key[0]} depth {K}"] = (round(1e3 * compiled, 3), round(1e3 * eager, 3))
         if not self.compiled_pays[key]:
             self.bank._eager("the eager steps measured faster at this width and depth")
         return self.compiled_pays[key]
 
-    def _seconds(self, K, feed, sampler, u, compiled: bool) -> float:
+    def _seconds(self, K, feed, sampler, u, compiled: bool) -> Optional[float]:
         """Seconds this round's chain takes here, compiled or eager (draft_chain.chain_seconds); the
         cache lengths are put back after each: what a chain wrote past them is never read."""
         def chain():

@@ -160,6 +160,9 @@ def test_one_token_prompts_start_with_an_empty_draft_cache(tiny_model, draft_arc
     for i, (p, m) in enumerate(rows):
         assert out[i].error is None and out[i].tokens == reference_tokens(bundle.model, p, m, eos), i
         assert out[i].stats.accepted_tokens == out[i].stats.drafted_tokens, (i, out[i].stats)
+    if draft_arch == "llama":  # a shape first proposed over the empty cache is timed once the cache has entries
+        measured = eng.drafter.bank.stats["measured_ms"]
+        assert measured and all(np.isfinite(c) for c, _ in measured.values()), measured
 
 
 @pytest.mark.parametrize("compiled_ms,eager_ms", [(10.0, 1.0), (1.0, 10.0)])
