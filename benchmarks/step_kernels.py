@@ -150,7 +150,7 @@ def check(dtypes=("bfloat16", "float16", "float32")):
     fp16 / fp32: each new shape is a kernel build); rows for a table, printed as it goes."""
     import mlx.nn as nn
 
-    out = []
+    out, tried = [], set()
     for name in dtypes:
         dt = getattr(mx, name)
         few = name != "bfloat16"
@@ -164,6 +164,10 @@ def check(dtypes=("bfloat16", "float16", "float32")):
             out.append({"check": f"add_rms_norm {name} D={D} rows={rows}", "bit-identical": sh and sy, "max abs diff": max(dh, dy),
                         "parts": f"sum {'=' if sh else 'DIFFERS'}, norm {'=' if sy else 'DIFFERS'}"})
             print("layer_kernels", out[-1], flush=True)
+            if not (sh and sy) and "add" not in tried:  # which way of writing the sum gives MLX's bits
+                tried.add("add")
+                h1, y1 = layer_kernels.add_rms_norm(x, r, w, 1e-6, acc=1)
+                print("layer_kernels variant add_rms_norm acc=1 (no fma):", _diff(h1, h0)[0] and _diff(y1, y0)[0], flush=True)
         for (Hq, Hk, D, B, L, norm, base, offsets) in (QK_CASES[3:4] + QK_CASES[7:8] if few else QK_CASES):
             q = mx.random.normal((B, L, Hq * D)).astype(dt)
             k = mx.random.normal((B, L, Hk * D)).astype(dt)
@@ -180,6 +184,14 @@ def check(dtypes=("bfloat16", "float16", "float32")):
                         "bit-identical": sq and sk, "max abs diff": max(dq, dk),
                         "parts": f"q {'=' if sq else 'DIFFERS'}, k {'=' if sk else 'DIFFERS'}"})
             print("layer_kernels", out[-1], flush=True)
+            if not (sq and sk) and "qk" not in tried:  # which fma placement gives MLX's bits
+                tried.add("qk")
+                for rot in range(4):
+                    for acc in range(2) if norm else range(1):
+                        if rot or acc:
+                            v = layer_kernels.qk_norm_rope(q, k, qn, kn, rope, off, Hq, Hk, rot=rot, acc=acc)
+                            print(f"layer_kernels variant qk_norm_rope rot={rot} acc={acc}:",
+                                  _diff(v[0], ref[0])[0] and _diff(v[1], ref[1])[0], flush=True)
     return out
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,7 +65,7 @@ _ADD_NORM = """
       }
       hv[c * NR + j] = v;
       float t = static_cast<float>(v);
-      acc += t * t;
+      acc = ACC == 0 ? acc + t * t : __fadd_rn(acc, __fmul_rn(t, t));
     }
   }
   float s = cg::reduce(warp, acc, cg::plus<float>());
@@ -114,7 +115,7 @@ _QK_ROPE = """
       const int i = lane * NR + j;
       xv[j] = i < D ? src[i] : T(0);
       float t = static_cast<float>(xv[j]);
-      acc += t * t;
+      acc = ACC == 0 ? acc + t * t : __fadd_rn(acc, __fmul_rn(t, t));
     }
     acc = cg::reduce(warp, acc, cg::plus<float>());
     const float n = rsqrt(acc / D + params[0]);
@@ -144,8 +145,20 @@ _QK_ROPE = """
     const int i2 = TRADITIONAL ? i1 + 1 : p + HALF;
     float x1 = static_cast<float>(buf[i1]);
     float x2 = static_cast<float>(buf[i2]);
-    float rx1 = x1 * costheta - x2 * sintheta;
-    float rx2 = x1 * sintheta + x2 * costheta;
+    float rx1, rx2;
+    if (ROT == 0) {  // rope.cu's expressions, contracted as the compiler likes (the default)
+      rx1 = x1 * costheta - x2 * sintheta;
+      rx2 = x1 * sintheta + x2 * costheta;
+    } else if (ROT == 1) {
+      rx1 = fmaf(x1, costheta, -(x2 * sintheta));
+      rx2 = fmaf(x1, sintheta, x2 * costheta);
+    } else if (ROT == 2) {
+      rx1 = fmaf(-x2, sintheta, x1 * costheta);
+      rx2 = fmaf(x2, costheta, x1 * sintheta);
+    } else {
+      rx1 = __fsub_rn(__fmul_rn(x1, costheta), __fmul_rn(x2, sintheta));
+      rx2 = __fadd_rn(__fmul_rn(x1, sintheta), __fmul_rn(x2, costheta));
+    }
     dst[i1] = static_cast<T>(rx1);
     dst[i2] = static_cast<T>(rx2);
   }
@@ -157,6 +170,9 @@ _QK_ROPE = """
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 # the kernels installed models take (each off here runs its unfused ops through the same plumbing)
 ENABLED = {"add_rms_norm", "qk_norm_rope"}
+# how the kernels write the sum of squares (SQUARES) and the rotation (ROTATION): 0 is MLX's own
+# source; the others are the forms it could compile to, which the GPU check tries on a mismatch
+SQUARES, ROTATION = 0, 0
 _kernels = {}
 _consts = {}
 _no_weight = {}
@@ -217,13 +233,16 @@ def add_norm_usable(x, r, weight) -> bool:
             and weight.ndim == 1 and weight.shape[0] == x.shape[-1])
 
 
-def add_rms_norm(x: mx.array, r: mx.array, weight: mx.array, eps: float):
-    """(x + r, rms_norm(x + r, weight, eps)) as one kernel; the same values as the two ops."""
+def add_rms_norm(x: mx.array, r: mx.array, weight: mx.array, eps: float, acc: Optional[int] = None):
+    """(x + r, rms_norm(x + r, weight, eps)) as one kernel; the same values as the two ops. `acc`: how
+    the sum of squares is written (0: as rms_norm.cu, contracted by the compiler; 1: no fma; default
+    SQUARES), for the GPU check to tell which form MLX's build has should the default not match."""
+    acc = SQUARES if acc is None else acc
     D = x.shape[-1]
     block, chunks, nr = _norm_layout(D, x.dtype.size)
     rows = x.size // D
     h, y = _kernel("add_norm")(
-        inputs=[x, r, weight, _const(float(eps))], template=[("T", x.dtype), ("D", D), ("BLOCK", block), ("CHUNKS", chunks), ("NR", nr)],
+        inputs=[x, r, weight, _const(float(eps))], template=[("T", x.dtype), ("D", D), ("BLOCK", block), ("CHUNKS", chunks), ("NR", nr), ("ACC", acc)],
         grid=(block * rows, 1, 1), threadgroup=(block, 1, 1), output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
     return h, y
 
@@ -253,8 +272,11 @@ def qk_usable(q, k, q_norm, k_norm, rope, n_q, n_kv) -> bool:
     return ok
 
 
-def qk_norm_rope(q, k, q_norm, k_norm, rope, offset, n_q, n_kv):
-    """`qk_norm_rope_reference` as one kernel (the same values)."""
+def qk_norm_rope(q, k, q_norm, k_norm, rope, offset, n_q, n_kv, rot: Optional[int] = None, acc: Optional[int] = None):
+    """`qk_norm_rope_reference` as one kernel (the same values). `rot`: how the rotation is written
+    (0: as rope.cu; 1-3: the fma placements it could compile to, for the GPU check; default ROTATION);
+    `acc`: as for add_rms_norm."""
+    rot, acc = ROTATION if rot is None else rot, SQUARES if acc is None else acc
     B, L, _ = q.shape
     D = q.shape[-1] // n_q
     if isinstance(offset, mx.array):
@@ -273,7 +295,8 @@ def qk_norm_rope(q, k, q_norm, k_norm, rope, offset, n_q, n_kv):
     q_out, k_out = _kernel("qk")(
         inputs=[q, k, qw, kw, off, params],
         template=[("T", q.dtype), ("D", D), ("HQ", n_q), ("HK", n_kv), ("NR", 16 // q.dtype.size), ("NORM", norm),
-                  ("DIMS", rope.dims), ("TRADITIONAL", bool(rope.traditional)), ("OSTRIDE", stride)],
+                  ("DIMS", rope.dims), ("TRADITIONAL", bool(rope.traditional)), ("OSTRIDE", stride), ("ROT", rot),
+                  ("ACC", acc)],
         grid=(32 * (n_q + n_kv), L, B), threadgroup=(32, 1, 1),
         output_shapes=[(B, n_q, L, D), (B, n_kv, L, D)], output_dtypes=[q.dtype, q.dtype])
     return q_out, k_out
