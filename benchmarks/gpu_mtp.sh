@@ -99,16 +99,17 @@ attn)  # issue 18 (h6a): rows_attention as chunks of queries a block (each key r
   # queries), ~4 min warm: its checks and timing (benchmarks/attn_check: same bits whatever the chunk / query count,
   # MLX's bits on exact keys, us a call vs a block per query / the masked fallback / MLX), then width-32 MTP depth 3
   # vs plain with it, one wave (32 rows: the last rounds run part-empty) and a refilled stream (64 held-out rows, as a
-  # job runs), then the same stream with the query limit at 3 (a 4-query verify on the masked fallback) to compare.
+  # job runs), the phase split of the 32-row MTP round (verify vs the head's propose / advance), then the same
+  # stream with the query limit at 3 (a 4-query verify on the masked fallback) to compare.
   heldout heads/smollm2-135m-instruct
   echo "== attn_check $(date +%T)" | tee -a "$OUT/attn.log"
   timeout ${CHECK_LIMIT:-90} python3 -m benchmarks.attn_check 2>&1 | tee -a "$OUT/attn.log"
   for q in 8 3; do
-    rows=${ROWS:-32,64}; [ $q = 3 ] && rows=${ROWS3:-64}
+    rows=${ROWS:-32,64}; phases=--phases; [ $q = 3 ] && rows=${ROWS3:-64} && phases=
     echo "== rows_attention query limit $q, rows $rows $(date +%T)" | tee -a "$OUT/attn.log"
     timeout ${LIMIT:-120} python3 -m benchmarks.round_cost --model $MODEL --head heads/smollm2-135m-instruct \
       --prompts /tmp/humaneval-heldout.jsonl --widths ${WIDTHS:-32} --rows $rows --tokens ${TOKENS:-96} \
-      --depths 3 --attention-queries $q 2>&1 | tee -a "$OUT/attn.log"
+      --depths 3 --attention-queries $q $phases 2>&1 | tee -a "$OUT/attn.log"
   done
   ;;
 jobs)  # issue 18: is the eval-mtp job the fastest way to run it? The whole job (ROWS rows, its own width)
