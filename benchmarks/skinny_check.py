@@ -19,6 +19,12 @@ One command, printing as it goes, failing loudly (exit 1, the case named) at the
    input costs at M > 1), and the kernel.
 4. engine: the random 0.6B shape (tied head) with the kernel installed, greedy plain decoding vs prompt
    lookup at depth 3, width 1 (compiled verify): the same tokens (--engine-baseline: also without it).
+
+--match-mlx checks skinny_matmul.MATCH_MLX instead (MLX's gemv's split of K: every row must also equal
+MLX's own one-row product; one-row steps then keep MLX's gemv, so the engine check compares MLX's plain
+steps with the kernel's 4-row verifies):
+
+    python3 -m benchmarks.skinny_check --match-mlx --skip chain   # ~1.5 min on the H200
 """
 from __future__ import annotations
 
@@ -63,17 +69,17 @@ def fail(case, what):
 
 
 def per_row_reference(x, w, bias=None, tiles=None):
-    """The kernel's contract in MLX ops (each row its own fp32 product), for the CPU dry run."""
+    """The kernel's contract in MLX ops (each output its own fp32 sum over K, rounded once), for the
+    CPU dry run (small shapes only: it forms the M x N x K products)."""
     k = w.shape[-1]
     rows = x.reshape(-1, k).astype(mx.float32)
-    wt = w.astype(mx.float32).T
-    y = mx.concatenate([rows[i:i + 1] @ wt for i in range(rows.shape[0])], axis=0)
+    y = (rows[:, None, :] * w.astype(mx.float32)[None]).sum(axis=-1)
     if bias is not None:
         y = y + bias.astype(mx.float32)
     return y.astype(w.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-def check_identity(label, w, bias, rows, mm):
+def check_identity(label, w, bias, rows, mm, against_mlx=False):
     k = w.shape[1]
     x8 = mx.random.normal((sk.MAX_ROWS, k)).astype(w.dtype)
     full = mm(x8, w, bias)
@@ -100,6 +106,12 @@ def check_identity(label, w, bias, rows, mm):
     part = mm(x8[:4], w[a:b], bias[a:b] if bias is not None else None)
     if not mx.array_equal(part, full[:4, a:b]).item():
         fail(label, f"the weight's rows {a}..{b - 1} (a view) give other bits than the same columns of the whole")
+    if against_mlx:  # MATCH_MLX: every row equals MLX's own one-row product (its gemv)
+        for i in range(sk.MAX_ROWS):
+            ref = x8[i:i + 1] @ w.T
+            if not mx.array_equal(full[i:i + 1], ref).item():
+                d = mx.abs(full[i:i + 1].astype(mx.float32) - ref.astype(mx.float32)).max().item()
+                fail(label, f"row {i} differs from MLX's one-row product x[{i}] @ W.T (max diff {d:.3g}; chunk {sk.chunk(w.shape[1])})")
     compiled = mx.compile(lambda a: mm(a, w, bias))
     if not mx.array_equal(compiled(x8[:4]), full[:4]).item():
         fail(label, "inside mx.compile the product gives other bits")
@@ -219,11 +231,16 @@ def main():
     ap.add_argument("--reference", action="store_true", help="CPU dry run: per-row MLX products stand in for the kernel")
     ap.add_argument("--small", action="store_true", help="dry run sizes: no 8B matrices, the tiny chain")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: identity, timing, chain, engine")
+    ap.add_argument("--match-mlx", action="store_true",
+                    help="skinny_matmul.MATCH_MLX: MLX's gemv's split (checked: every row == MLX's one-row product; one-row "
+                         "steps keep MLX's gemv, the engine check's plain steps too)")
     ap.add_argument("--engine-baseline", action="store_true", help="the engine check also without the kernel (two more engines)")
     ap.add_argument("--repeats", type=int, default=10, help="timed passes of the chain")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="the device's memory bandwidth, GB/s (H200: 4800)")
     args = ap.parse_args()
     skip = {s for s in args.skip.split(",") if s}
+    sk.MATCH_MLX = args.match_mlx
+    mx.random.seed(0)
     if args.reference:
         mm = per_row_reference
     elif sk.cuda_ready():
@@ -231,7 +248,8 @@ def main():
     else:
         sys.exit("skinny_check: the kernel needs MLX's CUDA backend (here: none); --reference runs the dry run")
     cases = [c for c in CASES if not (args.small and c[1] * c[2] > 2e6)]
-    print(f"{mx.default_device()}, mlx {mx.__version__}, {'reference (dry run)' if args.reference else 'kernel'}", flush=True)
+    print(f"{mx.default_device()}, mlx {mx.__version__}, {'reference (dry run)' if args.reference else 'kernel'}"
+          f"{', MATCH_MLX' if sk.MATCH_MLX else ''}", flush=True)
     t0 = time.perf_counter()
     timed_rows = []
     try:
@@ -243,9 +261,10 @@ def main():
             mats[label] = w
             if "identity" in skip:
                 continue
-            x8, full = check_identity(label, w, bias, rows, mm)
+            x8, full = check_identity(label, w, bias, rows, mm, against_mlx=sk.MATCH_MLX and not args.reference and not with_bias)
             err, err_mlx = rel_err(x8, w, bias, full), rel_err(x8, w, bias, x8 @ w.T + (bias if with_bias else 0))
-            print(f"ok {label:18s} [{n} x {k}] {dt}{' +bias' if with_bias else ''}: bit-identical at M = {','.join(map(str, sorted(set(rows) | {1, 4, 8})))}, "
+            same_as_mlx = "every row == MLX's one-row product, " if sk.MATCH_MLX and not args.reference and not with_bias else ""
+            print(f"ok {label:18s} [{n} x {k}] {dt}{' +bias' if with_bias else ''}: {same_as_mlx}bit-identical at M = {','.join(map(str, sorted(set(rows) | {1, 4, 8})))}, "
                   f"each tiling, 3-D, odd offset, row view, compiled; max rel err {err:.2e} (MLX's {err_mlx:.2e})  "
                   f"[{time.perf_counter() - t0:.0f} s]", flush=True)
             if err > MAX_REL_ERR:

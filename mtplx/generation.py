@@ -164,7 +164,7 @@ class Engine(SpeculativeRounds):
     # fusion.decode_paths; benchmarks/decode_anatomy turns them off to measure without.
     stack_projections = True
     use_rows_attention = True
-    use_skinny_matmul = False  # skinny_matmul.py: off until its GPU check (benchmarks/skinny_check) passes
+    use_skinny_matmul = False  # skinny_matmul.py: exact on the H200, but no faster than MLX's gemv at one row
     use_layer_kernels = False  # layer_kernels.py: off until the H200 shows it exact and faster
 
     @staticmethod

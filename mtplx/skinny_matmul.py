@@ -2,27 +2,30 @@
 
 A one-stream decode step multiplies one row (a verify of depth d: d + 1 rows) by every weight
 matrix of the model, so it reads every weight once and does almost no arithmetic: the time is the
-weight bytes over the memory bandwidth. MLX's CUDA gemv (one warp per output, the 16-byte loads
-consumed as they arrive) reaches ~70% of the H200's HBM peak at one row, and with more rows MLX
-takes its general matmul (~58% at four rows: benchmarks/gemv_bandwidth). This kernel streams each
-weight row once for all M <= MAX_ROWS rows of x: every lane keeps several 16-byte weight loads in
-flight (U chunks of R output rows), marks them streaming (ld.global.cs: read once, keep the small x
-in L1), and accumulates M fp32 dot products per load.
+weight bytes over the memory bandwidth. MLX's CUDA gemv (one warp per output) reaches ~70% of the
+H200's HBM peak at one row over the 8B shape's matrices; with more rows MLX takes its general matmul
+(~58% at four rows: benchmarks/gemv_bandwidth). This kernel streams each weight row once for all
+M <= MAX_ROWS rows of x: every lane keeps several weight loads in flight (U chunks of R output
+columns), marks them streaming (ld.global.cs: read once, keep the small x in L1), and accumulates M
+fp32 dot products per load.
 
 Each output is a function of its weight row and its x row alone, whatever M, R or U: lane l adds
-chunks l, l + 32, l + 64, ... (8 elements each, in order, by fused multiply-add into an fp32
+chunks l, l + 32, l + 64, ... (NPT elements each, in order, by fused multiply-add into an fp32
 sum), then the 32 lane sums are added in one fixed tree (xor shuffles 16, 8, 4, 2, 1), rounded once
 to the output type (plus the bias, in fp32, before rounding). So a one-row step (M = 1) and a
 verify of the same row (M = 4) give the same bits, and so do the stacked q/k/v and its parts: greedy
-speculation stays token-identical to plain decoding. Against MLX's own matmul it is only close
-(another summation order).
+speculation stays token-identical to plain decoding. By default NPT = 8 (16-byte loads): close to
+MLX's matmul, not equal. With MATCH_MLX, NPT is MLX's gemv's own split of K, so every row equals
+MLX's one-row product bit for bit; one-row products then stay MLX's (as fast as this kernel there:
+H200, session 6 window 2) and the kernel takes 2..8 rows, where it beat MLX's matmul by up to 1.75x
+(BENCHMARKS.md, h6g).
 
 `install(model)` turns the model's plain bf16/fp16 Linear layers (stacked siblings included, and
-the tied vocabulary head: Embedding.as_linear) into ones that take this kernel for inputs of at
-most MAX_ROWS rows on CUDA (more rows, other dtypes, K not a multiple of 8: MLX's matmul, unchanged);
+the tied vocabulary head: Embedding.as_linear) into ones that take this kernel for the inputs `fits`
+accepts on CUDA (more rows, other dtypes, K not a multiple of 8: MLX's matmul, unchanged);
 `uninstall(model)` puts them back. Quantized layers keep MLX's kernels. The engine installs it
-where it compiles one-stream decode steps on CUDA when `Engine.use_skinny_matmul` is set
-(fusion.decode_paths); benchmarks/skinny_check checks it against MLX on the GPU.
+where it compiles decode steps on CUDA when `Engine.use_skinny_matmul` is set (fusion.decode_paths;
+off: it does not speed up one-row steps); benchmarks/skinny_check checks it on the GPU.
 """
 
 from __future__ import annotations
@@ -35,39 +38,70 @@ import mlx.nn as nn
 from .rows_attention import cuda_ready
 
 MAX_ROWS = 8
+# False: 16-byte chunks, every row's value the same whatever M (checked on the H200, session 6), but not
+# MLX's. True: MLX's gemv's split (`chunk`), so rows equal MLX's one-row product, which one-row steps
+# keep (MLX's gemv is as fast there); the kernel takes 2..8 rows (not yet checked on the GPU).
+MATCH_MLX = False
 DTYPES = (mx.bfloat16, mx.float16)
 WARPS = 8  # warps a block (256 threads), unless `tiles` says otherwise
 
 _HEADER = """
-// bf16 / fp16 pairs (one 32-bit word, element 0 in the low half) as two floats, exactly
-__device__ __forceinline__ float2 mtplx_pair(uint32_t u, __nv_bfloat16*) {
-  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+// element `hi` (0: the low half, 1: the high half) of a 32-bit word of two bf16 / fp16 values, as a float (exact)
+__device__ __forceinline__ float mtplx_elem(uint32_t w, int hi, __nv_bfloat16*) {
+  return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16));
 }
-__device__ __forceinline__ float2 mtplx_pair(uint32_t u, __half*) {
-  __half2 h = *reinterpret_cast<__half2*>(&u);
-  return __half22float2(h);
+__device__ __forceinline__ float mtplx_elem(uint32_t w, int hi, __half*) {
+  return __half2float(__ushort_as_half((unsigned short)(hi ? (w >> 16) : (w & 0xffffu))));
 }
-// a 16-byte load marked streaming (evict first): weights are read once, x stays in L1
-__device__ __forceinline__ uint4 mtplx_stream_load(const uint4* p) {
-  uint4 v;
-  asm("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
+// NPT 16-bit elements at p as (NPT + 1) / 2 words: one load of 2 * NPT bytes (p aligned to it), marked
+// streaming for the weights (read once: x stays in L1), or element by element (p at any even address)
+template <int NPT>
+__device__ __forceinline__ void mtplx_load(const unsigned short* p, uint32_t* w, bool stream, bool aligned) {
+  if (!aligned) {
+#pragma unroll
+    for (int j = 0; j < (NPT + 1) / 2; j++) {
+      w[j] = (uint32_t)p[2 * j] | (2 * j + 1 < NPT ? (uint32_t)p[2 * j + 1] << 16 : 0u);
+    }
+  } else if constexpr (NPT == 8) {
+    uint4 v;
+    if (stream) {
+      asm("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else {
+      v = *reinterpret_cast<const uint4*>(p);
+    }
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (NPT == 4) {
+    uint2 v;
+    if (stream) {
+      asm("ld.global.cs.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    } else {
+      v = *reinterpret_cast<const uint2*>(p);
+    }
+    w[0] = v.x, w[1] = v.y;
+  } else if constexpr (NPT == 2) {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  } else {
+    w[0] = (uint32_t)p[0];
+  }
 }
 """
 
-# T: element type; M: rows of x; R: output columns per warp; U: chunks per lane in flight.
-# x [M, K], w [N, K] (row-major, K % 8 == 0), out [M, N]; ADD_BIAS: + bias[n] in fp32, or nothing.
+# T: element type; M: rows of x; R: output columns per warp; U: chunks per lane in flight; NPT: elements a
+# chunk (8: 16-byte loads; 4 / 2 / 1: MLX's gemv's partition, see `chunk`).
+# x [M, K], w [N, K] (row-major, K % NPT == 0), out [M, N]; ADD_BIAS: + bias[n] in fp32, or nothing.
 _SOURCE = """
+  constexpr int NW = (NPT + 1) / 2;  // 32-bit words a chunk
   const int N = w_shape[0];
-  const int chunks = w_shape[1] / 8;  // 16-byte chunks per row
+  const int chunks = w_shape[1] / NPT;
   const int lane = threadIdx.x & 31;
   const int n0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
   if (n0 >= N) {
     return;  // the whole warp
   }
-  const uint4* wv = reinterpret_cast<const uint4*>(w);
-  const uint4* xv = reinterpret_cast<const uint4*>(x);
-  const bool x_aligned = (reinterpret_cast<size_t>(x) & 15) == 0;
+  const unsigned short* wp = reinterpret_cast<const unsigned short*>(w);
+  const unsigned short* xp = reinterpret_cast<const unsigned short*>(x);
+  const bool w_aligned = (reinterpret_cast<size_t>(w) & (2 * NPT - 1)) == 0;
+  const bool x_aligned = (reinterpret_cast<size_t>(x) & (2 * NPT - 1)) == 0;
   float acc[R][M];
 #pragma unroll
   for (int r = 0; r < R; r++) {
@@ -77,14 +111,16 @@ _SOURCE = """
     }
   }
   for (int c = lane; c < chunks; c += 32 * U) {
-    uint4 wc[U][R];
+    uint32_t wc[U][R][NW];
 #pragma unroll
     for (int u = 0; u < U; u++) {  // every load first, then the arithmetic
 #pragma unroll
       for (int r = 0; r < R; r++) {
         const int cc = c + 32 * u;
         const int n = n0 + r < N ? n0 + r : N - 1;  // a column past N reads a real row, never written
-        wc[u][r] = cc < chunks ? mtplx_stream_load(wv + (size_t)n * chunks + cc) : make_uint4(0, 0, 0, 0);
+        if (cc < chunks) {
+          mtplx_load<NPT>(wp + ((size_t)n * chunks + cc) * NPT, wc[u][r], true, w_aligned);
+        }
       }
     }
 #pragma unroll
@@ -93,26 +129,14 @@ _SOURCE = """
       if (cc < chunks) {  // chunks in increasing order, whatever U
 #pragma unroll
         for (int m = 0; m < M; m++) {
-          uint32_t xw[4];
-          if (x_aligned) {
-            const uint4 xc = xv[(size_t)m * chunks + cc];
-            xw[0] = xc.x, xw[1] = xc.y, xw[2] = xc.z, xw[3] = xc.w;
-          } else {  // x a view at an odd offset: the same words, two bytes at a time
-            const unsigned short* xs = reinterpret_cast<const unsigned short*>(x) + ((size_t)m * chunks + cc) * 8;
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-              xw[j] = (uint32_t)xs[2 * j] | ((uint32_t)xs[2 * j + 1] << 16);
-            }
-          }
+          uint32_t xw[NW];
+          mtplx_load<NPT>(xp + ((size_t)m * chunks + cc) * NPT, xw, false, x_aligned);
 #pragma unroll
           for (int r = 0; r < R; r++) {
-            const uint32_t ww[4] = {wc[u][r].x, wc[u][r].y, wc[u][r].z, wc[u][r].w};
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-              const float2 a = mtplx_pair(ww[j], (T*)nullptr);
-              const float2 b = mtplx_pair(xw[j], (T*)nullptr);
-              acc[r][m] = fmaf(a.x, b.x, acc[r][m]);
-              acc[r][m] = fmaf(a.y, b.y, acc[r][m]);
+            for (int j = 0; j < NPT; j++) {  // element order, one fused multiply-add each
+              acc[r][m] = fmaf(mtplx_elem(wc[u][r][j / 2], j % 2, (T*)nullptr),
+                               mtplx_elem(xw[j / 2], j % 2, (T*)nullptr), acc[r][m]);
             }
           }
         }
@@ -159,30 +183,48 @@ def _kernel(with_bias: bool):
     return _kernels[with_bias]
 
 
-def tile(n: int, m: int = 1) -> tuple:
-    """(R, U): output columns per warp and chunks in flight per lane for an N-row weight and M rows of
-    x. Only speed depends on them (never a value): more columns per warp for long matrices (fewer x
-    reads per weight byte), one per warp for short ones (enough warps to fill 132 SMs)."""
-    return (2, 2) if n >= 8192 else (1, 4)
+def tile(n: int, m: int = 1, npt: int = 8) -> tuple:
+    """(R, U): output columns per warp and chunks in flight per lane for an N-row weight, M rows of x
+    and chunks of NPT elements. Only speed depends on them (never a value). From the H200's timings
+    (session 6 window 2, 16-byte chunks): two columns a warp, four chunks in flight, but one column
+    at one row and two chunks at several rows for the long matrices; chunks of fewer elements keep
+    as many bytes in flight."""
+    r, u = ((1, 4) if m == 1 else (2, 2)) if n >= 8192 else (2, 4)
+    return r, u * (8 // npt) if npt < 8 else u
 
 
-def fits(x: mx.array, w: mx.array) -> bool:
-    """Whether `x @ w.T` is this kernel's: x of 1..MAX_ROWS rows of w's dtype (bf16 / fp16), K % 8 == 0."""
+def chunk(k: int) -> int:
+    """Elements a lane reads at a time (NPT) for K: 8 (16-byte loads), or with MATCH_MLX the split of
+    MLX's own CUDA gemv (4 where K % 128 == 0, 2 where K % 64 == 0, else 1), so that each row's sum is
+    MLX's one-row product's to the bit (the same lanes add the same elements in the same order by
+    fused multiply-adds, then the same xor-shuffle tree as cooperative_groups::reduce)."""
+    if not MATCH_MLX:
+        return 8
+    return 4 if k % 128 == 0 else 2 if k % 64 == 0 else 1
+
+
+def fits(x: mx.array, w: mx.array, bias: Optional[mx.array] = None) -> bool:
+    """Whether `x @ w.T` is this kernel's: x of 1..MAX_ROWS rows of w's dtype (bf16 / fp16), K % 8 == 0.
+    With MATCH_MLX: 2..MAX_ROWS rows and no bias (one row, and biased layers, keep MLX's kernels)."""
     k = w.shape[-1] if w.ndim == 2 else 0
+    rows = x.size // k if k else 0
     return (w.ndim == 2 and w.dtype in DTYPES and x.dtype == w.dtype and x.ndim >= 1 and x.shape[-1] == k
-            and k % 8 == 0 and 0 < x.size // k <= MAX_ROWS)
+            and k % 8 == 0 and (2 if MATCH_MLX else 1) <= rows <= MAX_ROWS and not (MATCH_MLX and bias is not None))
 
 
-def skinny_matmul(x: mx.array, w: mx.array, bias: Optional[mx.array] = None, tiles: Optional[tuple] = None) -> mx.array:
-    """`x @ w.T (+ bias)` for x [..., K] of at most MAX_ROWS rows, w [N, K] (see `fits`), on CUDA.
-    `tiles`: (R, U) or (R, U, warps a block) instead of `tile`'s (benchmarks/skinny_check times them)."""
+def skinny_matmul(x: mx.array, w: mx.array, bias: Optional[mx.array] = None, tiles: Optional[tuple] = None,
+                  npt: Optional[int] = None) -> mx.array:
+    """`x @ w.T (+ bias)` for x [..., K] of at most MAX_ROWS rows, w [N, K] (K % 8 == 0), on CUDA.
+    `tiles`: (R, U) or (R, U, warps a block) instead of `tile`'s (benchmarks/skinny_check times them);
+    `npt`: the chunk instead of `chunk`'s (K % npt == 0)."""
     n, k = w.shape
     m = x.size // k
-    r, u, warps_a_block = (tuple(tiles or tile(n, m)) + (WARPS,))[:3]
+    npt = npt or chunk(k)
+    r, u, warps_a_block = (tuple(tiles or tile(n, m, npt)) + (WARPS,))[:3]
     inputs = [x.reshape(m, k), w] + ([bias] if bias is not None else [])
     warps = -(-n // r)
     (out,) = _kernel(bias is not None)(
-        inputs=inputs, template=[("T", w.dtype), ("M", m), ("R", r), ("U", u)],
+        inputs=inputs, template=[("T", w.dtype), ("M", m), ("R", r), ("U", u), ("NPT", npt)],
         grid=(-(-warps // warps_a_block) * warps_a_block * 32, 1, 1), threadgroup=(warps_a_block * 32, 1, 1),
         output_shapes=[(m, n)], output_dtypes=[w.dtype])
     return out.reshape(*x.shape[:-1], n)
@@ -198,9 +240,9 @@ class SkinnyLinear(nn.Linear):
     arrays, same parameters, so stacked views and copies made later keep it)."""
 
     def __call__(self, x):
-        w = self["weight"]
-        if fits(x, w):
-            return _matmul(x, w, self.get("bias"))
+        w, b = self["weight"], self.get("bias")
+        if fits(x, w, b):
+            return _matmul(x, w, b)
         return super().__call__(x)
 
 

@@ -154,3 +154,25 @@ def test_the_gpu_check_fails_loudly_on_a_product_whose_rows_depend_on_the_row_co
 
     with pytest.raises(chk.Failed, match=r"broken case: rows 0\.\.0 of the 1-row product differ"):
         chk.check_identity("broken case", w, None, (1, 5), drifting)
+
+
+def test_match_mlx_leaves_one_row_and_biased_products_to_mlx(monkeypatch):
+    """MATCH_MLX: the kernel splits K as MLX's gemv does (chunk), so one-row products stay MLX's own
+    (as fast there) and 2..8 rows take the kernel; a biased layer keeps MLX (its addmm is not the gemv)."""
+    w = mx.zeros((24, 128), dtype=mx.bfloat16)
+    one, four = mx.zeros((1, 1, 128), dtype=mx.bfloat16), mx.zeros((1, 4, 128), dtype=mx.bfloat16)
+    assert sk.chunk(128) == 8 and sk.fits(one, w)
+    monkeypatch.setattr(sk, "MATCH_MLX", True)
+    assert [sk.chunk(k) for k in (4096, 896, 576, 1000)] == [4, 4, 2, 1]
+    assert not sk.fits(one, w) and sk.fits(four, w) and not sk.fits(four, w, mx.zeros((24,), dtype=mx.bfloat16))
+    assert sk.tile(4096, 4, npt=4)[1] == 2 * sk.tile(4096, 4)[1]  # as many bytes in flight with 8-byte chunks
+    layer = nn.Linear(128, 24, bias=False)
+    layer.set_dtype(mx.bfloat16)
+    rec = Recorder()
+    holder = nn.Sequential(layer)
+    try:
+        assert sk.install(holder, matmul=rec) == 1
+        layer(one), layer(four)
+        assert rec.rows == [4]
+    finally:
+        sk.uninstall(holder)
