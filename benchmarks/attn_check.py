@@ -200,7 +200,7 @@ def main():
     if not ra.cuda_ready() and not args.dry:
         raise SystemExit(f"attn_check: not on CUDA ({mx.default_device()}): rows_attention runs only there; --dry checks the script")
     attn = reference if args.dry else ra.rows_attention
-    print(f"device {mx.default_device()}; CHUNK_MOST {ra.CHUNK_MOST}, FILL_BLOCKS {ra.FILL_BLOCKS}"
+    print(f"device {mx.default_device()}; CHUNK {ra.CHUNK}, CHUNK_MOST {ra.CHUNK_MOST}, SPREAD_BLOCKS {ra.SPREAD_BLOCKS}"
           f"{'; DRY RUN: the masked reference, not the kernel' if args.dry else ''}", flush=True)
     fails = []
     cases = CASES[:3] if args.dry else CASES

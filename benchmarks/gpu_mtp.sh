@@ -87,11 +87,13 @@ round)  # issue 18 (h5r): what an MTP round costs with the shipped head, one pro
   # head's commit + next drafts in one program), MTP depth 3 and 5 + mtp_lookup 2, mlx-lm generate_step /
   # batch_generate; after the first (width 1, HumanEval) the per-phase split of an MTP round. Sizes are
   # env vars (CPU dry runs; DEPTHS=3,3s,3l2,a adds synchronous rounds and adaptive depth).
-  SHIPPED=heads/smollm2-135m-instruct; TOKENS=${TOKENS:-96}; ROWS=${ROWS:-4}; WIDTHS=${WIDTHS:-1,32,8}
+  # ROWS 4,2x: width 1 runs 4 rows; widths 8 and 32 run one wave (rows = width) and a refilled stream (2 x width
+  # rows, as a job with more rows than width runs): both, not the flattering one (round_cost --rows).
+  SHIPPED=heads/smollm2-135m-instruct; TOKENS=${TOKENS:-96}; ROWS=${ROWS:-4,2x}; WIDTHS=${WIDTHS:-1,32,8}
   heldout $SHIPPED
   timeout 45 python3 -c "from mtplx import rows_attention as r; from benchmarks.decode_anatomy import rows_attention_check as c
 c() if r.cuda_ready() else print('rows_attention check: not on CUDA')" 2>&1 | tee "$OUT/round-cost.log"
-  timeout ${LIMIT:-230} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED \
+  timeout ${LIMIT:-250} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED \
     --prompts /tmp/humaneval-heldout.jsonl,/tmp/gsm8k.jsonl --widths $WIDTHS --rows $ROWS --tokens $TOKENS \
     --depths ${DEPTHS:-3,3l2,5l2} --peer --phases 2>&1 | tee -a "$OUT/round-cost.log"
   ;;

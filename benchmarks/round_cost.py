@@ -141,6 +141,19 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
             "texts": {r.key: list(r.tokens) for r in res}}
 
 
+def row_counts(spec: str, width: int) -> list[int]:
+    """--rows at one width: N -> max(width, N), Nx -> N x width; later entries only add larger counts."""
+    out = []
+    for entry in spec.split(","):
+        m = re.fullmatch(r"(\d+)(x?)", entry.strip())
+        if m is None:
+            raise SystemExit(f"--rows: {entry!r} is not N or Nx (e.g. 4,2x)")
+        n = int(m.group(1)) * width if m.group(2) else max(width, int(m.group(1)))
+        if not out or n > max(out):
+            out.append(n)
+    return out
+
+
 def peer(bundle, prompts, width: int, rows: int, tokens: int):
     """mlx-lm on the same rows: generate_step row after row at width 1, else batch_generate."""
     from .real_models import mlx_batch, mlx_single
@@ -157,9 +170,10 @@ def main():
     ap.add_argument("--head", default="heads/smollm2-135m-instruct")
     ap.add_argument("--prompts", default="humaneval", help="datasets (names or .jsonl files), comma-separated: each at a width, then the next width")
     ap.add_argument("--widths", default="32", help="batch widths, in the order run")
-    ap.add_argument("--rows", default="4", help="rows per width, comma-separated, each max(width, ROWS): ROWS = width is one "
-                    "wave (rows that accept more finish first, the last rounds run part-empty); more rows than width is a "
-                    "stream, refilled as rows finish, as a job runs (tok/round says how full the rounds ran)")
+    ap.add_argument("--rows", default="4", help="rows per width, comma-separated: N (max(width, N)) or Nx (N x width); "
+                    "entries after the first only add larger counts (4,2x: width 1 runs 4 rows, width 32 runs 32 and 64). "
+                    "Rows = width is one wave (rows that accept more finish first, the last rounds run part-empty); more "
+                    "rows than width is a stream, refilled as rows finish, as a job runs (tok/round says how full)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--depths", default="1,3", help="MTP depths to run ('a': adaptive from 3; a trailing 's': synchronous "
                     "rounds, the path before pipelining; a trailing 'lN': with speculative.mtp_lookup N, e.g. 3l2)")
@@ -184,8 +198,8 @@ def main():
             sets = [(Path(src).stem, load_prompts(src, bundle.tokenizer, 256)) for src in args.prompts.split(",")]
         print(f"device: {device_name()}; widths {args.widths}, {args.tokens} tokens a row", flush=True)
         out, prof, phased, phase_spec = [], None, False, None
-        for width, rows, (data, prompts) in ((int(w), max(int(w), int(r)), s) for w in args.widths.split(",")
-                                             for r in args.rows.split(",") for s in sets):
+        for width, rows, (data, prompts) in ((int(w), r, s) for w in args.widths.split(",")
+                                             for r in row_counts(args.rows, int(w)) for s in sets):
             if rows > len(prompts):
                 print(f"{data}: {len(prompts)} prompts, fewer than {rows} rows: {len(prompts)} rows", flush=True)
                 rows = len(prompts)

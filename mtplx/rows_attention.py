@@ -19,10 +19,13 @@ same cross-warp reductions as MLX's kernel. A key past a query's limit is skippe
 So a query's result does not depend on how many queries share its block, nor on L or G: the plain
 step (one query) and a verify (several) compute it alike, which keeps greedy speculation
 token-identical to plain decoding. A block per query (chunks of one) is MLX's own layout; larger
-chunks read each key once for many queries (a width-32 verify of 4 queries with 9 heads over 3 KV
-heads was 1,152 blocks each re-reading its KV head, 12 reads of every key). `split` picks the
-chunk: as large as a lane's registers allow (CHUNK_MOST), but small enough that the grid still
-has FILL_BLOCKS blocks where it can (one stream: many small blocks beat a few busy ones).
+chunks read each key once for several queries (a width-32 verify of 4 queries with 9 heads over 3
+KV heads was 1,152 blocks each re-reading its KV head, 12 reads of every key). `split` picks the
+chunk from what the H200 measured (see CHUNK): a block per query for launches that fill the GPU
+in about two waves anyway, chunks of CHUNK[D] past that (at most CHUNK_MOST, a lane's registers).
+Measured there (benchmarks/attn_check, us a layer): SmolLM2's width-32 verify of 4 queries 58.8
+-> 53.1, Qwen3-8B's 265 -> 170; MLX's masked fallback still takes 42 / 97 (it is not exact against
+the plain step, this is).
 
 `install(model)` points the model's attention modules at `attention`, which takes this kernel
 for a RowKVCache's own mask on CUDA and otherwise calls mlx-lm's function unchanged.
@@ -45,8 +48,13 @@ MAX_QUERIES = 8
 # query in registers (the queries themselves sit in shared memory), and a 1024-thread block has 64
 # registers a lane: at most ~32 of them for the queries' state.
 CHUNK_MOST = {64: 8, 96: 5, 128: 4}
-# Blocks a launch should have where the queries allow it (an H100 / H200 has 132 SMs).
-FILL_BLOCKS = 132
+# Queries a block where a launch takes chunks of several, by head dim (H200, session 6, benchmarks/
+# attn_check's table): at D 64 two queries keep a lane at 32 registers, so two 1024-thread blocks
+# share an SM; at D 96 / 128 any chunk of several holds an SM alone, and four did best.
+CHUNK = {64: 2, 96: 4, 128: 4}
+# A launch of at most this many blocks keeps a block per query (MLX's layout): about two waves of two
+# blocks an SM on an H100 / H200 (132 SMs), where chunks only lengthen each block.
+SPREAD_BLOCKS = 528
 
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
 _SOURCE = """
@@ -213,10 +221,11 @@ def usable(q: mx.array, k: mx.array, v: mx.array) -> bool:
 
 
 def split(B: int, Hk: int, queries: int, D: int) -> tuple[int, int]:
-    """(queries a block, blocks a KV head) for `queries` = G x L queries per (row, KV head): as few
-    blocks as CHUNK_MOST allows, more (down to a query each) while the grid has < FILL_BLOCKS."""
-    blocks = max(-(-queries // CHUNK_MOST[D]), min(queries, -(-FILL_BLOCKS // (B * Hk))))
-    per = -(-queries // blocks)
+    """(queries a block, blocks a KV head) for `queries` = G x L queries per (row, KV head): a block
+    per query up to SPREAD_BLOCKS blocks, else chunks of CHUNK[D]."""
+    if B * Hk * queries <= SPREAD_BLOCKS:
+        return 1, queries
+    per = min(CHUNK[D], queries)
     return per, -(-queries // per)
 
 
