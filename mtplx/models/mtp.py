@@ -153,6 +153,10 @@ class _ShiftedRows:
     def max(self) -> int:
         return int(self.host.max()) if self.host is not None and self.host.size else 0
 
+    def positions(self, L: int) -> mx.array:
+        """Where a forward of L tokens writes each row's entries (RowLengths.positions)."""
+        return (self.device[:, None] + mx.arange(L, dtype=mx.int32))[:, None, :, None]
+
 
 def _run_shifted(module, hidden, tokens, caches, shift: int):
     """Run `module` on KV caches whose rows look `shift` entries shorter (it writes there)."""
