@@ -73,7 +73,7 @@ def draft_chain(step: Callable[[mx.array, int], mx.array], feed: mx.array, sampl
 
 
 def chain_seconds(chain: Callable[[], Optional[mx.array]], clock: Callable[[], float],
-                  repeats: int = 4) -> Optional[float]:
+                  repeats: int = 3) -> Optional[float]:
     """Seconds a call of `chain()` (queues a round's draft steps, returns the drafts, or None where
     it cannot run: then None) takes: one untimed (it builds programs and kernels), then `repeats`
     queued as rounds are, each read while the next one runs."""
