@@ -94,6 +94,24 @@ def _time_prefill(eng):
     return spent
 
 
+def _time_full(eng):
+    """Tokens as they come out (decode and first tokens) and when the requests ran out: the
+    `full` columns are the rate while requests still wait, so the batch is refilled as rows
+    finish (a long job's steady state), without the last rows' part-empty rounds."""
+    seen = {"events": [], "drained": None}
+    eng.on_progress = lambda kind, k: seen["events"].append((time.perf_counter(), k)) if kind == "decode" else None
+    inner = eng._admit
+
+    def admit(batch):
+        again = yield from inner(batch)
+        if batch.drained and seen["drained"] is None:
+            seen["drained"] = (time.perf_counter(), eng.counters["rounds"])
+        return again
+
+    eng._admit = admit
+    return seen
+
+
 def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens: int, profile=None, phases=False,
         sync_rounds=False, graph=False):
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
@@ -111,6 +129,7 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
         phase_profile.CALLS.clear()
     rounds0 = eng.counters["rounds"]
     prefill = _time_prefill(eng)
+    full = _time_full(eng)
     sync()
     with EvalCounter() as evals:
         if profile is not None:
@@ -133,7 +152,13 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
     n = sum(len(r.tokens) for r in res)
     verifies = sum(r.stats.verify_calls for r in res)
     decode = dt - prefill[0]
-    return {"tok/s": n / dt, "tokens": n, "rounds": rounds, "tok/round": n / max(rounds, 1), "prefill s": prefill[0],
+    eng.on_progress = None
+    eng.__dict__.pop("_admit", None)  # _time_full's wrapper
+    f_end, f_rounds = full["drained"] or (t0 + dt, eng.counters["rounds"])
+    f_tokens = sum(k for at, k in full["events"] if at <= f_end)
+    return {"tok/s": n / dt, "tokens": n, "rounds": rounds, "tok/round": n / max(rounds, 1),
+            "full tok/s": f_tokens / max(f_end - t0, 1e-9), "full tok/round": f_tokens / max(f_rounds - rounds0, 1),
+            "prefill s": prefill[0],
             "ms/round": 1e3 * decode / max(rounds, 1),
             "evals/round": evals.calls / max(rounds, 1),
             "tokens/verify": (sum(r.stats.accepted_tokens for r in res) + verifies) / verifies if verifies else 1.0,
@@ -206,7 +231,8 @@ def main():
             plain = run(bundle, prompts, SpeculativeConfig(method="none"), width, rows, args.tokens, graph=args.graph)
             texts = plain.pop("texts")
             plain["rows = plain"] = f"{len(texts)}/{len(texts)}"
-            out.append({"data": data, "width": width, "rows": rows, "method": "plain", **plain, "x plain round": 1.0, "x plain tok/s": 1.0})
+            out.append({"data": data, "width": width, "rows": rows, "method": "plain", **plain, "x plain round": 1.0, "x plain tok/s": 1.0,
+                        "x plain full tok/s": 1.0})
             print(table(out), flush=True)
             for d in args.depths.split(","):
                 m = re.fullmatch(r"(\d+|a)(s?)(?:l(\d+))?", d)
@@ -223,7 +249,8 @@ def main():
                 r["rows = plain"] = f"{sum(got[k] == texts[k] for k in texts)}/{len(texts)}"  # greedy: all, up to exact ties
                 label = f"mtp depth {d}{' (synchronous rounds)' if sync_rounds else ''}{f' + lookup {lookup}' if lookup else ''}"
                 out.append({"data": data, "width": width, "rows": rows, "method": label, **r,
-                            "x plain round": r["ms/round"] / plain["ms/round"], "x plain tok/s": r["tok/s"] / plain["tok/s"]})
+                            "x plain round": r["ms/round"] / plain["ms/round"], "x plain tok/s": r["tok/s"] / plain["tok/s"],
+                            "x plain full tok/s": r["full tok/s"] / plain["full tok/s"]})
                 print(table(out), flush=True)
             if args.peer:
                 r = peer(bundle, prompts, width, rows, args.tokens)
