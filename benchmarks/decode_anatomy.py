@@ -23,6 +23,7 @@ logits; mlx-lm's generate_step takes the argmax of log-probabilities, which can 
   bare+KVCache +skinny          the bare loop with the kernel
   engine compiled +rowattn+stacked+layerk   what ships, and mtplx/layer_kernels.py (residual add + RMSNorm,
                                 q/k norm + RoPE, one kernel each; benchmarks/step_kernels.py counts)
+  engine compiled +rowattn+stacked+layerk2  ... with layer_kernels' version 2 sources (loads first, vector)
   engine eager +layerk          the eager engine with layer_kernels
 
 `--variants matrix` runs only issue 20's one-stream matrix (MATRIX: eager vs compiled, with and
@@ -178,7 +179,7 @@ def rows_attention_check(dtype=mx.bfloat16):
 
 
 # (label, variant, rows_attention installed, projections stacked: False, True (all), or a NAMED group
-# [, skinny_matmul installed [, layer_kernels installed]])
+# [, skinny_matmul installed [, layer_kernels VERSION installed, 0 for none]])
 VARIANTS = [
     ("mlx-lm generate_step", v_generate_step, False, False),
     ("bare+KVCache", v_bare_kv, False, False),
@@ -196,16 +197,18 @@ VARIANTS = [
     # a fifth field True: mtplx/skinny_matmul.py's few-row kernel for the bf16 matmuls (CUDA only)
     ("engine compiled +rowattn+stacked+skinny", v_engine("on"), True, True, True),
     ("bare+KVCache +skinny", v_bare_kv, False, False, True),
-    # a sixth field True: mtplx/layer_kernels.py (residual add + RMSNorm, q/k norm + RoPE; CUDA only)
-    ("engine compiled +rowattn+stacked+layerk", v_engine("on"), True, True, False, True),
-    ("engine compiled +rowattn+stacked+skinny+layerk", v_engine("on"), True, True, True, True),
-    ("engine eager +layerk", v_engine("off"), True, False, False, True),
+    # a sixth field: mtplx/layer_kernels.py's VERSION to install (residual add + RMSNorm, q/k norm + RoPE; CUDA only)
+    ("engine compiled +rowattn+stacked+layerk", v_engine("on"), True, True, False, 1),
+    ("engine compiled +rowattn+stacked+layerk2", v_engine("on"), True, True, False, 2),  # VERSION 2
+    ("engine compiled +rowattn+stacked+skinny+layerk", v_engine("on"), True, True, True, 1),
+    ("engine eager +layerk", v_engine("off"), True, False, False, 1),
 ]
 REFERENCE = "bare+KVCache"
+layerk_version = layer_kernels.VERSION  # the shipped sources (a +layerk2 run sets 2 for its own runs)
 # issue 20's one-stream question: which engine path is fastest, and does stacking pay, eager or compiled
 MATRIX = ["mlx-lm generate_step", "bare+KVCache", "engine eager", "engine eager +stacked", "engine compiled +rowattn",
           "engine compiled +rowattn+stacked", "engine compiled +rowattn+stacked qkv", "engine compiled +rowattn+stacked mlp",
-          "engine compiled +rowattn+stacked+layerk"]
+          "engine compiled +rowattn+stacked+layerk", "engine compiled +rowattn+stacked+layerk2"]
 # (the +skinny variants are not in it: at one row MLX's gemv is as fast as skinny_matmul's kernel, H200
 # session 6 window 2; they stay available by name)
 
@@ -222,10 +225,12 @@ def pick_variants(spec: str):
     return [known[lab] for lab in labels]
 
 
-def set_paths(model, rowattn: bool, stacked, skinny: bool = False, layerk: bool = False):
-    """Put the model in the state a variant runs in (the engine's own installs are off here)."""
+def set_paths(model, rowattn: bool, stacked, skinny: bool = False, layerk: int = 0):
+    """Put the model in the state a variant runs in (the engine's own installs are off here).
+    `layerk`: 0, or the layer_kernels.VERSION to install."""
     skinny_matmul.uninstall(model)
     layer_kernels.uninstall(model)
+    layer_kernels.VERSION = layerk or layerk_version
     if layerk:
         layer_kernels.install(model)
     if skinny:
@@ -295,12 +300,12 @@ def main():
                 attn_rows += [dict(model=name, **r) for r in rows_attention_check()]
             except Exception as e:  # noqa: BLE001 (the kernel failing to build must not cost the rest)
                 print(f"rows_attention check FAILED {type(e).__name__}: {e}", flush=True)
-            if any(len(v) > 5 and v[5] for v in chosen):
+            for version in sorted({v[5] for v in chosen if len(v) > 5 and v[5]}):  # layer_kernels versions run
                 try:
                     from .step_kernels import check, kernel_times
 
-                    attn_rows += [dict(model=name, **r) for r in check(("bfloat16", "float16"))]
-                    kernel_times()
+                    attn_rows += [dict(model=name, **r) for r in check(("bfloat16", "float16"), version=version)]
+                    kernel_times(version=version)
                 except Exception as e:  # noqa: BLE001
                     print(f"layer_kernels check FAILED {type(e).__name__}: {e}", flush=True)
         variants = chosen  # off CUDA rows_attention installs nothing: +rowattn runs without it
@@ -308,7 +313,7 @@ def main():
         toks_of = {}
         for rep in range(-1, args.repeats):  # -1: the warm-up round (kernels, compiled programs)
             for label, fn, rowattn, stacked, *extra in variants:  # extra: skinny, layer_kernels
-                set_paths(bundle.model, rowattn, stacked, *map(bool, extra))
+                set_paths(bundle.model, rowattn, stacked, *extra)
                 target = bundle if getattr(fn, "wants_bundle", False) else bundle.model
                 try:
                     toks, dt = fn(target, prompt, min(args.tokens, 16) if rep < 0 else args.tokens)
@@ -333,6 +338,7 @@ def main():
     Engine.stack_projections = Engine.use_rows_attention = True
     Engine.use_skinny_matmul = skinny_default
     Engine.use_layer_kernels = layerk_default
+    layer_kernels.VERSION = layerk_version
     payload = {"device": device_name(), "versions": versions(), "tokens": args.tokens, "prompt": args.prompt,
                "decode": rows, "rows_attention": attn_rows}
     save_json(out_dir / "decode_anatomy.json", payload)

@@ -145,10 +145,22 @@ QK_CASES = ((32, 8, 128, 1, 1, True, 1e6, 37), (32, 8, 128, 1, 1, True, 1e6, [10
             (32, 8, 128, 1, 1, False, 1e6, 37), (9, 3, 64, 1, 1, False, 1e5, 77), (9, 3, 64, 2, 3, False, 1e5, [12, 4000]), (32, 8, 128, 1, 32, True, 1e6, 0))
 
 
-def check(dtypes=("bfloat16", "float16", "float32")):
+def check(dtypes=("bfloat16", "float16", "float32"), version=None):
     """layer_kernels' kernels vs the unfused ops on this device (every case in bf16, two of each in
-    fp16 / fp32: each new shape is a kernel build); rows for a table, printed as it goes."""
+    fp16 / fp32: each new shape is a kernel build); rows for a table, printed as it goes. `version`:
+    layer_kernels.VERSION for the check (default: as it is)."""
     import mlx.nn as nn
+
+    saved = layer_kernels.VERSION
+    layer_kernels.VERSION = version or saved
+    try:
+        return _check(dtypes, nn)
+    finally:
+        layer_kernels.VERSION = saved
+
+
+def _check(dtypes, nn):
+    v = f"v{layer_kernels.VERSION} "
 
     out, tried = [], set()
     for name in dtypes:
@@ -161,7 +173,7 @@ def check(dtypes=("bfloat16", "float16", "float32")):
             h, y = layer_kernels.add_rms_norm(x, r, w, 1e-6)
             h0, y0 = layer_kernels.add_rms_norm_reference(x, r, w, 1e-6)
             (sh, dh), (sy, dy) = _diff(h, h0), _diff(y, y0)
-            out.append({"check": f"add_rms_norm {name} D={D} rows={rows}", "bit-identical": sh and sy, "max abs diff": max(dh, dy),
+            out.append({"check": f"{v}add_rms_norm {name} D={D} rows={rows}", "bit-identical": sh and sy, "max abs diff": max(dh, dy),
                         "parts": f"sum {'=' if sh else 'DIFFERS'}, norm {'=' if sy else 'DIFFERS'}"})
             print("layer_kernels", out[-1], flush=True)
             if not (sh and sy) and "add" not in tried:  # which way of writing the sum gives MLX's bits
@@ -180,7 +192,7 @@ def check(dtypes=("bfloat16", "float16", "float32")):
             got = layer_kernels.qk_norm_rope(q, k, qn, kn, rope, off, Hq, Hk)
             ref = layer_kernels.qk_norm_rope_reference(q, k, qn, kn, rope, off, Hq, Hk)
             (sq, dq), (sk, dk) = _diff(got[0], ref[0]), _diff(got[1], ref[1])
-            out.append({"check": f"qk_norm_rope {name} Hq={Hq} Hk={Hk} D={D} B={B} L={L} norm={norm} offset={offsets}",
+            out.append({"check": f"{v}qk_norm_rope {name} Hq={Hq} Hk={Hk} D={D} B={B} L={L} norm={norm} offset={offsets}",
                         "bit-identical": sq and sk, "max abs diff": max(dq, dk),
                         "parts": f"q {'=' if sq else 'DIFFERS'}, k {'=' if sk else 'DIFFERS'}"})
             print("layer_kernels", out[-1], flush=True)
@@ -195,9 +207,18 @@ def check(dtypes=("bfloat16", "float16", "float32")):
     return out
 
 
-def kernel_times(layers: int = 36, iters: int = 20):
+def kernel_times(layers: int = 36, iters: int = 20, version=None):
     """us per layer of the fused kernels against the ops they replace, one row of the 8B shape (bf16),
     each a compiled chain of `layers` dependent calls (as a step chains them); rows for a table."""
+    saved = layer_kernels.VERSION
+    layer_kernels.VERSION = version or saved
+    try:
+        return _kernel_times(layers, iters)
+    finally:
+        layer_kernels.VERSION = saved
+
+
+def _kernel_times(layers, iters):
     import time
 
     import mlx.nn as nn
@@ -230,7 +251,7 @@ def kernel_times(layers: int = 36, iters: int = 20):
               [mx.random.normal((1, 1, Hq * hd)).astype(dt), mx.random.normal((1, 1, Hk * hd)).astype(dt)])]
     out = []
     for name, chain, fused, ref, args in cases:
-        row = {"kernel": name}
+        row = {"kernel": f"v{layer_kernels.VERSION} {name}"}
         for label, fn in (("fused", fused), ("unfused", ref)):
             prog = mx.compile(chain(fn))
             mx.eval(prog(*args))
@@ -250,12 +271,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layer-kernels", action="store_true", help="count with mtplx/layer_kernels.py installed")
     ap.add_argument("--check", action="store_true", help="CUDA: layer_kernels against the unfused ops")
+    ap.add_argument("--version", type=int, default=None, help="layer_kernels.VERSION to check (1 or 2)")
     args = ap.parse_args()
     if args.check:
-        rows = check()
+        rows = check(version=args.version)
         bad = [r for r in rows if not r["bit-identical"]]
         print(f"layer_kernels check: {len(rows) - len(bad)}/{len(rows)} bit-identical", flush=True)
-        kernel_times()
+        kernel_times(version=args.version)
         return
     for layer in ([False, True] if args.layer_kernels else [False]):
         one, two = step_primitives(1, layer), step_primitives(2, layer)

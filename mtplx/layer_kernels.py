@@ -19,8 +19,9 @@ compares them on the GPU. Every forward of a patched model (prefill, eager and c
 every verify) takes the same kernels, so plain decoding and speculation see one model.
 
 `install(model)` swaps the classes of the Qwen3 / Llama / Qwen2 blocks, attentions and final norm (the
-instances only; models it does not know keep mlx-lm's code); CUDA only and off by default
-(`Engine.use_layer_kernels`, `fusion.decode_paths`). `install(model, reference=True)` runs the
+instances only; models it does not know keep mlx-lm's code); CUDA only, on by default since the
+H200 check (session 6 window 2: every case bit-identical, 8B one stream 177 vs 166 tok/s with the same
+tokens; `Engine.use_layer_kernels`, `fusion.decode_paths`). `install(model, reference=True)` runs the
 same plumbing with the unfused MLX ops in place of the kernels (how the CPU tests check it).
 """
 
@@ -167,12 +168,139 @@ _QK_ROPE = """
   }
 """
 
+# Version 2: the same arithmetic in the same order, with every global load before any global
+# store (version 1 interleaves them: the compiler cannot move a load above a store that may alias
+# it, so each element's loads waited for the previous store) and 16-byte vector loads / stores
+# (MLX's load_vector / store_vector, which fall back to element loads off alignment or past D).
+_ADD_NORM_V2 = """
+  auto block = cg::this_thread_block();
+  auto warp = cg::tiled_partition<32>(block);
+  constexpr int NW = BLOCK / 32;
+  __shared__ float partial[NW];
+  const size_t row = blockIdx.x;
+  const int tid = threadIdx.x;
+  AlignedVector<T, NR> hv[CHUNKS];
+  AlignedVector<T, NR> wv[CHUNKS];
+  float acc = 0.f;
+#pragma unroll
+  for (int c = 0; c < CHUNKS; c++) {
+    const int vi = c * BLOCK + tid;
+    auto xa = load_vector<NR>(x + row * D, vi, D, T(0));
+    auto ra = load_vector<NR>(r + row * D, vi, D, T(0));
+    wv[c] = load_vector<NR>(w, vi, D, T(0));
+#pragma unroll
+    for (int j = 0; j < NR; j++) {
+      hv[c][j] = xa[j] + ra[j];
+      float t = static_cast<float>(hv[c][j]);
+      acc = ACC == 0 ? acc + t * t : __fadd_rn(acc, __fmul_rn(t, t));
+    }
+  }
+  const float e = eps[0];
+  float s = cg::reduce(warp, acc, cg::plus<float>());
+  if (NW > 1) {
+    if (warp.thread_rank() == 0) {
+      partial[warp.meta_group_rank()] = s;
+    }
+    block.sync();
+    s = warp.thread_rank() < warp.meta_group_size() ? partial[warp.thread_rank()] : 0.f;
+    s = cg::reduce(warp, s, cg::plus<float>());
+  }
+  const float n = rsqrt(s / D + e);
+#pragma unroll
+  for (int c = 0; c < CHUNKS; c++) {
+    const int vi = c * BLOCK + tid;
+    store_vector<NR>(h + row * D, vi, hv[c], D);
+#pragma unroll
+    for (int j = 0; j < NR; j++) {
+      float v = static_cast<float>(hv[c][j]) * n;
+      hv[c][j] = wv[c][j] * static_cast<T>(v);
+    }
+    store_vector<NR>(y + row * D, vi, hv[c], D);
+  }
+"""
+
+_QK_ROPE_V2 = """
+  auto warp = cg::tiled_partition<32>(cg::this_thread_block());
+  __shared__ T buf[D];
+  const int lane = threadIdx.x;
+  const int hi = blockIdx.x;
+  const int l = blockIdx.y;
+  const int b = blockIdx.z;
+  const int L = gridDim.y;
+  const bool isq = hi < HQ;
+  const int head = isq ? hi : hi - HQ;
+  const int nh = isq ? HQ : HK;
+  const T* src = (isq ? q : k) + (((size_t)b * L + l) * nh + head) * D;
+  T* dst = (isq ? q_out : k_out) + (((size_t)b * nh + head) * L + l) * D;
+  const float e = params[0];
+  const float base2 = params[1];
+  const float pos = params[2] * static_cast<float>(l + offset[b * OSTRIDE]);
+  if (NORM) {
+    auto xv = load_vector<NR>(src, lane, D, T(0));
+    auto wv = load_vector<NR>(isq ? q_weight : k_weight, lane, D, T(0));
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < NR; j++) {
+      float t = static_cast<float>(xv[j]);
+      acc = ACC == 0 ? acc + t * t : __fadd_rn(acc, __fmul_rn(t, t));
+    }
+    acc = cg::reduce(warp, acc, cg::plus<float>());
+    const float n = rsqrt(acc / D + e);
+#pragma unroll
+    for (int j = 0; j < NR; j++) {
+      const int i = lane * NR + j;
+      if (i < D) {
+        float v = static_cast<float>(xv[j]) * n;
+        buf[i] = wv[j] * static_cast<T>(v);
+      }
+    }
+  } else {
+    for (int i = lane; i < D; i += 32) {
+      buf[i] = src[i];
+    }
+  }
+  __syncwarp();
+  constexpr int HALF = DIMS / 2;
+  for (int p = lane; p < HALF; p += 32) {
+    float d = static_cast<float>(p) / static_cast<float>(HALF);
+    float inv_freq = exp2(-d * base2);
+    float theta = pos * inv_freq;
+    float costheta = cos(theta);
+    float sintheta = sin(theta);
+    const int i1 = TRADITIONAL ? 2 * p : p;
+    const int i2 = TRADITIONAL ? i1 + 1 : p + HALF;
+    float x1 = static_cast<float>(buf[i1]);
+    float x2 = static_cast<float>(buf[i2]);
+    float rx1, rx2;
+    if (ROT == 0) {
+      rx1 = x1 * costheta - x2 * sintheta;
+      rx2 = x1 * sintheta + x2 * costheta;
+    } else if (ROT == 1) {
+      rx1 = fmaf(x1, costheta, -(x2 * sintheta));
+      rx2 = fmaf(x1, sintheta, x2 * costheta);
+    } else if (ROT == 2) {
+      rx1 = fmaf(-x2, sintheta, x1 * costheta);
+      rx2 = fmaf(x2, costheta, x1 * sintheta);
+    } else {
+      rx1 = __fsub_rn(__fmul_rn(x1, costheta), __fmul_rn(x2, sintheta));
+      rx2 = __fadd_rn(__fmul_rn(x1, sintheta), __fmul_rn(x2, costheta));
+    }
+    dst[i1] = static_cast<T>(rx1);
+    dst[i2] = static_cast<T>(rx2);
+  }
+  for (int i = DIMS + lane; i < D; i += 32) {
+    dst[i] = buf[i];
+  }
+"""
+
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 # the kernels installed models take (each off here runs its unfused ops through the same plumbing)
 ENABLED = {"add_rms_norm", "qk_norm_rope"}
 # how the kernels write the sum of squares (SQUARES) and the rotation (ROTATION): 0 is MLX's own
 # source; the others are the forms it could compile to, which the GPU check tries on a mismatch
 SQUARES, ROTATION = 0, 0
+# which sources: 1 (checked bit-identical on the H200, session 6 window 2) or 2 (loads first, vector)
+VERSION = 1
 _kernels = {}
 _consts = {}
 _no_weight = {}
@@ -180,15 +308,17 @@ _log2f = None
 
 
 def _kernel(name):
-    if name not in _kernels:
+    key = (name, VERSION)
+    if key not in _kernels:
+        v2 = VERSION == 2
         if name == "add_norm":
-            _kernels[name] = mx.fast.cuda_kernel(name="mtplx_add_rms_norm", input_names=["x", "r", "w", "eps"],
-                                                 output_names=["h", "y"], source=_ADD_NORM, header=_HEADER)
+            _kernels[key] = mx.fast.cuda_kernel(name="mtplx_add_rms_norm" + ("_v2" if v2 else ""), input_names=["x", "r", "w", "eps"],
+                                                output_names=["h", "y"], source=_ADD_NORM_V2 if v2 else _ADD_NORM, header=_HEADER)
         else:
-            _kernels[name] = mx.fast.cuda_kernel(
-                name="mtplx_qk_norm_rope", input_names=["q", "k", "q_weight", "k_weight", "offset", "params"],
-                output_names=["q_out", "k_out"], source=_QK_ROPE, header=_HEADER)
-    return _kernels[name]
+            _kernels[key] = mx.fast.cuda_kernel(
+                name="mtplx_qk_norm_rope" + ("_v2" if v2 else ""), input_names=["q", "k", "q_weight", "k_weight", "offset", "params"],
+                output_names=["q_out", "k_out"], source=_QK_ROPE_V2 if v2 else _QK_ROPE, header=_HEADER)
+    return _kernels[key]
 
 
 def _const(*values) -> mx.array:

@@ -129,12 +129,13 @@ def test_engine_with_layer_kernels_is_token_identical(tiny_model, counting, meth
     tok = bundle.tokenizer
     prompts = [tok.encode(p) for p in ("def add(a, b):\n    return", "the quick brown fox jumps over the lazy dog. the", "import os")]
     refs = [reference_tokens(bundle.model, p, 10, set(tok.eos_token_ids)) for p in prompts]
+    shipped = Engine.use_layer_kernels
     try:
         Engine.use_layer_kernels = True
         eng = Engine(bundle, SpeculativeConfig(method=method, depth=2, adaptive_depth=False, compiled_verify="on"),
                      ScheduleConfig(max_batch=2))
     finally:
-        Engine.use_layer_kernels = False
+        Engine.use_layer_kernels = shipped
     assert eng.decode_paths["layer_kernels"] == len(bundle.model.model.layers)
     out = {r.key: r.tokens for r in eng.generate([Request(i, list(p), SamplingParams(max_tokens=10)) for i, p in enumerate(prompts)])}
     lk.uninstall(bundle.model)
@@ -204,6 +205,7 @@ def test_gpu_check_harness_runs(counting):
     kernel calls being the unfused ops: every case bit-identical, both ops called."""
     from benchmarks.step_kernels import check
 
-    rows = check(("bfloat16", "float32"))
+    rows = check(("bfloat16", "float32")) + check(("bfloat16",), version=2)
     assert rows and all(r["bit-identical"] for r in rows)
+    assert rows[-1]["check"].startswith("v2 ") and lk.VERSION == 1
     assert counting["add_rms_norm"] > 0 and counting["qk_norm_rope"] > 0
