@@ -94,17 +94,26 @@ def _time_prefill(eng):
     return spent
 
 
-def _time_full(eng):
-    """Tokens as they come out (decode and first tokens) and when the requests ran out: the
-    `full` columns are the rate while requests still wait, so the batch is refilled as rows
-    finish (a long job's steady state), without the last rows' part-empty rounds."""
-    seen = {"events": [], "drained": None}
+def _time_full(eng, total: int):
+    """Tokens as they come out (decode and first tokens) and when the last of `total` requests was
+    admitted: the `full` columns are the rate until then, while finished rows are still replaced
+    (a long job's steady state), without the last rows' part-empty rounds."""
+    seen = {"events": [], "drained": None, "taken": set()}
     eng.on_progress = lambda kind, k: seen["events"].append((time.perf_counter(), k)) if kind == "decode" else None
     inner = eng._admit
 
     def admit(batch):
+        if "next_request" not in batch.__dict__:
+            take = batch.next_request
+
+            def taking():
+                req = take()
+                if req is not None:
+                    seen["taken"].add(req.key)
+                return req
+            batch.next_request = taking
         again = yield from inner(batch)
-        if batch.drained and seen["drained"] is None:
+        if len(seen["taken"]) >= total and seen["drained"] is None:
             seen["drained"] = (time.perf_counter(), eng.counters["rounds"])
         return again
 
@@ -129,7 +138,7 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
         phase_profile.CALLS.clear()
     rounds0 = eng.counters["rounds"]
     prefill = _time_prefill(eng)
-    full = _time_full(eng)
+    full = _time_full(eng, len(reqs))
     sync()
     with EvalCounter() as evals:
         if profile is not None:
@@ -157,7 +166,9 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
     f_end, f_rounds = full["drained"] or (t0 + dt, eng.counters["rounds"])
     f_tokens = sum(k for at, k in full["events"] if at <= f_end)
     return {"tok/s": n / dt, "tokens": n, "rounds": rounds, "tok/round": n / max(rounds, 1),
-            "full tok/s": f_tokens / max(f_end - t0, 1e-9), "full tok/round": f_tokens / max(f_rounds - rounds0, 1),
+            # (no round before the last row entered: one wave, nothing refilled, no steady state)
+            "full tok/s": f_tokens / max(f_end - t0, 1e-9) if f_rounds > rounds0 else "-",
+            "full tok/round": f_tokens / (f_rounds - rounds0) if f_rounds > rounds0 else "-", "full tokens": f_tokens,
             "prefill s": prefill[0],
             "ms/round": 1e3 * decode / max(rounds, 1),
             "evals/round": evals.calls / max(rounds, 1),
@@ -232,7 +243,7 @@ def main():
             texts = plain.pop("texts")
             plain["rows = plain"] = f"{len(texts)}/{len(texts)}"
             out.append({"data": data, "width": width, "rows": rows, "method": "plain", **plain, "x plain round": 1.0, "x plain tok/s": 1.0,
-                        "x plain full tok/s": 1.0})
+                        "x plain full tok/s": 1.0 if isinstance(plain["full tok/s"], float) else "-"})
             print(table(out), flush=True)
             for d in args.depths.split(","):
                 m = re.fullmatch(r"(\d+|a)(s?)(?:l(\d+))?", d)
@@ -250,7 +261,8 @@ def main():
                 label = f"mtp depth {d}{' (synchronous rounds)' if sync_rounds else ''}{f' + lookup {lookup}' if lookup else ''}"
                 out.append({"data": data, "width": width, "rows": rows, "method": label, **r,
                             "x plain round": r["ms/round"] / plain["ms/round"], "x plain tok/s": r["tok/s"] / plain["tok/s"],
-                            "x plain full tok/s": r["full tok/s"] / plain["full tok/s"]})
+                            "x plain full tok/s": r["full tok/s"] / plain["full tok/s"]
+                            if isinstance(r["full tok/s"], float) and isinstance(plain["full tok/s"], float) else "-"})
                 print(table(out), flush=True)
             if args.peer:
                 r = peer(bundle, prompts, width, rows, args.tokens)

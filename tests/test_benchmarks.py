@@ -205,3 +205,34 @@ def test_round_graph_counts_the_draft_models_programs(tiny_model):
         list(eng.generate(reqs))
     rounds = eng.counters["rounds"] - rounds
     assert g.programs["verify"] == rounds and 0 < g.programs["draft"] <= rounds, (dict(g.programs), rounds)
+
+
+def test_round_cost_rows_are_one_wave_then_larger_streams():
+    from benchmarks.round_cost import row_counts
+
+    assert row_counts("4,2x", 1) == [4]  # 2 x 1 rows is not more than the 4 already run
+    assert row_counts("4,2x", 8) == [8, 16]
+    assert row_counts("32,64", 32) == [32, 64]
+    with pytest.raises(SystemExit, match="not N or Nx"):
+        row_counts("4,y", 8)
+
+
+def test_round_cost_full_columns_stop_where_the_last_row_is_admitted(tiny_model):
+    """The `full` rate counts tokens only until the last row enters: with 6 rows of 5 tokens at width
+    2 (three waves in step), the first two waves and the third's first tokens (from its prefill)."""
+    from benchmarks.round_cost import run
+
+    bundle = load(tiny_model("llama"))
+    prompts = [[3 + i, 17, 9, 40 + i] for i in range(6)]
+    r = run(bundle, prompts, SpeculativeConfig(method="none"), width=2, rows=6, tokens=5)
+    assert r["tokens"] == 30
+    assert r["full tokens"] == 2 * 10 + 2
+    assert r["full tok/s"] > 0 and r["full tok/round"] > 0
+
+
+def test_round_cost_full_columns_are_empty_for_one_wave(tiny_model):
+    from benchmarks.round_cost import run
+
+    bundle = load(tiny_model("llama"))
+    r = run(bundle, [[3 + i, 17, 9] for i in range(2)], SpeculativeConfig(method="none"), width=2, rows=2, tokens=4)
+    assert r["full tok/s"] == "-" and r["full tok/round"] == "-"
