@@ -395,7 +395,8 @@ def qk_usable(q, k, q_norm, k_norm, rope, n_q, n_kv) -> bool:
     D = q.shape[-1] // n_q
     nr = 16 // q.dtype.size if q.dtype in DTYPES else 0
     ok = (q.dtype in DTYPES and k.dtype == q.dtype and q.ndim == 3 and k.shape[-1] == n_kv * D
-          and D <= 32 * nr and rope.dims <= D and rope_usable(rope))
+          and D <= 32 * nr and rope.dims <= D and rope_usable(rope)
+          and q.shape[1] < 65536 and q.shape[0] < 65536)  # tokens and rows are grid y / z
     if ok and q_norm is not None:
         ok = (q_norm.weight.dtype == q.dtype and k_norm.weight.dtype == q.dtype and q_norm.eps == k_norm.eps
               and q_norm.weight.shape == (D,) and k_norm.weight.shape == (D,))
