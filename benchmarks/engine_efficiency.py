@@ -21,6 +21,7 @@ from mtplx.cache import BatchCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine, _Runtime
 from mtplx.architectures import capture_backend
+from mtplx import layer_kernels
 from mtplx.fusion import unstack
 from mtplx.graphbank import CompiledVerifyBank
 from mtplx.models.loading import ModelBundle
@@ -95,6 +96,7 @@ def ours(bundle, prompts, n, max_batch, method="none", compiled="off", decode_on
     t1 = time.perf_counter()
     toks = sum(len(r.tokens) for r in res)
     unstack(bundle.model)  # the engine stacks projections on CUDA (compiled): the peers run the model as loaded
+    layer_kernels.uninstall(bundle.model)  # ... and its layers with layer_kernels
     if decode_only:
         return (toks - len(res)) / (t1 - eng.first_token_at), t1 - t0, eng
     return toks / (t1 - t0), t1 - t0, eng

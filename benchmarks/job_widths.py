@@ -23,6 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from mtplx import layer_kernels
 from mtplx.fusion import DECODE_GROUPS, fuse_projections, stacking_pays, unstack
 from mtplx.generation import Engine
 from mtplx.prefill import PrefixStore
@@ -39,6 +40,7 @@ def peer(bundle, prompts, tokens, width):
     from mlx_lm import batch_generate
 
     unstack(bundle.model)  # the peer runs the model as loaded (our engine may stack projections on CUDA)
+    layer_kernels.uninstall(bundle.model)  # ... and patch its layers (layer_kernels)
     sync()
     t0 = time.perf_counter()
     r = batch_generate(bundle.model, bundle.tokenizer, prompts, max_tokens=tokens, return_token_ids=True,
@@ -51,6 +53,8 @@ def ours(job, engine, rows, width):
     """The whole job over its first `rows` rows at `width`: (completion tokens, seconds)."""
     if engine.spec.compiled_verify != "off" and Engine.stack_projections and stacking_pays():
         fuse_projections(engine.model, DECODE_GROUPS)  # as fusion.decode_paths set it up (the peer unstacks)
+    if Engine.use_layer_kernels:
+        layer_kernels.install(engine.model)  # likewise (the peer uninstalls)
     engine.max_batch = width
     job.schedule.max_batch = width
     job.input.limit = rows
