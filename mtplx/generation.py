@@ -165,8 +165,8 @@ class Engine(SpeculativeRounds):
     stack_projections = True
     use_rows_attention = True
     use_skinny_matmul = False  # skinny_matmul.py: exact on the H200, but no faster than MLX's gemv at one row
-    # layer_kernels.py: on since the H200 showed it bit-identical and faster (session 6 window 2: 8B one
-    # stream 177 vs 166 tok/s, the same tokens); CUDA only
+    # layer_kernels.py for Qwen3 models (its DEFAULT_FAMILIES): bit-identical on the H200 and at or above
+    # the unfused ops at the 8B shape (session 6: 177 vs 166, 180 vs 178 tok/s); CUDA only
     use_layer_kernels = True
 
     @staticmethod

@@ -19,9 +19,9 @@ compares them on the GPU. Every forward of a patched model (prefill, eager and c
 every verify) takes the same kernels, so plain decoding and speculation see one model.
 
 `install(model)` swaps the classes of the Qwen3 / Llama / Qwen2 blocks, attentions and final norm (the
-instances only; models it does not know keep mlx-lm's code); CUDA only, on by default since the
-H200 check (session 6 window 2: every case bit-identical, 8B one stream 177 vs 166 tok/s with the same
-tokens; `Engine.use_layer_kernels`, `fusion.decode_paths`). `install(model, reference=True)` runs the
+instances only; models it does not know keep mlx-lm's code); CUDA only. The engine installs it for
+Qwen3 (DEFAULT_FAMILIES) since the H200 check (session 6: every case bit-identical in two windows, 8B
+one stream 177 vs 166 and 180 vs 178 tok/s; `Engine.use_layer_kernels`, `fusion.decode_paths`). `install(model, reference=True)` runs the
 same plumbing with the unfused MLX ops in place of the kernels (how the CPU tests check it).
 """
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -501,6 +501,12 @@ FAMILIES = {
     "mlx_lm.models.qwen2": {"TransformerBlock": _block_call, "Attention": _attention_call},
 }
 _patched = {}
+# what the engine installs (Engine.use_layer_kernels): the families where it was measured. The H200's
+# 8B Qwen3 shape ran at or above the unfused ops (session 6: 177 vs 166, 180 vs 178 tok/s), but a
+# cuda_kernel call cost ~19-25 us in a chain of one-row calls against ~8 for an MLX op, so it pays
+# where one kernel replaces four (Qwen3's q/k norms + RoPE) and likely not in Llama / Qwen2, where it
+# replaces two RoPEs (not measured; `install(model, families=FAMILIES)` patches them)
+DEFAULT_FAMILIES = ("mlx_lm.models.qwen3",)
 
 
 def _swap(module, call):
@@ -515,7 +521,7 @@ def _own(module):
     return _base(module) if type(module) in _patched.values() else type(module)
 
 
-def _claims(model):
+def _claims(model, families):
     """The model's inner decoder (`model.model`) when every layer is a Qwen3 / Llama / Qwen2 block with
     plain RMSNorms and RoPE, else None."""
     inner = getattr(model, "model", None)
@@ -524,7 +530,7 @@ def _claims(model):
         return None
     for layer in layers:
         attn = getattr(layer, "self_attn", None)
-        if _own(layer).__module__ not in FAMILIES or attn is None or _own(attn).__module__ != _own(layer).__module__:
+        if _own(layer).__module__ not in families or _own(layer).__module__ not in FAMILIES or attn is None or _own(attn).__module__ != _own(layer).__module__:
             return None
         if any(type(getattr(layer, n, None)) is not nn.RMSNorm for n in ("input_layernorm", "post_attention_layernorm")):
             return None
@@ -533,12 +539,13 @@ def _claims(model):
     return inner
 
 
-def install(model, reference: bool = False) -> int:
-    """Patch a Qwen3 / Llama / Qwen2 model's blocks, attentions and final norm; returns how many layers
-    (0: not on CUDA, or a model it does not claim, which keeps mlx-lm's code)."""
+def install(model, reference: bool = False, families: Optional[Sequence[str]] = None) -> int:
+    """Patch the blocks, attentions and final norm of a model of one of `families` (mlx-lm modules;
+    default DEFAULT_FAMILIES); returns how many layers (0: not on CUDA, or a model it does not claim,
+    which keeps mlx-lm's code)."""
     if not (cuda_ready() or reference):
         return 0
-    inner = _claims(model)
+    inner = _claims(model, DEFAULT_FAMILIES if families is None else families)
     if inner is None:
         return 0
     _State.reference = reference
