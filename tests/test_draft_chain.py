@@ -17,7 +17,7 @@ import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.draft_chain import MAX_BACKLOG
-from mtplx.drafters import DraftModelDrafter
+from mtplx.draft_model import DraftModelDrafter
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
