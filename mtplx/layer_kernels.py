@@ -94,6 +94,38 @@ _ADD_NORM = """
 
 # One warp per (head, token, row): heads 0..HQ-1 are q's, HQ..HQ+HK-1 k's. params: eps, log2(base),
 # scale (float32). offset: int32, read at b * OSTRIDE.
+# Both versions of the q/k kernel end alike: each pair (x1, x2) rotated by its angle (rope.cu's
+# arithmetic; ROT picks the fma placement), the dimensions past DIMS copied through.
+_ROTATION = """
+    float theta = pos * inv_freq;
+    float costheta = cos(theta);
+    float sintheta = sin(theta);
+    const int i1 = TRADITIONAL ? 2 * p : p;
+    const int i2 = TRADITIONAL ? i1 + 1 : p + HALF;
+    float x1 = static_cast<float>(buf[i1]);
+    float x2 = static_cast<float>(buf[i2]);
+    float rx1, rx2;
+    if (ROT == 0) {  // rope.cu's expressions, contracted as the compiler likes (the default)
+      rx1 = x1 * costheta - x2 * sintheta;
+      rx2 = x1 * sintheta + x2 * costheta;
+    } else if (ROT == 1) {
+      rx1 = fmaf(x1, costheta, -(x2 * sintheta));
+      rx2 = fmaf(x1, sintheta, x2 * costheta);
+    } else if (ROT == 2) {
+      rx1 = fmaf(-x2, sintheta, x1 * costheta);
+      rx2 = fmaf(x2, costheta, x1 * sintheta);
+    } else {
+      rx1 = __fsub_rn(__fmul_rn(x1, costheta), __fmul_rn(x2, sintheta));
+      rx2 = __fadd_rn(__fmul_rn(x1, sintheta), __fmul_rn(x2, costheta));
+    }
+    dst[i1] = static_cast<T>(rx1);
+    dst[i2] = static_cast<T>(rx2);
+  }
+  for (int i = DIMS + lane; i < D; i += 32) {
+    dst[i] = buf[i];
+  }
+"""
+
 _QK_ROPE = """
   auto warp = cg::tiled_partition<32>(cg::this_thread_block());
   __shared__ T buf[D];
@@ -139,34 +171,7 @@ _QK_ROPE = """
   for (int p = lane; p < HALF; p += 32) {
     float d = static_cast<float>(p) / static_cast<float>(HALF);
     float inv_freq = exp2(-d * params[1]);
-    float theta = pos * inv_freq;
-    float costheta = cos(theta);
-    float sintheta = sin(theta);
-    const int i1 = TRADITIONAL ? 2 * p : p;
-    const int i2 = TRADITIONAL ? i1 + 1 : p + HALF;
-    float x1 = static_cast<float>(buf[i1]);
-    float x2 = static_cast<float>(buf[i2]);
-    float rx1, rx2;
-    if (ROT == 0) {  // rope.cu's expressions, contracted as the compiler likes (the default)
-      rx1 = x1 * costheta - x2 * sintheta;
-      rx2 = x1 * sintheta + x2 * costheta;
-    } else if (ROT == 1) {
-      rx1 = fmaf(x1, costheta, -(x2 * sintheta));
-      rx2 = fmaf(x1, sintheta, x2 * costheta);
-    } else if (ROT == 2) {
-      rx1 = fmaf(-x2, sintheta, x1 * costheta);
-      rx2 = fmaf(x2, costheta, x1 * sintheta);
-    } else {
-      rx1 = __fsub_rn(__fmul_rn(x1, costheta), __fmul_rn(x2, sintheta));
-      rx2 = __fadd_rn(__fmul_rn(x1, sintheta), __fmul_rn(x2, costheta));
-    }
-    dst[i1] = static_cast<T>(rx1);
-    dst[i2] = static_cast<T>(rx2);
-  }
-  for (int i = DIMS + lane; i < D; i += 32) {
-    dst[i] = buf[i];
-  }
-"""
+""" + _ROTATION
 
 # Version 2: the same arithmetic in the same order, with every global load before any global
 # store (version 1 interleaves them: the compiler cannot move a load above a store that may alias
@@ -264,34 +269,7 @@ _QK_ROPE_V2 = """
   for (int p = lane; p < HALF; p += 32) {
     float d = static_cast<float>(p) / static_cast<float>(HALF);
     float inv_freq = exp2(-d * base2);
-    float theta = pos * inv_freq;
-    float costheta = cos(theta);
-    float sintheta = sin(theta);
-    const int i1 = TRADITIONAL ? 2 * p : p;
-    const int i2 = TRADITIONAL ? i1 + 1 : p + HALF;
-    float x1 = static_cast<float>(buf[i1]);
-    float x2 = static_cast<float>(buf[i2]);
-    float rx1, rx2;
-    if (ROT == 0) {
-      rx1 = x1 * costheta - x2 * sintheta;
-      rx2 = x1 * sintheta + x2 * costheta;
-    } else if (ROT == 1) {
-      rx1 = fmaf(x1, costheta, -(x2 * sintheta));
-      rx2 = fmaf(x1, sintheta, x2 * costheta);
-    } else if (ROT == 2) {
-      rx1 = fmaf(-x2, sintheta, x1 * costheta);
-      rx2 = fmaf(x2, costheta, x1 * sintheta);
-    } else {
-      rx1 = __fsub_rn(__fmul_rn(x1, costheta), __fmul_rn(x2, sintheta));
-      rx2 = __fadd_rn(__fmul_rn(x1, sintheta), __fmul_rn(x2, costheta));
-    }
-    dst[i1] = static_cast<T>(rx1);
-    dst[i2] = static_cast<T>(rx2);
-  }
-  for (int i = DIMS + lane; i < D; i += 32) {
-    dst[i] = buf[i];
-  }
-"""
+""" + _ROTATION
 
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 # the kernels installed models take (each off here runs its unfused ops through the same plumbing)
