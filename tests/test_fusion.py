@@ -20,15 +20,9 @@ def qwen3(tiny_model):
 
 
 def _logits(model, n=8):
-    from mlx_lm.models.cache import make_prompt_cache
+    from tiny_models import greedy_logits
 
-    cache, out, tok = make_prompt_cache(model), [], mx.array([list(range(3, 30))], dtype=mx.int32)
-    for _ in range(n):
-        logits = model(tok, cache=cache)[:, -1]
-        mx.eval(logits)
-        out.append(np.array(logits.astype(mx.float32)))
-        tok = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
-    return out
+    return greedy_logits(model, n)
 
 
 def test_fused_projections_keep_the_logits_and_unstack_restores(qwen3):

@@ -16,16 +16,10 @@ from mtplx import layer_kernels as lk
 from mtplx.models.loading import load
 
 
-def _logits(model, n=6, compiled=False):
-    from mlx_lm.models.cache import make_prompt_cache
+def _logits(model, n=6):
+    from tiny_models import greedy_logits
 
-    cache, out, tok = make_prompt_cache(model), [], mx.array([list(range(3, 30))], dtype=mx.int32)
-    for _ in range(n):
-        logits = model(tok, cache=cache)[:, -1]
-        mx.eval(logits)
-        out.append(np.array(logits.astype(mx.float32)))
-        tok = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
-    return out
+    return greedy_logits(model, n)
 
 
 def _same(a, b):

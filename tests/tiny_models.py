@@ -709,3 +709,18 @@ def reference_tokens(model, prompt_ids: Iterable[int], max_tokens: int, eos) -> 
             break
         out.append(tok)
     return out
+
+
+def greedy_logits(model, n: int) -> List[np.ndarray]:
+    """The last-position logits (fp32) of n greedy steps of mlx-lm's own forward over a prompt cache,
+    from a fixed 27-token prompt: what tests compare bit for bit when a patch must keep the values."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache, out, tok = make_prompt_cache(model), [], mx.array([list(range(3, 30))], dtype=mx.int32)
+    for _ in range(n):
+        logits = model(tok, cache=cache)[:, -1]
+        mx.eval(logits)
+        out.append(np.array(logits.astype(mx.float32)))
+        tok = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
+    return out
