@@ -1,6 +1,7 @@
 """A whole job through the pipeline vs `mlx_lm.batch_generate` on the same rows and model.
 
     python -m benchmarks.jobs_vs_peer jobs/mmlu.yaml --set speculative.method=none --out bench-out
+    python -m benchmarks.jobs_vs_peer jobs/eval-mtp.yaml --set input.limit=64 --methods mtp,ngram,none
 
 Both get the same rendered prompt tokens (the job's own template / chat template), the same
 max_tokens and the same width (rows in flight: the job's `schedule.max_batch`, which is
@@ -10,6 +11,15 @@ EOS or max_tokens. Reports end-to-end tokens/s of each and their ratio (sampled 
 different lengths on the two sides, so the token counts may differ: the wall-time ratio is shown
 only when they are equal), and the prompt tokens the engine actually prefilled (shared prefixes
 are prefilled once) against the prompt tokens in the rows.
+
+Several settings of the same job in one process (`--methods`, or `--variant "k=v k=v"` for any
+overrides): the model loads once and the peer runs once, before any engine touches the model;
+each setting gets its own engine, warm-up run and timed run. Every phase prints as it ends, with
+its seconds (`[  12.3s] phase: ...`, the bracket is time since the process started): loading,
+preparing rows, the peer's warm-up and timed run, each engine's setup, warm-up and timed run,
+with the compiled programs each run made and the seconds their first calls took (tracing,
+compiling, kernel builds), and the table and files are rewritten after every setting, so a run
+cut off by a time limit still shows where its time went.
 """
 
 from __future__ import annotations
@@ -21,62 +31,183 @@ from pathlib import Path
 
 from mlx_lm.sample_utils import make_sampler
 
+from mtplx.models.loading import load
 from mtplx.prefill import PrefixStore
+from pipelines.execution.startup import process_age
 from pipelines.job.config import load_job
 from pipelines.io.rows import prepare
-from pipelines.execution.opening import load_engine, open_job
+from pipelines.execution.opening import open_job
 from pipelines.execution.session import run_job
 
 from .common import device_name, save_json, speed_ratio, sync, table, versions
 from .real_models import mlx_batch
+
+_BEGAN = time.perf_counter() - process_age()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.perf_counter() - _BEGAN:7.1f}s] {msg}", flush=True)
+
+
+class FirstCalls:
+    """Counts the compiled programs an engine makes (verify bank, MTP draft bank) and times the
+    first call of each, synchronized (tracing, compiling, kernel builds): `take()` returns what
+    was made since the last take."""
+
+    def __init__(self, engine):
+        self.made, self.seconds = {"verify": 0, "head": 0}, 0.0
+        if engine.bank is not None:
+            self._wrap(engine.bank, "_program", "verify")
+        head_bank = getattr(engine.drafter, "bank", None)
+        if head_bank is not None and hasattr(head_bank, "_get"):
+            self._wrap(head_bank, "_get", "head")
+
+    def _wrap(self, bank, name: str, kind: str):
+        inner = getattr(bank, name)
+
+        def get(key, *rest):
+            if key in bank._programs:
+                return inner(key, *rest)
+            fn = inner(key, *rest)
+            self.made[kind] += 1
+            return self._timed_once(bank, key, fn)
+
+        setattr(bank, name, get)
+
+    def _timed_once(self, bank, key, fn):
+        import mlx.core as mx
+
+        def first(*args):
+            sync()
+            t0 = time.perf_counter()
+            out = fn(*args)
+            mx.eval(out)
+            sync()
+            self.seconds += time.perf_counter() - t0
+            bank._programs[key] = fn  # later calls go straight to the program
+            return out
+
+        bank._programs[key] = first
+        return first
+
+    def take(self) -> dict:
+        out = {"new verify programs": self.made["verify"], "new head programs": self.made["head"],
+               "first calls s": round(self.seconds, 2)}
+        self.made, self.seconds = {"verify": 0, "head": 0}, 0.0
+        return out
+
+
+def counters(engine) -> dict:
+    """The engine's own counters that say what a run did (rounds, reads, fallbacks)."""
+    out = {k: engine.counters[k] for k in ("rounds", "host_reads", "prefill_tokens", "cached_prompt_tokens")}
+    if engine.bank is not None:
+        out.update({"verify compiled": engine.bank.stats["compiled_calls"], "verify eager": engine.bank.stats["fallback_calls"]})
+    head_bank = getattr(engine.drafter, "bank", None)
+    if head_bank is not None and hasattr(head_bank, "stats"):
+        out.update({"head compiled": head_bank.stats.get("compiled_calls", 0), "head eager": head_bank.stats.get("eager_calls", 0)})
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+def fmt(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items())
+
+
+def variants(args) -> list:
+    """Each setting run: a label and its overrides (after the common --set ones)."""
+    out = [("method=" + m, [f"speculative.method={m}"]) for m in args.methods.split(",") if m] if args.methods else []
+    out += [(v, v.split()) for v in args.variant]
+    return out or [("as written", [])]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("job")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--methods", default="", help="comma-separated speculative.method values, one setting each")
+    ap.add_argument("--variant", action="append", default=[],
+                    help='a setting as space-separated key=value overrides, e.g. "speculative.method=ngram '
+                         'speculative.adaptive_depth=true"; repeatable, after --methods')
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per setting (each with its own table row)")
+    ap.add_argument("--no-peer", action="store_true", help="skip batch_generate (only our settings and their phases)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
-    job = load_job(args.job, args.overrides + ["generation.stop=[]"])
-    engine = load_engine(job)
-    prep = open_job(job, engine.tokenizer)
-    items = [it for it in prepare(prep.source.rows(), prep.renderer, job.input.id_column, [], engine.max_context,
+    say(f"start (imports done): {device_name()}")
+    base = args.overrides + ["generation.stop=[]"]
+    job = load_job(args.job, base)
+    t = time.perf_counter()
+    bundle = load(job.model.path, trust_remote_code=job.model.trust_remote_code, gguf_mode=job.model.gguf_mode)
+    say(f"load: {time.perf_counter() - t:.2f} s ({fmt({k: round(v, 2) for k, v in bundle.phases.items()})})")
+    t = time.perf_counter()
+    prep = open_job(job, bundle.tokenizer)
+    from mtplx.models.loading import context_length
+
+    items = [it for it in prepare(prep.source.rows(), prep.renderer, job.input.id_column, [], context_length(bundle.config),
                                   None, job.input.limit) if it.tokens]
     gen = job.generation
     prompts = [it.tokens for it in items for _ in range(gen.n)]  # n samples per row: n rows for the peer
-    max_tokens = gen.max_tokens
+    width = job.schedule.max_batch
+    if str(width) == "auto" and not args.no_peer:
+        raise SystemExit("schedule.max_batch: auto: the peer needs the width before any engine is built: "
+                         "--set schedule.max_batch=N (or --no-peer)")
+    say(f"prepare rows: {time.perf_counter() - t:.2f} s ({len(prompts)} rows, {sum(map(len, prompts))} prompt tokens, "
+        f"max_tokens {gen.max_tokens}, width {width})")
     sampler = make_sampler(temp=gen.temperature, top_p=gen.top_p or 0.0, top_k=gen.top_k or 0) if gen.temperature > 0 else None
+    peer = None
+    if not args.no_peer:  # first: our engines install their decode paths into the model
+        peer = mlx_batch(bundle, prompts, gen.max_tokens, width=int(width), sampler=sampler)
+        say(f"peer batch_generate: warm-up {peer['warm_seconds']:.2f} s, timed {peer['seconds']:.2f} s "
+            f"({peer['tokens']} tokens, {peer['tok_s']:.0f} tok/s)")
     rows = []
-    for rep in range(args.repeats):
-        peer_run = mlx_batch(engine, prompts, max_tokens, width=engine.max_batch, sampler=sampler)
-        peer_tokens, peer_s = peer_run["tokens"], peer_run["seconds"]
-        with tempfile.TemporaryDirectory() as tmp:
-            if rep == 0:  # warm-up, untimed, as mlx_batch does for the peer
-                job.output.dir = str(Path(tmp) / "warm")
-                run_job(job, restart=True, engine=engine)
-            engine.prefiller.store = PrefixStore()  # each timed run prefills its shared prefixes again
-            before = dict(engine.counters)
-            job.output.dir = str(Path(tmp) / "run")
-            sync()
-            t0 = time.perf_counter()
-            summary = run_job(job, restart=True, engine=engine)
-            ours_s = time.perf_counter() - t0
-        prefilled = engine.counters["prefill_tokens"] - before["prefill_tokens"]
-        cached = engine.counters["cached_prompt_tokens"] - before["cached_prompt_tokens"]
-        rows.append({
-            "job": Path(args.job).stem, "method": job.speculative.method, "rows": len(prompts),
-            "width": engine.max_batch,
-            "prompt tokens": sum(map(len, prompts)), "prefilled by us": prefilled, "copied from shared prefix": cached,
-            **speed_ratio(summary.completion_tokens, ours_s, peer_tokens, peer_s, "mlx-lm"),
-            "mlx-lm s": peer_s, "ours s": ours_s,
-        })
-        print(table(rows), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"jobs_vs_peer-{Path(args.job).stem}-{job.speculative.method}-w{engine.max_batch}"
-    save_json(out / f"{name}.json", {"device": device_name(), "versions": versions(), "overrides": args.overrides, "rows": rows})
-    (out / f"{name}.md").write_text(f"device: {device_name()}\n\n" + table(rows))
+    from mtplx.generation import Engine
+
+    for label, extra in variants(args):
+        vjob = load_job(args.job, base + extra)
+        t = time.perf_counter()
+        engine = Engine(bundle, vjob.speculative, vjob.schedule)
+        first_calls = FirstCalls(engine)
+        say(f"{label}: engine setup {time.perf_counter() - t:.2f} s (width {engine.max_batch})")
+        with tempfile.TemporaryDirectory() as tmp:
+            before = counters(engine)
+            vjob.output.dir = str(Path(tmp) / "warm")
+            t = time.perf_counter()
+            run_job(vjob, restart=True, engine=engine)  # warm-up, untimed, as mlx_batch does for the peer
+            sync()
+            say(f"{label}: warm-up run {time.perf_counter() - t:.2f} s ({fmt(first_calls.take())}; "
+                f"{fmt(delta(counters(engine), before))})")
+            for rep in range(args.repeats):
+                engine.prefiller.store = PrefixStore()  # each timed run prefills its shared prefixes again
+                before = counters(engine)
+                vjob.output.dir = str(Path(tmp) / f"run{rep}")
+                sync()
+                t0 = time.perf_counter()
+                summary = run_job(vjob, restart=True, engine=engine)
+                ours_s = time.perf_counter() - t0
+                did = delta(counters(engine), before)
+                say(f"{label}: timed run {ours_s:.2f} s ({summary.completion_tokens} tokens, "
+                    f"{summary.completion_tokens / ours_s:.0f} tok/s; {fmt(first_calls.take())}; {fmt(did)})")
+                row = {"job": Path(args.job).stem, "setting": label, "rows": len(prompts), "width": engine.max_batch,
+                       "prompt tokens": sum(map(len, prompts)), "prefilled by us": did["prefill_tokens"],
+                       "copied from shared prefix": did["cached_prompt_tokens"], "ours tokens": summary.completion_tokens,
+                       "ours tok/s": summary.completion_tokens / ours_s, "ours s": ours_s}
+                if peer is not None:
+                    row.update(speed_ratio(summary.completion_tokens, ours_s, peer["tokens"], peer["seconds"], "mlx-lm"))
+                    row["mlx-lm s"] = peer["seconds"]
+                rows.append(row)
+        fastest = max(r["ours tok/s"] for r in rows)
+        for r in rows:
+            r["x fastest setting"] = r["ours tok/s"] / fastest
+        name = f"jobs_vs_peer-{Path(args.job).stem}-{vjob.speculative.method if len(variants(args)) == 1 else 'settings'}-w{engine.max_batch}"
+        save_json(out / f"{name}.json", {"device": device_name(), "versions": versions(), "overrides": args.overrides,
+                                         "peer": peer, "rows": rows})
+        (out / f"{name}.md").write_text(f"device: {device_name()}\n\n" + table(rows))
+    print(table(rows), flush=True)
+    say("done")
 
 
 if __name__ == "__main__":

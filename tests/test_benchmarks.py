@@ -101,6 +101,32 @@ def test_jobs_vs_peer_compares_tokens_per_second(tiny_model, tmp_path, monkeypat
         assert row["ours / mlx-lm (wall)"] == pytest.approx(row["mlx-lm s"] / row["ours s"])
 
 
+def test_jobs_vs_peer_runs_settings_in_one_process_and_prints_phases(tiny_model, tmp_path, monkeypatch, capsys):
+    """Several settings of one job: the peer runs once, each setting gets its own engine, and every
+    phase prints as it ends (so a run cut by a time limit still says where its time went)."""
+    import json
+    import sys
+
+    from benchmarks import jobs_vs_peer, real_models
+    from jobkit import job_dict, sample_rows, write_job, write_parquet
+
+    data = write_parquet(tmp_path / "in.parquet", sample_rows(3))
+    job = write_job(tmp_path / "job.yaml", job_dict(tiny_model("llama"), data, tmp_path / "run", generation={"max_tokens": 6}))
+    peer_runs = []
+    real = real_models.mlx_batch
+    monkeypatch.setattr(jobs_vs_peer, "mlx_batch", lambda *a, **k: peer_runs.append(1) or real(*a, **k))
+    monkeypatch.setattr(sys, "argv", ["jobs_vs_peer", str(job), "--methods", "none,ngram", "--out", str(tmp_path / "out")])
+    jobs_vs_peer.main()
+    printed = capsys.readouterr().out
+    for phase in ("load:", "prepare rows:", "peer batch_generate: warm-up", "method=none: warm-up run",
+                  "method=ngram: engine setup", "method=ngram: timed run"):
+        assert phase in printed, phase
+    assert "new verify programs" in printed
+    rows = json.loads((tmp_path / "out" / "jobs_vs_peer-job-settings-w4.json").read_text())["rows"]
+    assert [r["setting"] for r in rows] == ["method=none", "method=ngram"] and len(peer_runs) == 1
+    assert rows[0]["mlx-lm s"] == rows[1]["mlx-lm s"] and all(r["ours tokens"] == 18 for r in rows)
+
+
 def test_speed_ratio_claims_a_wall_ratio_only_for_equal_work():
     from benchmarks.common import speed_ratio
 
