@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_mtp.sh round   # the shipped head: MTP 3 (pipelined; + lookup 2) vs plain vs mlx-lm, widths 1/32/8, HumanEval held out + GSM8K, phases at 1
 #   bash benchmarks/gpu_mtp.sh lookup  # the shipped head: mtp vs mtp + lookup fallback vs ngram vs plain vs mlx-lm, HumanEval held out + GSM8K
 #   bash benchmarks/gpu_mtp.sh attn    # rows_attention's checks + timing, then width-32 MTP rounds (one wave, refilled stream), limit 8 vs 3
+#   bash benchmarks/gpu_mtp.sh cli     # the same job as a user runs it (mtplx-batch run, a fresh process per method): wall, startup phases, summary
 #   bash benchmarks/gpu_mtp.sh jobs    # jobs/eval-mtp.yaml as shipped vs the same rows with ngram / ngram adaptive / none, and batch_generate, one process, phases as they end
 set -uo pipefail
 OUT=${OUT:-bench-out}
@@ -114,13 +115,13 @@ attn)  # issue 18 (h6a): rows_attention as chunks of queries a block (each key r
       --depths 3 --attention-queries $q $phases 2>&1 | tee -a "$OUT/attn.log"
   done
   ;;
-jobs)  # issue 18 (h7c): is the eval-mtp job the fastest way to run its rows? One process: the model loads once,
-  # batch_generate runs once on the job's rendered rows (ROWS, the job's width 8, stop strings dropped), then each
-  # setting through the whole pipeline (its own engine, a warm-up run, a timed run): the job as shipped (mtp depth 3
-  # + lookup 2), ngram at the same fixed depth, ngram adaptive (= jobs/eval.yaml on these rows), plain. Every phase
-  # prints as it ends with its seconds (load, rows, peer warm-up / timed, each setting's setup / warm-up / timed run,
-  # programs compiled and their first calls' seconds), and the table files are rewritten after each setting, so a
-  # run cut at LIMIT still says where the time went (~1.5 min warm; a fresh host adds its kernel builds).
+jobs)  # issue 18 (h7c): is the eval-mtp job the fastest way to run its rows? One process, the model loaded once:
+  # each setting through the whole pipeline on the job's rows (ROWS, the job's width 8, stop strings dropped; its own
+  # engine, a warm-up run, a timed run): the job as shipped (mtp depth 3 + lookup 2), ngram at the same fixed depth,
+  # ngram adaptive (= jobs/eval.yaml on these rows), plain; then batch_generate on the same rendered rows (a fresh
+  # copy of the model). Every phase prints as it ends with its seconds (load, rows, each setting's setup / warm-up /
+  # timed run with the programs compiled and their first calls' seconds, the peer's warm-up / timed run), and the
+  # table files are rewritten after each setting, so a run cut at LIMIT still says where the time went.
   mkdir -p "$OUT/jobs"
   echo "== eval-mtp settings, ${ROWS:-64} rows $(date +%T)" | tee -a "$OUT/jobs.log"
   timeout ${LIMIT:-200} python3 -m benchmarks.jobs_vs_peer jobs/eval-mtp.yaml --set input.limit=${ROWS:-64} \
@@ -129,6 +130,20 @@ jobs)  # issue 18 (h7c): is the eval-mtp job the fastest way to run its rows? On
     --out "$OUT/jobs" 2>&1 | tee -a "$OUT/jobs.log"
   echo "== exit ${PIPESTATUS[0]} $(date +%T)" | tee -a "$OUT/jobs.log"
   cat "$OUT"/jobs/*.md 2>/dev/null | tee -a "$OUT/jobs.log"
+  ;;
+cli)  # issue 18 (h7c): the eval-mtp job as a user runs it, one fresh process each (imports, load, compiled programs
+  # and all; kernels MLX built before are on disk): `mtplx-batch run` on ROWS rows with its stop strings, each METHODS
+  # entry as speculative.method; prints the wall seconds, the --log-json startup phases and the summary (~1 min warm).
+  mkdir -p /tmp/b
+  for m in ${METHODS:-mtp ngram none}; do
+    t0=$(date +%s%N)
+    timeout ${LIMIT:-60} python3 -m pipelines.cli run jobs/eval-mtp.yaml --set input.limit=${ROWS:-64} \
+      --set speculative.method=$m --set output.dir=/tmp/b/cli-$m --restart --log-json 2>&1 \
+      | grep --line-buffered -E '"event": "(startup|summary)"' > /tmp/b/cli-$m.log
+    rc=${PIPESTATUS[0]}
+    echo "== cli eval-mtp method=$m rows=${ROWS:-64}: exit $rc, wall $(( ($(date +%s%N) - t0) / 1000000 )) ms" | tee -a "$OUT/cli.log"
+    cut -c1-400 /tmp/b/cli-$m.log | tee -a "$OUT/cli.log"
+  done
   ;;
 lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs mlx-lm; 1 stream and width 32;
   # held-out HumanEval rows and GSM8K in one process (~2.5 min warm). Sizes are env vars (CPU dry runs).

@@ -13,13 +13,14 @@ only when they are equal), and the prompt tokens the engine actually prefilled (
 are prefilled once) against the prompt tokens in the rows.
 
 Several settings of the same job in one process (`--methods`, or `--variant "k=v k=v"` for any
-overrides): the model loads once and the peer runs once, before any engine touches the model;
-each setting gets its own engine, warm-up run and timed run. Every phase prints as it ends, with
-its seconds (`[  12.3s] phase: ...`, the bracket is time since the process started): loading,
-preparing rows, the peer's warm-up and timed run, each engine's setup, warm-up and timed run,
-with the compiled programs each run made and the seconds their first calls took (tracing,
-compiling, kernel builds), and the table and files are rewritten after every setting, so a run
-cut off by a time limit still shows where its time went.
+overrides): the model loads once, each setting gets its own engine, warm-up run and timed run,
+and the peer runs once, last, on a fresh copy of the model (an engine installs its decode paths
+into the model it runs). Every phase prints as it ends, with its seconds (`[  12.3s] phase: ...`,
+the bracket is time since the process started): loading, preparing rows, each engine's setup,
+warm-up and timed run, with the compiled programs each run made and the seconds their first calls
+took (tracing, compiling, kernel builds; one line for each first call over a second), then the
+peer's warm-up and timed run. The table files are rewritten after every setting, so a run cut off
+by a time limit still shows where its time went.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .common import device_name, save_json, speed_ratio, sync, table, versions
 from .real_models import mlx_batch
 
 _BEGAN = time.perf_counter() - process_age()
+SLOW_FIRST_CALL = 1.0  # seconds: a first call at least this slow prints its own line (kernel builds)
 
 
 def say(msg: str) -> None:
@@ -83,7 +85,10 @@ class FirstCalls:
             out = fn(*args)
             mx.eval(out)
             sync()
-            self.seconds += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.seconds += took
+            if took >= SLOW_FIRST_CALL:
+                say(f"  first call of {bank.__class__.__name__} program {key}: {took:.2f} s")
             bank._programs[key] = fn  # later calls go straight to the program
             return out
 
@@ -156,17 +161,13 @@ def main():
     say(f"prepare rows: {time.perf_counter() - t:.2f} s ({len(prompts)} rows, {sum(map(len, prompts))} prompt tokens, "
         f"max_tokens {gen.max_tokens}, width {width})")
     sampler = make_sampler(temp=gen.temperature, top_p=gen.top_p or 0.0, top_k=gen.top_k or 0) if gen.temperature > 0 else None
-    peer = None
-    if not args.no_peer:  # first: our engines install their decode paths into the model
-        peer = mlx_batch(bundle, prompts, gen.max_tokens, width=int(width), sampler=sampler)
-        say(f"peer batch_generate: warm-up {peer['warm_seconds']:.2f} s, timed {peer['seconds']:.2f} s "
-            f"({peer['tokens']} tokens, {peer['tok_s']:.0f} tok/s)")
     rows = []
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    settings = variants(args)
+    method = load_job(args.job, base + settings[0][1]).speculative.method if len(settings) == 1 else "settings"
+    write = _writer(args, f"jobs_vs_peer-{Path(args.job).stem}-{method}-w{width}")
     from mtplx.generation import Engine
 
-    for label, extra in variants(args):
+    for label, extra in settings:
         vjob = load_job(args.job, base + extra)
         t = time.perf_counter()
         engine = Engine(bundle, vjob.speculative, vjob.schedule)
@@ -195,19 +196,42 @@ def main():
                        "prompt tokens": sum(map(len, prompts)), "prefilled by us": did["prefill_tokens"],
                        "copied from shared prefix": did["cached_prompt_tokens"], "ours tokens": summary.completion_tokens,
                        "ours tok/s": summary.completion_tokens / ours_s, "ours s": ours_s}
-                if peer is not None:
-                    row.update(speed_ratio(summary.completion_tokens, ours_s, peer["tokens"], peer["seconds"], "mlx-lm"))
-                    row["mlx-lm s"] = peer["seconds"]
                 rows.append(row)
+        write(rows)
+    if not args.no_peer:
+        # a fresh copy of the model: our engines installed their decode paths into the one they ran on
+        t = time.perf_counter()
+        fresh = load(job.model.path, trust_remote_code=job.model.trust_remote_code, gguf_mode=job.model.gguf_mode)
+        say(f"peer: fresh model load {time.perf_counter() - t:.2f} s")
+        t = time.perf_counter()
+        from mlx_lm import batch_generate  # noqa: F401  (mlx-lm's own __init__: transformers, and torch where installed)
+
+        say(f"peer: import mlx_lm {time.perf_counter() - t:.2f} s")
+        peer = mlx_batch(fresh, prompts, gen.max_tokens, width=int(width), sampler=sampler,
+                         warmed=lambda s: say(f"peer batch_generate: warm-up {s:.2f} s"))
+        say(f"peer batch_generate: timed {peer['seconds']:.2f} s ({peer['tokens']} tokens, {peer['tok_s']:.0f} tok/s)")
+        for r in rows:
+            r.update(speed_ratio(r["ours tokens"], r["ours s"], peer["tokens"], peer["seconds"], "mlx-lm"))
+            r["mlx-lm s"] = peer["seconds"]
+        write(rows)
+    print(table(rows), flush=True)
+    say("done")
+
+
+def _writer(args, name: str):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write(rows):
+        if not rows:
+            return
         fastest = max(r["ours tok/s"] for r in rows)
         for r in rows:
             r["x fastest setting"] = r["ours tok/s"] / fastest
-        name = f"jobs_vs_peer-{Path(args.job).stem}-{vjob.speculative.method if len(variants(args)) == 1 else 'settings'}-w{engine.max_batch}"
-        save_json(out / f"{name}.json", {"device": device_name(), "versions": versions(), "overrides": args.overrides,
-                                         "peer": peer, "rows": rows})
+        save_json(out / f"{name}.json", {"device": device_name(), "versions": versions(), "overrides": args.overrides, "rows": rows})
         (out / f"{name}.md").write_text(f"device: {device_name()}\n\n" + table(rows))
-    print(table(rows), flush=True)
-    say("done")
+
+    return write
 
 
 if __name__ == "__main__":

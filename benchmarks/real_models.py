@@ -161,8 +161,9 @@ def mlx_speculative(model, draft_model, prompts, tokens, eos, depth: int):
     return _rows_one_at_a_time(steps, prompts, tokens, eos)
 
 
-def mlx_batch(bundle, prompts, tokens, width: int = 32, **kwargs):
-    """`batch_generate` keeping up to `width` rows in flight (its completion batch size)."""
+def mlx_batch(bundle, prompts, tokens, width: int = 32, warmed=None, **kwargs):
+    """`batch_generate` keeping up to `width` rows in flight (its completion batch size);
+    `warmed(seconds)` is called after the untimed warm-up run."""
     from mlx_lm import batch_generate
 
     run = lambda: batch_generate(bundle.model, bundle.tokenizer, prompts, max_tokens=tokens, return_token_ids=True,
@@ -170,6 +171,8 @@ def mlx_batch(bundle, prompts, tokens, width: int = 32, **kwargs):
     t0 = time.perf_counter()
     run()  # warm-up: the same run, untimed, as for our engine
     warm = time.perf_counter() - t0
+    if warmed is not None:
+        warmed(warm)
     reset_peak()
     t0 = time.perf_counter()
     r = run()
