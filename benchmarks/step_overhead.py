@@ -18,12 +18,16 @@ each setting (SETTINGS) runs in a child process of its own:
            the last as decode_anatomy does, and once a bare pipelined loop over the same compiled step
            that times, per token, the host's queueing of the next step apart from its wait for the
            token (wait ~0: the host is the bottleneck; queueing << a step: the GPU is)
+  --mlp    the first setting's children also run an Engine with mtplx/mlp_kernel.py (the stacked gate/up
+           product and SwiGLU as one kernel), interleaved with the default one, its tokens compared with
+           the default's; the first such child runs mlp_kernel.check (bit identity against MLX's ops) and
+           its chained timing first
   --trace  one more child (MLX defaults): the bare loop's last 24 steps under torch.profiler (CUPTI sees
            every kernel of the process, MLX's included); prints the GPU's time per kernel, its busy
            share, and the idle gaps between kernels by size (a graph cut, or the host starving it,
            shows as a long gap)
 
-    python -m benchmarks.step_overhead --shape 8b --rounds 3 --runs 2 --peer --trace --out bench-out  # H200, ~3.5 min
+    python -m benchmarks.step_overhead --shape 8b --rounds 3 --runs 2 --peer --mlp --trace --out bench-out  # H200, ~3 min
     python -m benchmarks.step_overhead --shape tiny --tokens 8 --rounds 1 --runs 1              # CPU dry run
 
 Writes step_overhead.json (and step_trace.json.gz with --trace) to --out.
@@ -44,7 +48,7 @@ from pathlib import Path
 # name -> environment for MLX's CUDA graph limits (read once per process: mlx/utils.h)
 SETTINGS = {
     "default": {},
-    "graphs x4": {"MLX_MAX_OPS_PER_BUFFER": "400", "MLX_MAX_MB_PER_BUFFER": "4000"},
+    "graphs x4": {"MLX_MAX_OPS_PER_BUFFER": "400", "MLX_MAX_MB_PER_BUFFER": "4000"},  # (not in the default list)
     "one graph a step": {"MLX_MAX_OPS_PER_BUFFER": "4000", "MLX_MAX_MB_PER_BUFFER": "64000"},
     # no graphs: every kernel launched on the stream as it is recorded (less host work per kernel, no updates)
     "no graphs": {"MLX_USE_CUDA_GRAPHS": "0"},
@@ -120,24 +124,46 @@ def _split_loop(model, prompt, n, hook=None, hook_at=0):
 def child(args):
     import numpy as np
 
+    from mtplx import mlp_kernel
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine
 
     t0 = time.perf_counter()
     bundle, roof = _build(args.shape)
     prompt = np.random.default_rng(1).integers(0, 1000, args.prompt).tolist()
-    eng = Engine(bundle, SpeculativeConfig(method="none", compiled_verify="on", adaptive_depth=False), ScheduleConfig(max_batch=1))
+    spec, sched = SpeculativeConfig(method="none", compiled_verify="on", adaptive_depth=False), ScheduleConfig(max_batch=1)
+    eng = Engine(bundle, spec, sched)
     eng.eos = set()  # every run makes --tokens tokens
     _engine_run(eng, prompt, 16)  # warm-up: kernel builds, the compiled program
+    engines = [("engine (default path)", eng, False)]
+    if args.mlp and mlp_kernel.cuda_ready():  # mtplx/mlp_kernel.py: its check, its chained timing, and the engine with it
+        if args.mlp_check:
+            rows = mlp_kernel.check()
+            _emit(kind="check", what="mlp_kernel", cases=len(rows), identical=sum(r["bit-identical"] for r in rows),
+                  worst=max(r["max abs diff"] for r in rows))
+            _emit(kind="timing", what="mlp_kernel", **mlp_kernel.time_it())
+        shipped = Engine.use_mlp_kernel
+        Engine.use_mlp_kernel = True
+        try:
+            eng_mlp = Engine(bundle, spec, sched)  # installs the kernel on the shared model; its own programs
+        finally:
+            Engine.use_mlp_kernel = shipped
+        eng_mlp.eos = set()
+        _engine_run(eng_mlp, prompt, 16)
+        engines.append(("engine + mlp kernel", eng_mlp, True))
+        _emit(kind="ready", seconds=time.perf_counter() - t0, roofline=roof, paths=eng_mlp.decode_paths, env={})
+    mlp_kernel.uninstall(bundle.model)
     _emit(kind="ready", seconds=time.perf_counter() - t0, roofline=roof, paths=eng.decode_paths,
           env={k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS")})
     first = None
     for r in range(args.runs):
-        toks, dt = _engine_run(eng, prompt, args.tokens)
-        first = first or toks
-        spt = dt / max(1, len(toks) - 1)
-        _emit(kind="run", variant="engine (default path)", spt=spt, tok_s=1 / spt, roofline_pct=100 / spt / roof,
-              same_tokens=toks == first)
+        for label, e, with_mlp in engines:  # interleaved; each engine's programs were traced in its own state
+            (mlp_kernel.install if with_mlp else mlp_kernel.uninstall)(bundle.model)
+            toks, dt = _engine_run(e, prompt, args.tokens)
+            first = first or toks
+            spt = dt / max(1, len(toks) - 1)
+            _emit(kind="run", variant=label, spt=spt, tok_s=1 / spt, roofline_pct=100 / spt / roof, same_tokens=toks == first)
+    mlp_kernel.uninstall(bundle.model)
     if args.peer:
         from .decode_anatomy import v_generate_step
 
@@ -221,10 +247,10 @@ def analyse(kernels, steps):
 
 # -- the parent --------------------------------------------------------------------------------------
 
-def _spawn(args, extra_env, flag, limit):
+def _spawn(args, extra_env, flag, limit, more=()):
     env = dict(os.environ, PYTHONUNBUFFERED="1", **extra_env)
     cmd = [sys.executable, "-m", "benchmarks.step_overhead", flag, "--shape", args.shape, "--tokens", str(args.tokens),
-           "--prompt", str(args.prompt), "--runs", str(args.runs), "--out", args.out] + (["--peer"] if args.peer else [])
+           "--prompt", str(args.prompt), "--runs", str(args.runs), "--out", args.out] + (["--peer"] if args.peer else []) + list(more)
     results = []
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -272,7 +298,8 @@ def parent(args):
     unknown = [s for s in names if s not in SETTINGS]
     if unknown:
         raise SystemExit(f"--settings: unknown {unknown}; known: {', '.join(SETTINGS)}")
-    runs, splits, ready, trace = {}, {}, {}, None
+    runs, splits, ready, trace, notes = {}, {}, {}, None, []
+    checked = False
     roof = None
     t_start = time.monotonic()
     for rnd in range(args.rounds):
@@ -282,16 +309,23 @@ def parent(args):
                 print(f"budget of {args.budget} s spent: no more children", flush=True)
                 break
             print(f"== round {rnd}, setting '{name}' {SETTINGS[name] or '(MLX defaults)'}", flush=True)
-            for res in _spawn(args, SETTINGS[name], "--child", args.child_limit):
+            more = []
+            if args.mlp and name == names[0]:  # the kernel's variant in the first setting's children; its check once
+                more = ["--mlp"] + ([] if checked else ["--mlp-check"])
+                checked = True
+            for res in _spawn(args, SETTINGS[name], "--child", args.child_limit, more):
                 if res["kind"] == "ready":
                     roof = res["roofline"]
                     ready.setdefault(name, []).append(res)
                     print(f"   ready in {res['seconds']:.1f} s; paths {res['paths']}", flush=True)
                 elif res["kind"] == "run":
                     runs.setdefault((name, res["variant"]), []).append(res["spt"])
-                    same = "" if res.get("same_tokens", True) else "  TOKENS DIFFER FROM ITS FIRST RUN"
+                    same = "" if res.get("same_tokens", True) else "  TOKENS DIFFER FROM THE DEFAULT PATH'S"
                     print(f"   {res['variant']:24s} {res['tok_s']:7.1f} tok/s  {1e3 * res['spt']:.3f} ms/tok  "
                           f"{res['roofline_pct']:.1f}% of roofline{same}", flush=True)
+                elif res["kind"] in ("check", "timing"):
+                    notes.append(res)
+                    print(f"   {res}", flush=True)
                 elif res["kind"] == "split":
                     splits.setdefault(name, []).append(res)
                     print(f"   host split: queue {res['queue_ms']:.2f} ms, wait {res['wait_ms']:.2f} ms, step {res['step_ms']:.2f} ms", flush=True)
@@ -307,7 +341,7 @@ def parent(args):
     payload = {"shape": args.shape, "tokens": args.tokens, "settings": {n: SETTINGS[n] for n in names},
                "medians": [dict(zip(("setting", "variant", "tok/s", "ms/token", "n", "runs"), r)) for r in _medians(runs)],
                "runs": [{"setting": s, "variant": v, "spt": x} for (s, v), xs in runs.items() for x in xs],
-               "splits": splits, "ready": ready, "trace": trace, "roofline tok/s": roof}
+               "splits": splits, "ready": ready, "trace": trace, "kernel checks": notes, "roofline tok/s": roof}
     (out / "step_overhead.json").write_text(json.dumps(payload, indent=1))
     if runs and roof:
         print("== final", flush=True)
@@ -321,8 +355,11 @@ def main():
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--runs", type=int, default=2, help="timed engine runs per child")
     ap.add_argument("--rounds", type=int, default=3, help="children per setting (interleaved)")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated SETTINGS names")
+    ap.add_argument("--settings", default="default,one graph a step,no graphs", help="comma-separated SETTINGS names: " + ", ".join(SETTINGS))
     ap.add_argument("--peer", action="store_true", help="also one mlx-lm generate_step run per child")
+    ap.add_argument("--mlp", action="store_true", help="the first setting's children also run the engine with "
+                    "mtplx/mlp_kernel.py (after its bit-identity check and chained timing, once)")
+    ap.add_argument("--mlp-check", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--trace", action="store_true", help="a last child under torch.profiler: the GPU's kernels")
     ap.add_argument("--budget", type=float, default=150, help="no child starts after this many seconds")
     ap.add_argument("--child-limit", type=float, default=70, help="seconds a child may run")

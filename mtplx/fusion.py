@@ -138,13 +138,17 @@ def stacking_pays() -> bool:
 
 
 def decode_paths(model, compiled: bool, stack: bool = True, rows: bool = True, skinny: bool = False,
-                 layer: bool = False) -> dict:
+                 layer: bool = False, mlp: bool = False) -> dict:
     """The engine's CUDA decode paths: per-row attention for masked attention (rows_attention.py)
     and, when decode steps are compiled, stacked projections and (`skinny`) the few-row matmul kernel
-    (skinny_matmul.py); (`layer`) a layer's small ops as fewer kernels (layer_kernels.py). The first
-    two and the last keep the values exactly, the kernel keeps each row's value whatever the row
+    (skinny_matmul.py); (`layer`) a layer's small ops as fewer kernels (layer_kernels.py); (`mlp`) the
+    stacked gate/up product and its SwiGLU as one kernel at one row (mlp_kernel.py). All but the
+    skinny kernel keep the values exactly, the kernel keeps each row's value whatever the row
     count; off CUDA nothing changes. Returns what was installed (counts)."""
+    from . import mlp_kernel  # (it builds on this module's stacked parts)
+
     return {"rows_attention": rows_attention.install(model) if rows else 0,
             "stacked_projections": fuse_projections(model, DECODE_GROUPS) if stack and compiled and stacking_pays() else 0,
             "skinny_matmul": skinny_matmul.install(model) if skinny and compiled else 0,
-            "layer_kernels": layer_kernels.install(model) if layer else 0}
+            "layer_kernels": layer_kernels.install(model) if layer else 0,
+            "mlp_kernel": mlp_kernel.install(model) if mlp and compiled else 0}  # the stacked MLPs only

@@ -124,7 +124,7 @@ class Engine(SpeculativeRounds):
                               remember=self._probe_memory(bundle))
         self.decode_paths = decode_paths(self.model, self.spec.compiled_verify != "off",  # CUDA only
                                          self.stack_projections, self.use_rows_attention, self.use_skinny_matmul,
-                                         self.use_layer_kernels)
+                                         self.use_layer_kernels, self.use_mlp_kernel)
         self.drafter = make_drafter(self.spec, bundle)
         self.runtime = _Runtime(self.model, want_hidden=self.drafter is not None and self.drafter.needs_hidden)
         self.weight_bytes = _tree_bytes(self.model.parameters())
@@ -168,6 +168,8 @@ class Engine(SpeculativeRounds):
     # layer_kernels.py for Qwen3 models (its DEFAULT_FAMILIES): bit-identical on the H200 and at or above
     # the unfused ops at the 8B shape (session 6: 177 vs 166, 180 vs 178 tok/s); CUDA only
     use_layer_kernels = True
+    # mlp_kernel.py (gate/up product + SwiGLU, one kernel at one row): off until the H200 check passes
+    use_mlp_kernel = False
 
     @staticmethod
     def _probe_memory(bundle: ModelBundle):
