@@ -117,7 +117,8 @@ attn)  # issue 18 (h6a): rows_attention as chunks of queries a block (each key r
   ;;
 jobs)  # issue 18 (h7c): is the eval-mtp job the fastest way to run its rows? One process, the model loaded once:
   # each setting through the whole pipeline on the job's rows (ROWS, the job's width 8, stop strings dropped; its own
-  # engine, a warm-up run, a timed run): the job as shipped (mtp depth 3 + lookup 2), ngram at the same fixed depth,
+  # engine, a warm-up run, a timed run): the job as shipped (mtp depth 3 + lookup 2), the same with the drained tail
+  # narrowing as on a CPU (engine.TAIL_KEEPS_WIDTH=1: the programs it compiles and what it costs), ngram at the same fixed depth,
   # ngram adaptive (= jobs/eval.yaml on these rows), plain; then batch_generate on the same rendered rows (a fresh
   # copy of the model). Every phase prints as it ends with its seconds (load, rows, each setting's setup / warm-up /
   # timed run with the programs compiled and their first calls' seconds, the peer's warm-up / timed run), and the
@@ -125,7 +126,7 @@ jobs)  # issue 18 (h7c): is the eval-mtp job the fastest way to run its rows? On
   mkdir -p "$OUT/jobs"
   echo "== eval-mtp settings, ${ROWS:-64} rows $(date +%T)" | tee -a "$OUT/jobs.log"
   timeout ${LIMIT:-200} python3 -m benchmarks.jobs_vs_peer jobs/eval-mtp.yaml --set input.limit=${ROWS:-64} \
-    --set output.keep_columns=[] ${JOBS_SET:-} --variant "speculative.method=mtp" --variant "speculative.method=ngram" \
+    --set output.keep_columns=[] ${JOBS_SET:-} --variant "speculative.method=mtp" --variant "speculative.method=mtp engine.TAIL_KEEPS_WIDTH=1" --variant "speculative.method=ngram" \
     --variant "speculative.method=ngram speculative.adaptive_depth=true" --variant "speculative.method=none" \
     --out "$OUT/jobs" 2>&1 | tee -a "$OUT/jobs.log"
   echo "== exit ${PIPESTATUS[0]} $(date +%T)" | tee -a "$OUT/jobs.log"

@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
 from mlx_lm.sample_utils import make_sampler
 
 from mtplx.models.loading import load
@@ -135,7 +136,8 @@ def main():
     ap.add_argument("--methods", default="", help="comma-separated speculative.method values, one setting each")
     ap.add_argument("--variant", action="append", default=[],
                     help='a setting as space-separated key=value overrides, e.g. "speculative.method=ngram '
-                         'speculative.adaptive_depth=true"; repeatable, after --methods')
+                         'speculative.adaptive_depth=true"; engine.NAME=V sets an Engine class attribute on that '
+                         'engine (e.g. engine.TAIL_KEEPS_WIDTH=1); repeatable, after --methods')
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per setting (each with its own table row)")
     ap.add_argument("--no-peer", action="store_true", help="skip batch_generate (only our settings and their phases)")
     ap.add_argument("--out", default="bench-out")
@@ -168,9 +170,12 @@ def main():
     from mtplx.generation import Engine
 
     for label, extra in settings:
-        vjob = load_job(args.job, base + extra)
+        attrs = dict(e[len("engine."):].split("=", 1) for e in extra if e.startswith("engine."))
+        vjob = load_job(args.job, base + [e for e in extra if not e.startswith("engine.")])
         t = time.perf_counter()
         engine = Engine(bundle, vjob.speculative, vjob.schedule)
+        for name, value in attrs.items():  # an engine class attribute (benchmarks measure with and without)
+            setattr(engine, name, yaml.safe_load(value))
         first_calls = FirstCalls(engine)
         say(f"{label}: engine setup {time.perf_counter() - t:.2f} s (width {engine.max_batch})")
         with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,68 @@
+"""A job's tail: once no request waits, a batch narrows as its rows finish, only where that pays.
+
+On a CPU a round's cost follows its width, so a drained batch narrows to a power of two once half
+its slots are idle. On a GPU a round of up to 32 rows costs about what one row's does, and every
+narrower width compiles verify and draft programs of its own for a job's last few rounds (a short
+job's fixed cost): there the batch keeps its width (`Engine.TAIL_KEEPS_WIDTH`, by device). Either
+way the output is plain decoding's, token for token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.generation import Engine
+from mtplx.models.loading import load
+from mtplx.request import Request, SamplingParams
+from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
+from tiny_models import reference_tokens
+
+WIDTH = 8
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tmp_path_factory):
+    bundle = load(tiny_model("llama"))
+    head = tmp_path_factory.mktemp("head")
+    save_sidecar(bundle, _init_head(bundle.model, TrainConfig(seed=3)), head, {})
+    rng = np.random.default_rng(11)
+    # 12 rows at width 8: rows end at different rounds, the last ones after the source is drained
+    rows = [(rng.integers(3, 400, int(n)).tolist(), int(m))
+            for n, m in zip([5, 30, 9, 14, 3, 22, 7, 11, 18, 4, 26, 8], [2, 15, 4, 11, 6, 20, 3, 9, 13, 5, 17, 7])]
+    eos = set(bundle.tokenizer.eos_token_ids)
+    return bundle, str(head), rows, [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
+
+
+def _run(setup, method, keeps):
+    bundle, head, rows, refs = setup
+    spec = SpeculativeConfig(method=method, depth=3, adaptive_depth=False, mtp_head=head if method == "mtp" else None)
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=WIDTH, order="input"))
+    eng.TAIL_KEEPS_WIDTH = keeps
+    reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
+    out = {r.key: r.tokens for r in eng.generate(reqs)}
+    assert [out[i] for i in range(len(rows))] == refs  # plain decoding's tokens either way
+    widths = {key[0] for key in eng.bank._programs}
+    head_bank = getattr(eng.drafter, "bank", None)
+    head_widths = {key[1] for key in head_bank._programs} if head_bank is not None else set()
+    return widths, head_widths
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "mtp"])
+def test_a_drained_batch_keeps_its_width_where_narrowing_does_not_pay(setup, method):
+    widths, head_widths = _run(setup, method, keeps=WIDTH)
+    assert widths == {WIDTH}, widths  # no program compiled for a narrower tail
+    assert head_widths <= {WIDTH}
+    narrowed, head_narrowed = _run(setup, method, keeps=1)  # the CPU rule: the tail narrows
+    assert min(narrowed) < WIDTH and WIDTH in narrowed, narrowed
+    if method == "mtp":
+        assert min(head_narrowed) < WIDTH
+
+
+def test_the_rule_follows_the_device():
+    import mlx.core as mx
+
+    expected = 32 if mx.default_device().type == mx.DeviceType.gpu else 1
+    assert Engine.TAIL_KEEPS_WIDTH is None
+    assert Engine.tail_keeps_width.fget(Engine.__new__(Engine)) == expected
