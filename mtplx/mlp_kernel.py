@@ -41,25 +41,25 @@ _HEADER = """
 #include <cooperative_groups/reduce.h>
 
 namespace mlx::core::cu {
-// gemv.cu's gemv_impl loop for one weight row, NPT elements a lane at a time
+// gemv.cu's gemv_impl loop over two weight rows at once (gate row n, up row N + n), NPT elements a lane at a
+// time: each row's sum gets its own products in gemv's order; the two streams keep twice the loads in flight
 template <int NPT, typename T>
-__device__ __forceinline__ float mtplx_row_dot(const T* mat, const T* vec, int cols, int lane) {
-  float sum = 0.f;
+__device__ __forceinline__ void mtplx_gate_up(const T* w, const T* vec, int n, int N, int cols, int lane, float& g, float& u) {
+  const T* gate = w + (size_t)n * cols;
+  const T* up = w + (size_t)(n + N) * cols;
+  float sg = 0.f, su = 0.f;
   for (int col = NPT * lane; col < cols; col += 32 * NPT) {
-    auto local_mat = unsafe_load_vector<NPT>(mat + col, 0);
+    auto local_gate = unsafe_load_vector<NPT>(gate + col, 0);
+    auto local_up = unsafe_load_vector<NPT>(up + col, 0);
     auto local_vec = unsafe_load_vector<NPT>(vec + col, 0);
 #pragma unroll
     for (int j = 0; j < NPT; ++j) {
-      sum += static_cast<float>(local_mat[j]) * static_cast<float>(local_vec[j]);
+      sg += static_cast<float>(local_gate[j]) * static_cast<float>(local_vec[j]);
+      su += static_cast<float>(local_up[j]) * static_cast<float>(local_vec[j]);
     }
   }
-  return sum;
-}
-
-template <int NPT, typename T>
-__device__ __forceinline__ void mtplx_gate_up(const T* w, const T* x, int n, int N, int K, int lane, float& g, float& u) {
-  g = mtplx_row_dot<NPT>(w + (size_t)n * K, x, K, lane);
-  u = mtplx_row_dot<NPT>(w + (size_t)(n + N) * K, x, K, lane);
+  g = sg;
+  u = su;
 }
 }  // namespace mlx::core::cu
 """
