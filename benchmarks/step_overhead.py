@@ -248,7 +248,11 @@ def analyse(kernels, steps):
 # -- the parent --------------------------------------------------------------------------------------
 
 def _spawn(args, extra_env, flag, limit, more=()):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra_env)
+    from mtplx import cuda_graphs
+
+    # MLX's defaults unless the setting says otherwise: not what `import mtplx` set in this process
+    env = {k: v for k, v in os.environ.items() if k not in cuda_graphs.applied}
+    env.update(PYTHONUNBUFFERED="1", **extra_env)
     cmd = [sys.executable, "-m", "benchmarks.step_overhead", flag, "--shape", args.shape, "--tokens", str(args.tokens),
            "--prompt", str(args.prompt), "--runs", str(args.runs), "--out", args.out] + (["--peer"] if args.peer else []) + list(more)
     results = []
