@@ -21,7 +21,7 @@ each setting (SETTINGS) runs in a child process of its own:
   --mlp    the first setting's children also run an Engine with mtplx/mlp_kernel.py (the stacked gate/up
            product and SwiGLU as one kernel), interleaved with the default one, its tokens compared with
            the default's; the first such child runs mlp_kernel.check (bit identity against MLX's ops) and
-           its chained timing first
+           its chained timing first, and cProfile of one more default run (where the host's time goes)
   --trace  one more child (MLX defaults): the bare loop's last 24 steps under torch.profiler (CUPTI sees
            every kernel of the process, MLX's included); prints the GPU's time per kernel, its busy
            share, and the idle gaps between kernels by size (a graph cut, or the host starving it,
@@ -164,6 +164,19 @@ def child(args):
             spt = dt / max(1, len(toks) - 1)
             _emit(kind="run", variant=label, spt=spt, tok_s=1 / spt, roofline_pct=100 / spt / roof, same_tokens=toks == first)
     mlp_kernel.uninstall(bundle.model)
+    if args.host_profile:  # where the host's time goes in one more default run (cProfile: Python and the C++ calls it makes)
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        _, dt = _engine_run(eng, prompt, args.tokens)
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        lines = [ln for ln in text.getvalue().splitlines() if ln.strip()][-19:]
+        _emit(kind="host_profile", tokens=args.tokens, seconds=dt, lines=lines)
     if args.peer:
         from .decode_anatomy import v_generate_step
 
@@ -315,7 +328,7 @@ def parent(args):
             print(f"== round {rnd}, setting '{name}' {SETTINGS[name] or '(MLX defaults)'}", flush=True)
             more = []
             if args.mlp and name == names[0]:  # the kernel's variant in the first setting's children; its check once
-                more = ["--mlp"] + ([] if checked else ["--mlp-check"])
+                more = ["--mlp"] + ([] if checked else ["--mlp-check", "--host-profile"])
                 checked = True
             for res in _spawn(args, SETTINGS[name], "--child", args.child_limit, more):
                 if res["kind"] == "ready":
@@ -327,6 +340,11 @@ def parent(args):
                     same = "" if res.get("same_tokens", True) else "  TOKENS DIFFER FROM THE DEFAULT PATH'S"
                     print(f"   {res['variant']:24s} {res['tok_s']:7.1f} tok/s  {1e3 * res['spt']:.3f} ms/tok  "
                           f"{res['roofline_pct']:.1f}% of roofline{same}", flush=True)
+                elif res["kind"] == "host_profile":
+                    notes.append(res)
+                    print(f"   host profile of one default run ({res['tokens']} tokens, {res['seconds']:.2f} s under cProfile):", flush=True)
+                    for ln in res["lines"]:
+                        print("   |", ln, flush=True)
                 elif res["kind"] in ("check", "timing"):
                     notes.append(res)
                     print(f"   {res}", flush=True)
@@ -364,6 +382,7 @@ def main():
     ap.add_argument("--mlp", action="store_true", help="the first setting's children also run the engine with "
                     "mtplx/mlp_kernel.py (after its bit-identity check and chained timing, once)")
     ap.add_argument("--mlp-check", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--host-profile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--trace", action="store_true", help="a last child under torch.profiler: the GPU's kernels")
     ap.add_argument("--budget", type=float, default=150, help="no child starts after this many seconds")
     ap.add_argument("--child-limit", type=float, default=70, help="seconds a child may run")
