@@ -25,6 +25,7 @@ logits; mlx-lm's generate_step takes the argmax of log-probabilities, which can 
                                 q/k norm + RoPE, one kernel each; benchmarks/step_kernels.py counts)
   engine compiled +rowattn+stacked+layerk2  ... with layer_kernels' version 2 sources (loads first, vector)
   engine eager +layerk          the eager engine with layer_kernels
+  engine compiled +rowattn+stacked+layerk+mlp  ... and mtplx/mlp_kernel.py (gate/up product + SwiGLU in one kernel)
 
 `--variants matrix` runs only issue 20's one-stream matrix (MATRIX: eager vs compiled, with and
 without stacking, against generate_step and the bare loop); a comma-separated list of labels
@@ -32,7 +33,8 @@ picks others. After every round of runs the medians so far are printed, so a run
 says what it measured.
 
 On CUDA it also checks rows_attention's kernel against MLX's over exact keys (bit-identical?), and
-when a `+layerk` variant runs, layer_kernels' kernels against the unfused ops (step_kernels.check).
+when a `+layerk` variant runs, layer_kernels' kernels against the unfused ops (step_kernels.check), and
+when a `+mlp` variant runs, mlp_kernel.check.
 Prints a line per run as it goes; writes decode_anatomy.{json,md} to --out.
 
     python -m benchmarks.decode_anatomy --shapes 8b,0.6b --tokens 128 --out bench-out
@@ -49,7 +51,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mtplx import layer_kernels, rows_attention, skinny_matmul
+from mtplx import layer_kernels, mlp_kernel, rows_attention, skinny_matmul
 from mtplx.architectures import capture_backend
 from mtplx.cache import BatchCache, RowKVCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
@@ -202,13 +204,16 @@ VARIANTS = [
     ("engine compiled +rowattn+stacked+layerk2", v_engine("on"), True, True, False, 2),  # VERSION 2
     ("engine compiled +rowattn+stacked+skinny+layerk", v_engine("on"), True, True, True, 1),
     ("engine eager +layerk", v_engine("off"), True, False, False, 1),
+    # a seventh field True: mtplx/mlp_kernel.py (stacked gate/up product + SwiGLU, one kernel at one row; CUDA only)
+    ("engine compiled +rowattn+stacked+layerk+mlp", v_engine("on"), True, True, False, 1, True),
 ]
 REFERENCE = "bare+KVCache"
 layerk_version = layer_kernels.VERSION  # the shipped sources (a +layerk2 run sets 2 for its own runs)
 # issue 20's one-stream question: which engine path is fastest, and does stacking pay, eager or compiled
 MATRIX = ["mlx-lm generate_step", "bare+KVCache", "engine eager", "engine eager +stacked", "engine compiled +rowattn",
           "engine compiled +rowattn+stacked", "engine compiled +rowattn+stacked qkv", "engine compiled +rowattn+stacked mlp",
-          "engine compiled +rowattn+stacked+layerk", "engine compiled +rowattn+stacked+layerk2"]
+          "engine compiled +rowattn+stacked+layerk", "engine compiled +rowattn+stacked+layerk2",
+          "engine compiled +rowattn+stacked+layerk+mlp"]
 # (the +skinny variants are not in it: at one row MLX's gemv is as fast as skinny_matmul's kernel, H200
 # session 6 window 2; they stay available by name)
 
@@ -225,9 +230,10 @@ def pick_variants(spec: str):
     return [known[lab] for lab in labels]
 
 
-def set_paths(model, rowattn: bool, stacked, skinny: bool = False, layerk: int = 0):
+def set_paths(model, rowattn: bool, stacked, skinny: bool = False, layerk: int = 0, mlp: bool = False):
     """Put the model in the state a variant runs in (the engine's own installs are off here).
-    `layerk`: 0, or the layer_kernels.VERSION to install."""
+    `layerk`: 0, or the layer_kernels.VERSION to install; `mlp`: mlp_kernel on the stacked MLPs."""
+    mlp_kernel.uninstall(model)
     skinny_matmul.uninstall(model)
     layer_kernels.uninstall(model)
     layer_kernels.VERSION = layerk or layerk_version
@@ -242,6 +248,8 @@ def set_paths(model, rowattn: bool, stacked, skinny: bool = False, layerk: int =
     unstack(model)
     if stacked:
         fuse_projections(model, [NAMED[stacked]] if isinstance(stacked, str) else NAMED.values())
+    if mlp:
+        mlp_kernel.install(model)
 
 
 def summary(name, variants, runs, toks_of, roof):
@@ -287,6 +295,7 @@ def main():
     rows, attn_rows = [], []
     skinny_default = Engine.use_skinny_matmul
     layerk_default = Engine.use_layer_kernels
+    mlp_default = Engine.use_mlp_kernel
     for name in names:
         t0 = time.perf_counter()
         bundle = load_model(name)
@@ -295,6 +304,7 @@ def main():
         print(f"== {name}: {wb / 1e9:.2f} GB of weights, roofline {roof:.0f} tok/s, loaded in {time.perf_counter() - t0:.1f} s", flush=True)
         prompt = np.random.default_rng(1).integers(0, 1000, args.prompt).tolist()
         Engine.stack_projections = Engine.use_rows_attention = Engine.use_skinny_matmul = Engine.use_layer_kernels = False  # set_paths decides
+        Engine.use_mlp_kernel = False
         if rows_attention.cuda_ready():
             try:
                 attn_rows += [dict(model=name, **r) for r in rows_attention_check()]
@@ -308,6 +318,12 @@ def main():
                     kernel_times(version=version)
                 except Exception as e:  # noqa: BLE001
                     print(f"layer_kernels check FAILED {type(e).__name__}: {e}", flush=True)
+            if any(len(v) > 6 and v[6] for v in chosen):  # mlp_kernel against MLX's ops, and its chained timing
+                try:
+                    attn_rows += [dict(model=name, **r) for r in mlp_kernel.check()]
+                    mlp_kernel.time_it()
+                except Exception as e:  # noqa: BLE001
+                    print(f"mlp_kernel check FAILED {type(e).__name__}: {e}", flush=True)
         variants = chosen  # off CUDA rows_attention installs nothing: +rowattn runs without it
         runs = {label: [] for label, *_ in variants}
         toks_of = {}
@@ -338,6 +354,7 @@ def main():
     Engine.stack_projections = Engine.use_rows_attention = True
     Engine.use_skinny_matmul = skinny_default
     Engine.use_layer_kernels = layerk_default
+    Engine.use_mlp_kernel = mlp_default
     layer_kernels.VERSION = layerk_version
     payload = {"device": device_name(), "versions": versions(), "tokens": args.tokens, "prompt": args.prompt,
                "decode": rows, "rows_attention": attn_rows}
