@@ -16,6 +16,7 @@ then each fused kernel's time against the ops it replaces (`kernel_times`: a com
 
     python -m benchmarks.step_kernels                                 # the count, default path
     python -m benchmarks.step_kernels --layer-kernels                 # ... and with layer_kernels
+    python -m benchmarks.step_kernels --mlp-kernel                    # ... and with layer_kernels + mlp_kernel
     python -m benchmarks.step_kernels --check                         # on the H200
 """
 
@@ -28,7 +29,7 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 
-from mtplx import fusion, layer_kernels, rows_attention
+from mtplx import fusion, layer_kernels, mlp_kernel, rows_attention
 from mtplx.cache import BatchCache
 from mtplx.generation import _Runtime
 from mtplx.graphbank import CompiledVerifyBank
@@ -38,7 +39,7 @@ from .round_graph import VIEWS, graph_primitives
 # stand-in primitive (one node, not elementwise: compile does not fuse it) -> the CUDA kernel it is
 STAND_INS = {"CumMax": "RMSNorm (mx.fast.rms_norm)", "CumProd": "RoPE (mx.fast.rope)",
              "CumMin": "rows_attention (custom)", "CumSum": "add + RMSNorm (layer_kernels)",
-             "CumLogAddExp": "q/k norm + RoPE (layer_kernels)"}
+             "CumLogAddExp": "q/k norm + RoPE (layer_kernels)", "Sort": "gate/up + SwiGLU (mlp_kernel)"}
 NAMES = {"Matmul": "matmul (weights)", "ScatterAxis": "KV cache write (put_along_axis)", "Gather": "embedding (take)",
          "Add": "residual add", "CompiledSigmoidMultiplyMultiply": "SiLU x mul (compile-fused)"}
 
@@ -48,7 +49,7 @@ def stand_ins(layer: bool):
     """The CUDA path's ops, one named node each, on any backend (values are not meaningful)."""
     saved = [(mx.fast, "rms_norm"), (mx.fast, "rope"), (rows_attention, "rows_attention"), (rows_attention, "cuda_ready"),
              (layer_kernels, "cuda_ready"), (layer_kernels, "add_rms_norm"), (layer_kernels, "qk_norm_rope"),
-             (fusion, "stacking_pays")]
+             (fusion, "stacking_pays"), (mlp_kernel, "cuda_ready"), (mlp_kernel, "swiglu_gemv")]
     saved = [(o, n, getattr(o, n)) for o, n in saved]
 
     def rope(x, dims, traditional=False, base=None, scale=1.0, offset=0, freqs=None):
@@ -65,6 +66,12 @@ def stand_ins(layer: bool):
         h = mx.depends([mx.cumsum(x, axis=-1)], [r])[0]
         return h, h
 
+    def swiglu_gemv(x, w):
+        n = w.shape[0] // 2
+        return mx.depends([mx.sort(w[:n, 0])], [x])[0].reshape(*x.shape[:-1], n)
+
+    mlp_kernel.cuda_ready = lambda: True
+    mlp_kernel.swiglu_gemv = swiglu_gemv
     mx.fast.rms_norm = lambda x, w, eps: mx.cummax(x, axis=-1)
     mx.fast.rope = rope
     rows_attention.rows_attention = lambda q, k, v, scale, lengths: mx.depends([mx.cummin(q, axis=-1)], [k, v, lengths])[0]
@@ -78,7 +85,7 @@ def stand_ins(layer: bool):
         rows_attention.uninstall()
 
 
-def step_primitives(layers: int, layer: bool, context: int = 100) -> Counter:
+def step_primitives(layers: int, layer: bool, context: int = 100, mlp: bool = False) -> Counter:
     """Primitives of the compiled one-row plain step (the bank's program) of an 8B-width Qwen3."""
     from .engine_efficiency import SHAPES, random_qwen3
 
@@ -90,7 +97,7 @@ def step_primitives(layers: int, layer: bool, context: int = 100) -> Counter:
         del SHAPES["_count"]
     model = bundle.model
     with stand_ins(layer):
-        fusion.decode_paths(model, compiled=True, layer=layer)
+        fusion.decode_paths(model, compiled=True, layer=layer, mlp=mlp)
         cache = BatchCache.for_model(model, 1)
         model(mx.zeros((1, context), dtype=mx.int32), cache=cache.layers)  # a prefilled row (eager)
         cache.commit(np.array([context]))
@@ -111,6 +118,7 @@ def step_primitives(layers: int, layer: bool, context: int = 100) -> Counter:
         bank._program = program
         bank.verify(mx.zeros((1, 1), dtype=mx.int32), cache)
         layer_kernels.uninstall(model)
+        mlp_kernel.uninstall(model)
         fusion.unstack(model)
     return seen
 
@@ -270,6 +278,7 @@ def _kernel_times(layers, iters):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layer-kernels", action="store_true", help="count with mtplx/layer_kernels.py installed")
+    ap.add_argument("--mlp-kernel", action="store_true", help="also count with mtplx/mlp_kernel.py (and layer_kernels)")
     ap.add_argument("--check", action="store_true", help="CUDA: layer_kernels against the unfused ops")
     ap.add_argument("--version", type=int, default=None, help="layer_kernels.VERSION to check (1 or 2)")
     args = ap.parse_args()
@@ -279,9 +288,11 @@ def main():
         print(f"layer_kernels check: {len(rows) - len(bad)}/{len(rows)} bit-identical", flush=True)
         kernel_times(version=args.version)
         return
-    for layer in ([False, True] if args.layer_kernels else [False]):
-        one, two = step_primitives(1, layer), step_primitives(2, layer)
-        print(f"\n### the compiled one-row step, {'with' if layer else 'without'} layer_kernels\n")
+    cases = [(False, False)] + ([(True, False)] if args.layer_kernels or args.mlp_kernel else []) + ([(True, True)] if args.mlp_kernel else [])
+    for layer, mlp in cases:
+        one, two = step_primitives(1, layer, mlp=mlp), step_primitives(2, layer, mlp=mlp)
+        what = ("with layer_kernels" if layer else "without layer_kernels") + (" and mlp_kernel" if mlp else "")
+        print(f"\n### the compiled one-row step, {what}\n")
         print(count_table(one, two), flush=True)
 
 
