@@ -136,11 +136,11 @@ widths)  # one process (benchmarks/job_widths.py): the model loads once, a short
   echo "job_widths rc=${PIPESTATUS[0]}" | tee -a "$OUT/$STEP.log"
   collect
   ;;
-decode)  # benchmarks/decode_anatomy.py --variants matrix: one stream on the 8B shape, medians printed after
-  # every round of interleaved runs. Dry run: SHAPES=tiny TOKENS=8 REPEATS=1 SLOW=3 (a CPU)
+decode)  # benchmarks/decode_anatomy.py --variants matrix (or VARIANTS="label,label,..."): one stream on the 8B
+  # shape, medians printed after every round of interleaved runs. Dry run: SHAPES=tiny TOKENS=8 REPEATS=1 SLOW=3 (a CPU)
   SLOW=${SLOW:-1}
   timeout $((235 * SLOW)) python3 -m benchmarks.decode_anatomy --shapes "${SHAPES:-8b,0.6b}" --tokens "${TOKENS:-160}" \
-    --repeats "${REPEATS:-5}" --variants matrix --out "$WORK" 2>&1 | tee -a "$OUT/$STEP.log"
+    --repeats "${REPEATS:-5}" --variants "${VARIANTS:-matrix}" --out "$WORK" 2>&1 | tee -a "$OUT/$STEP.log"
   echo "decode_anatomy rc=${PIPESTATUS[0]}" | tee -a "$OUT/$STEP.log"
   collect
   ;;
