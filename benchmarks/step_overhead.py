@@ -22,12 +22,14 @@ each setting (SETTINGS) runs in a child process of its own:
            product and SwiGLU as one kernel), interleaved with the default one, its tokens compared with
            the default's; the first such child runs mlp_kernel.check (bit identity against MLX's ops) and
            its chained timing first, and cProfile of one more default run (where the host's time goes)
+  --gemv   a child running benchmarks/gemv_exact: MLX's gemv arithmetic with more loads in flight (same bits)
+           against MLX's product, chained over 36 weights of each 8B matrix shape
   --trace  one more child (MLX defaults): the bare loop's last 24 steps under torch.profiler (CUPTI sees
            every kernel of the process, MLX's included); prints the GPU's time per kernel, its busy
            share, and the idle gaps between kernels by size (a graph cut, or the host starving it,
            shows as a long gap)
 
-    python -m benchmarks.step_overhead --shape 8b --rounds 3 --runs 2 --peer --mlp --trace --out bench-out  # H200, ~3 min
+    python -m benchmarks.step_overhead --shape 8b --rounds 3 --runs 2 --peer --mlp --gemv --trace --out bench-out  # H200, ~3.5 min
     python -m benchmarks.step_overhead --shape tiny --tokens 8 --rounds 1 --runs 1              # CPU dry run
 
 Writes step_overhead.json (and step_trace.json.gz with --trace) to --out.
@@ -354,6 +356,11 @@ def parent(args):
         if runs and roof:
             print(f"-- medians after round {rnd}", flush=True)
             _print_table(runs, roof, splits)
+    if args.gemv:
+        print("== MLX's gemv with more loads in flight, same bits (benchmarks/gemv_exact)", flush=True)
+        for res in _spawn(args, {}, "--gemv-child", 60):
+            if res["kind"] == "gemv":
+                notes.append(res)
     if args.trace and time.monotonic() - t_start < args.budget + 30:
         print("== kernel trace (torch.profiler / CUPTI), MLX defaults", flush=True)
         for res in _spawn(args, {}, "--trace-child", args.child_limit + 30):
@@ -383,6 +390,9 @@ def main():
                     "mtplx/mlp_kernel.py (after its bit-identity check and chained timing, once)")
     ap.add_argument("--mlp-check", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--host-profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--gemv", action="store_true", help="a child timing benchmarks/gemv_exact (MLX's gemv arithmetic, "
+                    "more loads in flight) against MLX's product on the 8B matrices")
+    ap.add_argument("--gemv-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--trace", action="store_true", help="a last child under torch.profiler: the GPU's kernels")
     ap.add_argument("--budget", type=float, default=150, help="no child starts after this many seconds")
     ap.add_argument("--child-limit", type=float, default=70, help="seconds a child may run")
@@ -394,6 +404,11 @@ def main():
         child(args)
     elif args.trace_child:
         trace_child(args)
+    elif args.gemv_child:
+        from .gemv_exact import run
+
+        for row in run():
+            _emit(kind="gemv", **row)
     else:
         parent(args)
 
