@@ -19,6 +19,9 @@ corrects them (`cache.rows`, cache.py RowLengths). The ngram method drafts on th
 (MTP's prompt-lookup fallback matches on the device: LookupFallback).
 `drafts_ahead`: `advance(..., following=(K, sampler, u))` also drafts the next round (MTP: in the
 commit's compiled program), and `propose` with that K, sampler and u returns those drafts.
+Optional `warm(depths)`: build the compiled programs of every one of these depths when a batch
+shape is first met (adaptive depth tries them all; a program built inside a timed round is a
+compile, not what the depth costs).
 
 A new draft method is one class with this interface and one line in `DRAFTERS` (the draft-model
 method lives in draft_model.py).
@@ -208,6 +211,10 @@ class MtpDrafter(_CachedDrafter):
 
     def _new_cache(self):
         return BatchCache(list(self.head.cache_kinds), [0])
+
+    def warm(self, depths):
+        if self.bank is not None:
+            self.bank.warm_depths = tuple(depths)
 
     def prefill_rows(self, prompts, hiddens, firsts):
         """`prefill_row` for rows without a stored prefix, all at once: one head forward and one

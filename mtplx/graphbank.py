@@ -90,6 +90,7 @@ class CompiledVerifyBank:
         restored_tokens: int = 0,
         tolerance: Optional[float] = None,
         growth_limit: Optional[int] = None,
+        warm_lengths: Tuple[int, ...] = (),
     ):
         """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`. `parity`:
         "on" (or False), "parity" (or True: raise on a mismatch), "parity2" (count mismatches).
@@ -97,7 +98,9 @@ class CompiledVerifyBank:
         max(8, max_verify_len)); a longer one is verified eagerly. `request_max_tokens`: the
         longest context a row can reach (the growth budget). `capture_backend`: what the model's
         recurrent layers use ("gdn", "recurrent", None); a mismatch is a ValueError.
-        `restored_tokens`: prompt tokens already restored from a cached prefix."""
+        `restored_tokens`: prompt tokens already restored from a cached prefix. `warm_lengths`: the
+        verify lengths built together when a (width, capacity) is first met (adaptive depth: every
+        depth it may try), so a depth tried later finds its program ready (`_warm`)."""
         self.runtime = runtime
         self.max_verify_len = max_verify_len
         env = verify_max_len_env()
@@ -118,11 +121,13 @@ class CompiledVerifyBank:
         reason = unsupported_quantization(runtime.model)
         self.permanent_eager = reason is not None
         self.tolerance = tolerance
+        self.warm_lengths = tuple(warm_lengths)
         self.stats: Dict[str, object] = {
             "compiled_calls": 0,
             "fallback_calls": 0,
             "parity_failures": 0,
             "programs": 0,
+            "warmed": 0,  # programs built ahead by `_warm`
             "fallback_reasons": {} if reason is None else {reason: 0},
             "capture_backend": capture_backend,
             "request_max_tokens": self.request_max_tokens,
@@ -197,6 +202,7 @@ class CompiledVerifyBank:
             logits, hidden = self.eager(tokens, cache)
             return logits, hidden, False, None
         lengths = cache.rows.device
+        fresh = key not in self._programs
         try:
             out = self._program(key, cache.kinds)(tokens, lengths, *arrays)
         except Exception as e:  # a program that cannot compile: verify eagerly, say why
@@ -204,6 +210,8 @@ class CompiledVerifyBank:
             self._fallback(self._broken[key])
             logits, hidden = self.eager(tokens, cache)
             return logits, hidden, False, None
+        if fresh and self.warm_lengths:
+            self._warm(key, cache.kinds, tokens.dtype, lengths, arrays)
         failures = None
         if self.mode != "on":
             ref = self._run_shadow(cache.kinds, tokens, lengths, *arrays)
@@ -224,6 +232,23 @@ class CompiledVerifyBank:
         self.stats["compiled_calls"] += 1
         hidden = out[1] if out[1].size else None
         return out[0], hidden, True, failures
+
+    def _warm(self, key, kinds, dtype, lengths: mx.array, arrays) -> None:
+        """Build the programs of the other `warm_lengths` at this width and capacity now, each run
+        once over zero tokens and evaluated (so the device builds its kernels too), the outputs
+        dropped: the real cache is an input, never written. Rows sit at most where a verify of
+        that length still fits the capacity; the values are never read."""
+        W, _, cap = key
+        for n in self.warm_lengths:
+            other = (W, n, cap)
+            if other in self._programs or other in self._broken or n > self.growth_limit:
+                continue
+            room = mx.minimum(lengths, max(cap - n, 0)) if cap else lengths
+            try:
+                mx.eval(self._program(other, kinds)(mx.zeros((W, n), dtype), room, *arrays))
+            except Exception as e:  # its first real call then verifies eagerly, saying why
+                self._broken[other] = f"compile failed: {type(e).__name__}: {e}"
+            self.stats["warmed"] += 1
 
     def eager(self, tokens, cache: BatchCache):
         cache.set_capturing(True)

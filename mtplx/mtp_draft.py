@@ -138,7 +138,9 @@ class CompiledDraftBank:
         self.vocab = vocab
         self._programs: Dict[Tuple, Callable] = {}
         self._broken: Dict[Tuple, str] = {}
-        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "programs": 0, "fallback_reasons": {}}
+        self.warm_depths: Tuple[int, ...] = ()  # draft depths built together when a width and capacity is first met
+        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "programs": 0, "warmed": 0,
+                                         "fallback_reasons": {}}
 
     def _ready(self, cache: BatchCache, L: int) -> Optional[list]:
         """The cache's arrays with room for L more entries, or None when it cannot be compiled over."""
@@ -183,6 +185,20 @@ class CompiledDraftBank:
         if arrays is None:
             self._eager("cache not compilable")
             return None
+        key, build = self._proposer(cache, arrays, sampler, K, lookup)
+        fresh = key not in self._programs
+        extra = [] if lookup is None else [lookup[1]]
+        tail = [sampler.temps, sampler.top_p, sampler.top_k]
+        out = self._call(key, build, first_logits, h, u, *tail, cache.rows.device, *arrays, *extra)
+        if fresh and out is not None:
+            for k in self.warm_depths:  # the other depths' proposals at this width and capacity
+                if k and k != K and cache.rows.max + k <= arrays[0].shape[2]:
+                    other, b = self._proposer(cache, arrays, sampler, k, lookup)
+                    self._warm(other, b, [first_logits, h, self._u(u, k), *tail, self._room(cache, arrays, k), *arrays, *extra])
+        return None if out is None else _unpacked(out)
+
+    def _proposer(self, cache: BatchCache, arrays, sampler: SamplerBatch, K: int, lookup):
+        """(key, build) of the proposal program of K drafts at this cache's width and capacity."""
         kinds, head, vocab = list(cache.kinds), self.head, self.vocab
         flags = (sampler.all_greedy, sampler.any_top_k, sampler.any_top_p)
         finder = None if lookup is None else lookup[0]
@@ -197,10 +213,7 @@ class CompiledDraftBank:
                 return _packed(*_looked_up(finder, hist, lengths + 1, K, d, q))
             return run
 
-        extra = [] if lookup is None else [lookup[1]]
-        out = self._call(key, build, first_logits, h, u, sampler.temps, sampler.top_p, sampler.top_k,
-                         cache.rows.device, *arrays, *extra)
-        return None if out is None else _unpacked(out)
+        return key, build
 
     def commit(self, cache: BatchCache, hidden, verify_in, n, next_tokens, following=None, lookup=None):
         """Run the head over the verified tokens, mirror its cache: (first logits, head hidden) at
@@ -218,9 +231,33 @@ class CompiledDraftBank:
         if arrays is None:
             self._eager("cache not compilable")
             return None
+        sampler = None if following is None else following[2]
+        key, build = self._committer(cache, arrays, hidden.dtype, K1, K, sampler, lookup)
+        fresh = key not in self._programs
+        args = [hidden, verify_in, n, next_tokens, cache.rows.device, *arrays]
+        if lookup is not None:
+            args.append(lookup[1])
+        if following is not None:
+            counts, _, sampler, u = following
+            args += [counts, u, sampler.temps, sampler.top_p, sampler.top_k]
+        out = self._call(key, build, *args)
+        if out is None:
+            return None
+        if fresh and self.warm_depths:
+            self._warm_commits(cache, arrays, args, sampler, lookup)
+        n_arrays = len(arrays)
+        for i, layer in enumerate(cache.layers):
+            layer.keys, layer.values = out[2 + 2 * i], out[3 + 2 * i]
+        rest = out[2 + n_arrays:]
+        return (out[0], out[1]) + tuple(rest[:1] if lookup is not None else ()) + (
+            _unpacked(rest[1 if lookup is not None else 0:]) if following is not None else ())
+
+    def _committer(self, cache: BatchCache, arrays, dtype, K1: int, K: int, sampler: Optional[SamplerBatch], lookup):
+        """(key, build) of the commit program over K1 verified tokens, drafting K ahead (0: none;
+        else with `sampler`'s shape flags) at this cache's width and capacity."""
         kinds, head, vocab = list(cache.kinds), self.head, self.vocab
-        flags = () if following is None else (following[2].all_greedy, following[2].any_top_k, following[2].any_top_p)
-        key = (("commit" if following is None else "commit+propose", W, K1, arrays[0].shape[2], str(hidden.dtype), K)
+        flags = () if not K else (sampler.all_greedy, sampler.any_top_k, sampler.any_top_p)
+        key = (("commit" if not K else "commit+propose", cache.batch, K1, arrays[0].shape[2], str(dtype), K)
                + flags + _lookup_key(lookup))
         n_arrays, finder = len(arrays), None if lookup is None else lookup[0]
 
@@ -246,20 +283,49 @@ class CompiledDraftBank:
                 return out + _packed(*_looked_up(finder, hist, ahead + 1, K, d, q))
             return run
 
-        args = [hidden, verify_in, n, next_tokens, cache.rows.device, *arrays]
-        if lookup is not None:
-            args.append(lookup[1])
-        if following is not None:
-            counts, _, sampler, u = following
-            args += [counts, u, sampler.temps, sampler.top_p, sampler.top_k]
-        out = self._call(key, build, *args)
-        if out is None:
-            return None
-        for i, layer in enumerate(cache.layers):
-            layer.keys, layer.values = out[2 + 2 * i], out[3 + 2 * i]
-        rest = out[2 + n_arrays:]
-        return (out[0], out[1]) + tuple(rest[:1] if lookup is not None else ()) + (
-            _unpacked(rest[1 if lookup is not None else 0:]) if following is not None else ())
+        return key, build
+
+    # -- every depth's programs built when a width and capacity is first met (adaptive depth) -------
+    def _warm_commits(self, cache: BatchCache, arrays, args, sampler: Optional[SamplerBatch], lookup) -> None:
+        """The commits of every (verified length, next depth) pair of `warm_depths` at this width
+        and capacity that fits it, built and run once over zeros (`_warm`). Those drafting ahead
+        need the batch's sampler: without one (this commit drafts nothing) they wait for the
+        first commit that drafts."""
+        hidden, verify_in, n, nxt = args[:4]
+        n_fixed = 5 + len(arrays) + (lookup is not None)
+        for K1 in (d + 1 for d in self.warm_depths):
+            for K in self.warm_depths:
+                if (K and sampler is None) or cache.rows.max + K1 + K > arrays[0].shape[2]:
+                    continue  # (one that does not fit runs at a larger capacity: built there)
+                key, build = self._committer(cache, arrays, hidden.dtype, K1, K, sampler, lookup)
+                if key in self._programs or key in self._broken:
+                    continue
+                warm = [mx.zeros((hidden.shape[0], K1, hidden.shape[2]), hidden.dtype),
+                        mx.zeros((verify_in.shape[0], K1), verify_in.dtype), mx.zeros_like(n), mx.zeros_like(nxt),
+                        self._room(cache, arrays, K1 + K)] + args[5:n_fixed]
+                if K:
+                    counts, u = args[n_fixed], args[n_fixed + 1]
+                    warm += [mx.ones_like(counts), self._u(u, K), sampler.temps, sampler.top_p, sampler.top_k]
+                self._warm(key, build, warm)
+
+    def _warm(self, key, build, args) -> None:
+        """Build one program and run it once, evaluated (the device builds its kernels too); the
+        outputs are dropped (the head's cache is an input, never written)."""
+        if key in self._programs or key in self._broken:
+            return
+        try:
+            mx.eval(self._get(key, build)(*args))
+        except Exception as e:  # its first real call then drafts eagerly, saying why
+            self._broken[key] = f"compile failed: {type(e).__name__}: {e}"
+        self.stats["warmed"] += 1
+
+    def _room(self, cache: BatchCache, arrays, L: int) -> mx.array:
+        """Row lengths that leave room for L more entries in this capacity (warm-up inputs)."""
+        return mx.minimum(cache.rows.device, max(arrays[0].shape[2] - L, 0))
+
+    def _u(self, u: mx.array, K: int) -> mx.array:
+        """Uniforms for K drafts laid out as a round's are (the first K columns of [W, 2D + 1])."""
+        return mx.zeros((u.shape[0], 2 * max(self.warm_depths) + 1), u.dtype)[:, :K]
 
 
 def draft_chain(head: MTPHead, vocab: Optional[DraftVocab], kinds, first, h, s: SamplerBatch, u, lengths, arrays, K: int):

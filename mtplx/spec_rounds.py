@@ -64,29 +64,34 @@ class SpeculativeRounds:
         sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
         pending = mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32))
         if not self.drafter.device_side:
-            started = self.clock()
+            started, built = self.clock(), self._programs_built()
             flight = self._launch(slots, cache, sampler, pending, 0)
             out = self._read(flight)
             self.drafter.commit(out[:, 0], out[:, 1], out[:, 2:], flight.live, flight.verify_in, flight.hidden)
-            finished = self._land(slots, cache, flight, out, self.clock() - started)
+            clean = self._programs_built() == built
+            finished = self._land(slots, cache, flight, out, self.clock() - started if clean else None)
             yield from finished
             return
         # Each round is timed from the previous read (the first from its own queueing), which holds
         # the queueing of the round after it: the depth controller gets the time only when that
         # round drafts as deep (then it is what a run of such rounds costs each), else None: a
-        # cheap round would carry a costly one's queueing, or the last one none (depth.py).
+        # cheap round would carry a costly one's queueing, or the last one none (depth.py). Nor
+        # when a program was built since the round was queued (its own or the next one's): that
+        # time is a compile's (and on a GPU kernel builds'), not what the depth costs.
+        built = self._programs_built()
         current = self._launch(slots, cache, sampler, pending, 0)
         landed_at = self.clock()
         while True:
             # a round after this one only if some row can still be going after it (a row emits at
             # least one token a round: one that is a token short of max_tokens ends with this round)
             going = any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
+            built_next = self._programs_built()
             following = self._launch(slots, cache, sampler, current.nxt, 1, current.plan) if going else None
             out = self._read(current)
             now = self.clock()
-            steady = following is not None and following.K == current.K
+            steady = following is not None and following.K == current.K and self._programs_built() == built
             finished = self._land(slots, cache, current, out, now - landed_at if steady else None)
-            landed_at = now
+            landed_at, built = now, built_next
             live = sum(s is not None for s in slots)
             free = len(slots) - live  # a refill drains the pipeline: wait for a few free slots (an idle
             # slot of a wide, launch-bound batch costs ~nothing), and refill them with one prefill
@@ -101,6 +106,10 @@ class SpeculativeRounds:
                 return
             yield from finished
             current = following
+
+    def _programs_built(self) -> int:
+        """Compiled programs so far, the verify bank's and the drafter's (timed rounds skip builds)."""
+        return sum(b.stats["programs"] for b in (self.bank, getattr(self.drafter, "bank", None)) if b is not None)
 
     def _plan(self, slots, n_active: int, ahead: int, sampler: SamplerBatch) -> "_Plan":
         """A round's depths and uniforms, made when it is queued or, for a drafter that drafts

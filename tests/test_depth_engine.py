@@ -81,3 +81,85 @@ def test_a_draft_that_pays_keeps_drafting(tiny_model):
     list(eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)))
     tail = chosen[len(chosen) // 2:]
     assert tail.count(2) > 0.75 * len(tail), chosen
+
+
+# -- adaptive depth with MTP: every depth's programs built at a shape's first round, compiles never priced --
+def _mtp_engine(bundle, head, width=1):
+    from test_mtp_draft import _sidecar  # noqa: F401 (the random head below is built the same way)
+
+    spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=True, mtp_head=head)
+    return Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
+
+
+def _programs(eng) -> set:
+    return set(eng.bank._programs) | set(eng.drafter.bank._programs)
+
+
+def test_after_a_warm_up_run_other_depths_compile_nothing_new(tiny_model, tmp_path):
+    """A warm-up run drafting depth 3 throughout, then the same rows at every depth in turn (as
+    adaptive depth's tries would): the second run builds no program, verify or head (before: each
+    depth, and each pair of consecutive depths of the head's commit-and-draft program, compiled
+    inside it), and both runs give plain decoding's text."""
+    from test_mtp_draft import _sidecar
+
+    bundle = load(tiny_model("llama"))
+    eos = set(bundle.tokenizer.eos_token_ids)
+    head = _sidecar(bundle, tmp_path / "head")
+    rng = np.random.default_rng(3)
+    rows = [(rng.integers(3, 400, 9).tolist(), 40) for _ in range(2)]
+    reqs = [Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
+    eng = _mtp_engine(bundle, head)
+    eng.depth_control.choose = lambda w: 3
+    first = {r.key: r.tokens for r in eng.generate(reqs)}
+    built = _programs(eng)
+    cycle = iter([0, 1, 3, 2, 0, 3, 1, 2, 2, 3, 0, 0, 1, 1, 3] * 20)
+    eng.depth_control.choose = lambda w: next(cycle)
+    second = {r.key: r.tokens for r in eng.generate(reqs)}
+    assert _programs(eng) == built, sorted(map(str, _programs(eng) - built))
+    assert eng.bank.stats["warmed"] > 0 and eng.drafter.bank.stats["warmed"] > 0
+    assert eng.bank.stats["fallback_calls"] == 0 and eng.drafter.bank.stats["eager_calls"] == 0
+    for i, (p, m) in enumerate(rows):
+        assert first[i] == second[i] == reference_tokens(bundle.model, p, m, eos), i
+
+
+def test_a_round_that_compiled_never_prices_its_depth(tiny_model, tmp_path):
+    """A fake clock charged 4 ms a verify and 1 s for each program built (a compile, and on a GPU
+    its kernel builds): adaptive depth with MTP over rows that need new programs as they grow and
+    as depths change; no time the controller keeps holds a compile (before: rounds in which the
+    next round's program was built fed their seconds, and a depth looked 100x dearer than it is)."""
+    from test_mtp_draft import _sidecar
+
+    bundle = load(tiny_model("llama"))
+    eos = set(bundle.tokenizer.eos_token_ids)
+    head = _sidecar(bundle, tmp_path / "head")
+    rng = np.random.default_rng(4)
+    rows = [(rng.integers(3, 400, int(n)).tolist(), 90) for n in (5, 200, 30)]
+    clock = FakeClock()
+    eng = _mtp_engine(bundle, head)
+    eng.clock = clock
+    fed, record, verify = [], eng.depth_control.record, eng._verify
+
+    def timed_verify(*a, **k):
+        clock.now += 0.004
+        return verify(*a, **k)
+
+    def costly(bank, name):
+        inner = getattr(bank, name)
+
+        def get(key, *a):
+            if key not in bank._programs:
+                clock.now += 1.0
+            return inner(key, *a)
+        setattr(bank, name, get)
+
+    costly(eng.bank, "_program")
+    costly(eng.drafter.bank, "_get")
+    eng._verify = timed_verify
+    eng.depth_control.record = lambda w, d, s, *a, **k: fed.append((d, s)) or record(w, d, s, *a, **k)
+    out = {r.key: r.tokens for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
+    timed = [(d, s) for d, s in fed if s is not None]
+    assert len(timed) > 20, fed
+    assert max(s for _, s in timed) < 0.1, [x for x in timed if x[1] >= 0.1]
+    assert max(eng.depth_control.seconds.values()) < 0.1, eng.depth_control.seconds
+    for i, (p, m) in enumerate(rows):
+        assert out[i] == reference_tokens(bundle.model, p, m, eos), i
