@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_mtp.sh bench   # HumanEval rows the head never saw + GSM8K: ours vs mlx-lm; phase profile
 #   bash benchmarks/gpu_mtp.sh round   # the shipped head: MTP 3 (pipelined; + lookup 2) vs plain vs mlx-lm, widths 1/32/8, HumanEval held out + GSM8K, phases at 1
 #   bash benchmarks/gpu_mtp.sh lookup  # the shipped head: mtp vs mtp + lookup fallback vs ngram vs plain vs mlx-lm, HumanEval held out + GSM8K
+#   bash benchmarks/gpu_mtp.sh depth   # the shipped head: adaptive depth vs fixed depth 3 vs plain, widths 1/32, HumanEval held out + GSM8K (~2 min)
 #   bash benchmarks/gpu_mtp.sh attn    # rows_attention's checks + timing, then width-32 MTP rounds (one wave, refilled stream), limit 8 vs 3
 #   bash benchmarks/gpu_mtp.sh cli     # the same job as a user runs it (mtplx-batch run, a fresh process per method): wall, startup phases, summary
 #   bash benchmarks/gpu_mtp.sh jobs    # jobs/eval-mtp.yaml as shipped vs the same rows with ngram / ngram adaptive / none, and batch_generate, one process, phases as they end
@@ -97,6 +98,16 @@ c() if r.cuda_ready() else print('rows_attention check: not on CUDA')" 2>&1 | te
   timeout ${LIMIT:-250} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED \
     --prompts /tmp/humaneval-heldout.jsonl,/tmp/gsm8k.jsonl --widths $WIDTHS --rows $ROWS --tokens $TOKENS \
     --depths ${DEPTHS:-3,3l2,5l2} --peer --phases 2>&1 | tee -a "$OUT/round-cost.log"
+  ;;
+depth)  # issue 18 (h7a): adaptive depth (every depth's programs built at a shape's first round, rounds that built
+  # one never priced) against fixed depth 3 and plain: widths 1 (4 rows) and 32 (one wave of 32, a refilled stream
+  # of 64), held-out HumanEval then GSM8K, 96 tokens a row, no peer, no phases (~2 min warm). Columns to read:
+  # x plain tok/s (full), ms/round, mean depth, new programs (built inside the measured run: 0 wanted), warm-up s.
+  SHIPPED=heads/smollm2-135m-instruct
+  heldout $SHIPPED
+  timeout ${LIMIT:-170} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED \
+    --prompts /tmp/humaneval-heldout.jsonl,/tmp/gsm8k.jsonl --widths ${WIDTHS:-1,32} --rows ${ROWS:-4,2x} \
+    --tokens ${TOKENS:-96} --depths ${DEPTHS:-3,a} 2>&1 | tee "$OUT/depth.log"
   ;;
 attn)  # issue 18 (h6a): rows_attention as chunks of queries a block (each key read once for a KV head's G x L
   # queries), ~4 min warm: its checks and timing (benchmarks/attn_check: same bits whatever the chunk / query count,

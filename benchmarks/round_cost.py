@@ -132,11 +132,15 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
         # Instrumented before the warm-up: evaluating a program's outputs at other edges builds other
         # CUDA kernels (H200, session 5: 37.7 ms a head commit, kernel builds, when warmed unsynchronized)
         phase_profile.instrument(eng)
+    sync()
+    w0 = time.perf_counter()
     list(eng.generate(reqs))  # warm-up: every program and kernel shape exists
+    sync()
+    warm_s = time.perf_counter() - w0
     if phases:
         phase_profile.TIMES.clear()
         phase_profile.CALLS.clear()
-    rounds0 = eng.counters["rounds"]
+    rounds0, built0 = eng.counters["rounds"], eng._programs_built() if eng.drafter is not None else 0
     prefill = _time_prefill(eng)
     full = _time_full(eng, len(reqs))
     sync()
@@ -150,6 +154,7 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
         if profile is not None:
             profile.disable()
     rounds = eng.counters["rounds"] - rounds0
+    built = eng._programs_built() - built0 if eng.drafter is not None else "-"
     reads = eng.counters["host_reads"]
     counted = {}
     if graph:  # once more, counting what each round hands the device (slow: not timed)
@@ -173,7 +178,9 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
             "ms/round": 1e3 * decode / max(rounds, 1),
             "evals/round": evals.calls / max(rounds, 1),
             "tokens/verify": (sum(r.stats.accepted_tokens for r in res) + verifies) / verifies if verifies else 1.0,
-            "mean depth": sum(r.stats.draft_depth for r in res) / len(res), **counted,
+            "mean depth": sum(r.stats.draft_depth for r in res) / len(res),
+            # compiled programs (verify + drafter) first built inside the measured run: 0 once warmed
+            "new programs": built, "warm-up s": warm_s, **counted,
             "texts": {r.key: list(r.tokens) for r in res}}
 
 

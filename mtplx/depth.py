@@ -11,7 +11,15 @@ second, and now and then tries a neighbour (from the deepest depth, every other 
 decoding) so the estimates stay honest (every width bucket on its
 own count of rounds: with one count, a width whose rounds fell between another's could never
 explore, and kept the depth it started at). Depth 0 (no drafting) is a candidate: when
-speculation does not pay, it stops speculating.
+speculation does not pay, it stops speculating. A width with nothing measured yet starts from the
+nearest measured width's costs; a batch's last rows (nothing left to admit)
+keep the best depth without tries (`explore` off).
+
+A round over which a compiled program was built (its own, or the next round's queued behind it)
+is not timed either (the engine passes None): its time is a compile's, not the depth's. While
+the controller explores, the engine builds every depth's programs at a new shape's first round
+(graphbank.CompiledVerifyBank.warm_lengths, mtp_draft.CompiledDraftBank.warm_depths), so a try
+finds them ready.
 
 Rounds run one ahead (spec_rounds.py), so the time between two reads also holds the queueing
 of the round after: the engine passes a round's time only when that round drafted what it did
@@ -54,6 +62,7 @@ class DepthController:
         self.passed: Dict[int, float] = {}  # draft position j -> EMA of P(draft j passes | j-1 passed)
         self.seconds: Dict[Tuple[int, int], float] = {}  # (width bucket, depth) -> EMA round time
         self.seen: Dict[Tuple[int, int], int] = {}
+        self.explore = True  # tries of other depths (off: the best depth only)
         self.widths: Dict[int, _Tries] = {}  # width bucket -> its rounds and tries (each width explores on its own)
 
     @staticmethod
@@ -73,8 +82,12 @@ class DepthController:
         if (bucket, k) in self.seconds:
             return self.seconds[(bucket, k)]
         known = {d: t for (b, d), t in self.seconds.items() if b == bucket}
-        if not known:
-            return self._shape(bucket, k)  # nothing measured at this width: relative units
+        if not known:  # nothing measured at this width: the nearest measured width's curve (in log2),
+            # else relative units (a batch's last rows pass through narrower widths a few rounds each)
+            near = {b for b, _ in self.seconds}
+            if not near:
+                return self._shape(bucket, k)
+            return self._cost(min(near, key=lambda b: (abs(math.log2(b) - math.log2(bucket)), b)), k)
         d0, t0 = min(known.items(), key=lambda kv: abs(kv[0] - k))
         if len(known) > 1:  # two depths measured: their own cost per drafted token, not the assumed
             # shape (a draft model's step costs most of a target step; a verify token far less)
@@ -102,10 +115,15 @@ class DepthController:
         return self.expected_tokens(k) / self._cost(bucket, k)
 
     def choose(self, width: int) -> int:
+        """The depth for a round of `width` rows. With `explore` off (the engine: a batch's last
+        rows, nothing left to admit) the best depth, no tries: what a try would teach has no rounds
+        left to pay off, and each new depth at a new width builds programs."""
         if not self.adaptive:
             return self.max_depth
         bucket = self._bucket(width)
         best = max(range(self.max_depth + 1), key=lambda k: self._rate(bucket, k))
+        if not self.explore:
+            return best
         w = self.widths.setdefault(bucket, _Tries())
         w.rounds += 1
         n = w.rounds

@@ -157,11 +157,6 @@ class Engine(SpeculativeRounds):
                           if str(self.schedule.max_batch) == "auto" else int(self.schedule.max_batch))
         self.depth_control = DepthController(self.spec.depth if self.drafter is not None else 0, self.spec.adaptive_depth,
                                              shapes=cost_shapes(profile))
-        if self.depth_control.adaptive and self.drafter is not None:  # every depth it may try, built at a shape's first round
-            if self.bank is not None:
-                self.bank.warm_lengths = tuple(range(1, self.spec.depth + 2))
-            if hasattr(self.drafter, "warm"):
-                self.drafter.warm(range(self.spec.depth + 1))
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
         # one-row plain decoding eagerly (the same logits) where the calibration measured it faster
         self.one_stream_eager = self.bank is not None and one_stream_eager(profile)

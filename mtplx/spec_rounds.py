@@ -63,6 +63,7 @@ class SpeculativeRounds:
         lookup drafts on the host from the tokens it has read: one round per call."""
         sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
         pending = mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32))
+        self._explore(not drained)
         if not self.drafter.device_side:
             started, built = self.clock(), self._programs_built()
             flight = self._launch(slots, cache, sampler, pending, 0)
@@ -106,6 +107,19 @@ class SpeculativeRounds:
                 return
             yield from finished
             current = following
+
+    def _explore(self, on: bool) -> None:
+        """Adaptive depth tries other depths, and every depth's programs are built at a new shape's
+        first round, only while requests wait (`on`): a batch's last rows (drained, compacted to
+        narrower widths) keep the best depth, building only what it needs, as a fixed depth does."""
+        self.depth_control.explore = on
+        if not self.depth_control.adaptive:
+            return
+        depths = range(self.spec.depth + 1) if on else ()
+        if self.bank is not None:
+            self.bank.warm_lengths = tuple(d + 1 for d in depths)
+        if hasattr(self.drafter, "warm"):
+            self.drafter.warm(depths)
 
     def _programs_built(self) -> int:
         """Compiled programs so far, the verify bank's and the drafter's (timed rounds skip builds)."""

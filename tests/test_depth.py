@@ -175,3 +175,28 @@ def test_a_plain_round_timed_high_once_is_measured_again():
     chosen = pipelined(DepthController(2), cost, H200_RATES, 20 * EXPLORE_EVERY, noisy=noisy)
     tail = chosen[-EXPLORE_EVERY * 8:]
     assert tail.count(0) > 0.8 * len(tail), chosen
+
+
+def test_a_new_width_starts_from_the_nearest_measured_widths_costs():
+    """Width 32 measured: drafting costs 3x a plain round there, and loses. A batch's last rows pass
+    through narrower widths a few rounds each: width 16 starts from width 32's costs (plain),
+    not from the assumed slope (which drafts deep at 50% acceptance)."""
+    ctrl = DepthController(3, acceptance=0.5)
+    drive(ctrl, 32, lambda k: 1.0 + 0.7 * k, 0.5)
+    ctrl.explore = False
+    assert ctrl.choose(32) == 0
+    ctrl.explore = True
+    assert ctrl.choose(16) == 0
+    assert DepthController(3, acceptance=0.5).choose(16) > 0  # nothing measured anywhere: the assumed slope
+
+
+def test_no_tries_when_not_exploring():
+    """A batch's last rows (`explore` off) keep the best depth: no first tries of plain decoding at
+    a new width, no neighbour tries, and the width's own count of rounds does not move."""
+    ctrl = DepthController(3)
+    drive(ctrl, 8, lambda k: 1.0 + 0.02 * k, 0.9)
+    tries = dict(vars(ctrl.widths[8]))
+    ctrl.explore = False
+    assert {ctrl.choose(8) for _ in range(4 * EXPLORE_MOST)} == {3}
+    assert {ctrl.choose(2) for _ in range(4 * EXPLORE_MOST)} == {3}
+    assert vars(ctrl.widths[8]) == tries and 2 not in ctrl.widths

@@ -49,7 +49,7 @@ def _costly_engine(bundle, path, clock, verify_s=0.004, step_s=0.005, depth=2, w
 
     eng._verify, eng.drafter.propose = timed_verify, timed_propose
     chosen, choose = [], eng.depth_control.choose
-    eng.depth_control.choose = lambda w: chosen.append(choose(w)) or chosen[-1]
+    eng.depth_control.choose = lambda w, **k: chosen.append(choose(w, **k)) or chosen[-1]
     return eng, chosen
 
 
@@ -109,11 +109,11 @@ def test_after_a_warm_up_run_other_depths_compile_nothing_new(tiny_model, tmp_pa
     rows = [(rng.integers(3, 400, 9).tolist(), 40) for _ in range(2)]
     reqs = [Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
     eng = _mtp_engine(bundle, head)
-    eng.depth_control.choose = lambda w: 3
+    eng.depth_control.choose = lambda w, **k: 3
     first = {r.key: r.tokens for r in eng.generate(reqs)}
     built = _programs(eng)
     cycle = iter([0, 1, 3, 2, 0, 3, 1, 2, 2, 3, 0, 0, 1, 1, 3] * 20)
-    eng.depth_control.choose = lambda w: next(cycle)
+    eng.depth_control.choose = lambda w, **k: next(cycle)
     second = {r.key: r.tokens for r in eng.generate(reqs)}
     assert _programs(eng) == built, sorted(map(str, _programs(eng) - built))
     assert eng.bank.stats["warmed"] > 0 and eng.drafter.bank.stats["warmed"] > 0
@@ -161,5 +161,29 @@ def test_a_round_that_compiled_never_prices_its_depth(tiny_model, tmp_path):
     assert len(timed) > 20, fed
     assert max(s for _, s in timed) < 0.1, [x for x in timed if x[1] >= 0.1]
     assert max(eng.depth_control.seconds.values()) < 0.1, eng.depth_control.seconds
+    for i, (p, m) in enumerate(rows):
+        assert out[i] == reference_tokens(bundle.model, p, m, eos), i
+
+
+def test_a_batchs_last_rows_build_only_what_their_depth_needs(tiny_model, tmp_path):
+    """Width 2, three rows: while a row waits, the first round at a shape builds every depth's
+    programs; once nothing is left to admit the batch compacts to width 1 and keeps the best
+    depth: nothing is built ahead at width 1 (before: ~20 programs for the tail's few rounds)."""
+    from test_mtp_draft import _sidecar
+
+    bundle = load(tiny_model("llama"))
+    eos = set(bundle.tokenizer.eos_token_ids)
+    head = _sidecar(bundle, tmp_path / "head")
+    rng = np.random.default_rng(5)
+    rows = [(rng.integers(3, 400, 7).tolist(), m) for m in (20, 30, 60)]
+    eng = _mtp_engine(bundle, head, width=2)
+    warmed = []
+    for bank, name in ((eng.bank, "_warm"), (eng.drafter.bank, "_warm")):
+        inner = getattr(bank, name)
+        setattr(bank, name, lambda key, *a, _inner=inner: warmed.append(key) or _inner(key, *a))
+    out = {r.key: r.tokens for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
+    widths = {k[1] if isinstance(k[0], str) else k[0] for k in set(eng.bank._programs) | set(eng.drafter.bank._programs)}
+    assert widths == {1, 2}, widths  # the tail ran at width 1
+    assert warmed and all((k[1] if isinstance(k[0], str) else k[0]) == 2 for k in warmed), warmed
     for i, (p, m) in enumerate(rows):
         assert out[i] == reference_tokens(bundle.model, p, m, eos), i
