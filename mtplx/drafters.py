@@ -51,7 +51,8 @@ class Drafter(Protocol):
 
     def prefill_row(self, tokens: Sequence[int], hidden: Optional[mx.array], first_token: int,
                     prefix: Optional[object] = None, edge: int = 0) -> object: ...
-    # optional: prefill_rows(prompts, hiddens, firsts) -> states, several rows without a prefix at once
+    # optional: prefill_rows(prompts, hiddens, firsts, prefixes) -> states, several rows at once (prefixes[b]:
+    # prefill_row's `prefix`, or None)
 
 
     def snapshot(self, state: object, length: int, hidden_at_edge: Optional[mx.array]) -> object: ...
@@ -216,10 +217,10 @@ class MtpDrafter(_CachedDrafter):
         if self.bank is not None:
             self.bank.warm_depths = tuple(depths)
 
-    def prefill_rows(self, prompts, hiddens, firsts):
-        """`prefill_row` for rows without a stored prefix, all at once: one head forward and one
-        eval per chunk for the group (head_prefill.py)."""
-        return head_prefill_rows(self, prompts, hiddens, firsts)
+    def prefill_rows(self, prompts, hiddens, firsts, prefixes=None):
+        """`prefill_row` for several rows (with or without a restored prefix) at once: one head
+        forward and one eval per chunk for the group (head_prefill.py)."""
+        return head_prefill_rows(self, prompts, hiddens, firsts, prefixes)
 
     def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
         """`hidden` holds the trunk's hidden states for positions start..n-1 of `tokens`."""

@@ -3,14 +3,17 @@
 `MtpDrafter.prefill_row` runs the head over one row's prompt, a forward and a host sync per
 chunk; admitting 32 rows so cost 32 small launch-bound forwards. Here the group's rows are
 right-padded to the longest and run as one forward per chunk, with one eval per chunk for the
-group. Each row writes its own span at its own offset (BatchCache's per-row lengths), so padding
-never enters a row's entries, and each row leaves with the state `prefill_row` gives it: a
-one-row head cache, [first-draft logits, head hidden] and, with lookup, its context.
+group. A row with a restored prefix (the prefix store's head snapshot and the trunk's hidden
+state at the edge) starts from that snapshot and runs the head over its suffix only, as
+`prefill_row` does with `prefix`, in the same forwards as the others. Each row writes its own span
+at its own offset (BatchCache's per-row lengths), so padding never enters a row's entries, and
+each row leaves with the state `prefill_row` gives it: a one-row head cache, [first-draft
+logits, head hidden] and, with lookup, its context.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -20,20 +23,29 @@ from .mtp_draft import project
 
 
 def head_prefill_rows(drafter, prompts: Sequence[Sequence[int]], hiddens: Sequence[mx.array],
-                      firsts: Sequence[int]) -> List[tuple]:
-    """Per row, the state `drafter.prefill_row(prompts[b], hiddens[b], firsts[b])` gives (rows
-    without a restored prefix: `hiddens[b]` holds the trunk's hidden state at every prompt
-    position)."""
+                      firsts: Sequence[int], prefixes: Optional[Sequence[Optional[tuple]]] = None) -> List[tuple]:
+    """Per row, the state `drafter.prefill_row(prompts[b], hiddens[b], firsts[b], prefixes[b])`
+    gives: `hiddens[b]` holds the trunk's hidden state at the prompt positions the trunk ran (all
+    of them, or those after a restored prefix), `prefixes[b]` is None or the drafter's snapshot
+    (head snapshot, trunk hidden at the edge) of the row's restored prefix."""
     B = len(prompts)
+    prefixes = list(prefixes) if prefixes is not None else [None] * B
+    hiddens = list(hiddens)
+    cache = BatchCache(list(drafter.head.cache_kinds), [0] * B)
+    starts = [0] * B
+    for b, prefix in enumerate(prefixes):
+        if prefix is not None:  # the head's entries of the prefix, and the trunk's h at its last position
+            cache.write_row(b, prefix[0])
+            starts[b] = prefix[0][0]
+            hiddens[b] = mx.concatenate([prefix[1], hiddens[b]], axis=1)
     # the head at position i reads the trunk's h[i] and the token after it (the first token last)
-    nxt = [list(p[1:]) + [int(f)] for p, f in zip(prompts, firsts)]
+    nxt = [list(p[s + 1 :]) + [int(f)] for p, s, f in zip(prompts, starts, firsts)]
     lengths = np.array([len(t) for t in nxt], dtype=np.int64)
     L = int(lengths.max())
     grid = np.zeros((B, L), dtype=np.int32)
     for b, t in enumerate(nxt):
         grid[b, : len(t)] = t
     hidden = mx.concatenate([mx.pad(h, [(0, 0), (0, L - h.shape[1]), (0, 0)]) for h in hiddens])
-    cache = BatchCache(list(drafter.head.cache_kinds), [0] * B)
     last = [None] * B
     for s in range(0, L, drafter.chunk):
         e = min(s + drafter.chunk, L)

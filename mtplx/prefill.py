@@ -268,14 +268,16 @@ class Prefiller:
     @staticmethod
     def _head_states(drafter, rows, results) -> List[Optional[tuple]]:
         """The MTP head's states of a group prefilled together, in one batched head prefill
-        (a drafter's `prefill_rows`, where it has one) over its rows without a restored prefix;
-        None for the others (they take `prefill_row`)."""
-        at = [b for b, res in enumerate(results) if res[1] is not None and res[3] is None]
+        (a drafter's `prefill_rows`, where it has one), rows with a restored prefix included
+        (each starts from the prefix's head snapshot); None where there is none (a row takes
+        `prefill_row`)."""
+        at = [b for b, res in enumerate(results) if res[1] is not None]
         states = [None] * len(rows)
         together = getattr(drafter, "prefill_rows", None)
         if together is not None and len(at) > 1:
             got = together([rows[b].req.prompt_tokens for b in at], [results[b][1] for b in at],
-                           [results[b][2] for b in at])
+                           [results[b][2] for b in at], [results[b][3][1] if results[b][3] is not None else None
+                                                         for b in at])
             for b, state in zip(at, got):
                 states[b] = state
         return states

@@ -3,7 +3,8 @@
 - Each row's state equals what `MtpDrafter.prefill_row` builds for it alone: head KV over the
   row's length, first-draft logits, head hidden, and (with lookup) its context; over several
   head chunks and rows of different lengths.
-- Admitting N rows of one length group syncs the host about once per chunk, not once per row.
+- Admitting N rows of one length group syncs the host about once per chunk, not once per row;
+  rows with a restored prefix too (they start from the prefix's head snapshot, in the same batch).
 - Greedy output at widths 1/4/7 stays plain decoding's.
 """
 
@@ -89,3 +90,75 @@ def test_greedy_output_is_plain_decoding_at_widths(tiny_model, tmp_path, width):
                                                  for i, p in enumerate(prompts)])}
     for i, p in enumerate(prompts):
         assert out[i] == reference_tokens(bundle.model, p, 16, eng.eos)
+
+
+def _prefix_rows(eng, shared, suffixes):
+    return [eng._new_row(Request(key=i, prompt_tokens=shared + s, params=SamplingParams(max_tokens=6),
+                                 stable_prefix_len=len(shared)))[0] for i, s in enumerate(suffixes)]
+
+
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_batched_head_prefill_of_restored_prefix_rows_equals_prefill_row(tiny_model, tmp_path, lookup):
+    """Rows whose prefix was restored from the store start from its head snapshot: in one batch
+    with rows that have none, each gets the state prefill_row(prefix=...) gives it."""
+    bundle = load(tiny_model("llama"))
+    eng = _engine(bundle, _sidecar(bundle, tmp_path / "head"), 8, lookup)
+    d = eng.drafter
+    d.chunk = 8  # suffixes span head chunks
+    rng = np.random.default_rng(6)
+    shared = rng.integers(5, 200, 20).tolist()
+    eng.prefiller.run(_prefix_rows(eng, shared, [[7, 8]]), d)  # the leader: stores the prefix
+    rows = _prefix_rows(eng, shared, [rng.integers(5, 200, int(n)).tolist() for n in (3, 11, 1, 17)])
+    rows.append(eng._new_row(Request(key=9, prompt_tokens=rng.integers(5, 200, 14).tolist(),
+                                     params=SamplingParams(max_tokens=6)))[0])  # no prefix
+    keys = [eng.prefiller.store.key(r.req.prompt_tokens, eng.prefiller._edge(r)) for r in rows]
+    results = eng.prefiller._many(rows, keys)
+    assert [res[3] is not None for res in results] == [True] * 4 + [False]
+    prefixes = [res[3][1] if res[3] is not None else None for res in results]
+    got = head_prefill_rows(d, [r.req.prompt_tokens for r in rows], [r[1] for r in results], [r[2] for r in results],
+                            prefixes)
+    for row, res, prefix, state in zip(rows, results, prefixes, got):
+        p = row.req.prompt_tokens
+        ref = d.prefill_row(p, res[1], res[2], prefix)
+        assert int(state[0].lengths[0]) == int(ref[0].lengths[0]) == len(p)
+        for a, b in zip(state[0].leaves, ref[0].leaves):
+            for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                assert np.allclose(np.array(x[..., : len(p), :]), np.array(y[..., : len(p), :]), atol=1e-5)
+        for x, y in zip(state[1], ref[1]):
+            assert x.shape == y.shape and np.allclose(np.array(x), np.array(y), atol=1e-4)
+        if lookup:
+            assert np.array_equal(np.array(state[2]), np.array(ref[2]))
+
+
+def test_rows_sharing_a_restored_prefix_prefill_the_head_together(tiny_model, tmp_path, monkeypatch):
+    """Admitting N rows that share a stored prefix: the head's prefill of the rows after the
+    leader is one batched forward per chunk, not one forward and one eval per row."""
+    bundle = load(tiny_model("llama"))
+    eng = _engine(bundle, _sidecar(bundle, tmp_path / "head"), 8)
+    N = 8
+    rng = np.random.default_rng(7)
+    shared = rng.integers(5, 200, 24).tolist()
+    prompts = [shared + rng.integers(5, 200, 4).tolist() for _ in range(N)]  # one length group after the leader
+    forwards = []
+    hidden = eng.drafter.head.hidden
+    eng.drafter.head.hidden = lambda h, *a, **k: (forwards.append(h.shape[0]), hidden(h, *a, **k))[1]
+    reqs = [Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=6), stable_prefix_len=len(shared))
+            for i, p in enumerate(prompts)]
+    calls, run = [], eng.prefiller.run
+
+    def counted(rows, drafter=None):
+        real = mx.eval
+        monkeypatch.setattr(mx, "eval", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+        try:
+            return run(rows, drafter)
+        finally:
+            monkeypatch.setattr(mx, "eval", real)
+
+    eng.prefiller.run = counted
+    out = {r.key: r.tokens for r in eng.generate(reqs)}
+    for i, p in enumerate(prompts):
+        assert out[i] == reference_tokens(bundle.model, p, 6, eng.eos)
+    assert eng.counters["cached_prompt_tokens"] == (N - 1) * len(shared)
+    assert (N - 1) in forwards, forwards  # the seven rows after the leader, in one head forward
+    # the leader: its two trunk spans (split at the edge) and its head chunk; the group: one trunk and one head chunk
+    assert len(calls) <= 5 < 2 + 1 + 1 + (N - 1), calls
