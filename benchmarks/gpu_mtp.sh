@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_mtp.sh attn    # rows_attention's checks + timing, then width-32 MTP rounds (one wave, refilled stream), limit 8 vs 3
 #   bash benchmarks/gpu_mtp.sh cli     # the same job as a user runs it (mtplx-batch run, a fresh process per method): wall, startup phases, summary
 #   bash benchmarks/gpu_mtp.sh jobs    # jobs/eval-mtp.yaml as shipped vs the same rows with ngram / ngram adaptive / none, and batch_generate, one process, phases as they end
+#   bash benchmarks/gpu_mtp.sh stream  # width-32 refilled streams of 2x / 4x width rows: plain vs MTP 3 (+ lookup 2), admissions, drains, tail
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -157,6 +158,15 @@ cli)  # issue 18 (h7c): the eval-mtp job as a user runs it, one fresh process ea
     cut -c1-400 /tmp/b/cli-$m.log | tee -a "$OUT/cli.log"
   done
   ;;
+stream)  # issue 18 (h7b): width-32 refilled streams, plain vs MTP depth 3 (+ lookup 2), on held-out HumanEval rows cycled
+  # to 2x and 4x the width (64 / 128 rows, greedy, 96 tokens), ~2.5 min warm: the whole-run ratio, and where MTP's time
+  # goes besides its rounds (admissions, round calls = pipeline drains, prefill s, tail s = the part-empty rounds after
+  # the last admission). Sizes are env vars (CPU dry runs).
+  SHIPPED=heads/smollm2-135m-instruct
+  heldout $SHIPPED
+  timeout ${LIMIT:-170} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED --prompts /tmp/humaneval-heldout.jsonl \
+    --widths ${WIDTHS:-32} --rows ${ROWS:-2x,4x} --cycle --tokens ${TOKENS:-96} --depths ${DEPTHS:-3,3l2} 2>&1 | tee "$OUT/stream.log"
+  ;;
 lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs mlx-lm; 1 stream and width 32;
   # held-out HumanEval rows and GSM8K in one process (~2.5 min warm). Sizes are env vars (CPU dry runs).
   SHIPPED=heads/smollm2-135m-instruct
@@ -168,6 +178,6 @@ lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs m
   for d in /tmp/b/lookup/*/; do cp "$d/real_models.md" "$OUT/lookup-$(basename $d).md"; done
   ;;
 *)
-  sed -n 2,11p "$0"; exit 2
+  sed -n 2,15p "$0"; exit 2
   ;;
 esac

@@ -9,7 +9,9 @@ W x 4 tokens costs about what W x 1 costs. `--tiny` builds a model with that pro
 layers of width 64, as SmolLM2-135M has 30 layers, with a random MTP head): its rounds are
 launch- and host-bound too, so the ratio of an MTP round to a plain round says how much host work
 and synchronization a speculative round adds. Prints per method: tok/s, rounds, seconds per
-round, MTP rounds per plain round (time), and `mx.eval` calls per round (explicit host syncs);
+round, MTP rounds per plain round (time), and `mx.eval` calls per round (explicit host syncs); admissions (prefills of new rows),
+round calls (each ends with the one-ahead pipeline read to empty) and `tail s` (the part-empty rounds after
+the last row was admitted; `--cycle` repeats the prompts for longer streams, where it weighs less);
 `--peer` adds mlx-lm on the same rows;
 `--cprofile N` also prints the N costliest functions of the MTP run (host-side Python).
 """
@@ -78,12 +80,13 @@ class EvalCounter:
 
 
 def _time_prefill(eng):
-    """Wrap the engine's prefill in a timer (synchronized at its edges: prefill reads its tokens anyway)."""
+    """Wrap the engine's prefill in a timer, synchronized at its end (prefill reads its tokens anyway) but
+    not at its start: a round may still run on the device then, and waiting for it here would stop the
+    host from building the prefill's graphs meanwhile."""
     spent = [0.0]
     inner = eng.prefiller.run
 
     def timed(*args, **kwargs):
-        sync()
         t0 = time.perf_counter()
         out = inner(*args, **kwargs)
         sync()
@@ -98,7 +101,7 @@ def _time_full(eng, total: int):
     """Tokens as they come out (decode and first tokens) and when the last of `total` requests was
     admitted: the `full` columns are the rate until then, while finished rows are still replaced
     (a long job's steady state), without the last rows' part-empty rounds."""
-    seen = {"events": [], "drained": None, "taken": set()}
+    seen = {"events": [], "drained": None, "taken": set(), "admissions": 0, "calls": 0}
     eng.on_progress = lambda kind, k: seen["events"].append((time.perf_counter(), k)) if kind == "decode" else None
     inner = eng._admit
 
@@ -112,12 +115,19 @@ def _time_full(eng, total: int):
                     seen["taken"].add(req.key)
                 return req
             batch.next_request = taking
+        before = len(seen["taken"])
         again = yield from inner(batch)
+        seen["admissions"] += len(seen["taken"]) > before
         if len(seen["taken"]) >= total and seen["drained"] is None:
             seen["drained"] = (time.perf_counter(), eng.counters["rounds"])
         return again
 
     eng._admit = admit
+    for name in ("_round", "_plain_rounds"):  # each call returns with the pipeline drained (today)
+        def calls(*args, _inner=getattr(eng, name), **kwargs):
+            seen["calls"] += 1
+            return (yield from _inner(*args, **kwargs))
+        setattr(eng, name, calls)
     return seen
 
 
@@ -167,14 +177,17 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
     verifies = sum(r.stats.verify_calls for r in res)
     decode = dt - prefill[0]
     eng.on_progress = None
-    eng.__dict__.pop("_admit", None)  # _time_full's wrapper
+    for name in ("_admit", "_round", "_plain_rounds"):  # _time_full's wrappers
+        eng.__dict__.pop(name, None)
     f_end, f_rounds = full["drained"] or (t0 + dt, eng.counters["rounds"])
     f_tokens = sum(k for at, k in full["events"] if at <= f_end)
     return {"tok/s": n / dt, "tokens": n, "rounds": rounds, "tok/round": n / max(rounds, 1),
             # (no round before the last row entered: one wave, nothing refilled, no steady state)
             "full tok/s": f_tokens / max(f_end - t0, 1e-9) if f_rounds > rounds0 else "-",
             "full tok/round": f_tokens / (f_rounds - rounds0) if f_rounds > rounds0 else "-", "full tokens": f_tokens,
-            "prefill s": prefill[0],
+            "prefill s": prefill[0], "admissions": full["admissions"], "round calls": full["calls"],
+            # after the last row was admitted: the part-empty rounds as the batch empties
+            "tail s": t0 + dt - f_end if f_rounds > rounds0 else "-",
             "ms/round": 1e3 * decode / max(rounds, 1),
             "evals/round": evals.calls / max(rounds, 1),
             "tokens/verify": (sum(r.stats.accepted_tokens for r in res) + verifies) / verifies if verifies else 1.0,
@@ -217,6 +230,8 @@ def main():
                     "entries after the first only add larger counts (4,2x: width 1 runs 4 rows, width 32 runs 32 and 64). "
                     "Rows = width is one wave (rows that accept more finish first, the last rounds run part-empty); more "
                     "rows than width is a stream, refilled as rows finish, as a job runs (tok/round says how full)")
+    ap.add_argument("--cycle", action="store_true", help="where --rows asks for more rows than there are prompts, repeat "
+                    "the prompts (a longer stream: the part-empty tail after the last admission weighs less)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--depths", default="1,3", help="MTP depths to run ('a': adaptive from 3; a trailing 's': synchronous "
                     "rounds, the path before pipelining; a trailing 'lN': with speculative.mtp_lookup N, e.g. 3l2)")
@@ -243,7 +258,9 @@ def main():
         out, prof, phased, phase_spec = [], None, False, None
         for width, rows, (data, prompts) in ((int(w), r, s) for w in args.widths.split(",")
                                              for r in row_counts(args.rows, int(w)) for s in sets):
-            if rows > len(prompts):
+            if rows > len(prompts) and args.cycle:
+                prompts = [prompts[i % len(prompts)] for i in range(rows)]
+            elif rows > len(prompts):
                 print(f"{data}: {len(prompts)} prompts, fewer than {rows} rows: {len(prompts)} rows", flush=True)
                 rows = len(prompts)
             plain = run(bundle, prompts, SpeculativeConfig(method="none"), width, rows, args.tokens, graph=args.graph)
