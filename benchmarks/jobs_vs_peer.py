@@ -140,6 +140,8 @@ def main():
                          'engine (e.g. engine.TAIL_KEEPS_WIDTH=1); repeatable, after --methods')
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per setting (each with its own table row)")
     ap.add_argument("--no-peer", action="store_true", help="skip batch_generate (only our settings and their phases)")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="seconds since start after which no new setting starts (the peer still runs); 0: no limit")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     say(f"start (imports done): {device_name()}")
@@ -170,6 +172,9 @@ def main():
     from mtplx.generation import Engine
 
     for label, extra in settings:
+        if args.budget and time.perf_counter() - _BEGAN > args.budget:
+            say(f"{label}: skipped (past --budget {args.budget:g} s; the peer still runs)")
+            continue
         attrs = dict(e[len("engine."):].split("=", 1) for e in extra if e.startswith("engine."))
         vjob = load_job(args.job, base + [e for e in extra if not e.startswith("engine.")])
         t = time.perf_counter()

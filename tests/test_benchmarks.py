@@ -125,6 +125,12 @@ def test_jobs_vs_peer_runs_settings_in_one_process_and_prints_phases(tiny_model,
     rows = json.loads((tmp_path / "out" / "jobs_vs_peer-job-settings-w4.json").read_text())["rows"]
     assert [r["setting"] for r in rows] == ["method=none", "method=ngram"] and len(peer_runs) == 1
     assert rows[0]["mlx-lm s"] == rows[1]["mlx-lm s"] and all(r["ours tokens"] == 18 for r in rows)
+    # --budget: no setting starts past it, and the peer still runs
+    monkeypatch.setattr(sys, "argv", ["jobs_vs_peer", str(job), "--methods", "none", "--budget", "1e-9", "--out", str(tmp_path / "b")])
+    jobs_vs_peer.main()
+    printed = capsys.readouterr().out
+    assert "method=none: skipped (past --budget" in printed and "peer batch_generate: timed" in printed
+    assert len(peer_runs) == 2
 
 
 def test_speed_ratio_claims_a_wall_ratio_only_for_equal_work():
