@@ -132,7 +132,7 @@ jobs)  # issue 18 (h7c): is the eval-mtp job the fastest way to run its rows? On
   # engine, a warm-up run, a timed run), most telling first: the job as shipped (mtp depth 3 + lookup 2), plain, ngram
   # adaptive (= jobs/eval.yaml on these rows), the head without the prompt-lookup fallback (mtp_lookup 0), the shipped
   # job with the drained tail narrowing as on a CPU (engine.TAIL_KEEPS_WIDTH=1: the programs it compiles and what that
-  # costs), ngram at eval-mtp's fixed depth; no setting starts past LIMIT - PEER_S s, so batch_generate on the same
+  # costs), mtp at depth 2, ngram at eval-mtp's fixed depth; no setting starts past LIMIT - PEER_S s, so batch_generate on the same
   # rendered rows (a fresh copy of the model) always runs last. Every phase prints as it ends with its seconds (load, rows, each setting's setup / warm-up /
   # timed run with the programs compiled and their first calls' seconds, the peer's warm-up / timed run), and the
   # table files are rewritten after each setting, so a run cut at LIMIT still says where the time went.
@@ -142,7 +142,8 @@ jobs)  # issue 18 (h7c): is the eval-mtp job the fastest way to run its rows? On
   timeout $L python3 -m benchmarks.jobs_vs_peer jobs/eval-mtp.yaml --set input.limit=${ROWS:-64} --set output.keep_columns=[] \
     ${JOBS_SET:-} --budget $((L - ${PEER_S:-60})) --variant "speculative.method=mtp" --variant "speculative.method=none" \
     --variant "speculative.method=ngram speculative.adaptive_depth=true" --variant "speculative.method=mtp speculative.mtp_lookup=0" \
-    --variant "speculative.method=mtp engine.TAIL_KEEPS_WIDTH=1" --variant "speculative.method=ngram" \
+    --variant "speculative.method=mtp engine.TAIL_KEEPS_WIDTH=1" --variant "speculative.method=mtp speculative.depth=2" \
+    --variant "speculative.method=ngram" \
     --out "$OUT/jobs" 2>&1 | tee -a "$OUT/jobs.log"
   echo "== exit ${PIPESTATUS[0]} $(date +%T)" | tee -a "$OUT/jobs.log"
   cat "$OUT"/jobs/*.md 2>/dev/null | tee -a "$OUT/jobs.log"
