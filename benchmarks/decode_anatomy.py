@@ -26,6 +26,7 @@ logits; mlx-lm's generate_step takes the argmax of log-probabilities, which can 
   engine compiled +rowattn+stacked+layerk2  ... with layer_kernels' version 2 sources (loads first, vector)
   engine eager +layerk          the eager engine with layer_kernels
   engine compiled +rowattn+stacked+layerk+mlp  ... and mtplx/mlp_kernel.py (gate/up product + SwiGLU in one kernel)
+  engine compiled +rowattn+stacked+layerk+mlp+onorm  ... and mtplx/o_norm_kernel.py (o_proj + add + RMSNorm in one)
 
 `--variants matrix` runs only issue 20's one-stream matrix (MATRIX: eager vs compiled, with and
 without stacking, against generate_step and the bare loop); a comma-separated list of labels
@@ -34,7 +35,7 @@ says what it measured.
 
 On CUDA it also checks rows_attention's kernel against MLX's over exact keys (bit-identical?), and
 when a `+layerk` variant runs, layer_kernels' kernels against the unfused ops (step_kernels.check), and
-when a `+mlp` variant runs, mlp_kernel.check.
+when a `+mlp` / `+onorm` variant runs, mlp_kernel.check / o_norm_kernel.check.
 Prints a line per run as it goes; writes decode_anatomy.{json,md} to --out.
 
     python -m benchmarks.decode_anatomy --shapes 8b,0.6b --tokens 128 --out bench-out
@@ -51,7 +52,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mtplx import layer_kernels, mlp_kernel, rows_attention, skinny_matmul
+from mtplx import layer_kernels, mlp_kernel, o_norm_kernel, rows_attention, skinny_matmul
 from mtplx.architectures import capture_backend
 from mtplx.cache import BatchCache, RowKVCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
@@ -206,6 +207,8 @@ VARIANTS = [
     ("engine eager +layerk", v_engine("off"), True, False, False, 1),
     # a seventh field True: mtplx/mlp_kernel.py (stacked gate/up product + SwiGLU, one kernel at one row; CUDA only)
     ("engine compiled +rowattn+stacked+layerk+mlp", v_engine("on"), True, True, False, 1, True),
+    # an eighth field True: mtplx/o_norm_kernel.py (o_proj + residual add + RMSNorm, one kernel at one row; CUDA only)
+    ("engine compiled +rowattn+stacked+layerk+mlp+onorm", v_engine("on"), True, True, False, 1, True, True),
 ]
 REFERENCE = "bare+KVCache"
 layerk_version = layer_kernels.VERSION  # the shipped sources (a +layerk2 run sets 2 for its own runs)
@@ -213,7 +216,7 @@ layerk_version = layer_kernels.VERSION  # the shipped sources (a +layerk2 run se
 MATRIX = ["mlx-lm generate_step", "bare+KVCache", "engine eager", "engine eager +stacked", "engine compiled +rowattn",
           "engine compiled +rowattn+stacked", "engine compiled +rowattn+stacked qkv", "engine compiled +rowattn+stacked mlp",
           "engine compiled +rowattn+stacked+layerk", "engine compiled +rowattn+stacked+layerk2",
-          "engine compiled +rowattn+stacked+layerk+mlp"]
+          "engine compiled +rowattn+stacked+layerk+mlp", "engine compiled +rowattn+stacked+layerk+mlp+onorm"]
 # (the +skinny variants are not in it: at one row MLX's gemv is as fast as skinny_matmul's kernel, H200
 # session 6 window 2; they stay available by name)
 
@@ -230,15 +233,17 @@ def pick_variants(spec: str):
     return [known[lab] for lab in labels]
 
 
-def set_paths(model, rowattn: bool, stacked, skinny: bool = False, layerk: int = 0, mlp: bool = False):
+def set_paths(model, rowattn: bool, stacked, skinny: bool = False, layerk: int = 0, mlp: bool = False,
+              onorm: bool = False):
     """Put the model in the state a variant runs in (the engine's own installs are off here).
-    `layerk`: 0, or the layer_kernels.VERSION to install; `mlp`: mlp_kernel on the stacked MLPs."""
+    `layerk`: 0, or the layer_kernels.VERSION to install; `mlp`: mlp_kernel on the stacked MLPs;
+    `onorm`: layer_kernels with o_norm_kernel."""
     mlp_kernel.uninstall(model)
     skinny_matmul.uninstall(model)
     layer_kernels.uninstall(model)
     layer_kernels.VERSION = layerk or layerk_version
     if layerk:
-        layer_kernels.install(model)
+        layer_kernels.install(model, o_norm=onorm)
     if skinny:
         skinny_matmul.install(model)
     if rowattn:
@@ -318,12 +323,12 @@ def main():
                     kernel_times(version=version)
                 except Exception as e:  # noqa: BLE001
                     print(f"layer_kernels check FAILED {type(e).__name__}: {e}", flush=True)
-            if any(len(v) > 6 and v[6] for v in chosen):  # mlp_kernel against MLX's ops, and its chained timing
-                try:
-                    attn_rows += [dict(model=name, **r) for r in mlp_kernel.check()]
-                    mlp_kernel.time_it()
-                except Exception as e:  # noqa: BLE001
-                    print(f"mlp_kernel check FAILED {type(e).__name__}: {e}", flush=True)
+            for i, mod in ((6, mlp_kernel), (7, o_norm_kernel)):  # the new kernels against MLX's ops
+                if any(len(v) > i and v[i] for v in chosen):
+                    try:
+                        attn_rows += [dict(model=name, **r) for r in mod.check()]
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{mod.__name__} check FAILED {type(e).__name__}: {e}", flush=True)
         variants = chosen  # off CUDA rows_attention installs nothing: +rowattn runs without it
         runs = {label: [] for label, *_ in variants}
         toks_of = {}

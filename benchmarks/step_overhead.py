@@ -18,10 +18,11 @@ each setting (SETTINGS) runs in a child process of its own:
            the last as decode_anatomy does, and once a bare pipelined loop over the same compiled step
            that times, per token, the host's queueing of the next step apart from its wait for the
            token (wait ~0: the host is the bottleneck; queueing << a step: the GPU is)
-  --mlp    the first setting's children also run an Engine with mtplx/mlp_kernel.py (the stacked gate/up
-           product and SwiGLU as one kernel), interleaved with the default one, its tokens compared with
-           the default's; the first such child runs mlp_kernel.check (bit identity against MLX's ops) and
-           its chained timing first, and cProfile of one more default run (where the host's time goes)
+  --mlp    the first setting's children also run Engines with mtplx/mlp_kernel.py (the stacked gate/up
+           product and SwiGLU as one kernel) and with it and mtplx/o_norm_kernel.py (o_proj + residual add +
+           RMSNorm as one kernel), interleaved with the default one, tokens compared with the default's; the
+           first such child runs both kernels' check (bit identity against MLX's ops), mlp_kernel's
+           chained timing, and cProfile of one more default run (where the host's time goes)
   --gemv   a child running benchmarks/gemv_exact: MLX's gemv arithmetic with more loads in flight (same bits)
            against MLX's product, chained over 36 weights of each 8B matrix shape
   --trace  one more child (MLX defaults): the bare loop's last 24 steps under torch.profiler (CUPTI sees
@@ -126,7 +127,7 @@ def _split_loop(model, prompt, n, hook=None, hook_at=0):
 def child(args):
     import numpy as np
 
-    from mtplx import mlp_kernel
+    from mtplx import layer_kernels, mlp_kernel, o_norm_kernel
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine
 
@@ -137,35 +138,46 @@ def child(args):
     eng = Engine(bundle, spec, sched)
     eng.eos = set()  # every run makes --tokens tokens
     _engine_run(eng, prompt, 16)  # warm-up: kernel builds, the compiled program
-    engines = [("engine (default path)", eng, False)]
-    if args.mlp and mlp_kernel.cuda_ready():  # mtplx/mlp_kernel.py: its check, its chained timing, and the engine with it
+    engines = [("engine (default path)", eng, False, False)]
+
+    def state(mlp, onorm):  # the model as an engine's programs were traced
+        (mlp_kernel.install if mlp else mlp_kernel.uninstall)(bundle.model)
+        layer_kernels._State.o_norm = onorm
+
+    if args.mlp and mlp_kernel.cuda_ready():  # mlp_kernel.py / o_norm_kernel.py: checks, timing, engines with them
         if args.mlp_check:
-            rows = mlp_kernel.check()
-            _emit(kind="check", what="mlp_kernel", cases=len(rows), identical=sum(r["bit-identical"] for r in rows),
-                  worst=max(r["max abs diff"] for r in rows))
+            for what, fn in (("mlp_kernel", mlp_kernel.check), ("o_norm_kernel", o_norm_kernel.check)):
+                try:
+                    rows = fn()
+                    _emit(kind="check", what=what, cases=len(rows), identical=sum(r["bit-identical"] for r in rows),
+                          worst=max(r["max abs diff"] for r in rows))
+                except Exception as e:  # noqa: BLE001 (a kernel failing to build must not cost the rest)
+                    _emit(kind="check", what=what, error=f"{type(e).__name__}: {e}")
             _emit(kind="timing", what="mlp_kernel", **mlp_kernel.time_it())
-        shipped = Engine.use_mlp_kernel
-        Engine.use_mlp_kernel = True
-        try:
-            eng_mlp = Engine(bundle, spec, sched)  # installs the kernel on the shared model; its own programs
-        finally:
-            Engine.use_mlp_kernel = shipped
-        eng_mlp.eos = set()
-        _engine_run(eng_mlp, prompt, 16)
-        engines.append(("engine + mlp kernel", eng_mlp, True))
-        _emit(kind="ready", seconds=time.perf_counter() - t0, roofline=roof, paths=eng_mlp.decode_paths, env={})
-    mlp_kernel.uninstall(bundle.model)
+        for label, mlp, onorm in (("engine + mlp kernel", True, False), ("engine + mlp + o_norm kernels", True, True)):
+            flags = (Engine.use_mlp_kernel, Engine.use_o_norm_kernel)
+            Engine.use_mlp_kernel, Engine.use_o_norm_kernel = mlp, onorm
+            try:
+                e = Engine(bundle, spec, sched)  # installs the kernels on the shared model; its own programs
+            finally:
+                Engine.use_mlp_kernel, Engine.use_o_norm_kernel = flags
+            e.eos = set()
+            state(mlp, onorm)
+            _engine_run(e, prompt, 16)
+            engines.append((label, e, mlp, onorm))
+            _emit(kind="ready", seconds=time.perf_counter() - t0, roofline=roof, paths=e.decode_paths, env={})
+    state(False, False)
     _emit(kind="ready", seconds=time.perf_counter() - t0, roofline=roof, paths=eng.decode_paths,
           env={k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS")})
     first = None
     for r in range(args.runs):
-        for label, e, with_mlp in engines:  # interleaved; each engine's programs were traced in its own state
-            (mlp_kernel.install if with_mlp else mlp_kernel.uninstall)(bundle.model)
+        for label, e, mlp, onorm in engines:  # interleaved; each engine's programs were traced in its own state
+            state(mlp, onorm)
             toks, dt = _engine_run(e, prompt, args.tokens)
             first = first or toks
             spt = dt / max(1, len(toks) - 1)
             _emit(kind="run", variant=label, spt=spt, tok_s=1 / spt, roofline_pct=100 / spt / roof, same_tokens=toks == first)
-    mlp_kernel.uninstall(bundle.model)
+    state(False, False)
     if args.host_profile:  # where the host's time goes in one more default run (cProfile: Python and the C++ calls it makes)
         import cProfile
         import io

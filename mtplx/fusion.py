@@ -138,11 +138,12 @@ def stacking_pays() -> bool:
 
 
 def decode_paths(model, compiled: bool, stack: bool = True, rows: bool = True, skinny: bool = False,
-                 layer: bool = False, mlp: bool = False) -> dict:
+                 layer: bool = False, mlp: bool = False, o_norm: bool = False) -> dict:
     """The engine's CUDA decode paths: per-row attention for masked attention (rows_attention.py)
     and, when decode steps are compiled, stacked projections and (`skinny`) the few-row matmul kernel
     (skinny_matmul.py); (`layer`) a layer's small ops as fewer kernels (layer_kernels.py); (`mlp`) the
-    stacked gate/up product and its SwiGLU as one kernel at one row (mlp_kernel.py). All but the
+    stacked gate/up product and its SwiGLU as one kernel at one row (mlp_kernel.py); (`o_norm`, with
+    `layer`) o_proj, the residual add and the norm as one kernel at one row (o_norm_kernel.py). All but the
     skinny kernel keep the values exactly, the kernel keeps each row's value whatever the row
     count; off CUDA nothing changes. Returns what was installed (counts)."""
     from . import mlp_kernel  # (it builds on this module's stacked parts)
@@ -150,5 +151,6 @@ def decode_paths(model, compiled: bool, stack: bool = True, rows: bool = True, s
     return {"rows_attention": rows_attention.install(model) if rows else 0,
             "stacked_projections": fuse_projections(model, DECODE_GROUPS) if stack and compiled and stacking_pays() else 0,
             "skinny_matmul": skinny_matmul.install(model) if skinny and compiled else 0,
-            "layer_kernels": layer_kernels.install(model) if layer else 0,
+            "layer_kernels": layer_kernels.install(model, o_norm=o_norm) if layer else 0,
+            "o_norm_kernel": int(o_norm and layer and layer_kernels._State.o_norm),
             "mlp_kernel": mlp_kernel.install(model) if mlp and compiled else 0}  # the stacked MLPs only

@@ -124,7 +124,7 @@ class Engine(SpeculativeRounds):
                               remember=self._probe_memory(bundle))
         self.decode_paths = decode_paths(self.model, self.spec.compiled_verify != "off",  # CUDA only
                                          self.stack_projections, self.use_rows_attention, self.use_skinny_matmul,
-                                         self.use_layer_kernels, self.use_mlp_kernel)
+                                         self.use_layer_kernels, self.use_mlp_kernel, self.use_o_norm_kernel)
         self.drafter = make_drafter(self.spec, bundle)
         self.runtime = _Runtime(self.model, want_hidden=self.drafter is not None and self.drafter.needs_hidden)
         self.weight_bytes = _tree_bytes(self.model.parameters())
@@ -183,6 +183,8 @@ class Engine(SpeculativeRounds):
     use_layer_kernels = True
     # mlp_kernel.py (gate/up product + SwiGLU, one kernel at one row): off until the H200 check passes
     use_mlp_kernel = False
+    # o_norm_kernel.py (o_proj + residual add + RMSNorm, one kernel at one row, with layer_kernels): off until checked
+    use_o_norm_kernel = False
 
     @staticmethod
     def _probe_memory(bundle: ModelBundle):

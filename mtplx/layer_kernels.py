@@ -418,6 +418,8 @@ class _State:
     # final norm) that receives exactly that array adds and normalizes in one kernel
     pending = None
     offset = (None, None)  # the last int rope offset and its device array
+    o_norm = False  # install(o_norm=True): o_proj + add + norm as one kernel at one row (o_norm_kernel.py)
+    o_pending = None  # the last patched attention's (o_proj output, its input, o_proj)
 
 
 def _add_norm(norm, x, r):
@@ -437,9 +439,21 @@ def _input_norm(norm, x, plain):
     return y, h
 
 
+def _post_attention(norm, x, attn):
+    """(x + attn, norm(x + attn)); with o_norm, where `attn` is the patched attention's o_proj output at
+    one row, o_proj's product, the add and the norm in one kernel (the o_proj output is then never run)."""
+    p, _State.o_pending = _State.o_pending, None
+    if p is not None and p[0] is attn and _State.o_norm and not _State.reference:
+        from . import o_norm_kernel
+
+        if o_norm_kernel.usable(p[1], p[2], x, norm):
+            return o_norm_kernel.o_add_norm(p[1], p[2].weight, x, norm.weight, norm.eps)
+    return _add_norm(norm, x, attn)
+
+
 def _block_call(self, x, mask=None, cache=None):
     xn, x = _input_norm(self.input_layernorm, x, self.input_layernorm)
-    h, hn = _add_norm(self.post_attention_layernorm, x, self.self_attn(xn, mask, cache))
+    h, hn = _post_attention(self.post_attention_layernorm, x, self.self_attn(xn, mask, cache))
     r = self.mlp(hn)
     out = h + r  # run only if something other than a patched consumer reads it
     _State.pending = (out, h, r)
@@ -469,7 +483,10 @@ def _attention_call(self, x, mask=None, cache=None):
         k, v = cache.update_and_fetch(k, v)
     sdpa = sys.modules[_base(self).__module__].scaled_dot_product_attention  # rows_attention's, if installed
     out = sdpa(q, k, v, cache=cache, scale=self.scale, mask=mask)
-    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    flat = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    o = self.o_proj(flat)
+    _State.o_pending = (o, flat, self.o_proj) if _State.o_norm else None
+    return o
 
 
 # module -> class name -> the replacement __call__ (a model is patched only if every layer is known)
@@ -517,17 +534,18 @@ def _claims(model, families):
     return inner
 
 
-def install(model, reference: bool = False, families: Optional[Sequence[str]] = None) -> int:
+def install(model, reference: bool = False, families: Optional[Sequence[str]] = None, o_norm: bool = False) -> int:
     """Patch the blocks, attentions and final norm of a model of one of `families` (mlx-lm modules;
     default DEFAULT_FAMILIES); returns how many layers (0: not on CUDA, or a model it does not claim,
-    which keeps mlx-lm's code)."""
+    which keeps mlx-lm's code). `o_norm`: one-row o_proj + add + norm as one kernel (o_norm_kernel.py)."""
     if not (cuda_ready() or reference):
         return 0
     inner = _claims(model, DEFAULT_FAMILIES if families is None else families)
     if inner is None:
         return 0
     _State.reference = reference
-    _State.pending = None
+    _State.pending = _State.o_pending = None
+    _State.o_norm = o_norm
     for layer in inner.layers:
         fam = FAMILIES[_own(layer).__module__]
         _swap(layer, fam["TransformerBlock"])
@@ -543,5 +561,6 @@ def uninstall(model) -> int:
         if type(m) in _patched.values():
             m.__class__ = _base(m)
             n += 1
-    _State.pending = None
+    _State.pending = _State.o_pending = None
+    _State.o_norm = False
     return n

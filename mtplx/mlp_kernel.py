@@ -35,34 +35,58 @@ from .rows_attention import cuda_ready
 DTYPES = (mx.bfloat16, mx.float16)
 WARPS = 8  # rows a block, as MLX's gemv (rows_per_block = 8)
 
+# MLX's gemv loop (gemv.cu, gemv_impl) for R weight rows at once, NPT elements a lane at a time: each row's
+# sum gets its own products in gemv's order; R rows in one loop keep R load streams in flight. Also used
+# by o_norm_kernel.py.
+GEMV_ROWS = """
+namespace mlx::core::cu {
+template <int NPT, int R, typename T>
+__device__ __forceinline__ void mtplx_dot_rows(const T* const* rows, const T* vec, int cols, int lane, float* sums) {
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    acc[r] = 0.f;
+  }
+  for (int col = NPT * lane; col < cols; col += 32 * NPT) {
+    AlignedVector<T, NPT> local_mat[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      local_mat[r] = unsafe_load_vector<NPT>(rows[r] + col, 0);
+    }
+    auto local_vec = unsafe_load_vector<NPT>(vec + col, 0);
+#pragma unroll
+    for (int j = 0; j < NPT; ++j) {
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        acc[r] += static_cast<float>(local_mat[r][j]) * static_cast<float>(local_vec[j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    sums[r] = acc[r];
+  }
+}
+
+// gemv.cu's choice of elements a lane: its `mat` is the weight's start, its `vec` the input row
+template <int R, typename T>
+__device__ __forceinline__ void mtplx_gemv_rows(const T* w, const T* const* rows, const T* vec, int cols, int lane, float* sums) {
+  if (cols % 128 == 0 && is_aligned<4>(w) && is_aligned<4>(vec)) {
+    mtplx_dot_rows<4, R>(rows, vec, cols, lane, sums);
+  } else if (cols % 64 == 0 && is_aligned<2>(w) && is_aligned<2>(vec)) {
+    mtplx_dot_rows<2, R>(rows, vec, cols, lane, sums);
+  } else {
+    mtplx_dot_rows<1, R>(rows, vec, cols, lane, sums);
+  }
+}
+}  // namespace mlx::core::cu
+"""
+
 _HEADER = """
 #include "mlx/backend/cuda/device/unary_ops.cuh"
 #include "mlx/backend/cuda/device/binary_ops.cuh"
 #include <cooperative_groups/reduce.h>
-
-namespace mlx::core::cu {
-// gemv.cu's gemv_impl loop over two weight rows at once (gate row n, up row N + n), NPT elements a lane at a
-// time: each row's sum gets its own products in gemv's order; the two streams keep twice the loads in flight
-template <int NPT, typename T>
-__device__ __forceinline__ void mtplx_gate_up(const T* w, const T* vec, int n, int N, int cols, int lane, float& g, float& u) {
-  const T* gate = w + (size_t)n * cols;
-  const T* up = w + (size_t)(n + N) * cols;
-  float sg = 0.f, su = 0.f;
-  for (int col = NPT * lane; col < cols; col += 32 * NPT) {
-    auto local_gate = unsafe_load_vector<NPT>(gate + col, 0);
-    auto local_up = unsafe_load_vector<NPT>(up + col, 0);
-    auto local_vec = unsafe_load_vector<NPT>(vec + col, 0);
-#pragma unroll
-    for (int j = 0; j < NPT; ++j) {
-      sg += static_cast<float>(local_gate[j]) * static_cast<float>(local_vec[j]);
-      su += static_cast<float>(local_up[j]) * static_cast<float>(local_vec[j]);
-    }
-  }
-  g = sg;
-  u = su;
-}
-}  // namespace mlx::core::cu
-"""
+""" + GEMV_ROWS
 
 # x [K] (one row), w [2N, K]: gate rows then up rows (fusion's stacked gate/up weight), out [N]
 _SOURCE = """
@@ -75,15 +99,10 @@ _SOURCE = """
     return;
   }
   const int lane = warp.thread_rank();
-  float g, u;
-  // gemv.cu's choice of elements a lane (its `mat` is the weight's start, its `vec` is x)
-  if (K % 128 == 0 && is_aligned<4>(w) && is_aligned<4>(x)) {
-    mtplx_gate_up<4>(w, x, n, N, K, lane, g, u);
-  } else if (K % 64 == 0 && is_aligned<2>(w) && is_aligned<2>(x)) {
-    mtplx_gate_up<2>(w, x, n, N, K, lane, g, u);
-  } else {
-    mtplx_gate_up<1>(w, x, n, N, K, lane, g, u);
-  }
+  const T* rows[2] = {w + (size_t)n * K, w + (size_t)(n + N) * K};  // gate row n, up row N + n
+  float sums[2];
+  mtplx_gemv_rows<2>(w, rows, x, K, lane, sums);
+  float g = sums[0], u = sums[1];
   g = cg::reduce(warp, g, cg::plus<float>{});
   u = cg::reduce(warp, u, cg::plus<float>{});
   if (lane == 0) {

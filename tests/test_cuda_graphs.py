@@ -14,12 +14,13 @@ from mtplx import cuda_graphs
 def test_user_settings_win_and_loaded_mlx_is_left_alone(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "LIMITS", {"MLX_MAX_OPS_PER_BUFFER": "4000", "MLX_MAX_MB_PER_BUFFER": "64000"})
     env = {"MLX_MAX_MB_PER_BUFFER": "10"}
-    monkeypatch.delitem(sys.modules, "mlx.core", raising=False)
+    import mlx.core
+
+    monkeypatch.delitem(sys.modules, "mlx.core")  # as before mlx.core loads (put back below: never re-imported)
     assert cuda_graphs.apply(env, platform="linux") == {"MLX_MAX_OPS_PER_BUFFER": "4000"}
     assert env == {"MLX_MAX_MB_PER_BUFFER": "10", "MLX_MAX_OPS_PER_BUFFER": "4000"}
     assert cuda_graphs.apply({}, platform="darwin") == {}  # Metal reads MLX_MAX_OPS_PER_BUFFER for itself
-    import mlx.core  # noqa: F401
-
+    monkeypatch.setitem(sys.modules, "mlx.core", mlx.core)
     assert cuda_graphs.apply({}, platform="linux") == {}  # too late: MLX has read them
 
 
