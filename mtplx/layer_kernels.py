@@ -435,29 +435,39 @@ def _input_norm(norm, x, plain):
     if p is None or p[0] is not x:
         return plain(x), x
     _State.pending = None
-    h, y = _add_norm(norm, p[1], p[2])
+    h, y = _fused_add_norm(norm, p[1], p[2], p[3])
     return y, h
 
 
-def _post_attention(norm, x, attn):
-    """(x + attn, norm(x + attn)); with o_norm, where `attn` is the patched attention's o_proj output at
-    one row, o_proj's product, the add and the norm in one kernel (the o_proj output is then never run)."""
-    p, _State.o_pending = _State.o_pending, None
-    if p is not None and p[0] is attn and _State.o_norm and not _State.reference:
+def _fused_add_norm(norm, x, r, product):
+    """(x + r, norm(x + r)); with o_norm, where `r` is a one-row product's output (product = (r, its input,
+    its Linear): o_proj's, or the MLP's down_proj under mlp_kernel), the product, the add and the norm in
+    one kernel (o_norm_kernel.py; `r` itself is then never run)."""
+    if product is not None and product[0] is r and _State.o_norm and not _State.reference:
         from . import o_norm_kernel
 
-        if o_norm_kernel.usable(p[1], p[2], x, norm):
-            return o_norm_kernel.o_add_norm(p[1], p[2].weight, x, norm.weight, norm.eps)
-    return _add_norm(norm, x, attn)
+        if o_norm_kernel.usable(product[1], product[2], x, norm):
+            return o_norm_kernel.o_add_norm(product[1], product[2].weight, x, norm.weight, norm.eps)
+    return _add_norm(norm, x, r)
 
 
 def _block_call(self, x, mask=None, cache=None):
     xn, x = _input_norm(self.input_layernorm, x, self.input_layernorm)
-    h, hn = _post_attention(self.post_attention_layernorm, x, self.self_attn(xn, mask, cache))
+    attn = self.self_attn(xn, mask, cache)
+    o, _State.o_pending = _State.o_pending, None
+    h, hn = _fused_add_norm(self.post_attention_layernorm, x, attn, o)
     r = self.mlp(hn)
     out = h + r  # run only if something other than a patched consumer reads it
-    _State.pending = (out, h, r)
+    _State.pending = (out, h, r, _down_product() if _State.o_norm else None)
     return out
+
+
+def _down_product():
+    """The last one-row MLP output of mlp_kernel's patched MLP as (output, down_proj's input, down_proj)."""
+    from . import mlp_kernel
+
+    p, mlp_kernel._State.product = mlp_kernel._State.product, None
+    return p
 
 
 def _final_norm_call(self, x):

@@ -143,6 +143,7 @@ def reference(x: mx.array, w: mx.array) -> mx.array:
 
 class _State:
     reference = False  # install(reference=True): MLX's ops in the kernel's place (CPU tests)
+    product = None  # the last one-row MLP's (output, down_proj's input, down_proj)
 
 
 def _stacked_weight(mlp):
@@ -162,7 +163,9 @@ def _mlp_call(self, x):
     w = _stacked_weight(self)
     if w is not None and x.size == x.shape[-1] and x.dtype == w.dtype:
         h = (reference if _State.reference else swiglu_gemv)(x, w)
-        return self.down_proj(h)
+        out = self.down_proj(h)
+        _State.product = (out, h, self.down_proj)  # layer_kernels' o_norm may take down_proj with the next norm
+        return out
     return _base(self).__call__(self, x)
 
 

@@ -1,5 +1,6 @@
-"""The attention's output projection, the residual add and the post-attention RMSNorm as one CUDA kernel
-at one row.
+"""A one-row product, the residual add and the RMSNorm that reads the sum as one CUDA kernel: the attention's
+o_proj with the post-attention norm, and (with mlp_kernel) the MLP's down_proj with the next layer's input norm
+or the final norm.
 
 With layer_kernels.py a one-row decode step runs, after the attention, MLX's gemv for o_proj and then
 layer_kernels' add + RMSNorm kernel (one block over the row). `o_add_norm(a, w_o, x, w_norm, eps)` does
@@ -13,8 +14,9 @@ unfused ops' (o_proj, then x + o, then rms_norm) bit for bit by construction; `c
 the GPU. The ticket is a one-int device array that the last block resets to zero; calls are serialized by
 their data (each layer's call reads the previous layer's output), so one ticket serves them all.
 
-layer_kernels' attention records its o_proj input; its block takes this kernel for that product when
-`usable` and the engine enables it (`Engine.use_o_norm_kernel`, fusion.decode_paths; off until the H200
+layer_kernels' attention records its o_proj input, mlp_kernel's MLP its down_proj input; layer_kernels'
+block (post-attention norm) and its next consumer of the block's lazy sum (the next block's input norm, or
+the final norm) take this kernel for that product when `usable` and the engine enables it (`Engine.use_o_norm_kernel`, fusion.decode_paths; off until the H200
 check passes). Off CUDA, and with `layer_kernels.install(reference=True)`, MLX's ops.
 """
 
@@ -108,17 +110,18 @@ def o_add_norm(a: mx.array, wo: mx.array, x: mx.array, w: mx.array, eps: float):
 
 
 def reference(a, wo, x, w, eps):
-    """The same with MLX's ops: o_proj's product, then layer_kernels' add + norm reference."""
+    """The same with MLX's ops: the product, then layer_kernels' add + norm reference."""
     return layer_kernels.add_rms_norm_reference(x, a @ wo.T, w, eps)
 
 
 def check(dtypes=("bfloat16", "float16")) -> list:
     """On CUDA: the kernel against MLX's ops (the product, the add, rms_norm), eagerly and inside mx.compile, for
-    the 8B / 0.6B / SmolLM2 widths, several calls in a row (the ticket must come back to zero); one dict a case."""
+    the 8B / 0.6B o_proj and down_proj shapes, SmolLM2's and two other widths (64- and 1024-thread norm blocks),
+    three calls in a row each (the ticket must come back to zero); one dict a case."""
     rows = []
     for dtype in dtypes:
         dt = getattr(mx, dtype)
-        for n, k in ((4096, 4096), (1024, 2048), (576, 576), (64, 256), (12288, 512)):
+        for n, k in ((4096, 4096), (4096, 12288), (1024, 2048), (1024, 3072), (576, 576), (64, 256), (12288, 512)):
             wo = (0.05 * mx.random.normal((n, k))).astype(dt)
             w = (1 + 0.1 * mx.random.normal((n,))).astype(dt)
             for how, f, ref in (("eager", o_add_norm, reference), ("compiled", mx.compile(o_add_norm), mx.compile(reference))):

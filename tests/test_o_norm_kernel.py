@@ -55,6 +55,28 @@ def test_one_row_steps_take_the_kernel_and_logits_stay(tiny_model, counting):
     assert dict(counting) == {1: (5 - 1) * n}  # the 27-token prompt: o_proj + add + norm as before
 
 
+def test_with_mlp_kernel_down_proj_goes_with_the_next_norm(tiny_model, counting, monkeypatch):
+    """mlp_kernel's MLP hands its down_proj to the next block's input norm (the last layer's to the final
+    norm): two kernels a layer at one row, the logits the model's."""
+    from mtplx import mlp_kernel
+    from mtplx.fusion import NAMED, fuse_projections, unstack
+
+    model = load(tiny_model("qwen3", dtype="bfloat16")).model
+    ref = _logits(model)
+    n = len(model.model.layers)
+    monkeypatch.setattr(mlp_kernel, "cuda_ready", lambda: True)
+    monkeypatch.setattr(mlp_kernel, "swiglu_gemv", mlp_kernel.reference)
+    fuse_projections(model, [NAMED["mlp"]])
+    assert mlp_kernel.install(model) == n
+    lk.install(model, o_norm=True)
+    got = _logits(model)
+    lk.uninstall(model)
+    mlp_kernel.uninstall(model)
+    unstack(model)
+    assert _same(got, ref)
+    assert dict(counting) == {1: (5 - 1) * 2 * n}
+
+
 def test_usable_refuses_what_the_kernel_does_not_do(monkeypatch):
     import mlx.nn as nn
 
