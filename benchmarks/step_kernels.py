@@ -29,7 +29,7 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 
-from mtplx import fusion, layer_kernels, mlp_kernel, rows_attention
+from mtplx import fusion, layer_kernels, mlp_kernel, o_norm_kernel, rows_attention
 from mtplx.cache import BatchCache
 from mtplx.generation import _Runtime
 from mtplx.graphbank import CompiledVerifyBank
@@ -39,7 +39,8 @@ from .round_graph import VIEWS, graph_primitives
 # stand-in primitive (one node, not elementwise: compile does not fuse it) -> the CUDA kernel it is
 STAND_INS = {"CumMax": "RMSNorm (mx.fast.rms_norm)", "CumProd": "RoPE (mx.fast.rope)",
              "CumMin": "rows_attention (custom)", "CumSum": "add + RMSNorm (layer_kernels)",
-             "CumLogAddExp": "q/k norm + RoPE (layer_kernels)", "Sort": "gate/up + SwiGLU (mlp_kernel)"}
+             "CumLogAddExp": "q/k norm + RoPE (layer_kernels)", "Sort": "gate/up + SwiGLU (mlp_kernel)",
+             "Partition": "product + add + RMSNorm (o_norm_kernel)"}
 NAMES = {"Matmul": "matmul (weights)", "ScatterAxis": "KV cache write (put_along_axis)", "Gather": "embedding (take)",
          "Add": "residual add", "CompiledSigmoidMultiplyMultiply": "SiLU x mul (compile-fused)"}
 
@@ -49,7 +50,8 @@ def stand_ins(layer: bool):
     """The CUDA path's ops, one named node each, on any backend (values are not meaningful)."""
     saved = [(mx.fast, "rms_norm"), (mx.fast, "rope"), (rows_attention, "rows_attention"), (rows_attention, "cuda_ready"),
              (layer_kernels, "cuda_ready"), (layer_kernels, "add_rms_norm"), (layer_kernels, "qk_norm_rope"),
-             (fusion, "stacking_pays"), (mlp_kernel, "cuda_ready"), (mlp_kernel, "swiglu_gemv")]
+             (fusion, "stacking_pays"), (mlp_kernel, "cuda_ready"), (mlp_kernel, "swiglu_gemv"),
+             (o_norm_kernel, "cuda_ready"), (o_norm_kernel, "o_add_norm")]
     saved = [(o, n, getattr(o, n)) for o, n in saved]
 
     def rope(x, dims, traditional=False, base=None, scale=1.0, offset=0, freqs=None):
@@ -70,8 +72,13 @@ def stand_ins(layer: bool):
         n = w.shape[0] // 2
         return mx.depends([mx.sort(w[:n, 0])], [x])[0].reshape(*x.shape[:-1], n)
 
-    mlp_kernel.cuda_ready = lambda: True
+    def o_add_norm(a, wo, x, w, eps):
+        h = mx.depends([mx.partition(x, 0, axis=-1)], [a, wo, w])[0]
+        return h, h
+
+    mlp_kernel.cuda_ready = o_norm_kernel.cuda_ready = lambda: True
     mlp_kernel.swiglu_gemv = swiglu_gemv
+    o_norm_kernel.o_add_norm = o_add_norm
     mx.fast.rms_norm = lambda x, w, eps: mx.cummax(x, axis=-1)
     mx.fast.rope = rope
     rows_attention.rows_attention = lambda q, k, v, scale, lengths: mx.depends([mx.cummin(q, axis=-1)], [k, v, lengths])[0]
@@ -85,7 +92,7 @@ def stand_ins(layer: bool):
         rows_attention.uninstall()
 
 
-def step_primitives(layers: int, layer: bool, context: int = 100, mlp: bool = False) -> Counter:
+def step_primitives(layers: int, layer: bool, context: int = 100, mlp: bool = False, o_norm: bool = False) -> Counter:
     """Primitives of the compiled one-row plain step (the bank's program) of an 8B-width Qwen3."""
     from .engine_efficiency import SHAPES, random_qwen3
 
@@ -97,7 +104,7 @@ def step_primitives(layers: int, layer: bool, context: int = 100, mlp: bool = Fa
         del SHAPES["_count"]
     model = bundle.model
     with stand_ins(layer):
-        fusion.decode_paths(model, compiled=True, layer=layer, mlp=mlp)
+        fusion.decode_paths(model, compiled=True, layer=layer, mlp=mlp, o_norm=o_norm)
         cache = BatchCache.for_model(model, 1)
         model(mx.zeros((1, context), dtype=mx.int32), cache=cache.layers)  # a prefilled row (eager)
         cache.commit(np.array([context]))
@@ -278,7 +285,8 @@ def _kernel_times(layers, iters):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layer-kernels", action="store_true", help="count with mtplx/layer_kernels.py installed")
-    ap.add_argument("--mlp-kernel", action="store_true", help="also count with mtplx/mlp_kernel.py (and layer_kernels)")
+    ap.add_argument("--mlp-kernel", action="store_true", help="also count with mtplx/mlp_kernel.py (and layer_kernels), "
+                    "then with o_norm_kernel too")
     ap.add_argument("--check", action="store_true", help="CUDA: layer_kernels against the unfused ops")
     ap.add_argument("--version", type=int, default=None, help="layer_kernels.VERSION to check (1 or 2)")
     args = ap.parse_args()
@@ -288,10 +296,12 @@ def main():
         print(f"layer_kernels check: {len(rows) - len(bad)}/{len(rows)} bit-identical", flush=True)
         kernel_times(version=args.version)
         return
-    cases = [(False, False)] + ([(True, False)] if args.layer_kernels or args.mlp_kernel else []) + ([(True, True)] if args.mlp_kernel else [])
-    for layer, mlp in cases:
-        one, two = step_primitives(1, layer, mlp=mlp), step_primitives(2, layer, mlp=mlp)
-        what = ("with layer_kernels" if layer else "without layer_kernels") + (" and mlp_kernel" if mlp else "")
+    cases = ([(False, False, False)] + ([(True, False, False)] if args.layer_kernels or args.mlp_kernel else [])
+             + ([(True, True, False), (True, True, True)] if args.mlp_kernel else []))
+    for layer, mlp, o_norm in cases:
+        one, two = step_primitives(1, layer, mlp=mlp, o_norm=o_norm), step_primitives(2, layer, mlp=mlp, o_norm=o_norm)
+        what = ("with layer_kernels" if layer else "without layer_kernels") + (" and mlp_kernel" if mlp else "") + (
+            " and o_norm_kernel" if o_norm else "")
         print(f"\n### the compiled one-row step, {what}\n")
         print(count_table(one, two), flush=True)
 
