@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -32,26 +32,33 @@ class SpeculativeRounds:
 
     clock = staticmethod(time.perf_counter)  # what rounds are timed with for the depth controller (tests inject one)
 
-    def _row_depths(self, slots, n_active: int, ahead: int = 0) -> np.ndarray:
+    def _row_depths(self, slots, n_active: int, ahead: int = 0) -> Tuple[np.ndarray, int]:
         """Each row's drafted tokens in the round being queued (`ahead`: rounds queued before it
-        and not yet read, each of which emits at least one token).
+        and not yet read, each of which emits at least one token), and the round's K.
 
         Greedy rows follow the adaptive depth (their text cannot change), capped by the tokens
         they can still emit. Sampled rows always draft `speculative.depth` (drafts past their
         max_tokens are cut off at emit): how far a row has got when a round is queued depends on
         when the pipeline last drained, which depends on the other rows, and a sampled row's text
         must depend on its own seed and settings alone, never on which rows share its batch.
+        K is the depth a row would draft uncapped: when every row is within it of its max_tokens
+        (a job's last rounds) the round keeps its shape, so no verify or draft program is compiled
+        for a round or two; each row's own depth is its limit in acceptance, so its tokens and
+        stats are what a round of its own depth gives.
         """
         greedy_depth = self.depth_control.choose(n_active)
         depths = np.zeros(len(slots), dtype=np.int64)
+        K = 0
         for i, s in enumerate(slots):
             if s is None:
                 continue
             if s.req.params.greedy:
                 depths[i] = max(0, min(greedy_depth, s.max_tokens - len(s.tokens) - ahead - 1))
+                K = max(K, greedy_depth)
             else:
                 depths[i] = self.spec.depth
-        return depths
+                K = max(K, self.spec.depth)
+        return depths, K
 
     def _round(self, slots: list, active: np.ndarray, cache: BatchCache, drained: bool = False):
         """Speculative rounds. A drafter that drafts on the device (MTP, a draft model) runs one
@@ -131,8 +138,7 @@ class SpeculativeRounds:
         accepts, next token), whatever K is; the vector waits on the row (`u_next`) until a round
         uses it, so a row's draws never depend on where a call ended (that depends on its batch)."""
         W, D = len(slots), self.spec.depth
-        depths = self._row_depths(slots, n_active, ahead)
-        K = int(depths.max()) if W else 0
+        depths, K = self._row_depths(slots, n_active, ahead)
         if sampler.all_greedy:  # greedy rows never read their uniforms
             u = self._zeros(W, 2 * D + 1)
         else:

@@ -4,7 +4,9 @@ On a CPU a round's cost follows its width, so a drained batch narrows to a power
 its slots are idle. On a GPU a round of up to 32 rows costs about what one row's does, and every
 narrower width compiles verify and draft programs of its own for a job's last few rounds (a short
 job's fixed cost): there the batch keeps its width (`Engine.TAIL_KEEPS_WIDTH`, by device). Either
-way the output is plain decoding's, token for token.
+way the output is plain decoding's, token for token. And when every row in flight is within the
+round's depth of its max_tokens, each drafts only what it can still emit but the round keeps its
+shape, so the last rounds compile no shorter verify or draft programs.
 """
 
 from __future__ import annotations
@@ -46,15 +48,16 @@ def _run(setup, method, keeps):
     widths = {key[0] for key in eng.bank._programs}
     head_bank = getattr(eng.drafter, "bank", None)
     head_widths = {key[1] for key in head_bank._programs} if head_bank is not None else set()
-    return widths, head_widths
+    lengths = {key[1] for key in eng.bank._programs}
+    return widths, head_widths, lengths
 
 
 @pytest.mark.parametrize("method", ["none", "ngram", "mtp"])
 def test_a_drained_batch_keeps_its_width_where_narrowing_does_not_pay(setup, method):
-    widths, head_widths = _run(setup, method, keeps=WIDTH)
+    widths, head_widths, _ = _run(setup, method, keeps=WIDTH)
     assert widths == {WIDTH}, widths  # no program compiled for a narrower tail
     assert head_widths <= {WIDTH}
-    narrowed, head_narrowed = _run(setup, method, keeps=1)  # the CPU rule: the tail narrows
+    narrowed, head_narrowed, _ = _run(setup, method, keeps=1)  # the CPU rule: the tail narrows
     assert min(narrowed) < WIDTH and WIDTH in narrowed, narrowed
     if method == "mtp":
         assert min(head_narrowed) < WIDTH
@@ -66,3 +69,11 @@ def test_the_rule_follows_the_device():
     expected = 32 if mx.default_device().type == mx.DeviceType.gpu else 1
     assert Engine.TAIL_KEEPS_WIDTH is None
     assert Engine.tail_keeps_width.fget(Engine.__new__(Engine)) == expected
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_the_last_rounds_keep_the_rounds_shape(setup, method):
+    """Rows within the depth of their max_tokens draft fewer (their own limit), but the round keeps
+    its K: a fixed depth compiles verify programs of one length only, whatever the rows' ends."""
+    _, _, lengths = _run(setup, method, keeps=WIDTH)
+    assert lengths == {4}, lengths  # depth 3: [pending, d1, d2, d3]
