@@ -18,8 +18,8 @@ So the values are meant to be the unfused ops' bit for bit; `check()` compares t
 (benchmarks/step_overhead runs it), and the engine installs it only where that held
 (`Engine.use_mlp_kernel`, fusion.decode_paths).
 
-`install(model)` swaps the class of every Qwen3 / Llama / Qwen2 MLP whose gate and up projections are
-stacked (fusion.fuse_projections: the stacked weight is what the kernel reads); a one-row input takes
+`install(model)` swaps the class of every Qwen3 MLP (Llama / Qwen2 with `modules=MODULES`) whose gate and
+up projections are stacked (fusion.fuse_projections: the stacked weight is what the kernel reads); a one-row input takes
 the kernel, anything else (prefill, a verify of several tokens, quantized weights) mlx-lm's code.
 `install(model, reference=True)` runs the same plumbing with MLX's ops in the kernel's place (how the
 CPU tests check it).
@@ -170,6 +170,8 @@ def _mlp_call(self, x):
 
 
 MODULES = ("mlx_lm.models.qwen3", "mlx_lm.models.llama", "mlx_lm.models.qwen2")
+# what install patches unless told: where it is measured (the Qwen3 8B shape), as layer_kernels.DEFAULT_FAMILIES
+DEFAULT_MODULES = ("mlx_lm.models.qwen3",)
 _patched = {}
 
 
@@ -177,20 +179,20 @@ def _base(module):
     return type(module).__mro__[1]
 
 
-def _is_mlp(m) -> bool:
+def _is_mlp(m, modules) -> bool:
     cls = _base(m) if type(m) in _patched.values() else type(m)
-    return cls.__name__ == "MLP" and cls.__module__ in MODULES
+    return cls.__name__ == "MLP" and cls.__module__ in modules and cls.__module__ in MODULES
 
 
-def install(model, reference: bool = False) -> int:
-    """Patch every known MLP of `model` whose gate/up are stacked; returns how many (0 off CUDA unless
-    `reference`)."""
+def install(model, reference: bool = False, modules=None) -> int:
+    """Patch every MLP of `model` from `modules` (default DEFAULT_MODULES; MODULES are known) whose gate/up
+    are stacked; returns how many (0 off CUDA unless `reference`)."""
     if not (cuda_ready() or reference):
         return 0
     _State.reference = reference
     n = 0
     for _, m in model.named_modules():
-        if not _is_mlp(m) or _stacked_weight(m) is None:
+        if not _is_mlp(m, DEFAULT_MODULES if modules is None else modules) or _stacked_weight(m) is None:
             continue
         cls = _base(m) if type(m) in _patched.values() else type(m)
         if cls not in _patched:
