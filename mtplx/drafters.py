@@ -289,7 +289,13 @@ class MtpDrafter(_CachedDrafter):
         """(lookup, history) with room for `extra` more tokens per row, or None without lookup."""
         if self.lookup is None:
             return None
-        self._history_room(self.cache.rows.max + 1 + extra)
+        # The head cache and the history (one token longer) grow to one capacity together: the
+        # head's programs are keyed by both, and a round where only one had crossed a bucket
+        # would compile a program of its own.
+        layers = [c for c in self.cache.layers if c.keys is not None]
+        self._history_room(max([self.cache.rows.max + 1 + extra] + [c.keys.shape[2] for c in layers]))
+        for c in layers:
+            c._ensure_capacity(self.cache.batch, c.keys, c.values, self.history.shape[1])
         return self.lookup, self.history
 
     def propose(self, K, pending, sampler, u):

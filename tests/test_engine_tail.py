@@ -77,3 +77,21 @@ def test_the_last_rounds_keep_the_rounds_shape(setup, method):
     its K: a fixed depth compiles verify programs of one length only, whatever the rows' ends."""
     _, _, lengths = _run(setup, method, keeps=WIDTH)
     assert lengths == {4}, lengths  # depth 3: [pending, d1, d2, d3]
+
+
+def test_the_mtp_lookup_history_and_the_head_cache_cross_a_capacity_bucket_together(setup):
+    """With `mtp_lookup` the head's programs are keyed by the head cache's capacity and the row
+    history's: they grow in one step, so no program is compiled for the one round where only one
+    of the two had crossed a bucket."""
+    bundle, head, _, _ = setup
+    rng = np.random.default_rng(4)
+    rows = [(rng.integers(3, 400, n).tolist(), m) for n, m in [(220, 40), (226, 36), (231, 30), (240, 24)]]
+    eos = set(bundle.tokenizer.eos_token_ids)
+    spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, mtp_head=head, mtp_lookup=2)
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=4, order="input"))
+    reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
+    out = {r.key: r.tokens for r in eng.generate(reqs)}
+    assert [out[i] for i in range(len(rows))] == [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
+    keys = list(eng.drafter.bank._programs)
+    assert {k[3] for k in keys} == {256, 512}, keys  # the rows crossed a bucket
+    assert all(k[3] == k[-1] for k in keys), keys  # head cache capacity == history capacity in every program
