@@ -92,6 +92,20 @@ class RowLengths:
         self.unread = max(0, self.unread - 1)
         self._share()
 
+    def place(self, slots: Sequence[int], lengths: Sequence[int]):
+        """Rows `slots` now hold `lengths` entries (rows put in by admission); the other rows keep
+        theirs, read or not: with advances unread, their device lengths stay the device's."""
+        host = self.host.copy()
+        host[np.asarray(slots, dtype=np.int64)] = np.asarray(lengths, dtype=np.int64)
+        if not self.unread:
+            self.set(host)
+            return
+        placed = np.zeros(host.size, dtype=bool)
+        placed[np.asarray(slots, dtype=np.int64)] = True
+        self.host = host
+        self.device = mx.where(mx.array(placed), mx.array(host, dtype=mx.int32), self.device)
+        self._share()
+
     def settle(self):
         """Host lengths := the device's (one read; exact again)."""
         self.host = np.array(self.device).astype(np.int64)
@@ -488,9 +502,7 @@ class BatchCache:
         n, parts = snapshot
         for c, p in zip(self.leaves, parts):
             c.write_row(row, p, self.batch)
-        host = self.rows.host.copy()
-        host[row] = n
-        self.rows.set(host)
+        self.rows.place([row], [n])
 
     def put_rows(self, slots: Sequence[int], refs: Sequence[CacheRow], reserve: int = 0):
         """Place the rows `refs` at `slots`, each with its length: per source cache and layer one
@@ -500,13 +512,11 @@ class BatchCache:
             groups.setdefault(id(src), (src, [], []))
             groups[id(src)][1].append(slot)
             groups[id(src)][2].append(row)
-        host = self.rows.host.copy()
         for src, to, rows in groups.values():
             length = int(src.rows.host[rows].max())
             for leaf, src_leaf in zip(self.leaves, src.leaves):
                 leaf.put_rows(to, src_leaf, rows, length, self.batch, reserve)
-            host[to] = src.rows.host[rows]
-        self.rows.set(host)
+        self.rows.place(list(slots), [int(src.rows.host[row]) for src, row in refs])
 
     @classmethod
     def gather(cls, refs: Sequence[CacheRow]) -> "BatchCache":

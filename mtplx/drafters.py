@@ -237,7 +237,8 @@ class MtpDrafter(_CachedDrafter):
             toks = mx.array(nxt[s : s + self.chunk], dtype=mx.int32)[None]
             h_out = self.head.hidden(hidden[:, s : s + self.chunk], toks, cache.layers)
             cache.commit([toks.shape[1]])
-            cache.eval()
+            if s + self.chunk < len(nxt):  # the last chunk is evaluated with the round the row joins
+                cache.eval()
         h_last = h_out[:, -1]
         state = (cache, [project(self.head, self.vocab, h_last), h_last])
         # the row's context: one token longer than its head cache (the head's entry for the last

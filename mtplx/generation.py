@@ -293,6 +293,7 @@ class Engine(SpeculativeRounds):
         """Results as rows finish, in any order; `max_batch` rows in flight while rows remain."""
         if self.drafter is not None:
             self.drafter.reset()
+        self._carried = None
         batch = _Batch(iter(requests))
         while True:
             # Fill free slots, then widen up to max_batch; repeat while rows finish at prefill.
@@ -303,7 +304,11 @@ class Engine(SpeculativeRounds):
                 if batch.drained:
                     return
                 continue
-            if batch.drained and active.sum() <= len(batch.slots) // 2 and len(batch.slots) > self.tail_keeps_width:
+            if batch.drained and self._narrows(int(active.sum()), len(batch.slots)):
+                yield from self._land_carried(batch.slots, batch.cache)  # narrowing reads exact lengths
+                active = np.array([s is not None for s in batch.slots], dtype=bool)
+                if not active.any():
+                    continue
                 keep = self._compact_keep(active)
                 batch.cache.take_rows(keep)
                 if self.drafter is not None:
@@ -452,8 +457,8 @@ class Engine(SpeculativeRounds):
 
         def leave() -> bool:
             live = sum(s is not None for s in slots)
-            if drained:
-                return live <= len(slots) // 2 or not live
+            if drained:  # only where the batch is narrowed next (else no reason to empty the pipeline)
+                return self._narrows(live, len(slots)) or not live
             return len(slots) - live >= max(1, len(slots) // REFILL_AT) or not live
 
         current = launch(mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32)))

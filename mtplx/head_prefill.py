@@ -3,7 +3,7 @@
 `MtpDrafter.prefill_row` runs the head over one row's prompt, a forward and a host sync per
 chunk; admitting 32 rows so cost 32 small launch-bound forwards. Here the group's rows are
 right-padded to the longest and run as one forward per chunk, with one eval per chunk for the
-group. A row with a restored prefix (the prefix store's head snapshot and the trunk's hidden
+group (but the last: it is evaluated with the round the rows join). A row with a restored prefix (the prefix store's head snapshot and the trunk's hidden
 state at the edge) starts from that snapshot and runs the head over its suffix only, as
 `prefill_row` does with `prefix`, in the same forwards as the others. Each row writes its own span
 at its own offset (BatchCache's per-row lengths), so padding never enters a row's entries, and
@@ -52,7 +52,8 @@ def head_prefill_rows(drafter, prompts: Sequence[Sequence[int]], hiddens: Sequen
         counts = np.clip(lengths - s, 0, e - s)
         h_out = drafter.head.hidden(hidden[:, s:e], mx.array(grid[:, s:e]), cache.layers)
         cache.commit(counts)
-        cache.eval()
+        if e < L:  # the last chunk is evaluated with the round the rows join (no sync of its own)
+            cache.eval()
         for b in np.flatnonzero((lengths > s) & (lengths <= e)):  # rows whose last position is here
             last[b] = h_out[b, counts[b] - 1]
     h_last = mx.stack(last)

@@ -214,7 +214,8 @@ class Prefiller:
             cache.commit([e - s])
             if self.runtime.want_hidden:
                 hiddens.append(h)
-            mx.eval(h, [a for c in cache.leaves for a in c.state_arrays() if a is not None])
+            if e < n:  # the last span is read with the first token (_first_tokens): no sync of its own
+                mx.eval(h, [a for c in cache.leaves for a in c.state_arrays() if a is not None])
             self.progress("prefill", e - s)
             row.stats.prefill_chunks += 1
             if key and hit is None and e == edge:
@@ -243,7 +244,8 @@ class Prefiller:
                 counts[b] = len(part)
             h = self._hidden(mx.array(grid), cache)
             cache.commit(counts)
-            mx.eval(h, [a for layer in cache.leaves for a in layer.state_arrays() if a is not None])
+            if c + width < max(todo):  # the last chunk is read with the first tokens
+                mx.eval(h, [a for layer in cache.leaves for a in layer.state_arrays() if a is not None])
             self.progress("prefill", int(counts.sum()))
             for b in range(B):
                 if counts[b]:

@@ -3,7 +3,10 @@
 `SpeculativeRounds` is the part of the Engine (generation.py) that runs decode rounds with a
 drafter. A drafter that drafts on the device (MTP, a draft model) runs one round ahead, as plain
 rounds do: round r+1 is queued from round r's device arrays before round r is read, and each
-round is read once (`[W, 2 + K]`: accepted count, next token, drafts). A round's depths and
+round is read once (`[W, 2 + K]`: accepted count, next token, drafts). Rows admitted at full
+width join behind the round in flight (it is carried across the admission, not read first), so
+a refilled stream keeps the device busy while new rows are prefilled; a round read after rows
+joined drops what it made in their slots for the rows that left them (`_Flight.rows`). A round's depths and
 uniforms are its `_Plan`; for a drafter that drafts ahead (MTP) the next round's plan is made
 with this one, so the head's commit of round r and its drafts for round r+1 are one compiled
 program (mtp_draft.py) and a round is two programs: the verify and the head.
@@ -65,9 +68,11 @@ class SpeculativeRounds:
         round ahead, as `_plain_rounds` does: round r+1 (propose, verify, accept, commit) is
         queued from round r's device arrays before round r is read, and each round is read
         once. Returns when finished rows have freed REFILL_AT-th of the slots for admission (at
-        least one; `drained`: no request waits, so finished rows only leave, until half the slots
-        are idle) or no row is left. Prompt
-        lookup drafts on the host from the tokens it has read: one round per call."""
+        least one), with the round queued next still in flight where the batch is at full width
+        (`_carried`: the admission puts its rows into their slots behind it, and the next call
+        goes on from it); `drained` (no request waits): finished rows only leave, and the call
+        returns, with the pipeline empty, only where the batch narrows next (`_narrows`), or when
+        no row is left. Prompt lookup drafts on the host from the tokens it has read: one round per call."""
         sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
         pending = mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32))
         self._explore(not drained)
@@ -87,33 +92,73 @@ class SpeculativeRounds:
         # when a program was built since the round was queued (its own or the next one's): that
         # time is a compile's (and on a GPU kernel builds'), not what the depth costs.
         built = self._programs_built()
-        current = self._launch(slots, cache, sampler, pending, 0)
+        carried, self._carried = self._carried, None
+        if carried is not None:  # queued before the admission that just ran: it goes on from there
+            current, plan = carried[0], None
+            if all(s is None or s is r for s, r in zip(slots, current.rows)):
+                sampler, plan, pending = carried[1], current.plan, None  # no row joined: as if the call had not ended
+            else:  # rows that joined have no round in flight: their pending token is the host's
+                joined = np.array([s is not None and s is not r for s, r in zip(slots, current.rows)])
+                pending = mx.where(mx.array(joined), pending, current.nxt)
+        else:
+            current, plan, pending = self._launch(slots, cache, sampler, pending, 0), None, None
         landed_at = self.clock()
         while True:
             # a round after this one only if some row can still be going after it (a row emits at
             # least one token a round: one that is a token short of max_tokens ends with this round)
             going = any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
             built_next = self._programs_built()
-            following = self._launch(slots, cache, sampler, current.nxt, 1, current.plan) if going else None
+            following = (self._launch(slots, cache, sampler, current.nxt if pending is None else pending, 1,
+                                      current.plan if carried is None else plan) if going else None)
+            # (a round carried across an admission is not timed: the admission's prefill ran meanwhile)
+            steady = (carried is None and following is not None and following.K == current.K)
+            carried = pending = None
             out = self._read(current)
             now = self.clock()
-            steady = following is not None and following.K == current.K and self._programs_built() == built
+            steady = steady and self._programs_built() == built
             finished = self._land(slots, cache, current, out, now - landed_at if steady else None)
             landed_at, built = now, built_next
             live = sum(s is not None for s in slots)
-            free = len(slots) - live  # a refill drains the pipeline: wait for a few free slots (an idle
-            # slot of a wide, launch-bound batch costs ~nothing), and refill them with one prefill
-            if following is None or (finished and (free >= max(1, len(slots) // REFILL_AT) if not drained
-                                                   else live <= len(slots) // 2 or not live)):
-                if following is not None:
-                    out = self._read(following)
-                    finished += self._land(slots, cache, following, out, None)  # nothing queued behind it
-                cache.rows.settle()  # exact host lengths again for admission and compaction
-                self.drafter.settle()
+            free = len(slots) - live
+            if following is not None and finished and not drained and free >= max(1, len(slots) // REFILL_AT):
+                # Requests wait: refill a few free slots at once (an idle slot of a wide, launch-bound
+                # batch costs ~nothing) with one prefill. At full width the round in flight stays
+                # queued across the admission (`_carried`): the admitted rows are put into their slots
+                # behind it, and the next call goes on from it, so the device is not left idle.
+                if len(slots) >= self.max_batch:
+                    self._carried = (following, sampler)
+                    yield from finished
+                    return
+            elif following is not None and not (drained and finished and (not live or self._narrows(live, len(slots)))):
                 yield from finished
-                return
+                current = following
+                continue
+            if following is not None:
+                out = self._read(following)
+                finished += self._land(slots, cache, following, out, None)  # nothing queued behind it
+            self._settle(cache)
             yield from finished
-            current = following
+            return
+
+    _carried = None  # (the round in flight, its sampler) across an admission; None: the pipeline is empty
+
+    def _narrows(self, live: int, width: int) -> bool:
+        """A drained batch of `width` slots with `live` rows is narrowed (generation.py: Engine.generate)."""
+        return live <= width // 2 and width > self.tail_keeps_width
+
+    def _settle(self, cache: BatchCache) -> None:
+        cache.rows.settle()  # exact host lengths again for admission and compaction
+        self.drafter.settle()
+
+    def _land_carried(self, slots, cache: BatchCache) -> List[Result]:
+        """Read and land the round carried across an admission (before the batch is narrowed, which
+        needs exact lengths): the pipeline is empty after it."""
+        carried, self._carried = self._carried, None
+        if carried is None:
+            return []
+        finished = self._land(slots, cache, carried[0], self._read(carried[0]), None)
+        self._settle(cache)
+        return finished
 
     def _explore(self, on: bool) -> None:
         """Adaptive depth tries other depths, and every depth's programs are built at a new shape's
@@ -186,7 +231,7 @@ class SpeculativeRounds:
         out = mx.concatenate([n[:, None].astype(mx.int32), nxt[:, None].astype(mx.int32), drafts.astype(mx.int32)], axis=1)
         mx.async_eval(out, cache.rows.device)
         return _Flight(out, nxt.astype(mx.int32), verify_in, hidden, depths, K, live, most, n_active, compiled, failures,
-                       nxt_plan)
+                       list(slots), nxt_plan)
 
     def _zeros(self, W: int, n: int) -> mx.array:
         key = (W, n)
@@ -201,15 +246,17 @@ class SpeculativeRounds:
 
     def _land(self, slots, cache: BatchCache, flight: "_Flight", out: np.ndarray, seconds: Optional[float]) -> List[Result]:
         """A round that was read: correct the host lengths, record stats, emit tokens. Rows that
-        finished in an earlier round (now None) drop what this round made for them."""
+        finished in an earlier round (now None, or another row admitted since into the slot) drop
+        what this round made for them; a row admitted since keeps its own length."""
         n_h, nxt_h, drafts_h = out[:, 0].astype(np.int64), out[:, 1], out[:, 2:]
         depths, K, n_active = flight.depths, flight.K, flight.n_active
-        excess = flight.most - np.where(flight.live, n_h + 1, 0)
+        same = np.array([s is not None and s is r for s, r in zip(slots, flight.rows)], dtype=bool)
+        excess = np.where(same, flight.most - np.where(flight.live, n_h + 1, 0), 0)
         cache.rows.correct(excess)
         if self.drafter.device_side:
             self.drafter.correct(excess)
         self.counters["rounds"] += 1
-        greedy = np.array([s is not None and s.req.params.greedy for s in slots])
+        greedy = same & np.array([s is not None and s.req.params.greedy for s in slots], dtype=bool)
         if greedy.any():
             tried = int(np.minimum(n_h + 1, depths)[greedy].sum())
             reached, passed = position_counts(n_h[greedy], depths[greedy], K)
@@ -218,7 +265,7 @@ class SpeculativeRounds:
         # plain lists: indexing numpy per row and token costs more than the work itself
         k_of, a_of, nxt_of, drafts_of = depths.tolist(), n_h.tolist(), nxt_h.tolist(), drafts_h.tolist()
         for i, row in enumerate(slots):
-            if row is None:
+            if not same[i]:
                 continue
             st, k, a = row.stats, k_of[i], a_of[i]
             row.rounds += 1
@@ -260,6 +307,7 @@ class _Flight:
     n_active: int
     compiled: bool
     failures: Optional[np.ndarray]
+    rows: list  # the slots' rows when it was queued (a slot may hold another row when it is read)
     plan: Optional["_Plan"] = None  # the next round's, made with this one
 
 

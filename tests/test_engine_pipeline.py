@@ -176,6 +176,66 @@ def test_no_round_is_queued_past_the_last_rows_length(setup, method):
     assert forwards <= eng.counters["rounds"] <= forwards + at_eos, (forwards, eng.counters["rounds"], at_eos)
 
 
+@pytest.mark.parametrize("method", ["mtp", "mtp-lookup", "draft"])
+def test_an_admission_happens_behind_the_round_in_flight(setup, method, monkeypatch):
+    """At full width with requests waiting, rows are admitted while the round queued before the
+    admission is still unread: the pipeline runs empty (a read with no round queued behind it)
+    only where the batch drains at its end and narrows, not once per admission (it did before:
+    28 of 28 at width 8 here). The admitted rows' slots drop what that round made for the rows
+    that left them, and the text stays plain decoding's. An admission of prompts shorter than a
+    prefill chunk syncs only where it reads its first tokens: no mx.eval at all (before: 72, the
+    trunk's chunk and the drafter's per admission)."""
+    bundle, _, _, rows, _ = setup
+    eng = _engine(setup, method, 8)
+    evals, real = [0], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a, **k: (evals.__setitem__(0, evals[0] + 1), real(*a, **k))[1])
+    many = [(rows[i % len(rows)][0], 4 + (i * 7) % 23) for i in range(40)]
+    events, admissions = [], [0]
+    verify, read, admit = eng._verify, eng._read, eng._admit
+    eng._verify = lambda *a: (events.append("verify"), verify(*a))[1]
+    eng._read = lambda f: (events.append("read"), read(f))[1]
+
+    def counted(batch):
+        before = sum(s is not None for s in batch.slots)
+        again = yield from admit(batch)
+        admissions[0] += sum(s is not None for s in batch.slots) > before
+        return again
+
+    eng._admit = counted
+    out = {r.key: r.tokens for r in eng.generate(_requests(many))}
+    monkeypatch.setattr(mx, "eval", real)
+    for i, (p, m) in enumerate(many):
+        assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i
+    queued, emptied = 0, 0
+    for e in events:
+        queued += 1 if e == "verify" else -1
+        emptied += e == "read" and queued == 0
+    assert admissions[0] >= 20
+    # the end (one read) and narrowing 8 -> 4 -> 2 -> 1 (a CPU narrows a drained batch), a round or two
+    # where no row could go on past the one in flight
+    assert emptied <= 6, (emptied, admissions)
+    assert evals[0] == 0
+    cache = eng.drafter.cache
+    assert np.array_equal(cache.rows.host, np.array(cache.rows.device))
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft"])
+def test_a_batch_that_narrows_after_an_admission_reads_the_carried_round_first(setup, method):
+    """The last request joins behind the round in flight and leaves the batch half idle: before it
+    narrows (which needs exact lengths), that round is read and landed; the text stays plain's."""
+    bundle, _, _, rows, _ = setup
+    eng = _engine(setup, method, 8)
+    many = [(rows[i][0], 2) for i in range(7)] + [(rows[7][0], 24), (rows[8][0], 9)]
+    landed, inner = [], eng._land_carried
+    eng._land_carried = lambda slots, cache: (landed.append(eng._carried is not None), inner(slots, cache))[1]
+    out = {r.key: r.tokens for r in eng.generate(_requests(many))}
+    for i, (p, m) in enumerate(many):
+        assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i
+    assert any(landed), landed
+    cache = eng.drafter.cache
+    assert np.array_equal(cache.rows.host, np.array(cache.rows.device))
+
+
 def test_with_requests_waiting_a_wide_batch_refills_several_slots_at_once(setup):
     """A refill drains the pipeline (the round in flight is read, admission prefills): at width 16
     with requests waiting, a call returns once 1/8 of its slots (2) are free, not at every finished

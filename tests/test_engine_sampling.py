@@ -120,13 +120,19 @@ def setup(tiny_model, tmp_path_factory):
 
 
 def run_rows(bundle, draft, method, seed_base, rows=ROWS_PER_SETTING):
-    """`method`-compiled: with the compiled programs (the verify, the draft model's proposal)."""
-    method, compiled = method.split("-")[0], "on" if method.endswith("-compiled") else "off"
+    """`method`-compiled: with the compiled programs (the verify, the draft model's proposal);
+    `method`-refilled: compiled, 32 rows in flight, so rows stream in as others finish and each
+    admission happens behind a round still in flight (spec_rounds.py: `_carried`)."""
+    refilled = method.endswith("-refilled")
+    method, compiled = method.split("-")[0], "on" if method.endswith(("-compiled", "-refilled")) else "off"
     spec = SpeculativeConfig(
         method=method, depth=2, adaptive_depth=False, compiled_verify=compiled,
         draft_model=draft["draft"] if method == "draft" else None, mtp_head=draft["mtp"] if method == "mtp" else None,
     )
-    eng = Engine(bundle, spec, ScheduleConfig(max_batch=128))
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=32 if refilled else 128))
+    carried, land = [0], eng._land
+    eng._land = lambda slots, cache, flight, *a: (carried.__setitem__(0, carried[0] + any(
+        s is not None and s is not r for s, r in zip(slots, flight.rows))), land(slots, cache, flight, *a))[1]
     requests = []
     for name, params in SETTINGS.items():
         for i in range(rows):
@@ -140,13 +146,15 @@ def run_rows(bundle, draft, method, seed_base, rows=ROWS_PER_SETTING):
         stats["accepted"] += r.stats.accepted_tokens
     bank = getattr(eng.drafter, "bank", None)
     stats["compiled_proposals"] = bank.stats["compiled_calls"] if bank is not None else 0
+    stats["landed_past_an_admission"] = carried[0]  # rounds read after rows joined behind them
     return samples, stats
 
 
-SEEDS = {"none": 0, "ngram": 10**6, "draft": 2 * 10**6, "mtp": 3 * 10**6, "draft-compiled": 4 * 10**6}
+SEEDS = {"none": 0, "ngram": 10**6, "draft": 2 * 10**6, "mtp": 3 * 10**6, "draft-compiled": 4 * 10**6,
+         "mtp-refilled": 5 * 10**6}
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft", "mtp", "draft-compiled"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "mtp", "draft-compiled", "mtp-refilled"])
 def test_sampled_output_follows_the_target_distribution(setup, method):
     bundle, draft, exact = setup
     samples, stats = run_rows(bundle, draft, method, SEEDS[method])
@@ -156,6 +164,8 @@ def test_sampled_output_follows_the_target_distribution(setup, method):
         assert 0.05 < stats["accepted"] / stats["drafted"] < 0.9, stats
     if method == "draft-compiled":
         assert stats["compiled_proposals"] > 0, stats
+    if method == "mtp-refilled":
+        assert stats["landed_past_an_admission"] > 20, stats
     failures = []
     for name in SETTINGS:
         for test, stat, dof, p in distribution_tests(samples[name], exact[name]):
