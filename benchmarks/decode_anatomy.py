@@ -27,6 +27,9 @@ logits; mlx-lm's generate_step takes the argmax of log-probabilities, which can 
   engine eager +layerk          the eager engine with layer_kernels
   engine compiled +rowattn+stacked+layerk+mlp  ... and mtplx/mlp_kernel.py (gate/up product + SwiGLU in one kernel)
   engine compiled +rowattn+stacked+layerk+mlp+onorm  ... and mtplx/o_norm_kernel.py (o_proj + add + RMSNorm in one)
+  engine compiled +rowattn+stacked+layerk+onorm  layer_kernels with o_norm_kernel, without mlp_kernel
+  engine compiled +rowattn+stacked+layerk nopad  the shipped path with the kernels' small arrays left in MLX's
+                                managed pool (rows_attention.PAD_SMALL off: as session 6 ran)
 
 `--variants matrix` runs only issue 20's one-stream matrix (MATRIX: eager vs compiled, with and
 without stacking, against generate_step and the bare loop); a comma-separated list of labels
@@ -209,6 +212,9 @@ VARIANTS = [
     ("engine compiled +rowattn+stacked+layerk+mlp", v_engine("on"), True, True, False, 1, True),
     # an eighth field True: mtplx/o_norm_kernel.py (o_proj + residual add + RMSNorm, one kernel at one row; CUDA only)
     ("engine compiled +rowattn+stacked+layerk+mlp+onorm", v_engine("on"), True, True, False, 1, True, True),
+    ("engine compiled +rowattn+stacked+layerk+onorm", v_engine("on"), True, True, False, 1, False, True),
+    # a ninth field False: small arrays left in MLX's managed pool (rows_attention.PAD_SMALL off: session 6's path)
+    ("engine compiled +rowattn+stacked+layerk nopad", v_engine("on"), True, True, False, 1, False, False, False),
 ]
 REFERENCE = "bare+KVCache"
 layerk_version = layer_kernels.VERSION  # the shipped sources (a +layerk2 run sets 2 for its own runs)
@@ -234,10 +240,12 @@ def pick_variants(spec: str):
 
 
 def set_paths(model, rowattn: bool, stacked, skinny: bool = False, layerk: int = 0, mlp: bool = False,
-              onorm: bool = False):
+              onorm: bool = False, pad: bool = True):
     """Put the model in the state a variant runs in (the engine's own installs are off here).
     `layerk`: 0, or the layer_kernels.VERSION to install; `mlp`: mlp_kernel on the stacked MLPs;
-    `onorm`: layer_kernels with o_norm_kernel."""
+    `onorm`: layer_kernels with o_norm_kernel; `pad`: rows_attention.PAD_SMALL (small arrays out of
+    MLX's managed pool)."""
+    rows_attention.PAD_SMALL = pad
     mlp_kernel.uninstall(model)
     skinny_matmul.uninstall(model)
     layer_kernels.uninstall(model)

@@ -52,6 +52,7 @@ class RowLengths:
     # forward share it, and rows_attention.py recognizes it by identity as "keys 0..length + i".
     mask: Optional[mx.array] = None
     _positions = None  # (device lengths, L, positions): see `positions`
+    _resident = None  # (device lengths, their padded copy or themselves, the view of it): see `resident`
 
     def __init__(self, lengths: Sequence[int]):
         self.set(lengths)
@@ -69,10 +70,26 @@ class RowLengths:
     def positions(self, L: int) -> mx.array:
         """[B, 1, L, 1]: where a forward of L tokens writes each row's entries (its length + 0..L-1).
         Built once per forward and shared by its layers: per layer it was two more kernels a layer
-        (an arange and an add; compile does not merge them across layers)."""
+        (an arange and an add; compile does not merge them across layers). From `resident()`: at one
+        row the [1, 1, 1, 1] positions would otherwise sit in MLX's managed small-array pool."""
         c = self._positions
         if c is None or c[0] is not self.device or c[1] != L:
-            c = self._positions = (self.device, L, (self.device[:, None] + mx.arange(L, dtype=mx.int32))[:, None, :, None])
+            self.resident()
+            base = self._resident[1]  # the padded lengths where there are (then sliced back to B rows)
+            pos = (base[:, None] + mx.arange(L, dtype=mx.int32))[: self.device.size]
+            c = self._positions = (self.device, L, pos[:, None, :, None])
+        return c[2]
+
+    def resident(self) -> mx.array:
+        """The device lengths as the kernels of a forward read them (rows_attention, RoPE offsets, the
+        write positions): at one row a view of a padded copy in device memory (rows_attention.padded),
+        built once per forward."""
+        from .rows_attention import padded
+
+        c = self._resident
+        if c is None or c[0] is not self.device:
+            p = padded(self.device)
+            c = self._resident = (self.device, self.device, self.device) if p is None else (self.device, p, p[: self.device.size])
         return c[2]
 
     def advance(self, counts: mx.array, most: np.ndarray, exact: bool = False):
@@ -153,7 +170,7 @@ class RowKVCache:
     @property
     def offset(self):
         n = self._shared()
-        return self.rows.device if n is None else n
+        return self.rows.resident() if n is None else n
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, L, _ = keys.shape

@@ -300,9 +300,13 @@ def _kernel(name):
 
 
 def _const(*values) -> mx.array:
-    if values not in _consts:
-        _consts[values] = mx.array(values, dtype=mx.float32)
-    return _consts[values]
+    """A float32 constant array for the kernels, in device memory (rows_attention.resident_constant)."""
+    from .rows_attention import pads, resident_constant
+
+    key = values + (pads(),)
+    if key not in _consts:
+        _consts[key] = resident_constant(values)
+    return _consts[key]
 
 
 def log2f(x: float) -> float:
@@ -393,13 +397,15 @@ def qk_norm_rope(q, k, q_norm, k_norm, rope, offset, n_q, n_kv, rot: Optional[in
         off = offset.astype(mx.int32).reshape(-1)
     else:  # the layers of one eager step share one length: one small array per step, not per layer
         if _State.offset[0] != int(offset):
-            _State.offset = (int(offset), mx.array([int(offset)], dtype=mx.int32))
+            from .rows_attention import resident_constant
+
+            _State.offset = (int(offset), resident_constant([int(offset)], mx.int32))
         stride, off = 0, _State.offset[1]
     norm = q_norm is not None
     eps = float(q_norm.eps) if norm else 0.0
     params = _const(eps, log2f(rope.base), float(rope.scale))
     if not norm and q.dtype not in _no_weight:  # the kernel reads no weights then, but they are typed T
-        _no_weight[q.dtype] = mx.zeros((1,), dtype=q.dtype)
+        _no_weight[q.dtype] = mx.zeros((16,), dtype=q.dtype)  # (past MLX's managed small-array pool)
     qw, kw = (q_norm.weight, k_norm.weight) if norm else (_no_weight[q.dtype], _no_weight[q.dtype])
     q_out, k_out = _kernel("qk")(
         inputs=[q, k, qw, kw, off, params],

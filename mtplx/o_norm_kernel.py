@@ -11,7 +11,8 @@ row exactly as that kernel does (its source, with a block of as many threads as 
 the width: 128 at the Qwen3-8B / 0.6B and SmolLM2 hidden sizes, so 4 warps, i.e. 4 outputs, a block),
 reading the stored products from L2. So the values are the
 unfused ops' (o_proj, then x + o, then rms_norm) bit for bit by construction; `check()` compares them on
-the GPU. The ticket is a one-int device array that the last block resets to zero; calls are serialized by
+the GPU. The ticket is an int device array (16 of them: a 4-byte array would sit in MLX's managed small-array pool,
+where the atomics cost ~1 ms a call on the H200) whose first element the last block resets to zero; calls are serialized by
 their data (each layer's call reads the previous layer's output), so one ticket serves them all.
 
 layer_kernels' attention records its o_proj input, mlp_kernel's MLP its down_proj input; layer_kernels'
@@ -97,7 +98,7 @@ def o_add_norm(a: mx.array, wo: mx.array, x: mx.array, w: mx.array, eps: float):
         _kernel = mx.fast.cuda_kernel(name="mtplx_o_add_norm", input_names=["a", "wo", "x", "w", "eps", "ticket"],
                                       output_names=["o", "h", "y"], source=_source(),
                                       header=layer_kernels._HEADER + GEMV_ROWS)
-        _ticket = mx.zeros((1,), dtype=mx.int32)
+        _ticket = mx.zeros((16,), dtype=mx.int32)  # past MLX's managed small-array pool: atomics there cost ~1 ms a call
         mx.eval(_ticket)
     n, k = wo.shape
     block, chunks, nr = layer_kernels._norm_layout(n, x.dtype.size)  # the gemv takes block / 32 rows a block

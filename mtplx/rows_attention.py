@@ -205,6 +205,38 @@ _kernel = None
 _scales = {}
 _on_cuda = None
 
+# MLX's CUDA allocator gives arrays of at most 8 bytes (a scalar, the lengths of one row) managed memory from
+# a small shared pool (mlx/backend/cuda/allocator.cpp, small_block_size), which the host also touches (it
+# reads each step's token from there): a kernel that reads such an array then waits on a page that is
+# not on the GPU (H200, session 7 window 1: the add + norm kernel 8.1 us against 3.1 for MLX's rms_norm,
+# which takes eps as a parameter; a kernel doing atomics on a 4-byte array ~1 ms). Constants and per-step
+# small arrays the kernels read are made larger than that (`resident_constant`, `padded`, and
+# cache.RowLengths.resident), so they live in device memory.
+SMALL_POOL_BYTES = 8
+PAD_SMALL = True  # benchmarks/decode_anatomy turns it off to measure without
+
+
+def pads() -> bool:
+    """Whether small arrays are padded: on CUDA (the CPU backend has no such pool), unless PAD_SMALL is off."""
+    return PAD_SMALL and cuda_ready()
+
+
+def resident_constant(values, dtype=mx.float32) -> mx.array:
+    """`values` (a sequence) as a device array, on CUDA padded with zeros past SMALL_POOL_BYTES (kernels read
+    the first len(values) elements)."""
+    n = len(values)
+    pad = max(0, -(-(SMALL_POOL_BYTES + 1) // dtype.size) - n) if pads() else 0
+    return mx.array(list(values) + [0] * pad, dtype=dtype)
+
+
+def padded(a: mx.array):
+    """A zero-padded copy of `a` (1-D) large enough to stay out of MLX's managed pool (one small kernel),
+    or None where `a` is out of it already (or `pads()` is false). Its first a.size elements are `a`."""
+    if not pads() or a.nbytes > SMALL_POOL_BYTES or a.ndim != 1:
+        return None
+    pad = -(-(SMALL_POOL_BYTES + 1) // a.dtype.size) - a.size
+    return mx.concatenate([a, mx.zeros((pad,), dtype=a.dtype)])
+
 
 def cuda_ready() -> bool:
     """Whether arrays run on MLX's CUDA backend (the kernel's only home)."""
@@ -244,9 +276,10 @@ def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths:
     per, blocks = split(B, Hk, Hq // Hk * L, D)
     if per_block is not None:
         per, blocks = per_block, -(-(Hq // Hk * L) // per_block)
-    if scale not in _scales:
-        _scales[scale] = mx.array([scale], dtype=mx.float32)
-    (out,) = _kernel(inputs=[q, k, v, lengths.astype(mx.int32), _scales[scale]],
+    key = (scale, pads())
+    if key not in _scales:
+        _scales[key] = resident_constant([scale])
+    (out,) = _kernel(inputs=[q, k, v, lengths.astype(mx.int32), _scales[key]],
                      template=[("T", q.dtype), ("D", D), ("QB", per)], grid=(blocks * 1024, Hk, B),
                      threadgroup=(1024, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype])
     return out
@@ -262,7 +295,7 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
 
     if (sinks is None and isinstance(cache, RowKVCache) and mask is not None and mask is cache.rows.mask
             and usable(queries, keys, values)):
-        return rows_attention(queries, keys, values, scale, cache.rows.device)
+        return rows_attention(queries, keys, values, scale, cache.rows.resident())
     return _original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 
