@@ -69,9 +69,11 @@ class ProgramWatch:
 
     def summary(self, rounds0: int, new0: int, fed0: int):
         new = self.new[new0:]
-        built_in = {r for _, _, r in new}  # the round being landed when the program was made (queued one ahead)
+        built_in = {r for _, _, r in new}  # rounds landed when the program was made
         fed = self.fed[fed0:]
-        polluted = sum(1 for r, _, s in fed if s is not None and (r in built_in or r + 1 in built_in))
+        # a round fed as the r-th landed: its interval (queueing the next round) ran while r - 1 were
+        # landed, its own queueing while r - 2 were
+        polluted = sum(1 for r, _, s in fed if s is not None and (r - 1 in built_in or r - 2 in built_in))
         return {"verify programs": sum(k == "verify" for k, _, _ in new), "head programs": sum(k == "head" for k, _, _ in new),
                 "rounds": self.eng.counters["rounds"] - rounds0,
                 "depths": " ".join(f"{d}:{n}" for d, n in sorted(Counter(d for _, d, _ in fed).items())),
@@ -105,7 +107,11 @@ def main():
     ap.add_argument("--rows", default="4,2x", help="as round_cost --rows")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--depths", default="3,a", help="MTP depths ('a': adaptive from 3)")
+    ap.add_argument("--tail-keeps-width", type=int, default=None,
+                    help="Engine.TAIL_KEEPS_WIDTH (32: a drained batch keeps its width, as on a GPU)")
     args = ap.parse_args()
+    if args.tail_keeps_width is not None:
+        Engine.TAIL_KEEPS_WIDTH = args.tail_keeps_width
     bundle, head, _ = real_setup(args.model, args.head, None)
     prompts = load_prompts(args.prompts, bundle.tokenizer, 256)
     table_rows = []
