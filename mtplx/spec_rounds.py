@@ -125,7 +125,7 @@ class SpeculativeRounds:
                 # batch costs ~nothing) with one prefill. At full width the round in flight stays
                 # queued across the admission (`_carried`): the admitted rows are put into their slots
                 # behind it, and the next call goes on from it, so the device is not left idle.
-                if len(slots) >= self.max_batch:
+                if len(slots) >= self.max_batch and self.carry_admissions:
                     self._carried = (following, sampler)
                     yield from finished
                     return
@@ -141,6 +141,7 @@ class SpeculativeRounds:
             return
 
     _carried = None  # (the round in flight, its sampler) across an admission; None: the pipeline is empty
+    carry_admissions = True  # benchmarks/round_cost turns it off (depth suffix `d`) to measure the old path
 
     def _narrows(self, live: int, width: int) -> bool:
         """A drained batch of `width` slots with `live` rows is narrowed (generation.py: Engine.generate)."""
