@@ -132,9 +132,11 @@ def _time_full(eng, total: int):
 
 
 def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens: int, profile=None, phases=False,
-        sync_rounds=False, graph=False, carry=True):
+        sync_rounds=False, graph=False, carry=True, tail_width=None):
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
     eng.carry_admissions = carry  # False: each admission empties the pipeline first (before session 7)
+    if tail_width is not None:  # how far a drained batch narrows (Engine.TAIL_KEEPS_WIDTH; default by device)
+        eng.TAIL_KEEPS_WIDTH = tail_width
     if sync_rounds:  # the drafter as if it drafted on the host: one synchronous round per call (the old path)
         d = eng.drafter
         d.__class__ = type(f"Synchronous{type(d).__name__}", (type(d),), {"device_side": False})
@@ -236,7 +238,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--depths", default="1,3", help="MTP depths to run ('a': adaptive from 3; a trailing 's': synchronous "
                     "rounds, the path before pipelining; 'd': each admission empties the pipeline first, the path before "
-                    "rounds were carried across admissions; a trailing 'lN': with speculative.mtp_lookup N, e.g. 3l2, 3dl2)")
+                    "rounds were carried across admissions; 'n': a drained batch narrows down to 1 row (Engine.TAIL_KEEPS_WIDTH 1; "
+                    "by default a GPU keeps 32); a trailing 'lN': with speculative.mtp_lookup N, e.g. 3l2, 3dl2, 3nl2)")
     ap.add_argument("--peer", action="store_true", help="also mlx-lm on the same rows (generate_step at width 1, else batch_generate)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the N costliest functions of the last MTP run")
     ap.add_argument("--phases", action="store_true", help="after the first width, its first MTP setting once more, timed per phase")
@@ -272,20 +275,22 @@ def main():
                         "x plain full tok/s": 1.0 if isinstance(plain["full tok/s"], float) else "-"})
             print(table(out), flush=True)
             for d in args.depths.split(","):
-                m = re.fullmatch(r"(\d+|a)(s?)(d?)(?:l(\d+))?", d)
+                m = re.fullmatch(r"(\d+|a)(s?)(d?)(n?)(?:l(\d+))?", d)
                 if m is None:
-                    raise SystemExit(f"--depths: {d!r} is not DEPTH, 'a', a trailing 's', 'd' or 'lN' (e.g. 3, 3s, 3d, a, 3l2)")
-                d, sync_rounds, drains, lookup = m.group(1), bool(m.group(2)), bool(m.group(3)), int(m.group(4) or 0)
+                    raise SystemExit(f"--depths: {d!r} is not DEPTH, 'a', a trailing 's', 'd', 'n' or 'lN' (e.g. 3, 3s, 3d, 3n, a, 3l2)")
+                d, sync_rounds, drains, narrows = m.group(1), bool(m.group(2)), bool(m.group(3)), bool(m.group(4))
+                lookup = int(m.group(5) or 0)
                 adaptive = d == "a"
                 spec = SpeculativeConfig(method="mtp", depth=3 if adaptive else int(d), adaptive_depth=adaptive, mtp_head=head,
                                          mtp_lookup=lookup)
                 phase_spec = phase_spec or spec
                 prof = cProfile.Profile() if args.cprofile else None
                 r = run(bundle, prompts, spec, width, rows, args.tokens, prof, sync_rounds=sync_rounds, graph=args.graph,
-                        carry=not drains)
+                        carry=not drains, tail_width=1 if narrows else None)
                 got = r.pop("texts")
                 r["rows = plain"] = f"{sum(got[k] == texts[k] for k in texts)}/{len(texts)}"  # greedy: all, up to exact ties
                 label = (f"mtp depth {d}{' (synchronous rounds)' if sync_rounds else ''}{' (drained at admissions)' if drains else ''}"
+                         f"{' (tail narrows to 1)' if narrows else ''}"
                          f"{f' + lookup {lookup}' if lookup else ''}")
                 out.append({"data": data, "width": width, "rows": rows, "method": label, **r,
                             "x plain round": r["ms/round"] / plain["ms/round"], "x plain tok/s": r["tok/s"] / plain["tok/s"],
