@@ -261,8 +261,8 @@ def set_paths(model, rowattn: bool, stacked, skinny: bool = False, layerk: int =
     unstack(model)
     if stacked:
         fuse_projections(model, [NAMED[stacked]] if isinstance(stacked, str) else NAMED.values())
-    if mlp:
-        mlp_kernel.install(model)
+    if mlp or onorm:  # o_norm alone: mlp_kernel's MLP with MLX's ops, which hands o_norm its down_proj's input
+        mlp_kernel.install(model, reference=not mlp)
 
 
 def summary(name, variants, runs, toks_of, roof):
@@ -308,7 +308,7 @@ def main():
     rows, attn_rows = [], []
     skinny_default = Engine.use_skinny_matmul
     layerk_default = Engine.use_layer_kernels
-    mlp_default = Engine.use_mlp_kernel
+    mlp_default, o_norm_default = Engine.use_mlp_kernel, Engine.use_o_norm_kernel
     for name in names:
         t0 = time.perf_counter()
         bundle = load_model(name)
@@ -317,7 +317,7 @@ def main():
         print(f"== {name}: {wb / 1e9:.2f} GB of weights, roofline {roof:.0f} tok/s, loaded in {time.perf_counter() - t0:.1f} s", flush=True)
         prompt = np.random.default_rng(1).integers(0, 1000, args.prompt).tolist()
         Engine.stack_projections = Engine.use_rows_attention = Engine.use_skinny_matmul = Engine.use_layer_kernels = False  # set_paths decides
-        Engine.use_mlp_kernel = False
+        Engine.use_mlp_kernel = Engine.use_o_norm_kernel = False
         if rows_attention.cuda_ready():
             try:
                 attn_rows += [dict(model=name, **r) for r in rows_attention_check()]
@@ -367,7 +367,7 @@ def main():
     Engine.stack_projections = Engine.use_rows_attention = True
     Engine.use_skinny_matmul = skinny_default
     Engine.use_layer_kernels = layerk_default
-    Engine.use_mlp_kernel = mlp_default
+    Engine.use_mlp_kernel, Engine.use_o_norm_kernel = mlp_default, o_norm_default
     layer_kernels.VERSION = layerk_version
     payload = {"device": device_name(), "versions": versions(), "tokens": args.tokens, "prompt": args.prompt,
                "decode": rows, "rows_attention": attn_rows}

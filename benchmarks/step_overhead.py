@@ -138,10 +138,13 @@ def child(args):
     eng = Engine(bundle, spec, sched)
     eng.eos = set()  # every run makes --tokens tokens
     _engine_run(eng, prompt, 16)  # warm-up: kernel builds, the compiled program
-    engines = [("engine (default path)", eng, False, False)]
+    engines = [("engine (default path)", eng, Engine.use_mlp_kernel, Engine.use_o_norm_kernel)]
 
-    def state(mlp, onorm):  # the model as an engine's programs were traced
-        (mlp_kernel.install if mlp else mlp_kernel.uninstall)(bundle.model)
+    def state(mlp, onorm):  # the model as an engine's programs were traced (fusion.decode_paths)
+        if mlp or onorm:
+            mlp_kernel.install(bundle.model, reference=not mlp)
+        else:
+            mlp_kernel.uninstall(bundle.model)
         layer_kernels._State.o_norm = onorm
 
     if args.mlp and mlp_kernel.cuda_ready():  # mlp_kernel.py / o_norm_kernel.py: checks, timing, engines with them
@@ -166,7 +169,7 @@ def child(args):
             _engine_run(e, prompt, 16)
             engines.append((label, e, mlp, onorm))
             _emit(kind="ready", seconds=time.perf_counter() - t0, roofline=roof, paths=e.decode_paths, env={})
-    state(False, False)
+    state(*engines[0][2:])
     _emit(kind="ready", seconds=time.perf_counter() - t0, roofline=roof, paths=eng.decode_paths,
           env={k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS")})
     first = None
@@ -177,7 +180,7 @@ def child(args):
             first = first or toks
             spt = dt / max(1, len(toks) - 1)
             _emit(kind="run", variant=label, spt=spt, tok_s=1 / spt, roofline_pct=100 / spt / roof, same_tokens=toks == first)
-    state(False, False)
+    state(*engines[0][2:])
     if args.host_profile:  # where the host's time goes in one more default run (cProfile: Python and the C++ calls it makes)
         import cProfile
         import io

@@ -153,4 +153,6 @@ def decode_paths(model, compiled: bool, stack: bool = True, rows: bool = True, s
             "skinny_matmul": skinny_matmul.install(model) if skinny and compiled else 0,
             "layer_kernels": layer_kernels.install(model, o_norm=o_norm) if layer else 0,
             "o_norm_kernel": int(o_norm and layer and layer_kernels._State.o_norm),
-            "mlp_kernel": mlp_kernel.install(model) if mlp and compiled else 0}  # the stacked MLPs only
+            # the stacked MLPs only; for o_norm alone with MLX's ops (it hands o_norm its down_proj's input)
+            "mlp_kernel": mlp_kernel.install(model, reference=not mlp) if (mlp or o_norm) and compiled
+            and mlp_kernel.cuda_ready() and (mlp or layer_kernels._State.o_norm) else 0}

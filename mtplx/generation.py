@@ -183,8 +183,9 @@ class Engine(SpeculativeRounds):
     use_layer_kernels = True
     # mlp_kernel.py (gate/up product + SwiGLU, one kernel at one row): off until the H200 check passes
     use_mlp_kernel = False
-    # o_norm_kernel.py (o_proj + residual add + RMSNorm, one kernel at one row, with layer_kernels): off until checked
-    use_o_norm_kernel = False
+    # o_norm_kernel.py with layer_kernels (a one-row product + residual add + RMSNorm as one kernel: o_proj with the
+    # post-attention norm, down_proj with the next input norm): bit-identical on the H200 (session 7 window 1)
+    use_o_norm_kernel = True
 
     @staticmethod
     def _probe_memory(bundle: ModelBundle):

@@ -7,7 +7,7 @@ layer_kernels' add + RMSNorm kernel (one block over the row). `o_add_norm(a, w_o
 both in one launch: each warp computes one output of `a @ w_o.T` with MLX's gemv arithmetic (mlp_kernel's
 GEMV_ROWS: gemv.cu's lanes, order and reduction) and stores it; the block that finishes last (an atomic
 ticket, the pattern of CUDA's threadFenceReduction sample) then runs layer_kernels' add + RMSNorm over the
-row exactly as that kernel does (its source, with a block of as many threads as MLX's rms_norm takes for
+row exactly as that kernel does (its version-2 source, every load first, the arithmetic of both versions, with a block of as many threads as MLX's rms_norm takes for
 the width: 128 at the Qwen3-8B / 0.6B and SmolLM2 hidden sizes, so 4 warps, i.e. 4 outputs, a block),
 reading the stored products from L2. So the values are the
 unfused ops' (o_proj, then x + o, then rms_norm) bit for bit by construction; `check()` compares them on
@@ -17,8 +17,10 @@ their data (each layer's call reads the previous layer's output), so one ticket 
 
 layer_kernels' attention records its o_proj input, mlp_kernel's MLP its down_proj input; layer_kernels'
 block (post-attention norm) and its next consumer of the block's lazy sum (the next block's input norm, or
-the final norm) take this kernel for that product when `usable` and the engine enables it (`Engine.use_o_norm_kernel`, fusion.decode_paths; off until the H200
-check passes). Off CUDA, and with `layer_kernels.install(reference=True)`, MLX's ops.
+the final norm) take this kernel for that product when `usable` and the engine enables it (`Engine.use_o_norm_kernel`, fusion.decode_paths: on since the H200
+check, session 7 window 1: 28 of 28 cases bit-identical, the engine's tokens the default path's; without
+mlp_kernel, fusion installs mlp_kernel's MLP with MLX's ops so that down_proj's input is handed over). Off
+CUDA, and with `layer_kernels.install(reference=True)`, MLX's ops.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from .rows_attention import cuda_ready
 DTYPES = (mx.bfloat16, mx.float16)
 
 # inputs a [K] (the attention's output, one row), wo [N, K] (o_proj's weight), x [N] (the residual), w [N]
-# (the norm's weight), eps [1], ticket [1] (int32, zero between calls); outputs o [N] (the product), h = x + o,
-# y = rms_norm(h) * w. The add + norm part is layer_kernels' _ADD_NORM (for row 0), reading o through L2.
+# (the norm's weight), eps, ticket (int32, its first element zero between calls); outputs o [N] (the product),
+# h = x + o, y = rms_norm(h) * w. The add + norm part is layer_kernels' _ADD_NORM_V2 (row 0), reading o through L2.
 _SOURCE = """
   auto block_ = cg::this_thread_block();
   auto warp_ = cg::tiled_partition<32>(block_);
@@ -74,10 +76,34 @@ _kernel = None
 _ticket = None
 
 
+# load_vector's semantics (mlx/backend/cuda/device/utils.cuh) through L2 only (ld.global.cg): the products
+# the other blocks stored are read where they are, never from a stale L1 line
+_LOAD_CG = """
+namespace mlx::core::cu {
+template <int N, typename T>
+__device__ __forceinline__ AlignedVector<T, N> mtplx_load_cg(const T* ptr, uint32_t offset, uint32_t size, T fallback) {
+  AlignedVector<T, N> v;
+  if (sizeof(T) * N == 16 && is_aligned<N>(ptr) && (offset + 1) * N <= size) {
+    uint4 raw = __ldcg(reinterpret_cast<const uint4*>(ptr) + offset);
+    memcpy(&v, &raw, 16);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      v[i] = (N * offset + i) < size ? __ldcg(ptr + N * offset + i) : fallback;
+    }
+  }
+  return v;
+}
+}  // namespace mlx::core::cu
+"""
+
+
 def _source() -> str:
-    body = (layer_kernels._ADD_NORM.replace("const size_t row = blockIdx.x;", "const size_t row = 0;")
-            .replace("v = X[i] + R[i];", "v = X[i] + __ldcg(R + i);"))
-    assert "__ldcg(R + i)" in body and "row = 0" in body, "layer_kernels' add + norm source changed: update o_norm_kernel"
+    """layer_kernels' add + norm (version 2: every load first, the same arithmetic as version 1) for row 0,
+    reading the products through L2."""
+    body = (layer_kernels._ADD_NORM_V2.replace("const size_t row = blockIdx.x;", "const size_t row = 0;")
+            .replace("auto ra = load_vector<NR>(r + row * D, vi, D, T(0));", "auto ra = mtplx_load_cg<NR>(r + row * D, vi, D, T(0));"))
+    assert "mtplx_load_cg" in body and "row = 0" in body, "layer_kernels' add + norm source changed: update o_norm_kernel"
     return _SOURCE.replace("ADD_NORM", body)
 
 
@@ -97,7 +123,7 @@ def o_add_norm(a: mx.array, wo: mx.array, x: mx.array, w: mx.array, eps: float):
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="mtplx_o_add_norm", input_names=["a", "wo", "x", "w", "eps", "ticket"],
                                       output_names=["o", "h", "y"], source=_source(),
-                                      header=layer_kernels._HEADER + GEMV_ROWS)
+                                      header=layer_kernels._HEADER + GEMV_ROWS + _LOAD_CG)
         _ticket = mx.zeros((16,), dtype=mx.int32)  # past MLX's managed small-array pool: atomics there cost ~1 ms a call
         mx.eval(_ticket)
     n, k = wo.shape

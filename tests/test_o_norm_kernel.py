@@ -77,6 +77,25 @@ def test_with_mlp_kernel_down_proj_goes_with_the_next_norm(tiny_model, counting,
     assert dict(counting) == {1: (5 - 1) * 2 * n}
 
 
+def test_without_the_mlp_kernel_its_mlx_ops_hand_down_proj_over(tiny_model, counting):
+    """o_norm alone: mlp_kernel's MLP in reference mode (MLX's ops, as fusion.decode_paths installs it) still
+    gives o_norm the down_proj input: two fused calls a layer, the logits the model's."""
+    from mtplx import mlp_kernel
+    from mtplx.fusion import NAMED, fuse_projections, unstack
+
+    model = load(tiny_model("qwen3", dtype="bfloat16")).model
+    ref = _logits(model)
+    n = len(model.model.layers)
+    fuse_projections(model, [NAMED["mlp"]])
+    assert mlp_kernel.install(model, reference=True) == n
+    lk.install(model, o_norm=True)
+    got = _logits(model)
+    lk.uninstall(model)
+    mlp_kernel.uninstall(model)
+    unstack(model)
+    assert _same(got, ref) and dict(counting) == {1: (5 - 1) * 2 * n}
+
+
 def test_usable_refuses_what_the_kernel_does_not_do(monkeypatch):
     import mlx.nn as nn
 
