@@ -18,8 +18,9 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .cache import BatchCache
+from .cache import BatchCache, capacity_bucket
 from .mtp_draft import project
+from .prefill import prefill_width
 
 
 def head_prefill_rows(drafter, prompts: Sequence[Sequence[int]], hiddens: Sequence[mx.array],
@@ -41,7 +42,8 @@ def head_prefill_rows(drafter, prompts: Sequence[Sequence[int]], hiddens: Sequen
     # the head at position i reads the trunk's h[i] and the token after it (the first token last)
     nxt = [list(p[s + 1 :]) + [int(f)] for p, s, f in zip(prompts, starts, firsts)]
     lengths = np.array([len(t) for t in nxt], dtype=np.int64)
-    L = int(lengths.max())
+    most = int(max(s + n for s, n in zip(starts, lengths)))  # padded queries stay in the rows' capacity bucket
+    L = prefill_width(int(lengths.max()), capacity_bucket(most + 1) - max(starts))
     grid = np.zeros((B, L), dtype=np.int32)
     for b, t in enumerate(nxt):
         grid[b, : len(t)] = t

@@ -20,7 +20,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .cache import BatchCache, CacheRow
+from .cache import BatchCache, CacheRow, capacity_bucket
 from .config import prefill_chunk_env, sustained_prefill_env
 from .models.mtp import project_logits, trunk_hidden
 from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
@@ -106,6 +106,24 @@ class PrefixStore:
 
 
 PADDING_WASTE = 0.25  # a padded prefill batch spends at most this fraction more than its real tokens
+
+# On a GPU MLX builds an attention plan (cuDNN) per exact query shape, in every process anew, so a
+# job whose prompts have many lengths builds one per prefill forward. There a batched prefill's
+# query length is rounded up (to a multiple of 32, or of a sixteenth of its power of two past 512:
+# at most 1/8 more work past 256 tokens), so a job's prompts make few shapes; the padding is computed and
+# never enters a row's cache (each row commits its own length). None: by device (off a GPU the
+# padding would be real work for nothing).
+PAD_QUERIES: Optional[bool] = None
+
+
+def prefill_width(n: int, room: Optional[int] = None) -> int:
+    """The query length a batched prefill forward of `n` tokens runs at (at most `room`)."""
+    pad = PAD_QUERIES if PAD_QUERIES is not None else mx.default_device().type == mx.DeviceType.gpu
+    if not pad or n <= 0:
+        return n
+    step = max(32, 1 << max(0, n.bit_length() - 4))
+    width = -(-n // step) * step
+    return max(n, width if room is None else min(width, room))
 
 
 def length_groups(lengths: Sequence[int], max_waste: float = PADDING_WASTE) -> List[List[int]]:
@@ -234,9 +252,10 @@ class Prefiller:
         chunk = (self.chunk if self.sustained else 0) or max(todo)
         last = [None] * B
         hiddens = [[] for _ in range(B)]
+        cap = capacity_bucket(max(len(r.req.prompt_tokens) for r in rows) + 1)  # padding stays in the bucket
         for c in range(0, max(todo), chunk):
             width = min(chunk, max(todo) - c)
-            grid = np.zeros((B, width), dtype=np.int32)
+            grid = np.zeros((B, prefill_width(int(width), cap - int(cache.rows.max))), dtype=np.int32)
             counts = np.zeros(B, dtype=np.int64)
             for b, row in enumerate(rows):
                 part = row.req.prompt_tokens[starts[b] + c : starts[b] + c + width]
@@ -276,7 +295,7 @@ class Prefiller:
         at = [b for b, res in enumerate(results) if res[1] is not None]
         states = [None] * len(rows)
         together = getattr(drafter, "prefill_rows", None)
-        if together is not None and len(at) > 1:
+        if together is not None and at:  # one row too: its forward then runs at a padded width (prefill_width)
             got = together([rows[b].req.prompt_tokens for b in at], [results[b][1] for b in at],
                            [results[b][2] for b in at], [results[b][3][1] if results[b][3] is not None else None
                                                          for b in at])
