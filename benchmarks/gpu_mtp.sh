@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_mtp.sh lookup  # the shipped head: mtp vs mtp + lookup fallback vs ngram vs plain vs mlx-lm, HumanEval held out + GSM8K
 #   bash benchmarks/gpu_mtp.sh depth   # the shipped head: adaptive depth vs fixed depth 3 vs plain, widths 1/32, HumanEval held out + GSM8K (~2 min)
 #   bash benchmarks/gpu_mtp.sh attn    # rows_attention's checks + timing, then width-32 MTP rounds (one wave, refilled stream), limit 8 vs 3
-#   bash benchmarks/gpu_mtp.sh cli     # the same job as a user runs it (mtplx-batch run, a fresh process per method): wall, startup phases, summary
+#   bash benchmarks/gpu_mtp.sh cli     # the example jobs as a user runs them (mtplx-batch run, a fresh process each): wall, startup phases, summary
+#   bash benchmarks/gpu_mtp.sh fresh   # the shipped eval-mtp job in fresh processes, prefill queries unpadded / padded: warm-up (first-time costs) vs timed
 #   bash benchmarks/gpu_mtp.sh jobs    # jobs/eval-mtp.yaml as shipped vs the same rows with ngram / ngram adaptive / none, and batch_generate, one process, phases as they end
 #   bash benchmarks/gpu_mtp.sh stream  # width-32 refilled streams of 2x / 4x width rows: plain vs MTP 3 (+ lookup 2), admissions, drains, tail
 set -uo pipefail
@@ -148,28 +149,32 @@ jobs)  # issue 18 (h7c): is the eval-mtp job the fastest way to run its rows? On
   echo "== exit ${PIPESTATUS[0]} $(date +%T)" | tee -a "$OUT/jobs.log"
   cat "$OUT"/jobs/*.md 2>/dev/null | tee -a "$OUT/jobs.log"
   ;;
-cli)  # issue 18 (h7c): the eval-mtp job as a user runs it, one fresh process each (imports, load, compiled programs
-  # and all; kernels MLX built before are on disk): `mtplx-batch run` on ROWS rows with its stop strings, each METHODS
-  # entry as speculative.method; prints the wall seconds, the --log-json startup phases and the summary (~1 min warm).
+cli)  # issue 18 (h7c): the example jobs as a user runs them, one fresh process each (imports, load, compiled programs,
+  # attention plans and all; kernels MLX built before are on disk): `mtplx-batch run` on ROWS rows with their stop
+  # strings; RUNS lists JOB[:METHOD] (default: eval-mtp as shipped, eval.yaml as shipped (ngram adaptive, the same
+  # rows), eval-mtp with method none); prints the wall ms, the --log-json startup phases and the summary (~40 s warm).
   mkdir -p /tmp/b
-  for m in ${METHODS:-mtp ngram none}; do
+  for r in ${RUNS:-jobs/eval-mtp.yaml jobs/eval.yaml jobs/eval-mtp.yaml:none}; do
+    job=${r%%:*}; m=${r#*:}; set_m=(); [ "$m" != "$r" ] && set_m=(--set speculative.method=$m)
+    tag=$(basename "$job" .yaml)${set_m:+-$m}
     t0=$(date +%s%N)
-    timeout ${LIMIT:-60} python3 -m pipelines.cli run jobs/eval-mtp.yaml --set input.limit=${ROWS:-64} \
-      --set speculative.method=$m --set output.dir=/tmp/b/cli-$m --restart --log-json 2>&1 \
-      | grep --line-buffered -E '"event": "(startup|summary)"' > /tmp/b/cli-$m.log
+    timeout ${LIMIT:-60} python3 -m pipelines.cli run "$job" --set input.limit=${ROWS:-64} "${set_m[@]}" \
+      --set output.dir=/tmp/b/cli-$tag --restart --log-json 2>&1 \
+      | grep --line-buffered -E '"event": "(startup|summary)"' > /tmp/b/cli-$tag.log
     rc=${PIPESTATUS[0]}
-    echo "== cli eval-mtp method=$m rows=${ROWS:-64}: exit $rc, wall $(( ($(date +%s%N) - t0) / 1000000 )) ms" | tee -a "$OUT/cli.log"
-    cut -c1-400 /tmp/b/cli-$m.log | tee -a "$OUT/cli.log"
+    echo "== cli $tag rows=${ROWS:-64}: exit $rc, wall $(( ($(date +%s%N) - t0) / 1000000 )) ms" | tee -a "$OUT/cli.log"
+    cut -c1-400 /tmp/b/cli-$tag.log | tee -a "$OUT/cli.log"
   done
   ;;
-stream)  # issue 18 (h7b): width-32 refilled streams, plain vs MTP depth 3 (+ lookup 2), on held-out HumanEval rows cycled
-  # to 2x and 4x the width (64 / 128 rows, greedy, 96 tokens), ~2.5 min warm: the whole-run ratio, and where MTP's time
-  # goes besides its rounds (admissions, round calls = pipeline drains, prefill s, tail s = the part-empty rounds after
-  # the last admission). Sizes are env vars (CPU dry runs).
-  SHIPPED=heads/smollm2-135m-instruct
-  heldout $SHIPPED
-  timeout ${LIMIT:-170} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED --prompts /tmp/humaneval-heldout.jsonl \
-    --widths ${WIDTHS:-32} --rows ${ROWS:-2x,4x} --cycle --tokens ${TOKENS:-96} --depths ${DEPTHS:-3,3l2} 2>&1 | tee "$OUT/stream.log"
+fresh)  # issue 18 (h7c): what a fresh process pays, and the part padded prefill queries take off: for each ATTRS entry
+  # (default: prefill queries unpadded, then padded as shipped on a GPU) one fresh process runs the shipped eval-mtp
+  # job (ROWS rows) twice through jobs_vs_peer, no peer: its warm-up run (all first-time costs of a process) and a
+  # timed run (warm) print with their seconds; their difference is the per-process cost (~20 s each warm).
+  for a in ${ATTRS:-mtplx.prefill.PAD_QUERIES=false mtplx.prefill.PAD_QUERIES=true}; do
+    echo "== fresh process, $a, ${ROWS:-64} rows $(date +%T)" | tee -a "$OUT/fresh.log"
+    timeout ${LIMIT:-60} python3 -m benchmarks.jobs_vs_peer jobs/eval-mtp.yaml --set input.limit=${ROWS:-64} \
+      --set output.keep_columns=[] ${JOBS_SET:-} --attr "$a" --no-peer --out /tmp/b/fresh 2>&1 | grep -v "^|" | tee -a "$OUT/fresh.log"
+  done
   ;;
 lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs mlx-lm; 1 stream and width 32;
   # held-out HumanEval rows and GSM8K in one process (~2.5 min warm). Sizes are env vars (CPU dry runs).

@@ -54,11 +54,21 @@ def say(msg: str) -> None:
 
 class FirstCalls:
     """Counts the compiled programs an engine makes (verify bank, MTP draft bank) and times the
-    first call of each, synchronized (tracing, compiling, kernel builds): `take()` returns what
-    was made since the last take."""
+    first call of each, synchronized (tracing, compiling, kernel builds), and the seconds in
+    admission's prefills: `take()` returns what was made and spent since the last take."""
 
     def __init__(self, engine):
-        self.made, self.seconds = {"verify": 0, "head": 0}, 0.0
+        self.made, self.seconds, self.prefill_s = {"verify": 0, "head": 0}, 0.0, 0.0
+        run = engine.prefiller.run
+
+        def prefill(*args, **kwargs):  # admission's prefills (their first tokens are read there anyway)
+            t0 = time.perf_counter()
+            out = run(*args, **kwargs)
+            sync()
+            self.prefill_s += time.perf_counter() - t0
+            return out
+
+        engine.prefiller.run = prefill
         if engine.bank is not None:
             self._wrap(engine.bank, "_program", "verify")
         head_bank = getattr(engine.drafter, "bank", None)
@@ -98,8 +108,8 @@ class FirstCalls:
 
     def take(self) -> dict:
         out = {"new verify programs": self.made["verify"], "new head programs": self.made["head"],
-               "first calls s": round(self.seconds, 2)}
-        self.made, self.seconds = {"verify": 0, "head": 0}, 0.0
+               "first calls s": round(self.seconds, 2), "prefill s": round(self.prefill_s, 2)}
+        self.made, self.seconds, self.prefill_s = {"verify": 0, "head": 0}, 0.0, 0.0
         return out
 
 
@@ -140,11 +150,19 @@ def main():
                          'engine (e.g. engine.TAIL_KEEPS_WIDTH=1); repeatable, after --methods')
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per setting (each with its own table row)")
     ap.add_argument("--no-peer", action="store_true", help="skip batch_generate (only our settings and their phases)")
+    ap.add_argument("--attr", action="append", default=[],
+                    help="MODULE.NAME=V: set a module attribute before anything runs (e.g. mtplx.prefill.PAD_QUERIES=false)")
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds since start after which no new setting starts (the peer still runs); 0: no limit")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
-    say(f"start (imports done): {device_name()}")
+    for a in args.attr:
+        import importlib
+
+        target, value = a.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        setattr(importlib.import_module(module), name, yaml.safe_load(value))
+    say(f"start (imports done): {device_name()}{'; ' + ', '.join(args.attr) if args.attr else ''}")
     base = args.overrides + ["generation.stop=[]"]
     job = load_job(args.job, base)
     t = time.perf_counter()
