@@ -157,6 +157,10 @@ class _ShiftedRows:
         """Where a forward of L tokens writes each row's entries (RowLengths.positions)."""
         return (self.device[:, None] + mx.arange(L, dtype=mx.int32))[:, None, :, None]
 
+    def resident(self) -> mx.array:
+        """The lengths as a forward's kernels read them (RowLengths.resident; here: themselves)."""
+        return self.device
+
 
 def _run_shifted(module, hidden, tokens, caches, shift: int):
     """Run `module` on KV caches whose rows look `shift` entries shorter (it writes there)."""
