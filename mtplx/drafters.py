@@ -183,6 +183,9 @@ class _CachedDrafter:
         self.cache.rows.settle()
 
 
+HEAD_BEHIND = 64  # rounds without drafts the MTP head may fall behind by before it catches up
+
+
 class MtpDrafter(_CachedDrafter):
     """The model's multi-token-prediction head drafts from the trunk's hidden state, recursively.
 
@@ -191,6 +194,11 @@ class MtpDrafter(_CachedDrafter):
     compiled call (mtp_draft.py), and the eager code below is the reference it must match. With a
     `LookupFallback` each row's context lives on the device too (`history`), so rounds still run
     one ahead.
+
+    A round without drafts followed by another (adaptive depth at 0) is not committed: the head
+    falls behind by it (`behind`, at most HEAD_BEHIND rounds) and catches up in one eager forward
+    with the next round it commits, or before rows move, a call ends or it proposes
+    (`_catch_up`), so a round at depth 0 costs what a plain decoding round does.
     """
 
     name = "mtp"
@@ -209,6 +217,7 @@ class MtpDrafter(_CachedDrafter):
         self.extra: List[mx.array] = []  # [first-draft logits [W, S], head hidden [W, D]]
         self.ready: Optional[tuple] = None  # (K, sampler, u, drafts, q, lookup rows): drafted ahead by advance
         self.history: Optional[mx.array] = None  # [W, C] each row's prompt + output (lookup only)
+        self.behind: list = []  # rounds not committed yet: (verify_in, hidden, n, nxt, counts, most)
 
     def _new_cache(self):
         return BatchCache(list(self.head.cache_kinds), [0])
@@ -247,7 +256,7 @@ class MtpDrafter(_CachedDrafter):
 
     def reset(self):
         super().reset()
-        self.ready, self.history = None, None
+        self.ready, self.history, self.behind = None, None, []
 
     def _history_room(self, need: int):
         """At least `need` history columns, in capacity buckets (few compiled programs)."""
@@ -256,6 +265,7 @@ class MtpDrafter(_CachedDrafter):
             self.history = mx.pad(self.history, [(0, 0), (0, capacity_bucket(need) - have)])
 
     def extend(self, states):
+        self._catch_up()
         self.ready = None
         super().extend(states)
         if self.lookup is not None:
@@ -264,6 +274,7 @@ class MtpDrafter(_CachedDrafter):
             self.history = mx.concatenate([mx.pad(r, [(0, 0), (0, cap - r.shape[1])]) for r in rows])
 
     def write(self, slot, state):
+        self._catch_up()
         self.ready = None
         super().write(slot, state)
         if self.lookup is not None:
@@ -272,6 +283,7 @@ class MtpDrafter(_CachedDrafter):
             self.history[slot : slot + 1] = mx.pad(row, [(0, 0), (0, self.history.shape[1] - row.shape[1])])
 
     def take(self, keep):
+        self._catch_up()
         self.ready = None
         super().take(keep)
         if self.lookup is not None:
@@ -282,6 +294,7 @@ class MtpDrafter(_CachedDrafter):
         return state[0].snapshot_row(0, length - 1), hidden_at_edge
 
     def settle(self):
+        self._catch_up()
         super().settle()
         if self.lookup is not None:
             self.lookup.settle()
@@ -303,6 +316,7 @@ class MtpDrafter(_CachedDrafter):
         ready, self.ready = self.ready, None
         if ready is not None and ready[0] == K and ready[1] is sampler and ready[2] is u:
             return ready[3], ready[4]  # drafted with the last commit (advance's `following`)
+        self._catch_up()
         first_logits, h = self.extra
         if self.bank is not None:
             out = self.bank.propose(self.cache, first_logits, h, sampler, u, K, self._lookup_arg(K))
@@ -337,12 +351,33 @@ class MtpDrafter(_CachedDrafter):
     def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False, following=None):
         """Commit a verified round; with `following` = (K, sampler, u), also draft the next round
         from the state after it, in the same compiled program where one serves (`propose` with
-        that K, sampler and u then returns those drafts)."""
+        that K, sampler and u then returns those drafts). A round without drafts and nothing
+        drafted after it waits in `behind` (the class docstring)."""
+        if following is None and not exact and verify_in.shape[1] == 1 and len(self.behind) < HEAD_BEHIND:
+            self.ready = None
+            self.behind.append((verify_in, hidden, n, nxt, counts, np.asarray(most)))
+            return
+        self._commit(n, nxt, counts, most, verify_in, hidden, exact, following)
+
+    def _catch_up(self):
+        """Commit the rounds the head is behind by (one eager forward)."""
+        if self.behind:
+            verify_in, hidden, n, nxt, counts, most = self.behind.pop()
+            self._commit(n, nxt, counts, most, verify_in, hidden)
+
+    def _commit(self, n, nxt, counts, most, verify_in, hidden, exact=False, following=None):
         out, self.ready = None, None
+        behind, self.behind = self.behind, []
+        if behind:  # the rounds before this one, all their tokens kept: one commit of them all
+            verify_in = mx.concatenate([b[0] for b in behind] + [verify_in], axis=1)
+            hidden = mx.concatenate([b[1] for b in behind] + [hidden], axis=1)
+            n = n + len(behind)
+            counts = sum((b[4] for b in behind), counts)
+            most = sum((b[5] for b in behind), np.asarray(most))
         plan = None if following is None else (counts,) + tuple(following)
         K1 = verify_in.shape[1]
         lookup = self._lookup_arg(K1 + (following[0] if following else 0))
-        if self.bank is not None:
+        if self.bank is not None and not behind:  # (a catch-up's length varies: eager, not a program per length)
             out = self.bank.commit(self.cache, hidden, verify_in, n, nxt, plan, lookup)
         if out is None:
             committed = commit_inputs(verify_in, n, nxt)

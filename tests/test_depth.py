@@ -200,3 +200,31 @@ def test_no_tries_when_not_exploring():
     assert {ctrl.choose(8) for _ in range(4 * EXPLORE_MOST)} == {3}
     assert {ctrl.choose(2) for _ in range(4 * EXPLORE_MOST)} == {3}
     assert vars(ctrl.widths[8]) == tries and 2 not in ctrl.widths
+
+
+def test_one_stream_where_mtp_loses_settles_on_plain():
+    """The H200's width-1 GSM8K rounds (session 7, window 1): a plain round 2.6 ms (with the head
+    left behind at depth 0, what plain decoding costs), depth 3 5.4 ms at ~1.55 tokens a verify
+    (depth 1 4.0 ms, depth 2 4.7 ms): 0.38 tokens a ms plain against at most 0.36 drafting. The
+    controller, fed as the engine feeds it, settles on plain decoding and still tries drafting."""
+    import numpy as np
+
+    from mtplx.depth import position_counts
+
+    rng = np.random.default_rng(1)
+    ctrl = DepthController(3)
+    cost = {0: 2.6e-3, 1: 4.0e-3, 2: 4.7e-3, 3: 5.4e-3}
+    chosen = []
+    for _ in range(600):
+        k = ctrl.choose(1)
+        chosen.append(k)
+        n = 0
+        for j in range(1, k + 1):
+            if rng.random() >= (0.45 if j == 1 else 0.2):
+                break
+            n = j
+        reached, passed = position_counts(np.array([n]), np.array([k]), k)
+        ctrl.record(1, k, cost[k], n, min(n + 1, k), reached, passed)
+    tail = chosen[-200:]
+    assert tail.count(0) > 0.9 * len(tail), chosen
+    assert any(tail), chosen

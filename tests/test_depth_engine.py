@@ -14,6 +14,7 @@ costs charged when a round is queued, as on a host-bound device): no wall time i
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.depth import EXPLORE_EVERY
@@ -187,3 +188,59 @@ def test_a_batchs_last_rows_build_only_what_their_depth_needs(tiny_model, tmp_pa
     assert warmed and all((k[1] if isinstance(k[0], str) else k[0]) == 2 for k in warmed), warmed
     for i, (p, m) in enumerate(rows):
         assert out[i] == reference_tokens(bundle.model, p, m, eos), i
+
+
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_rounds_at_depth_0_leave_the_head_behind_and_it_catches_up_exactly(tiny_model, tmp_path, lookup, monkeypatch):
+    """Adaptive depth at 0 for stretches (longer than HEAD_BEHIND too), then drafting again: the
+    head commits none of the depth-0 rounds (a depth-0 round costs a plain round) and catches up
+    with the next round that drafts, before rows move and at the end of a call. Every round's
+    drafts and accepted counts are those of the head committing every round (HEAD_BEHIND = 0),
+    and the text is plain decoding's."""
+    from mtplx import drafters
+    from test_mtp_draft import _sidecar
+
+    bundle = load(tiny_model("llama"))
+    eos = set(bundle.tokenizer.eos_token_ids)
+    head = _sidecar(bundle, tmp_path / "head")
+    rng = np.random.default_rng(6)
+    rows = [(rng.integers(3, 60, int(n)).tolist(), m) for n, m in ((9, 150), (30, 40), (5, 90))]
+    if lookup:
+        rows = [((p[: len(p) // 3 + 1] * 3)[: len(p)], m) for p, m in rows]
+    schedule = [0] * 5 + [3] * 3 + [0] * 20 + [2, 1, 0, 0, 1] + [0] * 7 + [3] * 10
+
+    def run(behind):
+        monkeypatch.setattr(drafters, "HEAD_BEHIND", behind)
+        spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=True, mtp_head=head, mtp_lookup=lookup)
+        eng = Engine(bundle, spec, ScheduleConfig(max_batch=2, order="input"))
+        chosen, reads, read = [], [], eng._read
+        eng.depth_control.choose = lambda w, **k: chosen.append(schedule[len(chosen) % len(schedule)]) or chosen[-1]
+        eng._read = lambda flight: reads.append(read(flight)) or reads[-1]
+        behind, heads = [], {}  # per advance: rounds behind; the head's state where it is not behind
+        advance, d = eng.drafter.advance, eng.drafter
+
+        def advanced(*a, **k):
+            advance(*a, **k)
+            behind.append(len(d.behind))
+            if not d.behind:  # the first-draft logits and head hidden state after this round's commit
+                heads[len(behind)] = [np.array(x) for x in d.extra]
+        d.advance = advanced
+        out = {r.key: r for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
+        return out, reads, behind, heads
+
+    most = 8  # (HEAD_BEHIND lowered: stretches at depth 0 longer than it, between calls' ends)
+    ref, ref_reads, ref_behind, ref_heads = run(0)
+    got, got_reads, got_behind, got_heads = run(most)
+    assert max(ref_behind) == 0 and max(got_behind) == most
+    caught_up = [r for r in got_heads if r > 1 and got_behind[r - 2] > 0]  # commits that caught up
+    assert len(caught_up) >= 3, got_behind
+    for r, state in got_heads.items():  # the head after a catch-up is the head that never fell behind
+        for a, b in zip(state, ref_heads[r]):
+            assert np.allclose(a, b, atol=1e-4), (r, float(np.abs(a - b).max()))
+    assert len(got_reads) == len(ref_reads)
+    for r, (a, b) in enumerate(zip(ref_reads, got_reads)):
+        assert np.array_equal(a, b), (r, a, b)  # accepted counts, next tokens, drafts: round by round
+    for i, (p, m) in enumerate(rows):
+        assert got[i].tokens == ref[i].tokens == reference_tokens(bundle.model, p, m, eos), i
+        assert got[i].stats.accepted_tokens == ref[i].stats.accepted_tokens, i
+    assert not lookup or sum(r.stats.accepted_tokens for r in got.values()) > 0  # lookup drafts that pass: the history caught up
