@@ -209,9 +209,11 @@ class Engine(SpeculativeRounds):
 
     @classmethod
     def load(cls, model_path, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None,
-             trust_remote_code: bool = False, gguf_mode: str = "auto"):
-        """`gguf_mode`: how a GGUF model (and a GGUF draft model) is converted (config.GGUF_MODES)."""
-        return cls(load(model_path, trust_remote_code=trust_remote_code, gguf_mode=gguf_mode), spec, schedule)
+             trust_remote_code: bool = False, gguf_mode: str = "auto", tokenizer=None):
+        """`gguf_mode`: how a GGUF model (and a GGUF draft model) is converted (config.GGUF_MODES);
+        `tokenizer`: the model's, already loaded (a job's session has it before weights load)."""
+        return cls(load(model_path, trust_remote_code=trust_remote_code, gguf_mode=gguf_mode, tokenizer=tokenizer),
+                   spec, schedule)
 
     def _progress(self, kind: str, tokens: int) -> None:
         if self.on_progress is not None and tokens:

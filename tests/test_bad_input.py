@@ -191,9 +191,9 @@ def shared_engine():
 def one_engine(monkeypatch, shared_engine):
     real = pipelines.execution.opening.load_engine
 
-    def load(job):
+    def load(job, tokenizer=None):
         if "engine" not in shared_engine:
-            shared_engine["engine"] = real(job)
+            shared_engine["engine"] = real(job, tokenizer)
         return shared_engine["engine"]
 
     monkeypatch.setattr(pipelines.execution.opening, "load_engine", load)

@@ -191,7 +191,7 @@ def test_samples_become_choices_and_validate_lists_bad_requests(tmp_path, model)
 def test_validate_counts_without_weights(tmp_path, model, monkeypatch):
     import pipelines.execution.opening as opening
 
-    monkeypatch.setattr(opening, "load_engine", lambda job: pytest.fail("validate must not load weights"))
+    monkeypatch.setattr(opening, "load_engine", lambda job, tokenizer=None: pytest.fail("validate must not load weights"))
     data = write_jsonl(tmp_path / "b.jsonl", batch_lines())
     raw = job_dict(model, data, tmp_path / "run")
     raw["input"] = {"format": "openai-batch", "path": str(data)}

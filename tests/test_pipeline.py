@@ -300,7 +300,7 @@ def test_limit_then_continue(tmp_path, llama, engine):
 def test_invalid_input_refused_before_weights_load(tmp_path, llama, monkeypatch):
     import pipelines.execution.opening as opening
 
-    def boom(job):
+    def boom(job, tokenizer=None):
         raise AssertionError("weights must not load for an invalid job")
 
     monkeypatch.setattr(opening, "load_engine", boom)
@@ -317,7 +317,7 @@ def test_invalid_input_refused_before_weights_load(tmp_path, llama, monkeypatch)
 def test_job_yaml_in_run_dir_is_the_resolved_job(tmp_path, llama, monkeypatch):
     import pipelines.execution.opening as opening
 
-    monkeypatch.setattr(opening, "load_engine", lambda job: (_ for _ in ()).throw(RunError("no engine here")))
+    monkeypatch.setattr(opening, "load_engine", lambda job, tokenizer=None: (_ for _ in ()).throw(RunError("no engine here")))
     job = make_job(tmp_path, llama)
     with pytest.raises(RunError):
         run_job(job)

@@ -211,3 +211,21 @@ def test_mixed_packings_the_loader_cannot_infer_go_to_mlx_lm(tmp_path):
     ours = load(path).model
     x = mx.array([[1, 5, 9, 200, 33]])
     assert mx.array_equal(ref(x), ours(x)).item()
+
+
+def test_a_run_loads_the_tokenizer_once(tmp_path, monkeypatch):
+    """The session loads the tokenizer before any weights (to render and check rows); the engine
+    takes that one instead of loading it again."""
+    from mtplx.models import loading
+    from pipelines.execution.session import run_job
+    from pipelines.job.config import load_job
+
+    model = make_tiny_model(tmp_path / "m", "llama")
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"def f{i}(x):"} for i in range(2)])
+    job_file = write_job(tmp_path / "job.yaml", job_dict(model, data, tmp_path / "run", fmt="jsonl",
+                                                         generation={"max_tokens": 3}))
+    loads = []
+    real = loading._load_tokenizer
+    monkeypatch.setattr(loading, "_load_tokenizer", lambda *a: loads.append(a) or real(*a))
+    summary = run_job(load_job(str(job_file)))
+    assert summary.outputs == 2 and len(loads) == 1

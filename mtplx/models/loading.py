@@ -254,14 +254,15 @@ def load_mtp_weights(model_path: Path, config: dict, index: Optional[Dict[str, T
 
 
 def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = False,
-         gguf_mode: str = "auto") -> ModelBundle:
+         gguf_mode: str = "auto", tokenizer=None) -> ModelBundle:
+    """`tokenizer`: one already loaded from this model (`load_tokenizer_only`), used as it is."""
     phases = {}
     t = time.perf_counter()
     model_path = resolve_model_path(path, gguf_mode)
     config = load_config(model_path)
     phases["config"] = time.perf_counter() - t
     t = time.perf_counter()
-    tokenizer = _load_tokenizer(model_path, config)
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path, config)
     phases["tokenizer"] = time.perf_counter() - t
     t = time.perf_counter()
     model = None

@@ -14,7 +14,7 @@ def local_rows(session, engine=None) -> Iterator[Tuple[Dict[str, Any], bool]]:
     job = session.job
     if engine is None:
         session.log(f"loading {job.model.path}")
-        engine = opening.load_engine(job)
+        engine = opening.load_engine(job, session.prep.tokenizer)  # the tokenizer the rows were rendered with
         session.startup.engine_loaded(engine)
     else:
         session.startup.engine = engine

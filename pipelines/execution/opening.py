@@ -16,13 +16,15 @@ from ..io.sources import Source, open_source
 from ..job.config import JobConfig
 
 
-def load_engine(job: JobConfig):
+def load_engine(job: JobConfig, tokenizer=None):
+    """The job's engine; `tokenizer`: the model's, already loaded by `load_tokenizer` (not loaded again)."""
     try:
         from mtplx.generation import Engine
     except ImportError as e:
         raise RunError(f"the generation engine is not available ({e})")
     return Engine.load(job.model.path, job.speculative, job.schedule,
-                       trust_remote_code=job.model.trust_remote_code, gguf_mode=job.model.gguf_mode)
+                       trust_remote_code=job.model.trust_remote_code, gguf_mode=job.model.gguf_mode,
+                       tokenizer=tokenizer)
 
 
 def check_remote_code(job: JobConfig) -> None:
@@ -98,6 +100,7 @@ class Prepared:
     renderer: PromptRenderer
     keep_types: list
     check_keep: Optional[Callable]
+    tokenizer: object = None  # the model's, as the renderer uses it (the engine reuses it)
 
 
 def open_job(job: JobConfig, tokenizer) -> Prepared:
@@ -123,4 +126,4 @@ def open_job(job: JobConfig, tokenizer) -> Prepared:
                            f"(has: {', '.join(schema.names)})")
     keep_types = [(c, source.column_type(c)) for c in keep]
     check_keep = keep_checker(keep_types) if schema is None and keep_types else None
-    return Prepared(source, renderer, keep_types, check_keep)
+    return Prepared(source, renderer, keep_types, check_keep, tokenizer)
