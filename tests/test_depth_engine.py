@@ -244,3 +244,21 @@ def test_rounds_at_depth_0_leave_the_head_behind_and_it_catches_up_exactly(tiny_
         assert got[i].tokens == ref[i].tokens == reference_tokens(bundle.model, p, m, eos), i
         assert got[i].stats.accepted_tokens == ref[i].stats.accepted_tokens, i
     assert not lookup or sum(r.stats.accepted_tokens for r in got.values()) > 0  # lookup drafts that pass: the history caught up
+
+
+def test_fixed_depth_builds_nothing_ahead(tiny_model, tmp_path):
+    """`adaptive_depth: false`: no program is built ahead of its use (each depth's programs are
+    built only for adaptive depth), and no round is left behind by the head."""
+    from test_mtp_draft import _sidecar
+
+    bundle = load(tiny_model("llama"))
+    head = _sidecar(bundle, tmp_path / "head")
+    spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, mtp_head=head)
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=2, order="input"))
+    rng = np.random.default_rng(8)
+    behind, advance = [], eng.drafter.advance
+    eng.drafter.advance = lambda *a, **k: advance(*a, **k) or behind.append(len(eng.drafter.behind))
+    list(eng.generate(Request(i, rng.integers(3, 400, 6).tolist(), SamplingParams(max_tokens=30)) for i in range(3)))
+    assert eng.bank.stats["warmed"] == 0 and eng.drafter.bank.stats["warmed"] == 0
+    assert eng.bank.warm_lengths == () and eng.drafter.bank.warm_depths == ()
+    assert behind and max(behind) == 0
