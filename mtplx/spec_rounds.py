@@ -122,11 +122,19 @@ class SpeculativeRounds:
             free = len(slots) - live
             if following is not None and finished and not drained and free >= max(1, len(slots) // REFILL_AT):
                 # Requests wait: refill a few free slots at once (an idle slot of a wide, launch-bound
-                # batch costs ~nothing) with one prefill. At full width the round in flight stays
-                # queued across the admission (`_carried`): the admitted rows are put into their slots
-                # behind it, and the next call goes on from it, so the device is not left idle.
+                # batch costs ~nothing) with one prefill. At full width a round stays queued across
+                # the admission (`_carried`): the round after the one in flight is queued, the one in
+                # flight read (so the admission fills the slots both rounds freed, as many as when the
+                # pipeline emptied), and the admitted rows are put into their slots behind the queued
+                # one; the next call goes on from it, so the device is not left idle.
                 if len(slots) >= self.max_batch and self.carry_admissions:
-                    self._carried = (following, sampler)
+                    going = any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
+                    ahead = self._launch(slots, cache, sampler, following.nxt, 1, following.plan) if going else None
+                    finished += self._land(slots, cache, following, self._read(following), None)
+                    if ahead is not None:
+                        self._carried = (ahead, sampler)
+                    else:
+                        self._settle(cache)
                     yield from finished
                     return
             elif following is not None and not (drained and finished and (not live or self._narrows(live, len(slots)))):
