@@ -103,6 +103,13 @@ class RowLengths:
             self.device = mx.array(self.host, dtype=mx.int32)
         self._share()
 
+    def expect(self, rounds: int):
+        """`rounds` more (or, negative, fewer) rounds whose counts are not read and not advanced
+        yet: a drafter that puts off committing a round (drafters.py: MtpDrafter.behind) is
+        corrected for it when the engine reads it, before or after it advances by it."""
+        self.unread += rounds
+        self._share()
+
     def correct(self, excess: np.ndarray):
         """An advance's counts were read: the host lengths were `excess` too long."""
         self.host = self.host - np.asarray(excess, dtype=np.int64)
@@ -111,10 +118,10 @@ class RowLengths:
 
     def place(self, slots: Sequence[int], lengths: Sequence[int]):
         """Rows `slots` now hold `lengths` entries (rows put in by admission); the other rows keep
-        theirs, read or not: with advances unread, their device lengths stay the device's."""
+        theirs, read or not: their device lengths stay the device's (never the host's upper bounds)."""
         host = self.host.copy()
         host[np.asarray(slots, dtype=np.int64)] = np.asarray(lengths, dtype=np.int64)
-        if not self.unread:
+        if len(set(int(i) for i in slots)) == host.size:  # every row placed: all lengths are the host's
             self.set(host)
             return
         placed = np.zeros(host.size, dtype=bool)

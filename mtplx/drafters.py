@@ -356,6 +356,7 @@ class MtpDrafter(_CachedDrafter):
         if following is None and not exact and verify_in.shape[1] == 1 and len(self.behind) < HEAD_BEHIND:
             self.ready = None
             self.behind.append((verify_in, hidden, n, nxt, counts, np.asarray(most)))
+            self.cache.rows.expect(1)  # its counts are unread until it is read (corrected) and committed
             return
         self._commit(n, nxt, counts, most, verify_in, hidden, exact, following)
 
@@ -363,12 +364,14 @@ class MtpDrafter(_CachedDrafter):
         """Commit the rounds the head is behind by (one eager forward)."""
         if self.behind:
             verify_in, hidden, n, nxt, counts, most = self.behind.pop()
+            self.cache.rows.expect(-1)  # (the commit's advance counts it again)
             self._commit(n, nxt, counts, most, verify_in, hidden)
 
     def _commit(self, n, nxt, counts, most, verify_in, hidden, exact=False, following=None):
         out, self.ready = None, None
         behind, self.behind = self.behind, []
-        if behind:  # the rounds before this one, all their tokens kept: one commit of them all
+        if behind:  # the rounds before this one, all their tokens kept: one commit of them all (each
+            # counted unread when it was put off, `expect`, and corrected when the engine reads it)
             verify_in = mx.concatenate([b[0] for b in behind] + [verify_in], axis=1)
             hidden = mx.concatenate([b[1] for b in behind] + [hidden], axis=1)
             n = n + len(behind)
