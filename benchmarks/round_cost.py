@@ -10,7 +10,8 @@ layers of width 64, as SmolLM2-135M has 30 layers, with a random MTP head): its 
 launch- and host-bound too, so the ratio of an MTP round to a plain round says how much host work
 and synchronization a speculative round adds. Prints per method: tok/s, rounds, seconds per
 round, MTP rounds per plain round (time), and `mx.eval` calls per round (explicit host syncs); admissions (prefills of new rows),
-round calls (each ends with the one-ahead pipeline read to empty) and `tail s` (the part-empty rounds after
+drains (calls of the rounds that returned with the one-ahead pipeline read empty; an admission behind a
+round in flight is none) and `tail s` (the part-empty rounds after
 the last row was admitted; `--cycle` repeats the prompts for longer streams, where it weighs less);
 `--peer` adds mlx-lm on the same rows;
 `--cprofile N` also prints the N costliest functions of the MTP run (host-side Python).
@@ -123,10 +124,11 @@ def _time_full(eng, total: int):
         return again
 
     eng._admit = admit
-    for name in ("_round", "_plain_rounds"):  # each call returns with the pipeline drained (today)
+    for name in ("_round", "_plain_rounds"):  # calls that return with the pipeline read empty (not carried)
         def calls(*args, _inner=getattr(eng, name), **kwargs):
-            seen["calls"] += 1
-            return (yield from _inner(*args, **kwargs))
+            out = yield from _inner(*args, **kwargs)
+            seen["calls"] += getattr(eng, "_carried", None) is None
+            return out
         setattr(eng, name, calls)
     return seen
 
@@ -188,7 +190,7 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
             # (no round before the last row entered: one wave, nothing refilled, no steady state)
             "full tok/s": f_tokens / max(f_end - t0, 1e-9) if f_rounds > rounds0 else "-",
             "full tok/round": f_tokens / (f_rounds - rounds0) if f_rounds > rounds0 else "-", "full tokens": f_tokens,
-            "prefill s": prefill[0], "admissions": full["admissions"], "round calls": full["calls"],
+            "prefill s": prefill[0], "admissions": full["admissions"], "drains": full["calls"],
             # after the last row was admitted: the part-empty rounds as the batch empties
             "tail s": t0 + dt - f_end if f_rounds > rounds0 else "-",
             "ms/round": 1e3 * decode / max(rounds, 1),
