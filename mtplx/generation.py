@@ -377,6 +377,8 @@ class Engine(SpeculativeRounds):
                 grow.append((row, row_cache, state))
         if fills:
             batch.cache.put_rows([s for s, _ in fills], [c for _, c in fills])
+            if self._carried is not None:  # behind a round in flight: the device starts placing the rows
+                self._start(batch.cache)  # (and the drafter's prefill of them) while the host queues the next
         if grow:
             new = BatchCache.gather([c for _, c, _ in grow])
             if batch.cache is None:
@@ -387,6 +389,15 @@ class Engine(SpeculativeRounds):
             if self.drafter is not None:
                 self.drafter.extend([s for _, _, s in grow])
         return finished_early and not batch.drained
+
+    def _start(self, cache: BatchCache) -> None:
+        """Queue the evaluation of the batch's cache and the drafter's state (nothing is read)."""
+        arrays = [a for c in cache.leaves for a in c.state_arrays() if a is not None]
+        drafter_cache = getattr(self.drafter, "cache", None)
+        if drafter_cache is not None:
+            arrays += [a for c in drafter_cache.leaves for a in c.state_arrays() if a is not None]
+            arrays += list(getattr(self.drafter, "extra", []))
+        mx.async_eval(arrays)
 
     @staticmethod
     def _compact_keep(active: np.ndarray) -> List[int]:
