@@ -449,7 +449,7 @@ class Engine(SpeculativeRounds):
 
         def emit(launched):
             tokens, compiled, failures = np.array(launched[0]), launched[1], launched[2]
-            finished, emitted = [], 0
+            finished, emitted, vacated = [], 0, []
             n_active = sum(s is not None for s in slots)
             for i, row in enumerate(slots):
                 if row is None:
@@ -465,6 +465,8 @@ class Engine(SpeculativeRounds):
                     slots[i] = None
                     ones[i] = 0
                     finished.append(self._finish(row, reason))
+                    vacated.append(i)
+            self._vacate(cache, vacated)
             self.counters["rounds"] += 1
             self._progress("decode", emitted)
             return finished

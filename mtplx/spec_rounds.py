@@ -297,8 +297,18 @@ class SpeculativeRounds:
             if reason is not None:
                 slots[i] = None
                 finished.append(self._finish(row, reason))
+        self._vacate(cache, [i for i in np.flatnonzero(same) if slots[i] is None])
         self._progress("decode", emitted)
         return finished
+
+    def _vacate(self, cache: BatchCache, idle: List[int]) -> None:
+        """Slots whose rows just finished hold no entries: later rounds (until a row is placed there)
+        attend over none of theirs (rows_attention reads a row's keys up to its length only)."""
+        if idle:
+            cache.rows.place(idle, [0] * len(idle))
+            drafter_cache = getattr(self.drafter, "cache", None)
+            if drafter_cache is not None and drafter_cache.batch == cache.batch:
+                drafter_cache.rows.place(idle, [0] * len(idle))
 
 
 @dataclass

@@ -189,6 +189,14 @@ def test_an_admission_happens_behind_the_round_in_flight(setup, method, monkeypa
     eng = _engine(setup, method, 8)
     evals, real = [0], mx.eval
     monkeypatch.setattr(mx, "eval", lambda *a, **k: (evals.__setitem__(0, evals[0] + 1), real(*a, **k))[1])
+    idle_lengths, launch = [], eng._launch  # a slot whose row has finished holds no entries (nothing to attend over)
+
+    def launched(slots, cache, *a, **k):
+        idle_lengths.extend(int(cache.rows.host[i]) for i, s in enumerate(slots) if s is None)
+        idle_lengths.extend(int(eng.drafter.cache.rows.host[i]) for i, s in enumerate(slots) if s is None)
+        return launch(slots, cache, *a, **k)
+
+    eng._launch = launched
     many = [(rows[i % len(rows)][0], 4 + (i * 7) % 23) for i in range(40)]
     events, admissions = [], [0]
     verify, read, admit = eng._verify, eng._read, eng._admit
@@ -215,6 +223,7 @@ def test_an_admission_happens_behind_the_round_in_flight(setup, method, monkeypa
     # where no row could go on past the one in flight
     assert emptied <= 6, (emptied, admissions)
     assert evals[0] == 0
+    assert idle_lengths and set(idle_lengths) == {0}, idle_lengths
     cache = eng.drafter.cache
     assert np.array_equal(cache.rows.host, np.array(cache.rows.device))
     if method == "mtp":  # the old path, kept for benchmarks (round_cost's 'd'): every admission empties it
