@@ -176,6 +176,16 @@ fresh)  # issue 18 (h7c): what a fresh process pays, and the part padded prefill
       --set output.keep_columns=[] ${JOBS_SET:-} --attr "$a" --no-peer --out /tmp/b/fresh 2>&1 | grep -v "^|" | tee -a "$OUT/fresh.log"
   done
   ;;
+stream)  # issue 18 (h7b): width-32 refilled streams, plain vs MTP depth 3 (+ lookup 2), on held-out HumanEval rows cycled
+  # to 2x and 4x the width (64 / 128 rows, greedy, 96 tokens), ~2.5 min warm: the whole-run ratio, and where MTP's time
+  # goes besides its rounds (admissions, drains = calls that returned with the pipeline read empty, prefill s, tail s =
+  # the part-empty rounds after the last admission). DEPTHS takes round_cost's suffixes (3d: each admission empties the
+  # pipeline first, the path before; 3n: the drained tail narrows to 1 row). Sizes are env vars (CPU dry runs).
+  SHIPPED=heads/smollm2-135m-instruct
+  heldout $SHIPPED
+  timeout ${LIMIT:-170} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED --prompts /tmp/humaneval-heldout.jsonl \
+    --widths ${WIDTHS:-32} --rows ${ROWS:-2x,4x} --cycle --tokens ${TOKENS:-96} --depths ${DEPTHS:-3,3l2} 2>&1 | tee "$OUT/stream.log"
+  ;;
 lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs mlx-lm; 1 stream and width 32;
   # held-out HumanEval rows and GSM8K in one process (~2.5 min warm). Sizes are env vars (CPU dry runs).
   SHIPPED=heads/smollm2-135m-instruct
@@ -187,6 +197,6 @@ lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs m
   for d in /tmp/b/lookup/*/; do cp "$d/real_models.md" "$OUT/lookup-$(basename $d).md"; done
   ;;
 *)
-  sed -n 2,15p "$0"; exit 2
+  sed -n 2,17p "$0"; exit 2
   ;;
 esac
