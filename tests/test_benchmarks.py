@@ -270,3 +270,20 @@ def test_round_cost_full_columns_are_empty_for_one_wave(tiny_model):
     bundle = load(tiny_model("llama"))
     r = run(bundle, [[3 + i, 17, 9] for i in range(2)], SpeculativeConfig(method="none"), width=2, rows=2, tokens=4)
     assert r["full tok/s"] == "-" and r["full tok/round"] == "-"
+
+
+def test_admission_counts_carried_rounds_drain_less(tmp_path):
+    from benchmarks.admission_counts import counts
+    from benchmarks.round_cost import tiny_setup
+    from mtplx.config import ScheduleConfig, SpeculativeConfig
+    from mtplx.generation import Engine
+    from mtplx.request import Request, SamplingParams
+
+    bundle, head, prompts = tiny_setup(tmp_path, layers=2)
+    reqs = [Request(key=i, prompt_tokens=prompts[i], params=SamplingParams(max_tokens=3 + (i * 5) % 11)) for i in range(16)]
+    eng = Engine(bundle, SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, mtp_head=head),
+                 ScheduleConfig(max_batch=4, order="input"))
+    before_text, before = counts(eng, reqs, carry=False)
+    after_text, after = counts(eng, reqs, carry=True)
+    assert after_text == before_text
+    assert before["drains"] >= before["admissions"] - 1 > after["drains"], (before, after)
