@@ -184,8 +184,9 @@ class Engine(SpeculativeRounds):
     # mlp_kernel.py (gate/up product + SwiGLU, one kernel at one row): off until the H200 check passes
     use_mlp_kernel = False
     # o_norm_kernel.py with layer_kernels (a one-row product + residual add + RMSNorm as one kernel: o_proj with the
-    # post-attention norm, down_proj with the next input norm): bit-identical on the H200 (session 7 window 1)
-    use_o_norm_kernel = True
+    # post-attention norm, down_proj with the next input norm): bit-identical on the H200, but slower than the
+    # separate kernels once their small arrays are in device memory (session 7 final window: 187 vs 191 tok/s)
+    use_o_norm_kernel = False
 
     @staticmethod
     def _probe_memory(bundle: ModelBundle):
