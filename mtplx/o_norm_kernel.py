@@ -20,8 +20,9 @@ block (post-attention norm) and its next consumer of the block's lazy sum (the n
 the final norm) take this kernel for that product when `usable` and the engine enables it (`Engine.use_o_norm_kernel`, fusion.decode_paths; without mlp_kernel,
 fusion installs mlp_kernel's MLP with MLX's ops so that down_proj's input is handed over). Off by default: on
 the H200 every case is bit-identical and the engine's tokens are the default path's (session 7, both windows),
-but the call takes ~28 us where the product and the separate add + norm kernel take ~22 (the serial tail in one
-block after the grid), so the 8B one-stream step ran 187 tok/s against 191 without it (final window). Off CUDA,
+but a call took 28 us on average (the CUPTI trace) where o_proj's and down_proj's gemvs alone average 17.8 (the
+serial add + norm tail in one block after the grid, and the ticket), so the 8B one-stream step ran 187 tok/s
+against 191 without it (final window). Off CUDA,
 and with `layer_kernels.install(reference=True)`, MLX's ops.
 """
 
