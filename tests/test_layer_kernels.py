@@ -14,16 +14,11 @@ import pytest
 
 from mtplx import layer_kernels as lk
 from mtplx.models.loading import load
+from tiny_models import greedy_logits, same_logits as _same
 
 
 def _logits(model, n=6):
-    from tiny_models import greedy_logits
-
     return greedy_logits(model, n)
-
-
-def _same(a, b):
-    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.fixture

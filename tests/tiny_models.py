@@ -724,3 +724,8 @@ def greedy_logits(model, n: int) -> List[np.ndarray]:
         out.append(np.array(logits.astype(mx.float32)))
         tok = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
     return out
+
+
+def same_logits(a: List[np.ndarray], b: List[np.ndarray]) -> bool:
+    """Two `greedy_logits` runs equal bit for bit."""
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
