@@ -31,7 +31,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .architectures import capture_backend as model_capture_backend
-from .cache import BatchCache, RowKVCache, RowLengths
+from .cache import BatchCache, RowKVCache
+from .row_lengths import RowLengths
 from .config import verify_max_len_env
 
 UNSUPPORTED_BITS = (6,)

@@ -211,7 +211,7 @@ _on_cuda = None
 # not on the GPU (H200, session 7 window 1: the add + norm kernel 8.1 us against 3.1 for MLX's rms_norm,
 # which takes eps as a parameter; a kernel doing atomics on a 4-byte array ~1 ms). Constants and per-step
 # small arrays the kernels read are made larger than that (`resident_constant`, `padded`, and
-# cache.RowLengths.resident), so they live in device memory.
+# row_lengths.RowLengths.resident), so they live in device memory.
 SMALL_POOL_BYTES = 8
 PAD_SMALL = True  # benchmarks/decode_anatomy turns it off to measure without
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from mtplx import layer_kernels as lk
 from mtplx import rows_attention as ra
-from mtplx.cache import RowLengths
+from mtplx.row_lengths import RowLengths
 from mtplx.models.loading import load
 
 
