@@ -60,18 +60,7 @@ def test_admitting_a_length_group_evals_once_per_chunk_not_per_row(tiny_model, t
     N = 8
     rng = np.random.default_rng(4)
     prompts = [rng.integers(5, 200, 12).tolist() for _ in range(N)]  # one length group, one chunk each
-    calls = []
-    run = eng.prefiller.run
-
-    def counted(rows, drafter=None):
-        real = mx.eval
-        monkeypatch.setattr(mx, "eval", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-        try:
-            return run(rows, drafter)
-        finally:
-            monkeypatch.setattr(mx, "eval", real)
-
-    eng.prefiller.run = counted
+    calls = _count_prefill_evals(eng, monkeypatch)
     out = {r.key: r.tokens for r in eng.generate([Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=6))
                                                  for i, p in enumerate(prompts)])}
     assert len(calls) <= 2 < N, calls  # the trunk's chunk and the head's, for all eight rows
@@ -144,6 +133,18 @@ def test_rows_sharing_a_restored_prefix_prefill_the_head_together(tiny_model, tm
     eng.drafter.head.hidden = lambda h, *a, **k: (forwards.append(h.shape[0]), hidden(h, *a, **k))[1]
     reqs = [Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=6), stable_prefix_len=len(shared))
             for i, p in enumerate(prompts)]
+    calls = _count_prefill_evals(eng, monkeypatch)
+    out = {r.key: r.tokens for r in eng.generate(reqs)}
+    for i, p in enumerate(prompts):
+        assert out[i] == reference_tokens(bundle.model, p, 6, eng.eos)
+    assert eng.counters["cached_prompt_tokens"] == (N - 1) * len(shared)
+    assert (N - 1) in forwards, forwards  # the seven rows after the leader, in one head forward
+    # the leader: its two trunk spans (split at the edge) and its head chunk; the group: one trunk and one head chunk
+    assert len(calls) <= 5 < 2 + 1 + 1 + (N - 1), calls
+
+
+def _count_prefill_evals(eng, monkeypatch) -> list:
+    """A list that gets one entry per mx.eval made inside the engine's prefills."""
     calls, run = [], eng.prefiller.run
 
     def counted(rows, drafter=None):
@@ -155,10 +156,4 @@ def test_rows_sharing_a_restored_prefix_prefill_the_head_together(tiny_model, tm
             monkeypatch.setattr(mx, "eval", real)
 
     eng.prefiller.run = counted
-    out = {r.key: r.tokens for r in eng.generate(reqs)}
-    for i, p in enumerate(prompts):
-        assert out[i] == reference_tokens(bundle.model, p, 6, eng.eos)
-    assert eng.counters["cached_prompt_tokens"] == (N - 1) * len(shared)
-    assert (N - 1) in forwards, forwards  # the seven rows after the leader, in one head forward
-    # the leader: its two trunk spans (split at the edge) and its head chunk; the group: one trunk and one head chunk
-    assert len(calls) <= 5 < 2 + 1 + 1 + (N - 1), calls
+    return calls
