@@ -21,14 +21,19 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import re
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import List, Optional
 
 import mlx.core as mx
+import yaml
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
@@ -133,9 +138,20 @@ def _time_full(eng, total: int):
     return seen
 
 
-def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens: int, profile=None, phases=False,
-        sync_rounds=False, graph=False, carry=True, tail_width=None):
+def prepare(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens: int, phases=False,
+            sync_rounds=False, carry=True, tail_width=None, attrs=()):
+    """An engine for one setting and its requests, after one untimed run of them (the warm-up: every
+    program and kernel shape exists): (engine, requests, warm-up seconds). `attrs`: (dotted name,
+    value) pairs set on the engine first (`refill_at`, `prefiller.padding_waste`: the engine's knobs)."""
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
+    for name, value in attrs:
+        *path, last = name.split(".")
+        target = eng
+        for part in path:
+            target = getattr(target, part)
+        if not hasattr(target, last):
+            raise SystemExit(f"--depths: @{name}: the engine has no such attribute")
+        setattr(target, last, value)
     eng.carry_admissions = carry  # False: each admission empties the pipeline first (before session 7)
     if tail_width is not None:  # how far a drained batch narrows (Engine.TAIL_KEEPS_WIDTH; default by device)
         eng.TAIL_KEEPS_WIDTH = tail_width
@@ -149,13 +165,19 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
         phase_profile.instrument(eng)
     sync()
     w0 = time.perf_counter()
-    list(eng.generate(reqs))  # warm-up: every program and kernel shape exists
+    list(eng.generate(reqs))
     sync()
     warm_s = time.perf_counter() - w0
     if phases:
         phase_profile.TIMES.clear()
         phase_profile.CALLS.clear()
+    return eng, reqs, warm_s
+
+
+def measure(eng, reqs, profile=None, graph=False) -> dict:
+    """One timed run of `reqs` through a prepared engine: its columns (and `texts`, each row's tokens)."""
     rounds0, built0 = eng.counters["rounds"], eng._programs_built() if eng.drafter is not None else 0
+    gc.collect()  # not inside the timed run
     prefill = _time_prefill(eng)
     full = _time_full(eng, len(reqs))
     sync()
@@ -170,6 +192,10 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
             profile.disable()
     rounds = eng.counters["rounds"] - rounds0
     built = eng._programs_built() - built0 if eng.drafter is not None else "-"
+    eng.on_progress = None
+    for name in ("_admit", "_round", "_plain_rounds"):  # _time_full's wrappers
+        eng.__dict__.pop(name, None)
+    eng.prefiller.__dict__.pop("run", None)  # _time_prefill's
     reads = eng.counters["host_reads"]
     counted = {}
     if graph:  # once more, counting what each round hands the device (slow: not timed)
@@ -181,9 +207,6 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
     n = sum(len(r.tokens) for r in res)
     verifies = sum(r.stats.verify_calls for r in res)
     decode = dt - prefill[0]
-    eng.on_progress = None
-    for name in ("_admit", "_round", "_plain_rounds"):  # _time_full's wrappers
-        eng.__dict__.pop(name, None)
     f_end, f_rounds = full["drained"] or (t0 + dt, eng.counters["rounds"])
     f_tokens = sum(k for at, k in full["events"] if at <= f_end)
     return {"tok/s": n / dt, "tokens": n, "rounds": rounds, "tok/round": n / max(rounds, 1),
@@ -198,8 +221,125 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
             "tokens/verify": (sum(r.stats.accepted_tokens for r in res) + verifies) / verifies if verifies else 1.0,
             "mean depth": sum(r.stats.draft_depth for r in res) / len(res),
             # compiled programs (verify + drafter) first built inside the measured run: 0 once warmed
-            "new programs": built, "warm-up s": warm_s, **counted,
+            "new programs": built, **counted,
             "texts": {r.key: list(r.tokens) for r in res}}
+
+
+def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens: int, profile=None, phases=False,
+        sync_rounds=False, graph=False, carry=True, tail_width=None, attrs=()):
+    """One setting: its warm-up run, then one timed run (`measure`'s columns and the warm-up's seconds)."""
+    eng, reqs, warm_s = prepare(bundle, prompts, spec, width, rows, tokens, phases, sync_rounds, carry, tail_width, attrs)
+    return {**measure(eng, reqs, profile, graph), "warm-up s": warm_s}
+
+
+@dataclass
+class Setting:
+    """One column of a run: plain decoding, or MTP at a depth with round_cost's suffixes (`--depths`)."""
+
+    label: str
+    spec: SpeculativeConfig
+    sync_rounds: bool = False
+    carry: bool = True
+    tail_width: Optional[int] = None
+    attrs: tuple = ()
+
+    def prepare(self, bundle, prompts, width, rows, tokens, phases=False):
+        return prepare(bundle, prompts, self.spec, width, rows, tokens, phases, self.sync_rounds, self.carry,
+                       self.tail_width, self.attrs)
+
+
+PLAIN = Setting("plain", SpeculativeConfig(method="none"))
+
+
+def setting(entry: str, head: str) -> Setting:
+    """A `--depths` entry: DEPTH or 'a' (adaptive from 3), then 's' / 'd' / 'n' / 'lN', then any
+    '@NAME=VALUE' (an engine attribute, VALUE as YAML reads it; see --help). 'plain' is plain decoding."""
+    entry, *extra = entry.strip().split("@")
+    attrs = []
+    for e in extra:
+        if "=" not in e:
+            raise SystemExit(f"--depths: @{e!r} is not @NAME=VALUE (e.g. 3@refill_at=32)")
+        name, value = e.split("=", 1)
+        attrs.append((name, yaml.safe_load(value)))
+    at = "".join(f" @{n}={v}" for n, v in attrs)
+    if entry == "plain":
+        return Setting("plain" + at, PLAIN.spec, attrs=tuple(attrs))
+    m = re.fullmatch(r"(\d+|a)(s?)(d?)(n?)(?:l(\d+))?", entry)
+    if m is None:
+        raise SystemExit(f"--depths: {entry!r} is not DEPTH, 'a', a trailing 's', 'd', 'n' or 'lN' (e.g. 3, 3s, 3d, 3n, a, 3l2)")
+    d, sync_rounds, drains, narrows = m.group(1), bool(m.group(2)), bool(m.group(3)), bool(m.group(4))
+    lookup = int(m.group(5) or 0)
+    adaptive = d == "a"
+    spec = SpeculativeConfig(method="mtp", depth=3 if adaptive else int(d), adaptive_depth=adaptive, mtp_head=head,
+                             mtp_lookup=lookup)
+    label = (f"mtp depth {d}{' (synchronous rounds)' if sync_rounds else ''}{' (drained at admissions)' if drains else ''}"
+             f"{' (tail narrows to 1)' if narrows else ''}{f' + lookup {lookup}' if lookup else ''}{at}")
+    return Setting(label, spec, sync_rounds, not drains, 1 if narrows else None, tuple(attrs))
+
+
+def interleaved(bundle, prompts, settings: List[Setting], width: int, rows: int, tokens: int, repeats: int,
+                report=None) -> List[dict]:
+    """Every setting (plain first) warmed up once, then `repeats` rounds of one timed run each, the
+    order rotated every round (so a slow spell of the host, and the run before a setting, fall on
+    each alike). Each setting's runs are paired with plain's of the same round: `x plain` is the
+    median of those ratios, with their spread (min..max) and how many of them reach 1.2.
+    `report(rows)` gets the medians so far after every round (a run cut short still says them)."""
+    prepared = []
+    for s in [PLAIN] + settings:
+        eng, reqs, warm_s = s.prepare(bundle, prompts, width, rows, tokens)
+        prepared.append((s, eng, reqs, warm_s))
+        print(f"  warmed {s.label}: {warm_s:.2f} s", flush=True)
+    runs: List[List[dict]] = [[] for _ in prepared]
+    out: List[dict] = []
+    for rep in range(repeats):
+        order = list(range(len(prepared)))
+        order = order[rep % len(order):] + order[: rep % len(order)]
+        for i in order:
+            s, eng, reqs, _ = prepared[i]
+            r = measure(eng, reqs)
+            runs[i].append(r)
+            tail = r["tail s"]
+            print(f"  round {rep}: {s.label:44s} {r['tok/s']:9.1f} tok/s {r['ms/round']:6.2f} ms/round {r['rounds']:4d} rounds"
+                  f"  prefill {r['prefill s']:.3f} s  tail {tail if isinstance(tail, str) else f'{tail:.3f}'} s", flush=True)
+        out = summarize([p[0] for p in prepared], runs, [p[3] for p in prepared])
+        if report is not None:
+            report(out, rep + 1)
+    return out
+
+
+def _med(values):
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(values) if values else "-"
+
+
+def _spread(values):
+    values = [v for v in values if isinstance(v, (int, float))]
+    return f"{min(values):.3g}..{max(values):.3g}" if len(values) > 1 else "-"
+
+
+def summarize(settings: List[Setting], runs: List[List[dict]], warm: List[float]) -> List[dict]:
+    """One row per setting from its runs (medians; x plain paired with plain's run of the same round)."""
+    plain = runs[0]
+    texts = plain[0]["texts"] if plain else {}
+    out = []
+    for s, rs, w in zip(settings, runs, warm):
+        n = min(len(rs), len(plain))
+        ratio = [rs[k]["tok/s"] / plain[k]["tok/s"] for k in range(n)]
+        full = [rs[k]["full tok/s"] / plain[k]["full tok/s"] for k in range(n)
+                if isinstance(rs[k]["full tok/s"], float) and isinstance(plain[k]["full tok/s"], float)]
+        same = sum(all(r["texts"].get(key) == t for key, t in texts.items()) for r in rs)
+        out.append({"method": s.label, "runs": len(rs), "tok/s": _med([r["tok/s"] for r in rs]),
+                    "tok/s spread": _spread([r["tok/s"] for r in rs]),
+                    "x plain tok/s": _med(ratio), "x plain spread": _spread(ratio),
+                    "runs >= 1.2x": f"{sum(x >= 1.2 for x in ratio)}/{n}" if s is not settings[0] else "-",
+                    "x plain full tok/s": _med(full), "x full spread": _spread(full),
+                    "ms/round": _med([r["ms/round"] for r in rs]), "rounds": _med([r["rounds"] for r in rs]),
+                    "tok/round": _med([r["tok/round"] for r in rs]), "admissions": _med([r["admissions"] for r in rs]),
+                    "drains": _med([r["drains"] for r in rs]), "prefill s": _med([r["prefill s"] for r in rs]),
+                    "tail s": _med([r["tail s"] for r in rs]), "tokens/verify": _med([r["tokens/verify"] for r in rs]),
+                    "new programs": sum(r["new programs"] for r in rs) if s is not settings[0] else "-",
+                    "warm-up s": w, "runs = plain": f"{same}/{len(rs)}"})
+    return out
 
 
 def row_counts(spec: str, width: int) -> list[int]:
@@ -241,7 +381,14 @@ def main():
     ap.add_argument("--depths", default="1,3", help="MTP depths to run ('a': adaptive from 3; a trailing 's': synchronous "
                     "rounds, the path before pipelining; 'd': each admission empties the pipeline first, the path before "
                     "rounds were carried across admissions; 'n': a drained batch narrows down to 1 row (Engine.TAIL_KEEPS_WIDTH 1; "
-                    "by default a GPU keeps 32); a trailing 'lN': with speculative.mtp_lookup N, e.g. 3l2, 3dl2, 3nl2)")
+                    "by default a GPU keeps 32); a trailing 'lN': with speculative.mtp_lookup N, e.g. 3l2, 3dl2, 3nl2; then "
+                    "'@NAME=VALUE' sets an engine attribute for that setting, e.g. 3@refill_at=32, "
+                    "3@prefiller.padding_waste=1e9; 'plain@NAME=VALUE': plain decoding so)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs of every setting, interleaved: all warmed up "
+                    "first, then rounds of one run each (plain included) in an order rotated every round; the table gives "
+                    "medians, x plain as the median of ratios to plain's run of the same round, their spread (min..max) "
+                    "and how many reach 1.2x (a noisy host moves one run by more than the settings differ). 1: one run each, "
+                    "in order, as before")
     ap.add_argument("--peer", action="store_true", help="also mlx-lm on the same rows (generate_step at width 1, else batch_generate)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the N costliest functions of the last MTP run")
     ap.add_argument("--phases", action="store_true", help="after the first width, its first MTP setting once more, timed per phase")
@@ -270,38 +417,42 @@ def main():
             elif rows > len(prompts):
                 print(f"{data}: {len(prompts)} prompts, fewer than {rows} rows: {len(prompts)} rows", flush=True)
                 rows = len(prompts)
-            plain = run(bundle, prompts, SpeculativeConfig(method="none"), width, rows, args.tokens, graph=args.graph)
-            texts = plain.pop("texts")
-            plain["rows = plain"] = f"{len(texts)}/{len(texts)}"
-            out.append({"data": data, "width": width, "rows": rows, "method": "plain", **plain, "x plain round": 1.0, "x plain tok/s": 1.0,
-                        "x plain full tok/s": 1.0 if isinstance(plain["full tok/s"], float) else "-"})
-            print(table(out), flush=True)
-            for d in args.depths.split(","):
-                m = re.fullmatch(r"(\d+|a)(s?)(d?)(n?)(?:l(\d+))?", d)
-                if m is None:
-                    raise SystemExit(f"--depths: {d!r} is not DEPTH, 'a', a trailing 's', 'd', 'n' or 'lN' (e.g. 3, 3s, 3d, 3n, a, 3l2)")
-                d, sync_rounds, drains, narrows = m.group(1), bool(m.group(2)), bool(m.group(3)), bool(m.group(4))
-                lookup = int(m.group(5) or 0)
-                adaptive = d == "a"
-                spec = SpeculativeConfig(method="mtp", depth=3 if adaptive else int(d), adaptive_depth=adaptive, mtp_head=head,
-                                         mtp_lookup=lookup)
-                phase_spec = phase_spec or spec
+            settings = [setting(d, head) for d in args.depths.split(",")]
+            phase_spec = phase_spec or settings[0].spec if settings else phase_spec
+            if args.repeats > 1:
+                print(f"{data}, width {width}, {rows} rows: {args.repeats} interleaved rounds", flush=True)
+                where = {"data": data, "width": width, "rows": rows}
+
+                def report(summary, done, where=where):
+                    print(f"-- {where['data']}, width {where['width']}, {where['rows']} rows: medians of {done} round(s)")
+                    print(table([{**where, **r} for r in summary]), flush=True)
+
+                out += [{**where, **r} for r in interleaved(bundle, prompts, settings, width, rows, args.tokens,
+                                                             args.repeats, report)]
+                print(table(out), flush=True)
+                plain = None
+            else:
+                plain = run(bundle, prompts, PLAIN.spec, width, rows, args.tokens, graph=args.graph)
+                texts = plain.pop("texts")
+                plain["rows = plain"] = f"{len(texts)}/{len(texts)}"
+                out.append({"data": data, "width": width, "rows": rows, "method": "plain", **plain, "x plain round": 1.0,
+                            "x plain tok/s": 1.0, "x plain full tok/s": 1.0 if isinstance(plain["full tok/s"], float) else "-"})
+                print(table(out), flush=True)
+            for st in settings if plain is not None else ():
                 prof = cProfile.Profile() if args.cprofile else None
-                r = run(bundle, prompts, spec, width, rows, args.tokens, prof, sync_rounds=sync_rounds, graph=args.graph,
-                        carry=not drains, tail_width=1 if narrows else None)
+                r = run(bundle, prompts, st.spec, width, rows, args.tokens, prof, sync_rounds=st.sync_rounds,
+                        graph=args.graph, carry=st.carry, tail_width=st.tail_width, attrs=st.attrs)
                 got = r.pop("texts")
                 r["rows = plain"] = f"{sum(got[k] == texts[k] for k in texts)}/{len(texts)}"  # greedy: all, up to exact ties
-                label = (f"mtp depth {d}{' (synchronous rounds)' if sync_rounds else ''}{' (drained at admissions)' if drains else ''}"
-                         f"{' (tail narrows to 1)' if narrows else ''}"
-                         f"{f' + lookup {lookup}' if lookup else ''}")
-                out.append({"data": data, "width": width, "rows": rows, "method": label, **r,
+                out.append({"data": data, "width": width, "rows": rows, "method": st.label, **r,
                             "x plain round": r["ms/round"] / plain["ms/round"], "x plain tok/s": r["tok/s"] / plain["tok/s"],
                             "x plain full tok/s": r["full tok/s"] / plain["full tok/s"]
                             if isinstance(r["full tok/s"], float) and isinstance(plain["full tok/s"], float) else "-"})
                 print(table(out), flush=True)
             if args.peer:
                 r = peer(bundle, prompts, width, rows, args.tokens)
-                out.append({"data": data, "width": width, "rows": rows, **r, "x plain tok/s": r["tok/s"] / plain["tok/s"]})
+                base = plain["tok/s"] if plain is not None else out[-1 - len(settings)]["tok/s"]  # (interleaved: plain's median)
+                out.append({"data": data, "width": width, "rows": rows, **r, "x plain tok/s": r["tok/s"] / base})
                 print(table(out), flush=True)
             if args.phases and not phased:  # after the first width, its first MTP setting
                 phased, spec = True, phase_spec

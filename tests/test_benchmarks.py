@@ -287,3 +287,30 @@ def test_admission_counts_carried_rounds_drain_less(tmp_path):
     after_text, after = counts(eng, reqs, carry=True)
     assert after_text == before_text
     assert before["drains"] >= before["admissions"] - 1 > after["drains"], (before, after)
+
+
+def test_round_cost_interleaved_pairs_each_run_with_plains_of_its_round(tmp_path):
+    """--repeats: every setting runs once a round, the order rotated; x plain is the median of the
+    ratios to plain's run in the same round (not a ratio of medians), and every run's text is checked."""
+    from benchmarks.round_cost import PLAIN, interleaved, setting, summarize, tiny_setup
+
+    head = "h"
+    fake = lambda tok_s: {"tok/s": tok_s, "full tok/s": "-", "ms/round": 1.0, "rounds": 3, "tok/round": 2.0,
+                          "admissions": 1, "drains": 1, "prefill s": 0.1, "tail s": "-", "tokens/verify": 1.0,
+                          "new programs": 0, "texts": {0: [1, 2]}}
+    mtp = setting("3n", head)
+    assert mtp.tail_width == 1 and mtp.carry and mtp.spec.depth == 3
+    rows = summarize([PLAIN, mtp], [[fake(100.0), fake(200.0), fake(100.0)], [fake(150.0), fake(220.0), fake(90.0)]],
+                     [0.0, 0.0])
+    assert rows[1]["x plain tok/s"] == pytest.approx(1.1)  # ratios 1.5, 1.1, 0.9 (ratio of medians: 1.0)
+    assert rows[1]["x plain spread"] == "0.9..1.5" and rows[1]["runs >= 1.2x"] == "1/3"
+    assert rows[1]["tok/s"] == 150.0 and rows[1]["runs = plain"] == "3/3"
+
+    bundle, head, prompts = tiny_setup(tmp_path, layers=2)
+    seen = []
+    out = interleaved(bundle, prompts, [setting("3", head), setting("3d", head)], width=2, rows=5, tokens=4,
+                      repeats=3, report=lambda summary, done: seen.append(done))
+    assert seen == [1, 2, 3]
+    assert [r["method"] for r in out] == ["plain", "mtp depth 3", "mtp depth 3 (drained at admissions)"]
+    assert all(r["runs"] == 3 and r["runs = plain"] == "3/3" for r in out)
+    assert out[1]["new programs"] == 0  # warmed up before the first round
