@@ -35,7 +35,7 @@ from .models.mtp import has_trunk_split, project_logits, trunk_hidden
 from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
 from . import stops
 from .request import Request, Result, RowStats
-from .spec_rounds import REFILL_AT, SpeculativeRounds
+from .spec_rounds import SpeculativeRounds
 from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -431,7 +431,7 @@ class Engine(SpeculativeRounds):
         """Decoding without drafts, one round ahead: the next round is queued on the device before
         this round's tokens are read, so building one graph overlaps running the other (as
         mlx-lm's generate_step does). Returns, as the speculative rounds do, once finished rows
-        have freed REFILL_AT-th of the slots for admission (at least one; `drained`: no request
+        have freed a `refill_at`-th of the slots for admission (at least one; `drained`: no request
         waits, until half the slots are idle), or no row is left: each return drains the pipeline."""
         sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
         ones = active.astype(np.int64)  # the rows a round advances; a finished row's slot stops
@@ -476,7 +476,7 @@ class Engine(SpeculativeRounds):
             live = sum(s is not None for s in slots)
             if drained:  # only where the batch is narrowed next (else no reason to empty the pipeline)
                 return self._narrows(live, len(slots)) or not live
-            return len(slots) - live >= max(1, len(slots) // REFILL_AT) or not live
+            return len(slots) - live >= max(1, len(slots) // self.refill_at) or not live
 
         current = launch(mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32)))
         while True:

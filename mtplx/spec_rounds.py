@@ -120,7 +120,7 @@ class SpeculativeRounds:
             landed_at, built = now, built_next
             live = sum(s is not None for s in slots)
             free = len(slots) - live
-            if following is not None and finished and not drained and free >= max(1, len(slots) // REFILL_AT):
+            if following is not None and finished and not drained and free >= max(1, len(slots) // self.refill_at):
                 # Requests wait: refill a few free slots at once (an idle slot of a wide, launch-bound
                 # batch costs ~nothing) with one prefill. At full width a round stays queued across
                 # the admission (`_carried`): the round after the one in flight is queued, the one in
@@ -149,6 +149,7 @@ class SpeculativeRounds:
             return
 
     _carried = None  # (the round in flight, its sampler) across an admission; None: the pipeline is empty
+    refill_at = REFILL_AT  # a call returns for admission once 1/refill_at of the slots are free (benchmarks vary it)
     carry_admissions = True  # benchmarks/round_cost turns it off (depth suffix `d`) to measure the old path
 
     def _narrows(self, live: int, width: int) -> bool:
