@@ -24,11 +24,12 @@ from .prefill import prefill_width
 
 
 def head_prefill_rows(drafter, prompts: Sequence[Sequence[int]], hiddens: Sequence[mx.array],
-                      firsts: Sequence[int], prefixes: Optional[Sequence[Optional[tuple]]] = None) -> List[tuple]:
+                      firsts, prefixes: Optional[Sequence[Optional[tuple]]] = None) -> List[tuple]:
     """Per row, the state `drafter.prefill_row(prompts[b], hiddens[b], firsts[b], prefixes[b])`
-    gives: `hiddens[b]` holds the trunk's hidden state at the prompt positions the trunk ran (all
-    of them, or those after a restored prefix), `prefixes[b]` is None or the drafter's snapshot
-    (head snapshot, trunk hidden at the edge) of the row's restored prefix."""
+    gives (`firsts`: the rows' first tokens, ints or a [B] device array): `hiddens[b]` holds the
+    trunk's hidden state at the prompt positions the trunk ran (all of them, or those after a
+    restored prefix), `prefixes[b]` is None or the drafter's snapshot (head snapshot, trunk hidden
+    at the edge) of the row's restored prefix."""
     B = len(prompts)
     prefixes = list(prefixes) if prefixes is not None else [None] * B
     hiddens = list(hiddens)
@@ -39,20 +40,25 @@ def head_prefill_rows(drafter, prompts: Sequence[Sequence[int]], hiddens: Sequen
             cache.write_row(b, prefix[0])
             starts[b] = prefix[0][0]
             hiddens[b] = mx.concatenate([prefix[1], hiddens[b]], axis=1)
-    # the head at position i reads the trunk's h[i] and the token after it (the first token last)
-    nxt = [list(p[s + 1 :]) + [int(f)] for p, s, f in zip(prompts, starts, firsts)]
-    lengths = np.array([len(t) for t in nxt], dtype=np.int64)
+    # the head at position i reads the trunk's h[i] and the token after it (the first token last).
+    # `firsts` may be a device array not read yet (prefill.py reads an admission's first tokens
+    # once, after every group's forwards are queued): it is placed in the grid on the device.
+    firsts = firsts.astype(mx.int32) if isinstance(firsts, mx.array) else mx.array(np.asarray(firsts, dtype=np.int32))
+    tails = [list(p[s + 1 :]) for p, s in zip(prompts, starts)]
+    lengths = np.array([len(t) + 1 for t in tails], dtype=np.int64)
     most = int(max(s + n for s, n in zip(starts, lengths)))  # padded queries stay in the rows' capacity bucket
     L = prefill_width(int(lengths.max()), capacity_bucket(most + 1) - max(starts))
     grid = np.zeros((B, L), dtype=np.int32)
-    for b, t in enumerate(nxt):
+    for b, t in enumerate(tails):
         grid[b, : len(t)] = t
+    at_first = mx.arange(L, dtype=mx.int32)[None] == mx.array((lengths - 1).astype(np.int32))[:, None]
+    grid = mx.where(at_first, firsts[:, None], mx.array(grid))
     hidden = mx.concatenate([mx.pad(h, [(0, 0), (0, L - h.shape[1]), (0, 0)]) for h in hiddens])
     last = [None] * B
     for s in range(0, L, drafter.chunk):
         e = min(s + drafter.chunk, L)
         counts = np.clip(lengths - s, 0, e - s)
-        h_out = drafter.head.hidden(hidden[:, s:e], mx.array(grid[:, s:e]), cache.layers)
+        h_out = drafter.head.hidden(hidden[:, s:e], grid[:, s:e], cache.layers)
         cache.commit(counts)
         if e < L:  # the last chunk is evaluated with the round the rows join (no sync of its own)
             cache.eval()
@@ -66,6 +72,6 @@ def head_prefill_rows(drafter, prompts: Sequence[Sequence[int]], hiddens: Sequen
         row.write_row(0, cache.snapshot_row(b))
         state = (row, [logits[b : b + 1], h_last[b : b + 1]])
         if drafter.lookup is not None:  # the row's context: one token longer than its head cache
-            state += (mx.array(list(prompts[b]) + [int(firsts[b])], dtype=mx.int32)[None],)
+            state += (mx.concatenate([mx.array(list(prompts[b]), dtype=mx.int32), firsts[b : b + 1]])[None],)
         states.append(state)
     return states

@@ -163,6 +163,11 @@ class Prefiller:
         self.progress = progress
         self.sustained = sustained  # off: every prompt prefills as one span
         self.store = PrefixStore()
+        self.padding_waste = PADDING_WASTE  # how much padding a batched group may add (length_groups)
+        # An admission's groups are queued one after another and their first tokens read once at the
+        # end (a read per group left the device idle while the host queued the next one); False: a
+        # read per group, before its head prefill (benchmarks/round_cost measures both)
+        self.one_read = True
 
     def _edge(self, row) -> int:
         n = len(row.req.prompt_tokens)
@@ -173,11 +178,12 @@ class Prefiller:
             return trunk_hidden(self.model, tokens, cache.layers)
         return self.model(tokens, cache=cache.layers)  # logits stand in; only the last is used
 
-    def _first_tokens(self, rows, last: mx.array) -> List[int]:
+    def _first_tokens(self, rows, last: mx.array) -> mx.array:
+        """The rows' first tokens [B] on the device (not read)."""
         logits = project_logits(self.model, last) if self.runtime.split else last
         sampler = SamplerBatch.from_params([r.req.params for r in rows])
         u = mx.array(np.array([uniforms(r.rng) for r in rows], dtype=np.float32))
-        return np.array(sample_from(shaped_probs(logits, sampler)[:, 0], u)).tolist()
+        return sample_from(shaped_probs(logits, sampler)[:, 0], u).astype(mx.int32)
 
     def run(self, rows, drafter=None) -> List[Tuple[CacheRow, object, int]]:
         """Prefill `rows`; returns (the row's cache, `drafter`'s state, first token) per row. Rows
@@ -195,12 +201,23 @@ class Prefiller:
             out[i] = self._drafter_prefill(drafter, rows[i], keys[i], *self._one(rows[i], keys[i]))
         todo = [len(rows[i].req.prompt_tokens) - (self._edge(rows[i]) if self.store.get(keys[i]) else 0)
                 for i in together]
-        for group in length_groups(todo):
+        groups = []  # every group's forwards queued before their first tokens are read, together, once
+        for group in length_groups(todo, self.padding_waste):
             members = [together[g] for g in group]
-            results = self._many([rows[i] for i in members], [keys[i] for i in members])
-            states = self._head_states(drafter, [rows[i] for i in members], results)
-            for i, res, state in zip(members, results, states):
-                out[i] = self._drafter_prefill(drafter, rows[i], keys[i], *res, state=state)
+            results, firsts = self._many([rows[i] for i in members], [keys[i] for i in members])
+            if not self.one_read:  # each group read before the next is queued (the path before session 8)
+                firsts = np.array(firsts).tolist()
+            states = self._head_states(drafter, [rows[i] for i in members], results, firsts)
+            groups.append((members, results, firsts, states))
+        if groups and self.one_read:
+            read = np.array(mx.concatenate([g[2] for g in groups])).tolist()
+            at = 0
+            for g, (members, results, firsts, states) in enumerate(groups):
+                groups[g] = (members, results, read[at : at + len(members)], states)
+                at += len(members)
+        for members, results, firsts, states in groups:
+            for i, res, first, state in zip(members, results, firsts, states):
+                out[i] = self._drafter_prefill(drafter, rows[i], keys[i], res[0], res[1], first, *res[2:], state=state)
         for row in rows:
             row.stats.prompt_tokens = len(row.req.prompt_tokens)
         return out
@@ -239,12 +256,13 @@ class Prefiller:
             if key and hit is None and e == edge:
                 snap = cache.snapshot_row(0)  # exactly at the edge: recurrent state included
         self._count(n, start)
-        first = self._first_tokens([row], h[:, -1:])[0]
+        first = int(np.array(self._first_tokens([row], h[:, -1:]))[0])
         hidden = mx.concatenate(hiddens, axis=1) if hiddens else None
         return CacheRow(cache, 0), hidden, first, hit, snap
 
     def _many(self, rows, keys):
-        """Prefill rows together: each row's suffix padded to the longest, in chunk spans."""
+        """Prefill rows together: each row's suffix padded to the longest, in chunk spans. Returns
+        (cache row, hidden, store hit, prefix snapshot) per row, and their first tokens on the device."""
         B = len(rows)
         cache = BatchCache.for_model(self.model, B)
         starts, hits = self._restore(cache, rows, keys, reserve=max(len(r.req.prompt_tokens) for r in rows) + 1)
@@ -279,15 +297,15 @@ class Prefiller:
         for b, row in enumerate(rows):
             hidden = mx.concatenate(hiddens[b], axis=1) if hiddens[b] else None
             snap = cache.snapshot_row(b, self._edge(row)) if keys[b] and hits[b] is None else None
-            out.append((CacheRow(cache, b), hidden, firsts[b], hits[b], snap))
-        return out
+            out.append((CacheRow(cache, b), hidden, hits[b], snap))
+        return out, firsts
 
     def _count(self, n, start):
         self.counters["prefill_tokens"] += n - start
         self.counters["cached_prompt_tokens"] += start
 
     @staticmethod
-    def _head_states(drafter, rows, results) -> List[Optional[tuple]]:
+    def _head_states(drafter, rows, results, firsts) -> List[Optional[tuple]]:
         """The MTP head's states of a group prefilled together, in one batched head prefill
         (a drafter's `prefill_rows`, where it has one), rows with a restored prefix included
         (each starts from the prefix's head snapshot); None where there is none (a row takes
@@ -296,9 +314,10 @@ class Prefiller:
         states = [None] * len(rows)
         together = getattr(drafter, "prefill_rows", None)
         if together is not None and at:  # one row too: its forward then runs at a padded width (prefill_width)
+            pick = (firsts[mx.array(at)] if len(at) < len(rows) else firsts) if isinstance(firsts, mx.array) \
+                else [firsts[b] for b in at]
             got = together([rows[b].req.prompt_tokens for b in at], [results[b][1] for b in at],
-                           [results[b][2] for b in at], [results[b][3][1] if results[b][3] is not None else None
-                                                         for b in at])
+                           pick, [results[b][2][1] if results[b][2] is not None else None for b in at])
             for b, state in zip(at, got):
                 states[b] = state
         return states

@@ -38,10 +38,11 @@ def test_batched_head_prefill_equals_prefill_row(tiny_model, tmp_path, lookup):
     prompts = [rng.integers(5, 200, int(n)).tolist() for n in (40, 33, 5, 17, 16)]
     rows = [eng._new_row(Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=4)))[0]
             for i, p in enumerate(prompts)]
-    results = eng.prefiller._many(rows, [None] * len(rows))
-    got = head_prefill_rows(d, prompts, [r[1] for r in results], [r[2] for r in results])
-    for p, res, state in zip(prompts, results, got):
-        ref = d.prefill_row(p, res[1], res[2])
+    results, firsts = eng.prefiller._many(rows, [None] * len(rows))
+    # the first tokens as the prefiller hands them over (on the device, not read); prefill_row gets ints
+    got = head_prefill_rows(d, prompts, [r[1] for r in results], firsts)
+    for p, res, first, state in zip(prompts, results, np.array(firsts).tolist(), got):
+        ref = d.prefill_row(p, res[1], first)
         assert int(state[0].lengths[0]) == int(ref[0].lengths[0]) == len(p)
         for a, b in zip(state[0].leaves, ref[0].leaves):
             assert a.keys.shape == b.keys.shape  # the same capacity bucket
@@ -101,14 +102,14 @@ def test_batched_head_prefill_of_restored_prefix_rows_equals_prefill_row(tiny_mo
     rows.append(eng._new_row(Request(key=9, prompt_tokens=rng.integers(5, 200, 14).tolist(),
                                      params=SamplingParams(max_tokens=6)))[0])  # no prefix
     keys = [eng.prefiller.store.key(r.req.prompt_tokens, eng.prefiller._edge(r)) for r in rows]
-    results = eng.prefiller._many(rows, keys)
-    assert [res[3] is not None for res in results] == [True] * 4 + [False]
-    prefixes = [res[3][1] if res[3] is not None else None for res in results]
-    got = head_prefill_rows(d, [r.req.prompt_tokens for r in rows], [r[1] for r in results], [r[2] for r in results],
-                            prefixes)
-    for row, res, prefix, state in zip(rows, results, prefixes, got):
+    results, firsts = eng.prefiller._many(rows, keys)
+    assert [res[2] is not None for res in results] == [True] * 4 + [False]
+    prefixes = [res[2][1] if res[2] is not None else None for res in results]
+    firsts = np.array(firsts).tolist()
+    got = head_prefill_rows(d, [r.req.prompt_tokens for r in rows], [r[1] for r in results], firsts, prefixes)
+    for row, res, first, prefix, state in zip(rows, results, firsts, prefixes, got):
         p = row.req.prompt_tokens
-        ref = d.prefill_row(p, res[1], res[2], prefix)
+        ref = d.prefill_row(p, res[1], first, prefix)
         assert int(state[0].lengths[0]) == int(ref[0].lengths[0]) == len(p)
         for a, b in zip(state[0].leaves, ref[0].leaves):
             for x, y in ((a.keys, b.keys), (a.values, b.values)):
@@ -157,3 +158,36 @@ def _count_prefill_evals(eng, monkeypatch) -> list:
 
     eng.prefiller.run = counted
     return calls
+
+
+def test_an_admissions_length_groups_are_read_once(tiny_model, tmp_path, monkeypatch):
+    """Rows of three length groups admitted together: every group's trunk and head forwards are
+    queued before the first tokens are read, in one read (a read per group left the device idle
+    while the host queued the next group); the text is plain decoding's either way."""
+    import mtplx.prefill as prefill_mod
+
+    bundle = load(tiny_model("llama"))
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(5, 200, int(n)).tolist() for n in (4, 4, 20, 21, 60, 61)]
+    assert len(prefill_mod.length_groups([len(p) for p in prompts])) == 3
+    reads = []
+
+    class CountingNumpy:  # np inside prefill.py: counts the host reads of device arrays
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def array(self, x, *args, **kwargs):
+            if isinstance(x, mx.array):
+                reads.append(x.shape)
+            return np.array(x, *args, **kwargs)
+
+    monkeypatch.setattr(prefill_mod, "np", CountingNumpy())
+    for one_read, expect in ((True, 1), (False, 3)):
+        eng = _engine(bundle, _sidecar(bundle, tmp_path / "head"), len(prompts))
+        eng.prefiller.one_read = one_read
+        reads.clear()
+        out = {r.key: r.tokens for r in eng.generate([Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=6))
+                                                     for i, p in enumerate(prompts)])}
+        assert len(reads) == expect, (one_read, reads)
+        for i, p in enumerate(prompts):
+            assert out[i] == reference_tokens(bundle.model, p, 6, eng.eos)

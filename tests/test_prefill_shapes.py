@@ -87,10 +87,11 @@ def test_a_padded_head_prefill_is_prefill_rows(setup, monkeypatch):
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=4, order="input"))
     prompts = [p for p, _ in rows[:4]]
     grown = [eng._new_row(Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=4)))[0] for i, p in enumerate(prompts)]
-    results = eng.prefiller._many(grown, [None] * len(grown))
+    results, firsts = eng.prefiller._many(grown, [None] * len(grown))
+    firsts = np.array(firsts).tolist()
     for b, p in enumerate(prompts):  # each row alone too: the padded width is its own length's bucket
-        for got, ref in zip(head_prefill_rows(eng.drafter, [p], [results[b][1]], [results[b][2]]),
-                            [eng.drafter.prefill_row(p, results[b][1], results[b][2])]):
+        for got, ref in zip(head_prefill_rows(eng.drafter, [p], [results[b][1]], [firsts[b]]),
+                            [eng.drafter.prefill_row(p, results[b][1], firsts[b])]):
             assert int(got[0].lengths[0]) == int(ref[0].lengths[0]) == len(p)
             for a, r in zip(got[0].leaves, ref[0].leaves):
                 assert np.allclose(np.array(a.keys[..., : len(p), :]), np.array(r.keys[..., : len(p), :]), atol=1e-5)
