@@ -14,7 +14,7 @@
 #   bash benchmarks/gpu_mtp.sh cli     # the example jobs as a user runs them (mtplx-batch run, a fresh process each): wall, startup phases, summary
 #   bash benchmarks/gpu_mtp.sh fresh   # the shipped eval-mtp job in fresh processes, prefill queries unpadded / padded: warm-up (first-time costs) vs timed
 #   bash benchmarks/gpu_mtp.sh jobs    # jobs/eval-mtp.yaml as shipped vs the same rows with ngram / ngram adaptive / none, and batch_generate, one process, phases as they end
-#   bash benchmarks/gpu_mtp.sh stream  # width-32 refilled streams of 2x / 4x width rows: plain vs MTP 3 (+ lookup 2), admissions, drains, tail
+#   bash benchmarks/gpu_mtp.sh stream  # width-32 refilled streams of 2x / 4x width rows: plain vs MTP 3 (+ lookup 2), admissions, drains, tail (REPEATS=N: interleaved)
 set -uo pipefail
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
@@ -180,11 +180,14 @@ stream)  # issue 18 (h7b): width-32 refilled streams, plain vs MTP depth 3 (+ lo
   # to 2x and 4x the width (64 / 128 rows, greedy, 96 tokens), ~2.5 min warm: the whole-run ratio, and where MTP's time
   # goes besides its rounds (admissions, drains = calls that returned with the pipeline read empty, prefill s, tail s =
   # the part-empty rounds after the last admission). DEPTHS takes round_cost's suffixes (3d: each admission empties the
-  # pipeline first, the path before; 3n: the drained tail narrows to 1 row). Sizes are env vars (CPU dry runs).
+  # pipeline first, the path before; 3n: the drained tail narrows to 1 row; @NAME=VALUE: an engine attribute, e.g.
+  # 3@refill_at=32). REPEATS > 1: interleaved (all settings warmed, then REPEATS rounds of one run each, the order
+  # rotated; medians, x plain paired with plain's run of the same round, spread). Sizes are env vars (CPU dry runs).
   SHIPPED=heads/smollm2-135m-instruct
   heldout $SHIPPED
   timeout ${LIMIT:-170} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED --prompts /tmp/humaneval-heldout.jsonl \
-    --widths ${WIDTHS:-32} --rows ${ROWS:-2x,4x} --cycle --tokens ${TOKENS:-96} --depths ${DEPTHS:-3,3l2} 2>&1 | tee "$OUT/stream.log"
+    --widths ${WIDTHS:-32} --rows ${ROWS:-2x,4x} --cycle --tokens ${TOKENS:-96} --depths ${DEPTHS:-3,3l2} \
+    --repeats ${REPEATS:-1} 2>&1 | tee "$OUT/stream.log"
   ;;
 lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs mlx-lm; 1 stream and width 32;
   # held-out HumanEval rows and GSM8K in one process (~2.5 min warm). Sizes are env vars (CPU dry runs).
