@@ -391,13 +391,14 @@ class BatchCache:
         counts = np.asarray(counts, dtype=np.int64)
         self.advance(mx.array(counts, dtype=mx.int32), counts, exact=True)
 
-    def advance(self, counts: mx.array, most: np.ndarray, exact: bool = False):
+    def advance(self, counts: mx.array, most: np.ndarray, exact: bool = False, after: Optional[mx.array] = None):
         """`commit` with device counts the host does not read: its lengths become upper bounds
-        (`most` per row) until `rows.correct` / `rows.settle` (RowLengths)."""
+        (`most` per row) until `rows.correct` / `rows.settle` (RowLengths). `after`: the device
+        lengths plus `counts`, where a program computed them already."""
         for c in self.leaves:
             if isinstance(c, RowStateCache):
                 c.commit(counts)
-        self.rows.advance(counts, most, exact)
+        self.rows.advance(counts, most, exact, after)
 
     def rewind_to(self, lengths: np.ndarray):
         """Forget entries past `lengths` (attention layers only; used after speculative drafting)."""

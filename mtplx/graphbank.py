@@ -24,6 +24,7 @@ what the model's layers use (`architectures.capture_backend`). All three are in 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -34,6 +35,7 @@ from .architectures import capture_backend as model_capture_backend
 from .cache import BatchCache, RowKVCache
 from .row_lengths import RowLengths
 from .config import verify_max_len_env
+from .sampling import SamplerBatch, accept_greedy, accept_sampled, shaped_probs
 
 UNSUPPORTED_BITS = (6,)
 
@@ -144,10 +146,35 @@ class CompiledVerifyBank:
         logits, hidden = self.runtime.forward(tokens, shadow)
         return (logits, hidden if hidden is not None else mx.zeros((0,))) + tuple(_shadow_outputs(shadow))
 
+    def _run_round(self, kinds, accept, pending, drafts, limit, live, lengths, *rest):
+        """A speculative round's verify and acceptance (`verify_round`): [pending, drafts] through the
+        model over the shadow cache, then each row's accepted count, next token, committed count and
+        length after it, and the round's read [W, 2 + K]."""
+        n_arrays = len(rest) - (0 if accept[0] == "greedy" else 5 + accept[3])
+        arrays, extra = rest[:n_arrays], rest[n_arrays:]
+        verify_in = mx.concatenate([pending[:, None], drafts], axis=1)
+        logits, hidden, *cache_out = self._run_shadow(kinds, verify_in, lengths, *arrays)
+        if accept[0] == "greedy":
+            n, nxt = accept_greedy(logits, drafts, limit)
+        else:
+            temps, top_p, top_k, u_accept, u_next = extra[:5]
+            sampler = SamplerBatch(temps, top_p, top_k, False, accept[1], accept[2])
+            q = extra[5] if accept[3] else None
+            n, nxt = accept_sampled(shaped_probs(logits, sampler), drafts, q, u_accept, u_next, limit)
+        n, nxt = n.astype(mx.int32), nxt.astype(mx.int32)
+        counts = mx.where(live, n + 1, 0).astype(mx.int32)
+        read = mx.concatenate([n[:, None], nxt[:, None], drafts], axis=1)
+        return (read, n, nxt, counts, lengths + counts, verify_in, hidden) + tuple(cache_out)
+
     def _program(self, key, kinds):
+        """The program of `key`: (W, L, capacity) verifies; a fourth entry, the acceptance
+        (`_accept_key`), makes it a round's verify and acceptance (`verify_round`)."""
         fn = self._programs.get(key)
         if fn is None:
-            fn = mx.compile(lambda tokens, lengths, *arrays: self._run_shadow(kinds, tokens, lengths, *arrays))
+            if len(key) > 3:
+                fn = mx.compile(partial(self._run_round, kinds, key[3]))
+            else:
+                fn = mx.compile(lambda tokens, lengths, *arrays: self._run_shadow(kinds, tokens, lengths, *arrays))
             self._programs[key] = fn
             self.stats["programs"] = len(self._programs)
         return fn
@@ -170,9 +197,9 @@ class CompiledVerifyBank:
         reasons[reason] = reasons.get(reason, 0) + 1
 
     # -- the call -----------------------------------------------------------------------------------
-    def verify(self, tokens: mx.array, cache: BatchCache):
-        """Forward `tokens` [W, L] over `cache`. Returns (logits, hidden, compiled?, parity failures per row)."""
-        W, L = tokens.shape
+    def _compiled(self, W: int, L: int, cache: BatchCache):
+        """(key, the cache's arrays) of the program that verifies L tokens a row over `cache`, room
+        for them made in capacity buckets; or (None, why it runs eagerly)."""
         reason = self._eager_reason
         if reason is None and L > self.max_verify_len:
             if L <= self.growth_limit:
@@ -189,9 +216,7 @@ class CompiledVerifyBank:
                       f"(request_max_tokens {self.request_max_tokens} + verify max length {self.growth_limit}): "
                       "no larger capacity bucket is compiled")
         if reason is not None:
-            self._fallback(reason)
-            logits, hidden = self.eager(tokens, cache)
-            return logits, hidden, False, None
+            return None, reason
         kv = [c for c in cache.leaves if isinstance(c, RowKVCache)]
         if kv and longest + L > min(c.keys.shape[2] for c in kv):  # room for L more entries, in capacity buckets
             for c in kv:
@@ -199,7 +224,15 @@ class CompiledVerifyBank:
             arrays = [a for c in cache.leaves for a in c.state_arrays()]
         key = (W, L, max((c.keys.shape[2] for c in kv), default=0))
         if key in self._broken:
-            self._fallback(self._broken[key])
+            return None, self._broken[key]
+        return key, arrays
+
+    def verify(self, tokens: mx.array, cache: BatchCache):
+        """Forward `tokens` [W, L] over `cache`. Returns (logits, hidden, compiled?, parity failures per row)."""
+        W, L = tokens.shape
+        key, arrays = self._compiled(W, L, cache)
+        if key is None:
+            self._fallback(arrays)
             logits, hidden = self.eager(tokens, cache)
             return logits, hidden, False, None
         lengths = cache.rows.device
@@ -234,19 +267,73 @@ class CompiledVerifyBank:
         hidden = out[1] if out[1].size else None
         return out[0], hidden, True, failures
 
-    def _warm(self, key, kinds, dtype, lengths: mx.array, arrays) -> None:
-        """Build the programs of the other `warm_lengths` at this width and capacity now, each run
-        once over zero tokens and evaluated (so the device builds its kernels too), the outputs
-        dropped: the real cache is an input, never written. Rows sit at most where a verify of
-        that length still fits the capacity; the values are never read."""
-        W, _, cap = key
+    def verify_round(self, pending: mx.array, drafts: mx.array, limit: mx.array, live: mx.array, cache: BatchCache,
+                     accept=None):
+        """A speculative round's verify and acceptance as one compiled program (mode "on"): the
+        verify of [pending, drafts] ([W], [W, K] int32), each row's accepted count n of its `limit`
+        drafts and next token (greedy, or `accept` = (sampler, q or None, u_accept [W, K], u_next
+        [W]): sampling.accept_sampled), the committed count (n + 1 for `live` rows, else 0), the
+        lengths after it, and the read [W, 2 + K] = (n, next token, drafts); the program's cache is
+        mirrored, the lengths not moved (the caller's `advance`). Returns
+        (read, n, next, counts, lengths after, verify_in, hidden), or None where the verify is not
+        compiled, or compared (parity modes): the caller then verifies and accepts apart, eagerly."""
+        W, K = drafts.shape
+        if self.mode != "on":
+            return None
+        key, arrays = self._compiled(W, K + 1, cache)
+        if key is None:
+            return None
+        akey, extra = self._accept_key(accept)
+        key = key + (akey,)
+        if key in self._broken:
+            return None
+        lengths = cache.rows.device
+        fresh = key not in self._programs
+        args = [pending, drafts, limit, live, lengths, *arrays, *extra]
+        try:
+            out = self._program(key, cache.kinds)(*args)
+        except Exception as e:  # a program that cannot compile: the round runs apart, saying why
+            self._broken[key] = f"compile failed: {type(e).__name__}: {e}"
+            self._fallback(self._broken[key])
+            return None
+        if fresh and self.warm_lengths:
+            self._warm(key, cache.kinds, pending.dtype, lengths, arrays, extra)
+        self._mirror(cache, out[7:])
+        self.stats["compiled_calls"] += 1
+        return tuple(out[:6]) + ((out[6] if out[6].size else None),)
+
+    @staticmethod
+    def _accept_key(accept):
+        """(the acceptance's part of a round program's key, its inputs)."""
+        if accept is None:
+            return ("greedy",), []
+        sampler, q, u_accept, u_next = accept
+        key = ("sampled", sampler.any_top_k, sampler.any_top_p, q is not None)
+        return key, [sampler.temps, sampler.top_p, sampler.top_k, u_accept, u_next] + ([] if q is None else [q])
+
+    def _warm(self, key, kinds, dtype, lengths: mx.array, arrays, extra=None) -> None:
+        """Build the programs of the other `warm_lengths` at this width and capacity (and, for a
+        round program, acceptance) now, each run once over zero tokens and evaluated (so the device
+        builds its kernels too), the outputs dropped: the real cache is an input, never written.
+        Rows sit at most where a verify of that length still fits the capacity; the values are
+        never read. `extra`: a round program's acceptance inputs (`_accept_key`)."""
+        W, _, cap = key[:3]
         for n in self.warm_lengths:
-            other = (W, n, cap)
+            other = (W, n, cap) + key[3:]
             if other in self._programs or other in self._broken or n > self.growth_limit:
                 continue
             room = mx.minimum(lengths, max(cap - n, 0)) if cap else lengths
+            if len(key) > 3:
+                k = n - 1
+                args = [mx.zeros((W,), mx.int32), mx.zeros((W, k), mx.int32), mx.zeros((W,), mx.int32),
+                        mx.zeros((W,), mx.bool_), room, *arrays]
+                if extra:  # sampled: sampler rows as they are, zero uniforms (and q) of k drafts
+                    args += list(extra[:3]) + [mx.zeros((W, k), mx.float32), extra[4]]
+                    args += [mx.zeros((W, k, extra[5].shape[-1]), extra[5].dtype)] if len(extra) > 5 else []
+            else:
+                args = [mx.zeros((W, n), dtype), room, *arrays]
             try:
-                mx.eval(self._program(other, kinds)(mx.zeros((W, n), dtype), room, *arrays))
+                mx.eval(self._program(other, kinds)(*args))
             except Exception as e:  # its first real call then verifies eagerly, saying why
                 self._broken[other] = f"compile failed: {type(e).__name__}: {e}"
             self.stats["warmed"] += 1

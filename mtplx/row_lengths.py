@@ -67,13 +67,13 @@ class RowLengths:
             c = self._resident = (self.device, self.device, self.device) if p is None else (self.device, p, p[: self.device.size])
         return c[2]
 
-    def advance(self, counts: mx.array, most: np.ndarray, exact: bool = False):
-        """Device lengths += counts (lazy, not read); host lengths += most (counts <= most;
-        `exact`: they are the counts)."""
+    def advance(self, counts: mx.array, most: np.ndarray, exact: bool = False, after: Optional[mx.array] = None):
+        """Device lengths += counts (lazy, not read; `after`: that sum, made by a compiled program);
+        host lengths += most (counts <= most; `exact`: they are the counts)."""
         self.host = self.host + np.asarray(most, dtype=np.int64)
         self.unread += not exact
         if self.unread:
-            self.device = self.device + counts.astype(mx.int32)
+            self.device = after if after is not None else self.device + counts.astype(mx.int32)
         else:  # from the host: no chain of additions that nothing reads (the shared path reads none)
             self.device = mx.array(self.host, dtype=mx.int32)
         self._share()

@@ -150,6 +150,9 @@ class SpeculativeRounds:
 
     _carried = None  # (the round in flight, its sampler) across an admission; None: the pipeline is empty
     refill_at = REFILL_AT  # a call returns for admission once 1/refill_at of the slots are free (benchmarks vary it)
+    # the verify and the acceptance as one compiled program (graphbank.verify_round); benchmarks turn it
+    # off (round_trace `:fold_accept=0`) to measure the path before, where acceptance ran op by op
+    fold_accept = True
     carry_admissions = True  # benchmarks/round_cost turns it off (depth suffix `d`) to measure the old path
 
     def _narrows(self, live: int, width: int) -> bool:
@@ -218,30 +221,55 @@ class SpeculativeRounds:
             if s is not None:
                 s.u_next = None  # this round uses them
         depths, K, u = np.where(live, plan.depths, 0), plan.K, plan.u
-        limit = mx.array(depths.astype(np.int32))
+        limit, live_d = self._small(depths.astype(np.int32)), self._small(live)
         if K > 0:
             drafts, q = self.drafter.propose(K, pending, sampler, plan.u_drafts)
         else:
             drafts, q = mx.zeros((len(slots), 0), mx.int32), None
-        verify_in = mx.concatenate([pending[:, None], drafts.astype(mx.int32)], axis=1)
-        logits, hidden, compiled, failures = self._verify(verify_in, cache)
-        if sampler.all_greedy:
-            n, nxt = accept_greedy(logits, drafts, limit)
-        else:
-            n, nxt = accept_sampled(shaped_probs(logits, sampler), drafts, q, u[:, D : D + K], u[:, 2 * D], limit)
+        drafts = drafts.astype(mx.int32)
         most = np.where(live, depths + 1, 0)  # a row keeps at most its own drafts, plus the next token
-        counts = mx.where(mx.array(live), n + 1, 0).astype(mx.int32)
-        cache.advance(counts, most)
+        accept = None if sampler.all_greedy else (sampler, q, u[:, D : D + K], u[:, 2 * D])
+        folded = self._verify_round(pending, drafts, limit, live_d, cache, accept)
+        if folded is not None:  # one program: the verify, acceptance, counts and the read
+            out, n, nxt, counts, after, verify_in, hidden = folded
+            compiled, failures = True, None
+            cache.advance(counts, most, after=after)
+        else:
+            verify_in = mx.concatenate([pending[:, None], drafts], axis=1)
+            logits, hidden, compiled, failures = self._verify(verify_in, cache)
+            if accept is None:
+                n, nxt = accept_greedy(logits, drafts, limit)
+            else:
+                n, nxt = accept_sampled(shaped_probs(logits, sampler), *((drafts,) + accept[1:]), limit)
+            counts = mx.where(live_d, n + 1, 0).astype(mx.int32)
+            cache.advance(counts, most)
+            out = None
         nxt_plan = None
         if self.drafter.device_side:
             nxt_plan = self._plan(slots, n_active, ahead + 1, sampler)
             ahead_ok = getattr(self.drafter, "drafts_ahead", False) and nxt_plan.K > 0
             following = {"following": (nxt_plan.K, sampler, nxt_plan.u_drafts)} if ahead_ok else {}
             self.drafter.advance(n, nxt, counts, most, verify_in, hidden, **following)
-        out = mx.concatenate([n[:, None].astype(mx.int32), nxt[:, None].astype(mx.int32), drafts.astype(mx.int32)], axis=1)
+        if out is None:
+            out = mx.concatenate([n[:, None].astype(mx.int32), nxt[:, None].astype(mx.int32), drafts], axis=1)
         mx.async_eval(out, cache.rows.device)
         return _Flight(out, nxt.astype(mx.int32), verify_in, hidden, depths, K, live, most, n_active, compiled, failures,
                        list(slots), nxt_plan)
+
+    def _verify_round(self, pending, drafts, limit, live, cache: BatchCache, accept):
+        """The round's verify and acceptance as one program (graphbank.verify_round), or None where
+        that does not serve (`fold_accept` off, compiled verify off or comparing, an eager shape)."""
+        if not self.fold_accept or self.bank is None:
+            return None
+        return self.bank.verify_round(pending, drafts, limit, live, cache, accept)
+
+    def _small(self, values: np.ndarray) -> mx.array:
+        """A round's small per-row array (drafts allowed, rows live) on the device, made once per
+        value: most rounds repeat the last one's, and each new one is a host-to-device copy."""
+        key = (values.dtype.str, values.tobytes())
+        if key not in self._const:
+            self._const[key] = mx.array(values)
+        return self._const[key]
 
     def _zeros(self, W: int, n: int) -> mx.array:
         key = (W, n)

@@ -38,17 +38,22 @@ def _costly_engine(bundle, path, clock, verify_s=0.004, step_s=0.005, depth=2, w
     spec = SpeculativeConfig(method="draft", depth=depth, adaptive_depth=True, draft_model=str(path))
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
     eng.clock = clock
-    verify, propose = eng._verify, eng.drafter.propose
+    verify, propose, folded = eng._verify, eng.drafter.propose, eng._verify_round
 
     def timed_verify(*a, **k):
         clock.now += verify_s
         return verify(*a, **k)
 
+    def timed_folded(*a, **k):  # the verify folded with acceptance (None: the round verifies apart)
+        out = folded(*a, **k)
+        clock.now += verify_s if out is not None else 0.0
+        return out
+
     def timed_propose(K, *a, **k):
         clock.now += step_s * K
         return propose(K, *a, **k)
 
-    eng._verify, eng.drafter.propose = timed_verify, timed_propose
+    eng._verify, eng._verify_round, eng.drafter.propose = timed_verify, timed_folded, timed_propose
     chosen, choose = [], eng.depth_control.choose
     eng.depth_control.choose = lambda w, **k: chosen.append(choose(w, **k)) or chosen[-1]
     return eng, chosen
@@ -138,11 +143,16 @@ def test_a_round_that_compiled_never_prices_its_depth(tiny_model, tmp_path):
     clock = FakeClock()
     eng = _mtp_engine(bundle, head)
     eng.clock = clock
-    fed, record, verify = [], eng.depth_control.record, eng._verify
+    fed, record, verify, folded = [], eng.depth_control.record, eng._verify, eng._verify_round
 
     def timed_verify(*a, **k):
         clock.now += 0.004
         return verify(*a, **k)
+
+    def timed_folded(*a, **k):  # the verify folded with acceptance (None: the round verifies apart)
+        out = folded(*a, **k)
+        clock.now += 0.004 if out is not None else 0.0
+        return out
 
     def costly(bank, name):
         inner = getattr(bank, name)
@@ -155,7 +165,7 @@ def test_a_round_that_compiled_never_prices_its_depth(tiny_model, tmp_path):
 
     costly(eng.bank, "_program")
     costly(eng.drafter.bank, "_get")
-    eng._verify = timed_verify
+    eng._verify, eng._verify_round = timed_verify, timed_folded
     eng.depth_control.record = lambda w, d, s, *a, **k: fed.append((d, s)) or record(w, d, s, *a, **k)
     out = {r.key: r.tokens for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
     timed = [(d, s) for d, s in fed if s is not None]

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import mtplx.graphbank
 import mtplx.spec_rounds
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
@@ -147,14 +148,16 @@ def run_rows(bundle, draft, method, seed_base, rows=ROWS_PER_SETTING):
     bank = getattr(eng.drafter, "bank", None)
     stats["compiled_proposals"] = bank.stats["compiled_calls"] if bank is not None else 0
     stats["landed_past_an_admission"] = carried[0]  # rounds read after rows joined behind them
+    # rounds whose verify and sampled acceptance were one program (graphbank.verify_round)
+    stats["folded_programs"] = sum(len(k) > 3 and k[3][0] == "sampled" for k in eng.bank._programs) if eng.bank else 0
     return samples, stats
 
 
 SEEDS = {"none": 0, "ngram": 10**6, "draft": 2 * 10**6, "mtp": 3 * 10**6, "draft-compiled": 4 * 10**6,
-         "mtp-refilled": 5 * 10**6}
+         "mtp-refilled": 5 * 10**6, "mtp-compiled": 6 * 10**6}
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft", "mtp", "draft-compiled", "mtp-refilled"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "mtp", "draft-compiled", "mtp-refilled", "mtp-compiled"])
 def test_sampled_output_follows_the_target_distribution(setup, method):
     bundle, draft, exact = setup
     samples, stats = run_rows(bundle, draft, method, SEEDS[method])
@@ -164,6 +167,8 @@ def test_sampled_output_follows_the_target_distribution(setup, method):
         assert 0.05 < stats["accepted"] / stats["drafted"] < 0.9, stats
     if method == "draft-compiled":
         assert stats["compiled_proposals"] > 0, stats
+    if method.endswith(("-compiled", "-refilled")):
+        assert stats["folded_programs"] > 0, stats
     if method == "mtp-refilled":
         assert stats["landed_past_an_admission"] > 20, stats
     failures = []
@@ -180,10 +185,11 @@ def _wrong_residual(p, drafts, q, u_accept, u_next, limit=None):
     return n, sample_from(mx.take_along_axis(p, n[:, None, None], axis=1)[:, 0], u_next)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "mtp", "draft-compiled"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "mtp", "draft-compiled", "mtp-compiled"])
 def test_a_wrong_residual_is_detected(setup, method, monkeypatch):
     bundle, draft, exact = setup
     monkeypatch.setattr(mtplx.spec_rounds, "accept_sampled", _wrong_residual)
+    monkeypatch.setattr(mtplx.graphbank, "accept_sampled", _wrong_residual)  # the round program's (verify_round)
     samples, _ = run_rows(bundle, draft, method, SEEDS[method], rows=WRONG_ROWS_PER_SETTING)
     worst = {name: min(p for _, _, _, p in distribution_tests(samples[name], exact[name])) for name in SETTINGS}
     assert max(worst.values()) < P_REJECT, f"a wrong residual went unnoticed: {worst}"

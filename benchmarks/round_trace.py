@@ -1,0 +1,227 @@
+"""One-stream MTP rounds against plain rounds: interleaved repeats, the host's split, and a kernel trace.
+
+    python -m benchmarks.round_trace --model smollm2-135m-instruct --head heads/smollm2-135m-instruct \
+        --prompts humaneval --heldout --rows 4 --tokens 96 --settings plain,3,3:fold_accept=0 --repeats 5 --trace
+    python -m benchmarks.round_trace --tiny --rows 2 --tokens 12 --repeats 2                      # CPU dry run
+
+Issue 18 asks for >= 1.6x plain decoding at one stream; a host as noisy as the H200's (plain ran 269-370
+tok/s in three runs of one window) needs the settings interleaved, not one run each. Every setting gets
+its own Engine (same model), warmed once (every program and kernel built), then the repeats run
+setting after setting, so a slow spell of the host hits all of them; medians and spread are printed
+after every repeat (a cut-off run still has its numbers).
+
+A setting is `plain`, or an MTP depth (`3`), with `lN` for speculative.mtp_lookup N (`3l2`), and
+`:attr=value` pairs that set an Engine attribute before its warm-up, for A/B of engine switches
+(`3:fold_accept=0`; an attribute the Engine does not have is refused).
+
+Per MTP round the host's split: ms queueing a round (`_launch`: graph building, program calls,
+async_eval), ms waiting for a round's read (`_read`: the device behind the host when large, ~0 when the
+host is the bottleneck) and ms landing it (`_land`: bookkeeping, emit). `--trace` (CUDA, torch
+installed) then runs each of the first two settings once more under torch.profiler (CUPTI sees MLX's
+kernels) and prints per round: kernels, GPU-busy and idle microseconds, and the costliest kernel names,
+so what an MTP round adds over a plain round shows by kernel.
+
+Writes round_trace.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse_setting(text: str):
+    """'plain' | 'DEPTH[lN][:attr=value...]' -> (label, depth or None, lookup, {attr: value})."""
+    head, *pairs = text.split(":")
+    m = re.fullmatch(r"plain|(\d+)(?:l(\d+))?", head)
+    if m is None:
+        raise SystemExit(f"--settings: {text!r} is not 'plain' or DEPTH[lN][:attr=value...] (e.g. 3, 3l2, 3:fold_accept=0)")
+    attrs = {}
+    for p in pairs:
+        k, sep, v = p.partition("=")
+        if not sep or not k:
+            raise SystemExit(f"--settings: {p!r} in {text!r} is not attr=value")
+        attrs[k] = int(v) if re.fullmatch(r"-?\d+", v) else v
+    depth = None if head == "plain" else int(m.group(1))
+    return text, depth, int(m.group(2) or 0) if depth else 0, attrs
+
+
+def _split_timers(eng):
+    """Wrap the speculative round's launch / read / land in timers (seconds summed, calls)."""
+    spent = {"launch": 0.0, "read": 0.0, "land": 0.0}
+    for name in spent:
+        inner = getattr(eng, "_" + name)
+
+        def timed(*args, _inner=inner, _name=name, **kwargs):
+            t0 = time.perf_counter()
+            out = _inner(*args, **kwargs)
+            spent[_name] += time.perf_counter() - t0
+            return out
+        setattr(eng, "_" + name, timed)
+    return spent
+
+
+def make_engine(bundle, head: str, setting, width: int):
+    import mlx.core as mx  # noqa: F401
+
+    from mtplx.config import ScheduleConfig, SpeculativeConfig
+    from mtplx.generation import Engine
+
+    _, depth, lookup, attrs = setting
+    spec = (SpeculativeConfig(method="none") if depth is None else
+            SpeculativeConfig(method="mtp", depth=depth, mtp_head=head, mtp_lookup=lookup))
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
+    for k, v in attrs.items():
+        if not hasattr(eng, k):
+            raise SystemExit(f"--settings: the Engine has no attribute {k!r} (setting {setting[0]!r})")
+        setattr(eng, k, type(getattr(eng, k))(v) if isinstance(getattr(eng, k), (bool, int)) else v)
+    return eng
+
+
+def timed_run(eng, reqs):
+    from .common import sync
+
+    split = _split_timers(eng) if eng.drafter is not None else None
+    rounds0 = eng.counters["rounds"]
+    sync()
+    t0 = time.perf_counter()
+    res = list(eng.generate(reqs))
+    sync()
+    dt = time.perf_counter() - t0
+    for name in ("_launch", "_read", "_land"):
+        eng.__dict__.pop(name, None)
+    rounds = eng.counters["rounds"] - rounds0
+    n = sum(len(r.tokens) for r in res)
+    out = {"tok/s": n / dt, "ms/round": 1e3 * dt / max(rounds, 1), "rounds": rounds, "tokens": n,
+           "texts": {r.key: list(r.tokens) for r in res}}
+    if split is not None:
+        verifies = sum(r.stats.verify_calls for r in res)
+        out["tokens/verify"] = (sum(r.stats.accepted_tokens for r in res) + verifies) / max(verifies, 1)
+        out.update({f"{k} ms": 1e3 * v / max(rounds, 1) for k, v in split.items()})
+    return out
+
+
+def trace(eng, reqs):
+    """One run under torch.profiler: kernels, GPU busy / idle and the costliest kernels, per round."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .common import sync
+    from .step_overhead import analyse
+
+    rounds0 = eng.counters["rounds"]
+    with tempfile.TemporaryDirectory() as tmp:
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        sync()
+        prof.start()
+        list(eng.generate(reqs))
+        sync()
+        prof.stop()
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"), key=lambda e: e["ts"])
+    return analyse(kernels, max(eng.counters["rounds"] - rounds0, 1))
+
+
+def _summary(label, runs, plain_med):
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
+    tps = [r["tok/s"] for r in runs]
+    row = {"setting": label, "tok/s": med["tok/s"], "spread": f"{min(tps):.0f}-{max(tps):.0f}",
+           "x plain (medians)": med["tok/s"] / plain_med if plain_med else "-",
+           "ms/round": med["ms/round"], "runs": len(runs)}
+    for k in ("tokens/verify", "launch ms", "read ms", "land ms"):
+        row[k] = med.get(k, "-")  # (plain rounds are not split: their launch is a closure)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="round_cost's 30-layer width-64 random llama and random head (CPU)")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--head", default="heads/smollm2-135m-instruct")
+    ap.add_argument("--prompts", default="humaneval", help="a dataset name or .jsonl file (rows' `prompt`, chat-rendered)")
+    ap.add_argument("--heldout", action="store_true", help="only the rows of --prompts outside the head's training "
+                    "sample (`sample_rows` in its mtp_head.json): the job's held-out rows")
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--width", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--settings", default="plain,3,3l2", help="comma-separated: plain | DEPTH[lN][:attr=value...]")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--trace", action="store_true", help="CUDA: a kernel trace of one run of each of the first two settings")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.trace:
+        try:
+            import torch  # noqa: F401 (before MLX's first kernel, so CUPTI sees the whole context)
+        except ImportError:
+            print("--trace: torch is not installed; no trace", flush=True)
+            args.trace = False
+    import mlx.core as mx
+
+    from mtplx.request import Request, SamplingParams
+
+    from .common import device_name, table
+    from .round_cost import real_setup, tiny_setup
+    from .real_models import load_prompts
+
+    settings = [parse_setting(s) for s in args.settings.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.tiny:
+            bundle, head, prompts = tiny_setup(Path(tmp))
+        else:
+            bundle, head, _ = real_setup(args.model, args.head, None)
+            prompts = load_prompts(args.prompts, bundle.tokenizer, 1000)
+            if args.heldout:
+                seen = set(json.loads((Path(head) / "mtp_head.json").read_text()).get("sample_rows", []))
+                prompts = [p for i, p in enumerate(prompts) if i not in seen]
+        reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=args.tokens))
+                for i, p in enumerate(prompts[: args.rows])]
+        print(f"device: {device_name()}; width {args.width}, {len(reqs)} rows x {args.tokens} tokens; "
+              f"settings {args.settings}, {args.repeats} repeats interleaved", flush=True)
+        engines = {}
+        for s in settings:  # each warmed once: every program and kernel its runs need exists
+            t0 = time.perf_counter()
+            engines[s[0]] = eng = make_engine(bundle, head, s, args.width)
+            list(eng.generate(reqs))
+            print(f"warm-up {s[0]}: {time.perf_counter() - t0:.2f} s", flush=True)
+        runs = {s[0]: [] for s in settings}
+        reference = None
+        same = {s[0]: 0 for s in settings}
+        for rep in range(args.repeats):
+            for s in settings:
+                r = timed_run(engines[s[0]], reqs)
+                texts = r.pop("texts")
+                reference = reference or texts
+                same[s[0]] += texts == reference
+                runs[s[0]].append(r)
+                print(f"repeat {rep + 1} {s[0]}: {r['tok/s']:.1f} tok/s, {r['ms/round']:.2f} ms/round", flush=True)
+            plain_med = statistics.median(r["tok/s"] for r in runs[settings[0][0]]) if settings[0][1] is None else None
+            rows = [_summary(s[0], runs[s[0]], plain_med) for s in settings]
+            for row in rows:
+                row["texts = first setting's"] = f"{same[row['setting']]}/{len(runs[row['setting']])}"
+            print(table(rows), flush=True)
+        result = {"device": device_name(), "args": vars(args), "runs": runs, "summary": rows}
+        if args.trace and mx.default_device().type == mx.DeviceType.gpu:
+            result["trace"] = {}
+            for s in settings[:2]:
+                t = trace(engines[s[0]], reqs)
+                result["trace"][s[0]] = t
+                top = list(t.get("by kernel", {}).items())[:14]
+                print(f"trace {s[0]}: {t.get('kernels', 0)} kernels; per round: span {t.get('span us/step', 0):.0f} us, "
+                      f"busy {t.get('busy us/step', 0):.0f}, idle {t.get('idle us/step', 0):.0f}; gaps {t.get('gap us/step by size')}",
+                      flush=True)
+                for name, k in top:
+                    print(f"   {name}: {k['per step']} a round, {k['us/step']} us a round ({k['us each']} us each)", flush=True)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "round_trace.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
