@@ -103,6 +103,21 @@ def _time_prefill(eng):
     return spent
 
 
+def _time_reads(eng):
+    """Seconds the host spends inside the speculative rounds' reads (blocked on the device)."""
+    spent = [0.0]
+    inner = eng._read
+
+    def timed(flight):
+        t0 = time.perf_counter()
+        out = inner(flight)
+        spent[0] += time.perf_counter() - t0
+        return out
+
+    eng._read = timed
+    return spent
+
+
 def _time_full(eng, total: int):
     """Tokens as they come out (decode and first tokens) and when the last of `total` requests was
     admitted: the `full` columns are the rate until then, while finished rows are still replaced
@@ -180,6 +195,7 @@ def measure(eng, reqs, profile=None, graph=False) -> dict:
     gc.collect()  # not inside the timed run
     prefill = _time_prefill(eng)
     full = _time_full(eng, len(reqs))
+    waited = _time_reads(eng)
     sync()
     with EvalCounter() as evals:
         if profile is not None:
@@ -193,7 +209,7 @@ def measure(eng, reqs, profile=None, graph=False) -> dict:
     rounds = eng.counters["rounds"] - rounds0
     built = eng._programs_built() - built0 if eng.drafter is not None else "-"
     eng.on_progress = None
-    for name in ("_admit", "_round", "_plain_rounds"):  # _time_full's wrappers
+    for name in ("_admit", "_round", "_plain_rounds", "_read"):  # _time_full's and _time_reads' wrappers
         eng.__dict__.pop(name, None)
     eng.prefiller.__dict__.pop("run", None)  # _time_prefill's
     reads = eng.counters["host_reads"]
@@ -217,6 +233,9 @@ def measure(eng, reqs, profile=None, graph=False) -> dict:
             # after the last row was admitted: the part-empty rounds as the batch empties
             "tail s": t0 + dt - f_end if f_rounds > rounds0 else "-",
             "ms/round": 1e3 * decode / max(rounds, 1),
+            # the host blocked in a speculative round's one read, waiting for the device: near 0 when the
+            # host's queueing is what bounds a round (launch-bound), near ms/round when the device is
+            "wait ms/round": 1e3 * waited[0] / max(rounds, 1) if eng.drafter is not None else "-",
             "evals/round": evals.calls / max(rounds, 1),
             "tokens/verify": (sum(r.stats.accepted_tokens for r in res) + verifies) / verifies if verifies else 1.0,
             "mean depth": sum(r.stats.draft_depth for r in res) / len(res),
@@ -333,7 +352,8 @@ def summarize(settings: List[Setting], runs: List[List[dict]], warm: List[float]
                     "x plain tok/s": _med(ratio), "x plain spread": _spread(ratio),
                     "runs >= 1.2x": f"{sum(x >= 1.2 for x in ratio)}/{n}" if s is not settings[0] else "-",
                     "x plain full tok/s": _med(full), "x full spread": _spread(full),
-                    "ms/round": _med([r["ms/round"] for r in rs]), "rounds": _med([r["rounds"] for r in rs]),
+                    "ms/round": _med([r["ms/round"] for r in rs]), "wait ms/round": _med([r["wait ms/round"] for r in rs]),
+                    "rounds": _med([r["rounds"] for r in rs]),
                     "tok/round": _med([r["tok/round"] for r in rs]), "admissions": _med([r["admissions"] for r in rs]),
                     "drains": _med([r["drains"] for r in rs]), "prefill s": _med([r["prefill s"] for r in rs]),
                     "tail s": _med([r["tail s"] for r in rs]), "tokens/verify": _med([r["tokens/verify"] for r in rs]),

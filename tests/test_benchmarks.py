@@ -295,7 +295,7 @@ def test_round_cost_interleaved_pairs_each_run_with_plains_of_its_round(tmp_path
     from benchmarks.round_cost import PLAIN, interleaved, setting, summarize, tiny_setup
 
     head = "h"
-    fake = lambda tok_s: {"tok/s": tok_s, "full tok/s": "-", "ms/round": 1.0, "rounds": 3, "tok/round": 2.0,
+    fake = lambda tok_s: {"tok/s": tok_s, "full tok/s": "-", "ms/round": 1.0, "wait ms/round": "-", "rounds": 3, "tok/round": 2.0,
                           "admissions": 1, "drains": 1, "prefill s": 0.1, "tail s": "-", "tokens/verify": 1.0,
                           "new programs": 0, "texts": {0: [1, 2]}}
     mtp = setting("3n", head)
