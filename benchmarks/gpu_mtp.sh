@@ -5,7 +5,7 @@
 # part 2, gguf wheel, humaneval + gsm8k-100 jsonl), .gpu-c / .gpu-d (the SmolLM2 GGUF in two parts);
 # a call per folder runs `cp .gpu-X/* ~/keep/`, and the next two steps follow on the same machine.
 #
-#   bash benchmarks/gpu_mtp.sh train   # install, assets, train-head (the recipe, <= 8.5 min in all) -> ~/keep/head and $OUT
+#   bash benchmarks/gpu_mtp.sh train   # install, assets, train-head (the recipe, <= 7 min in all) -> ~/keep/head and $OUT
 #   bash benchmarks/gpu_mtp.sh bench   # HumanEval rows the head never saw + GSM8K: ours vs mlx-lm; phase profile
 #   bash benchmarks/gpu_mtp.sh round   # the shipped head: MTP 3 (pipelined; + lookup 2) vs plain vs mlx-lm, widths 1/32/8, HumanEval held out + GSM8K, phases at 1
 #   bash benchmarks/gpu_mtp.sh lookup  # the shipped head: mtp vs mtp + lookup fallback vs ngram vs plain vs mlx-lm, HumanEval held out + GSM8K
@@ -42,7 +42,7 @@ EOF
 }
 
 case "${1:-}" in
-train)  # the recipe, data + training + held-out evaluation, under one hard limit (TOTAL, 500 s) -> $OUT
+train)  # the recipe, data + training + held-out evaluation, under one hard limit (TOTAL, 400 s) -> $OUT
   # Sizes are env vars so the same step dry-runs on a CPU with tiny ones (install and asset copies are
   # skipped where their files are absent, as on a CPU).
   if [ ! -d ~/site/mlx ] && [ -f "$KEEP/cuda-aa" ]; then
@@ -58,19 +58,21 @@ train)  # the recipe, data + training + held-out evaluation, under one hard limi
   python3 -c "import mlx.core as mx; print(mx.default_device())"
   # The recipe (docs/train-head.md): 100 sampled rows of the job with greedy + 8 sampled continuations
   # each, up to 3000 stdlib functions (signature + docstring) and 2000 stdlib docstrings asked about
-  # in words (the stdlib has ~2300 of each), each greedy + 1 sampled, all generated together 128 rows
-  # at a time and cut 120 s after the first continuation finished (on a fresh host that first one
-  # waits ~170 s for kernel builds; session 5's run: 3.7k tok/s, 560k tokens in 150 s); 200k tokens
-  # of stdlib source; depths 1-3 unrolled, KL to the trunk over the 8192-token drafting vocabulary; GSM8K held out as the second dataset. Batches of 32 x
-  # 448; --fit-steps times steps 5-25 and fits the cosine schedule (at most 6000 steps) to end
-  # before 440 s from the start, where training stops anyway (evaluated and written either way);
-  # the whole command is cut at TOTAL.
-  time timeout "${TOTAL:-500}" python3 -m pipelines.cli train-head $MODEL --data jobs/eval.yaml --sample "${SAMPLE:-100}" \
+  # in words (the stdlib has ~2300 of each), each greedy + 1 sampled, all generated together 256 rows
+  # at a time and cut 170 s after the first continuation finished (on a fresh host that first one
+  # waits ~170 s for kernel builds; session 5's run: 3.7k tok/s at 128 rows, 560k tokens in 150 s); 200k
+  # tokens of stdlib source; depths 1-3 unrolled, KL to the trunk over the 8192-token drafting vocabulary;
+  # GSM8K held out as the second dataset. Batches of 32 x 448, each step in bfloat16 over float32 weights
+  # (--train-dtype auto; session 5's float32 step: 0.066 s); --fit-steps times steps 5-25 and fits the
+  # cosine schedule (at most 12000 steps) to end before 365 s from the start, where training stops
+  # anyway (evaluated and written either way); the whole command is cut at TOTAL (400 s, inside a 7-minute
+  # device call).
+  time timeout "${TOTAL:-400}" python3 -m pipelines.cli train-head $MODEL --data jobs/eval.yaml --sample "${SAMPLE:-100}" \
     --samples-per-prompt "${SPP:-8}" --max-new-tokens "${NEW:-192}" --prompts "stdlib-code:${CODE:-3000}" \
-    --prompts "stdlib-chat:${CHAT:-2000}" --gen-batch "${GEN_BATCH:-128}" --data-seconds "${DATA_SECONDS:-120}" \
+    --prompts "stdlib-chat:${CHAT:-2000}" --gen-batch "${GEN_BATCH:-256}" --data-seconds "${DATA_SECONDS:-170}" \
     --text stdlib --text-tokens "${TEXT_TOKENS:-200000}" --heldout-data jobs/gsm8k.yaml --heldout-rows 32 \
-    --steps "${STEPS:-6000}" --fit-steps --batch-size "${BATCH:-32}" --seq-len "${SEQ:-448}" --draft-depths 3 --hidden-weight 0.1 \
-    --eval-every "${EVAL_EVERY:-250}" --checkpoint-every 500 --max-seconds "${MAX_SECONDS:-440}" --out "$HEAD" --restart 2>&1 \
+    --steps "${STEPS:-12000}" --fit-steps --batch-size "${BATCH:-32}" --seq-len "${SEQ:-448}" --draft-depths 3 --hidden-weight 0.1 \
+    --eval-every "${EVAL_EVERY:-500}" --checkpoint-every 500 --max-seconds "${MAX_SECONDS:-365}" --out "$HEAD" --restart 2>&1 \
     | grep --line-buffered -v "^\s*$" | while IFS= read -r line; do echo "$(date +%T) $line"; done | tee "$OUT/train.log"
   cp "$HEAD"/mtp_head.json "$HEAD"/mtp_head.safetensors "$HEAD"/mtp_draft_vocab.npy "$OUT"/ 2>/dev/null
   ls -la "$OUT" | tee -a "$OUT/train.log"

@@ -130,6 +130,8 @@ class MTPHead(nn.Module):
             if caches and caches[0] is not None:
                 pos = _leaves(caches[0])[0].rows.device[:, None] + pos
             e = mx.where((pos == 0)[..., None], mx.zeros_like(e), e)
+        if e.dtype != self.norm_embedding.weight.dtype:  # training in bfloat16 over a float16 trunk: compute in the head's dtype
+            e = e.astype(self.norm_embedding.weight.dtype)
         e = self.norm_embedding(e)
         parts = [self.norm_hidden(hidden), e] if self.hidden_first else [e, self.norm_hidden(hidden)]
         x = self.fc(mx.concatenate(parts, axis=-1))

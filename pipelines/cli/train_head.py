@@ -19,12 +19,12 @@ Examples:
   mtplx-batch train-head models/smollm2 --data corpus.txt --out heads/smollm2 --steps 2000
   mtplx-batch train-head models/smollm2 --data prompts.jsonl --out heads/smollm2 --max-new-tokens 128
   # the recipe (docs/train-head.md): a sample of the job with greedy + 8 sampled continuations,
-  # general prompts from the stdlib (code and chat), generated 128 rows at a time for at most 120 s,
-  # general text, depths 1-3 unrolled, a second dataset held out, training cut at 440 s
+  # general prompts from the stdlib (code and chat), generated 256 rows at a time for at most 170 s,
+  # general text, depths 1-3 unrolled, a second dataset held out, training cut at 365 s
   mtplx-batch train-head smollm2-135m-instruct --data jobs/eval.yaml --sample 100 --samples-per-prompt 8 \
-      --max-new-tokens 192 --prompts stdlib-code:3000 --prompts stdlib-chat:2000 --gen-batch 128 \
-      --data-seconds 120 --text stdlib --heldout-data jobs/gsm8k.yaml --steps 6000 --fit-steps --batch-size 32 \
-      --seq-len 448 --hidden-weight 0.1 --max-seconds 440 --out heads/smollm2
+      --max-new-tokens 192 --prompts stdlib-code:3000 --prompts stdlib-chat:2000 --gen-batch 256 \
+      --data-seconds 170 --text stdlib --heldout-data jobs/gsm8k.yaml --steps 12000 --fit-steps --batch-size 32 \
+      --seq-len 448 --hidden-weight 0.1 --max-seconds 365 --out heads/smollm2
 
 \b
 --data is a job YAML (its prompts + this model's own greedy continuations: self-distillation),
@@ -103,6 +103,9 @@ def _terminate_as_interrupt(signum, frame):
               help="Start the head's blocks at random, or as copies of the trunk's last layer.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="Stored trunk hidden states (auto: float32 on CPU, bfloat16 on GPU).")
+@click.option("--train-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="What a training step computes in (auto: bfloat16 on a GPU, float32 on a CPU). The head's "
+                   "parameters, optimizer state and evaluations stay float32 either way.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True,
               help="Steps between held-out evaluations.")
@@ -123,7 +126,7 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
                samples_per_prompt: int, temperature: float, prompts, gen_batch: int, data_seconds: Optional[float],
                text, text_tokens: int, heldout_data: Optional[str],
                heldout_rows: int, loss: str, hidden_weight: float, draft_vocab: int, init: str,
-               dtype: str, seed: int, eval_every: int, checkpoint_every: int, max_seconds: Optional[float], fit_steps: bool,
+               dtype: str, train_dtype: str, seed: int, eval_every: int, checkpoint_every: int, max_seconds: Optional[float], fit_steps: bool,
                gguf_mode: str,
                restart: bool, quiet: bool):
     """Train a multi-token-prediction head for MODEL (it predicts token t+2 from the trunk's hidden
@@ -135,7 +138,7 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
     from ..io.train_data import read_train_data
 
     cfg = TrainConfig(depth_layers=depth_layers, draft_depths=draft_depths, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
-                      heldout=heldout, max_rows=max_rows, max_new_tokens=max_new_tokens, init=init, dtype=dtype,
+                      heldout=heldout, max_rows=max_rows, max_new_tokens=max_new_tokens, init=init, dtype=dtype, train_dtype=train_dtype,
                       seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every, sample=sample,
                       samples_per_prompt=samples_per_prompt, temperature=temperature, prompts=tuple(prompts),
                       gen_batch=gen_batch, data_seconds=data_seconds, text=tuple(text),
