@@ -87,3 +87,33 @@ def test_train_dtype_is_checked():
 
     with pytest.raises(TrainHeadError, match="train_dtype must be auto, float32 or bfloat16"):
         TrainConfig(train_dtype="float16").check()
+
+
+def test_a_backend_that_cannot_run_the_bfloat16_step_trains_in_float32(tiny_model, tmp_path, monkeypatch):
+    """The first bfloat16 step failing (a backend without some bfloat16 kernel) leaves the head and the
+    optimizer as they were and trains in float32 from there; mtp_head.json says which was used."""
+    import json
+
+    from mtplx.training import train_head as th
+
+    real = th._value_and_grad
+
+    def failing(head, loss_fn, dtype):
+        if dtype == mx.bfloat16:
+            def run(*args):
+                raise RuntimeError("no bfloat16 kernel here")
+            return run
+        return real(head, loss_fn, dtype)
+
+    monkeypatch.setattr(th, "_value_and_grad", failing)
+    bundle = load(tiny_model("llama"))
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(3, 500, size=int(rng.integers(20, 40))).tolist() for _ in range(16)]
+    cfg = dict(steps=10, batch_size=4, seq_len=64, lr=3e-3, eval_every=10, checkpoint_every=10)
+    lines = []
+    res = train_head(bundle, seqs, tmp_path / "a", TrainConfig(**cfg, train_dtype="bfloat16"), log=lines.append)
+    assert any("training step failed (no bfloat16 kernel here): training in float32" in l for l in lines)
+    assert json.loads((tmp_path / "a" / "mtp_head.json").read_text())["train_dtype"] == "float32"
+    # the same run as one asked for float32 from the start
+    ref = train_head(bundle, seqs, tmp_path / "b", TrainConfig(**cfg, train_dtype="float32"))
+    assert res.heldout_loss == pytest.approx(ref.heldout_loss, abs=1e-5)

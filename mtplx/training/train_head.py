@@ -467,19 +467,33 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         log(f"untrained head: held-out loss {l0:.4f}, acceptance {a0:.3f} ({time.monotonic() - started:.0f}s; "
             f"training steps compute in {str(step_dtype).split('.')[-1]})")
 
-    loss_and_grad = _value_and_grad(head, _loss, step_dtype)
+    # on a GPU every step gets the one shape (each new shape builds kernels); on a CPU the padding costs more
+    fixed = padded_length(cfg.seq_len) if mx.default_device() == mx.gpu else None
+    mixed = {"dtype": step_dtype, "grad": _value_and_grad(head, _loss, step_dtype)}
 
-    def train_step(batch):
-        hidden, tok, tgt, m, _, teacher = batch
-        loss, grads = loss_and_grad(head, hidden, tok, tgt, m, cfg.draft_depths, teacher, cfg.loss, cfg.hidden_weight,
+    def train_step(chosen):
+        hidden, tok, tgt, m, _, teacher = _batch(train_f, chosen, mixed["dtype"], fixed)
+        loss, grads = mixed["grad"](head, hidden, tok, tgt, m, cfg.draft_depths, teacher, cfg.loss, cfg.hidden_weight,
                                     draft, index)
         if cfg.grad_clip:
             grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
         opt.update(head, grads)
+        mx.eval(loss, head.parameters(), opt.state)
         return loss
 
-    # on a GPU every step gets the one shape (each new shape builds kernels); on a CPU the padding costs more
-    fixed = padded_length(cfg.seq_len) if mx.default_device() == mx.gpu else None
+    def first_step(chosen):
+        """The run's first step; where this backend cannot run a bfloat16 step, float32 from here on."""
+        kept = (head.trainable_parameters(), tree_map(lambda x: x, opt.state))
+        try:
+            return train_step(chosen)
+        except (RuntimeError, ValueError) as e:
+            if mixed["dtype"] == mx.float32:
+                raise
+            log(f"a {str(mixed['dtype']).split('.')[-1]} training step failed ({e}): training in float32")
+            head.update(kept[0])
+            opt.state = kept[1]
+            mixed.update(dtype=mx.float32, grad=_value_and_grad(head, _loss, mx.float32))
+            return train_step(chosen)
     last_eval = history[-1]
     bar = _bar(total, "train-head", not quiet)
     bar.update(step)
@@ -494,8 +508,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                 log(f"time limit of {cfg.max_seconds:.0f}s reached at step {step} of {total}")
                 break
             idx = rng.choice(len(train_idx), size=min(cfg.batch_size, len(train_idx)), replace=False)
-            loss = train_step(_batch(train_f, sorted(int(i) for i in idx), step_dtype, fixed))
-            mx.eval(loss, head.parameters(), opt.state)
+            loss = (first_step if step == resumed_from else train_step)(sorted(int(i) for i in idx))
             step += 1
             if fitting and step == probe[0]:
                 probe = (probe[0], probe[1], time.monotonic())
@@ -559,6 +572,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         "heldout_tokens_per_verify": held_report["tokens_per_verify"],
         "heldout_replayed_tokens_per_verify": held_report["replayed_tokens_per_verify"],
         "heldout_other": other_meta,
+        "train_dtype": str(mixed["dtype"]).split(".")[-1],  # what the training steps computed in
         "draft_vocab": None if vocab is None else len(vocab),
         "data": tdata.source,
         "data_digest": tdata.digest(),
