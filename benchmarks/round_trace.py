@@ -17,9 +17,10 @@ A setting is `plain`, or an MTP depth (`3`), with `lN` for speculative.mtp_looku
 Per MTP round the host's split: ms queueing a round (`_launch`: graph building, program calls,
 async_eval), ms waiting for a round's read (`_read`: the device behind the host when large, ~0 when the
 host is the bottleneck) and ms landing it (`_land`: bookkeeping, emit). `--trace` (CUDA, torch
-installed) then runs each of the first two settings once more under torch.profiler (CUPTI sees MLX's
-kernels) and prints per round: kernels, GPU-busy and idle microseconds, and the costliest kernel names,
-so what an MTP round adds over a plain round shows by kernel.
+installed) then runs each of the first two settings once more (its first --trace-rows rows) under
+torch.profiler (CUPTI sees MLX's kernels) and prints per round: kernels, GPU-busy and idle microseconds,
+and the costliest kernel names, so what an MTP round adds over a plain round shows by kernel; every
+kernel and CUDA runtime call of those runs is written to trace-0/1.json.gz for a look round by round.
 
 Writes round_trace.json to --out.
 """
@@ -68,8 +69,6 @@ def _split_timers(eng):
 
 
 def make_engine(bundle, head: str, setting, width: int):
-    import mlx.core as mx  # noqa: F401
-
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine
 
@@ -107,8 +106,10 @@ def timed_run(eng, reqs):
     return out
 
 
-def trace(eng, reqs):
-    """One run under torch.profiler: kernels, GPU busy / idle and the costliest kernels, per round."""
+def trace(eng, reqs, save=None):
+    """One run under torch.profiler: kernels, GPU busy / idle and the costliest kernels, per round;
+    `save`: a .json.gz path for every kernel and CUDA runtime call [category, name, start us, us]
+    (the runtime calls are the host's launches and waits: a round's read is a synchronize)."""
     from torch.profiler import ProfilerActivity, profile
 
     from .common import sync
@@ -126,6 +127,14 @@ def trace(eng, reqs):
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
     kernels = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"), key=lambda e: e["ts"])
+    if save is not None:
+        import gzip
+
+        kept = sorted(([e.get("cat"), e.get("name", "")[:120], e["ts"], e.get("dur", 0)] for e in events
+                       if e.get("ph") == "X" and e.get("cat") in ("kernel", "cuda_runtime", "cuda_driver", "gpu_memcpy", "gpu_memset")),
+                      key=lambda e: e[2])
+        with gzip.open(save, "wt") as f:
+            json.dump({"rounds": eng.counters["rounds"] - rounds0, "events": kept}, f)
     return analyse(kernels, max(eng.counters["rounds"] - rounds0, 1))
 
 
@@ -154,6 +163,7 @@ def main():
     ap.add_argument("--settings", default="plain,3,3l2", help="comma-separated: plain | DEPTH[lN][:attr=value...]")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--trace", action="store_true", help="CUDA: a kernel trace of one run of each of the first two settings")
+    ap.add_argument("--trace-rows", type=int, default=1, help="rows in each traced run (the first ones)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.trace:
@@ -207,21 +217,26 @@ def main():
                 row["texts = first setting's"] = f"{same[row['setting']]}/{len(runs[row['setting']])}"
             print(table(rows), flush=True)
         result = {"device": device_name(), "args": vars(args), "runs": runs, "summary": rows}
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "round_trace.json").write_text(json.dumps(result, indent=1, default=str))
         if args.trace and mx.default_device().type == mx.DeviceType.gpu:
-            result["trace"] = {}
-            for s in settings[:2]:
-                t = trace(engines[s[0]], reqs)
-                result["trace"][s[0]] = t
+            for i, s in enumerate(settings[:2]):
+                save = None if not args.out else Path(args.out) / f"trace-{i}.json.gz"
+                try:
+                    t = trace(engines[s[0]], reqs[: args.trace_rows], save)
+                except Exception as e:  # the timings above stand; say why there is no trace
+                    print(f"trace {s[0]}: failed: {type(e).__name__}: {e}", flush=True)
+                    continue
+                result.setdefault("trace", {})[s[0]] = t
                 top = list(t.get("by kernel", {}).items())[:14]
                 print(f"trace {s[0]}: {t.get('kernels', 0)} kernels; per round: span {t.get('span us/step', 0):.0f} us, "
                       f"busy {t.get('busy us/step', 0):.0f}, idle {t.get('idle us/step', 0):.0f}; gaps {t.get('gap us/step by size')}",
                       flush=True)
                 for name, k in top:
                     print(f"   {name}: {k['per step']} a round, {k['us/step']} us a round ({k['us each']} us each)", flush=True)
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "round_trace.json").write_text(json.dumps(result, indent=1, default=str))
-
+            if args.out:
+                (Path(args.out) / "round_trace.json").write_text(json.dumps(result, indent=1, default=str))
 
 if __name__ == "__main__":
     sys.exit(main())

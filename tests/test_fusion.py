@@ -104,3 +104,37 @@ def test_one_group_stacks_alone_and_keeps_the_logits(qwen3, group, per_layer):
     assert unstack(qwen3) == per_layer * len(qwen3.model.layers)
     for a, b in zip(got, ref):
         assert np.array_equal(a, b)
+
+
+def test_the_mtp_heads_blocks_stack_as_the_trunks_and_draft_the_same(tiny_model, tmp_path, monkeypatch):
+    """Where the trunk's projections are stacked, the MTP head's block is too (its draft steps are
+    one-row products, as a plain step is): the same drafts and acceptance, plain decoding's text."""
+    import mtplx.fusion as fusion
+    import mtplx.generation as generation
+    from mtplx.config import ScheduleConfig, SpeculativeConfig
+    from mtplx.fusion import unstack
+    from mtplx.request import Request, SamplingParams
+    from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
+
+    from tiny_models import reference_tokens
+
+    bundle = load(tiny_model("llama"))
+    head = save_sidecar(bundle, _init_head(bundle.model, TrainConfig(seed=3)), tmp_path / "head", {})
+    prompts = [[5, 9, 13, 5, 9, 13, 5], [7, 3, 7, 3, 7, 3, 7, 3], [11, 12]]
+    eos = set(bundle.tokenizer.eos_token_ids)
+    refs = [reference_tokens(bundle.model, p, 12, eos) for p in prompts]
+
+    def run(stack):
+        monkeypatch.setattr(fusion, "stacking_pays", lambda: stack)
+        eng = generation.Engine(bundle, SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, compiled_verify="on",
+                                                          mtp_head=str(head)), ScheduleConfig(max_batch=1))
+        out = {r.key: r for r in eng.generate([Request(i, list(p), SamplingParams(max_tokens=12)) for i, p in enumerate(prompts)])}
+        return eng, [(out[i].tokens, out[i].stats.accepted_tokens, out[i].stats.accepted_by_depth) for i in range(len(prompts))]
+
+    eng, stacked = run(True)
+    assert eng.decode_paths["head_stacked_projections"] == 5 * len(eng.drafter.head.layers)
+    assert any(isinstance(m, fusion.StackedPart) for _, m in eng.drafter.head.named_modules())
+    unstack(bundle.model)
+    _, plain = run(False)
+    assert [t for t, _, _ in stacked] == refs
+    assert stacked == plain
