@@ -127,6 +127,13 @@ def trace(eng, reqs, save=None):
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
     kernels = sorted((e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"), key=lambda e: e["ts"])
+    rounds = max(eng.counters["rounds"] - rounds0, 1)
+    calls = {}  # the host's CUDA runtime calls (graph instantiations vs updates vs launches, syncs, copies)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            c = calls.setdefault(e.get("name", "?"), [0, 0.0])
+            c[0] += 1
+            c[1] += e.get("dur", 0)
     if save is not None:
         import gzip
 
@@ -134,8 +141,11 @@ def trace(eng, reqs, save=None):
                        if e.get("ph") == "X" and e.get("cat") in ("kernel", "cuda_runtime", "cuda_driver", "gpu_memcpy", "gpu_memset")),
                       key=lambda e: e[2])
         with gzip.open(save, "wt") as f:
-            json.dump({"rounds": eng.counters["rounds"] - rounds0, "events": kept}, f)
-    return analyse(kernels, max(eng.counters["rounds"] - rounds0, 1))
+            json.dump({"rounds": rounds, "events": kept}, f)
+    out = analyse(kernels, rounds)
+    out["runtime calls"] = {k: {"per round": round(n / rounds, 2), "us/round": round(t / rounds, 1)}
+                            for k, (n, t) in sorted(calls.items(), key=lambda kv: -kv[1][1])}
+    return out
 
 
 def _summary(label, runs, plain_med):
@@ -235,6 +245,8 @@ def main():
                       flush=True)
                 for name, k in top:
                     print(f"   {name}: {k['per step']} a round, {k['us/step']} us a round ({k['us each']} us each)", flush=True)
+                for name, c in list(t.get("runtime calls", {}).items())[:10]:
+                    print(f"   host {name}: {c['per round']} a round, {c['us/round']} us a round", flush=True)
             if args.out:
                 (Path(args.out) / "round_trace.json").write_text(json.dumps(result, indent=1, default=str))
 
