@@ -86,16 +86,18 @@ class EvalCounter:
 
 
 def _time_prefill(eng):
-    """Wrap the engine's prefill in a timer, synchronized at its end (prefill reads its tokens anyway) but
-    not at its start: a round may still run on the device then, and waiting for it here would stop the
-    host from building the prefill's graphs meanwhile."""
+    """Wrap the engine's prefill in a timer: the host's time inside it, not synchronized at its start (a
+    round may still run on the device then, and waiting for it here would stop the host from building the
+    prefill's graphs meanwhile) nor at its end (an admission behind a round in flight does not read its
+    first tokens there: the round they join is queued first). Where the prefill reads its first tokens
+    (the first admission, a drained batch's, `defer_first_read` off) it holds the device's prefill and
+    the round queued before it."""
     spent = [0.0]
     inner = eng.prefiller.run
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
         out = inner(*args, **kwargs)
-        sync()
         spent[0] += time.perf_counter() - t0
         return out
 

@@ -301,7 +301,7 @@ class Engine(SpeculativeRounds):
         """Results as rows finish, in any order; `max_batch` rows in flight while rows remain."""
         if self.drafter is not None:
             self.drafter.reset()
-        self._carried = None
+        self._carried = self._joining = None
         batch = _Batch(iter(requests))
         while True:
             # Fill free slots, then widen up to max_batch; repeat while rows finish at prefill.
@@ -358,11 +358,29 @@ class Engine(SpeculativeRounds):
             self.bank.set_budget(max([before] + [len(s.req.prompt_tokens) + s.max_tokens + self.ahead_tokens
                                                  for s in live + admitted]))
         grow, finished_early = [], False
-        prefilled = self.prefiller.run(admitted, self.drafter)
+        # Behind a round in flight (a full batch: every free slot is a vacated one) the first tokens
+        # are not read here: the round the rows join is queued from them on the device first, and
+        # they are read after it (SpeculativeRounds._land_joined), so the device does not wait for
+        # the host between the prefill and that round.
+        defer = self._carried is not None and self.defer_first_read and len(slots) >= self.max_batch
+        if defer:
+            prefilled, firsts = self.prefiller.run(admitted, self.drafter, read=False)
+        else:
+            prefilled = self.prefiller.run(admitted, self.drafter)
         if self.bank is not None:
             self.bank.note_restored(sum(r.stats.cached_prompt_tokens for r in admitted))
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()  # the startup phases end here
+        if defer:
+            placed = list(zip(free, admitted))
+            for slot, (row, (row_cache, state, _)) in zip(free, zip(admitted, prefilled)):
+                slots[slot] = row
+                if self.drafter is not None:
+                    self.drafter.write(slot, state)
+            batch.cache.put_rows([s for s, _ in placed], [c for c, _, _ in prefilled])
+            self._joining = (firsts, placed)
+            self._start(batch.cache)
+            return False
         self._progress("decode", sum(1 for _, _, first in prefilled if first not in self.eos))
         fills = []  # (slot, the row's cache): placed together, one gather per prefill group and layer
         for row, (row_cache, state, first) in zip(admitted, prefilled):

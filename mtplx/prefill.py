@@ -185,10 +185,13 @@ class Prefiller:
         u = mx.array(np.array([uniforms(r.rng) for r in rows], dtype=np.float32))
         return sample_from(shaped_probs(logits, sampler)[:, 0], u).astype(mx.int32)
 
-    def run(self, rows, drafter=None) -> List[Tuple[CacheRow, object, int]]:
+    def run(self, rows, drafter=None, read: bool = True):
         """Prefill `rows`; returns (the row's cache, `drafter`'s state, first token) per row. Rows
         prefilled together stay in their group's cache (a CacheRow points there) until the engine
-        places them, so each row's KV is copied once, with its group's, not row by row."""
+        places them, so each row's KV is copied once, with its group's, not row by row. `read`
+        False: (that list, the rows' first tokens as a [len(rows)] device array), the first tokens
+        not read where nothing here needs them (the engine queues the round the rows join first);
+        a row's third item is then its token where it was read anyway, else None."""
         out = [None] * len(rows)
         keys = [PrefixStore.key(r.req.prompt_tokens, self._edge(r)) for r in rows]
         seen = set()
@@ -209,18 +212,28 @@ class Prefiller:
                 firsts = np.array(firsts).tolist()
             states = self._head_states(drafter, [rows[i] for i in members], results, firsts)
             groups.append((members, results, firsts, states))
-        if groups and self.one_read:
-            read = np.array(mx.concatenate([g[2] for g in groups])).tolist()
+        # a drafter without a batched prefill takes each row's first token on the host (prefill_row)
+        host = read or (drafter is not None and any(st is None for g in groups for st in g[3]))
+        device = None
+        if not read:  # every row's first token in row order, on the device
+            parts = [mx.array([out[i][2] for i in alone], dtype=mx.int32)] if alone else []
+            parts += [g[2] if isinstance(g[2], mx.array) else mx.array(g[2], dtype=mx.int32) for g in groups]
+            order = alone + [i for g in groups for i in g[0]]
+            where = np.argsort(np.asarray(order, dtype=np.int64)).astype(np.int32)
+            device = mx.take(mx.concatenate(parts), mx.array(where)) if parts else mx.zeros((0,), mx.int32)
+        if groups and host and self.one_read:
+            read_all = np.array(mx.concatenate([g[2] for g in groups])).tolist()
             at = 0
             for g, (members, results, firsts, states) in enumerate(groups):
-                groups[g] = (members, results, read[at : at + len(members)], states)
+                groups[g] = (members, results, read_all[at : at + len(members)], states)
                 at += len(members)
         for members, results, firsts, states in groups:
-            for i, res, first, state in zip(members, results, firsts, states):
+            for b, (i, res, state) in enumerate(zip(members, results, states)):
+                first = firsts[b] if isinstance(firsts, list) else None
                 out[i] = self._drafter_prefill(drafter, rows[i], keys[i], res[0], res[1], first, *res[2:], state=state)
         for row in rows:
             row.stats.prompt_tokens = len(row.req.prompt_tokens)
-        return out
+        return out if read else (out, device)
 
     def _restore(self, cache: BatchCache, rows, keys, reserve: int = 0) -> Tuple[List[int], List[Optional[tuple]]]:
         """Copy each row's stored prefix (if any) into `cache`: one gather per prefix and layer.

@@ -97,9 +97,10 @@ class SpeculativeRounds:
             current, plan = carried[0], None
             if all(s is None or s is r for s, r in zip(slots, current.rows)):
                 sampler, plan, pending = carried[1], current.plan, None  # no row joined: as if the call had not ended
-            else:  # rows that joined have no round in flight: their pending token is the host's
+            else:  # rows that joined have no round in flight: their pending token is their first, the
+                # host's, or on the device where it is not read yet (`_joining`)
                 joined = np.array([s is not None and s is not r for s, r in zip(slots, current.rows)])
-                pending = mx.where(mx.array(joined), pending, current.nxt)
+                pending = mx.where(mx.array(joined), self._joined_pending(pending, len(slots)), current.nxt)
         else:
             current, plan, pending = self._launch(slots, cache, sampler, pending, 0), None, None
         landed_at = self.clock()
@@ -113,10 +114,11 @@ class SpeculativeRounds:
             # (a round carried across an admission is not timed: the admission's prefill ran meanwhile)
             steady = (carried is None and following is not None and following.K == current.K)
             carried = pending = None
+            first = self._land_joined(slots, cache) if self._joining is not None else []  # queued behind `following`
             out = self._read(current)
             now = self.clock()
             steady = steady and self._programs_built() == built
-            finished = self._land(slots, cache, current, out, now - landed_at if steady else None)
+            finished = first + self._land(slots, cache, current, out, now - landed_at if steady else None)
             landed_at, built = now, built_next
             live = sum(s is not None for s in slots)
             free = len(slots) - live
@@ -149,6 +151,11 @@ class SpeculativeRounds:
             return
 
     _carried = None  # (the round in flight, its sampler) across an admission; None: the pipeline is empty
+    # rows placed behind the carried round whose first tokens are not read yet: (those tokens on the
+    # device, [(slot, row)]); read once the round they join is queued. `defer_first_read` False: an
+    # admission reads them before placing its rows (the path before session 8; benchmarks measure both)
+    _joining = None
+    defer_first_read = True
     refill_at = REFILL_AT  # a call returns for admission once 1/refill_at of the slots are free (benchmarks vary it)
     # the verify and the acceptance as one compiled program (graphbank.verify_round); benchmarks turn it
     # off (round_trace `:fold_accept=0`) to measure the path before, where acceptance ran op by op
@@ -163,13 +170,42 @@ class SpeculativeRounds:
         cache.rows.settle()  # exact host lengths again for admission and compaction
         self.drafter.settle()
 
+    def _joined_pending(self, pending: mx.array, W: int) -> mx.array:
+        """`pending` [W] with the rows of `_joining` at their first tokens (on the device, not read)."""
+        if self._joining is None:
+            return pending
+        firsts, placed = self._joining
+        at, mask = np.zeros(W, dtype=np.int32), np.zeros(W, dtype=bool)
+        for j, (slot, _) in enumerate(placed):
+            at[slot], mask[slot] = j, True
+        return mx.where(mx.array(mask), firsts[mx.array(at)], pending)
+
+    def _land_joined(self, slots, cache: BatchCache) -> List[Result]:
+        """Read the first tokens of the rows placed behind the carried round (the round they join is
+        queued by now) and emit them: a row that ends at its first token leaves its slot, and the
+        rounds queued with it drop what they made there when they are read (`_land`)."""
+        (firsts, placed), self._joining = self._joining, None
+        got = np.array(firsts).tolist()
+        self._progress("decode", sum(1 for f in got if f not in self.eos))
+        finished, idle = [], []
+        for (slot, row), first in zip(placed, got):
+            reason = self._emit(row, [first])
+            row.pending = first
+            if reason is not None:
+                slots[slot] = None
+                finished.append(self._finish(row, reason))
+                idle.append(slot)
+        self._vacate(cache, idle)
+        return finished
+
     def _land_carried(self, slots, cache: BatchCache) -> List[Result]:
         """Read and land the round carried across an admission (before the batch is narrowed, which
-        needs exact lengths): the pipeline is empty after it."""
+        needs exact lengths), and the first tokens of rows placed behind it: the pipeline is empty after it."""
         carried, self._carried = self._carried, None
         if carried is None:
             return []
-        finished = self._land(slots, cache, carried[0], self._read(carried[0]), None)
+        first = self._land_joined(slots, cache) if self._joining is not None else []
+        finished = first + self._land(slots, cache, carried[0], self._read(carried[0]), None)
         self._settle(cache)
         return finished
 
