@@ -2,11 +2,14 @@
 train-head's teacher-forced evaluation predicts for the same trunk continuations.
 
     python -m benchmarks.mtp_audit --head heads/smollm2-135m-instruct --data jobs/eval.yaml --rows 6 --tokens 96
+    python -m benchmarks.mtp_audit --head heads/smollm2-135m-instruct,NEW_HEAD --rows 64 --online-only  # heads side by side
 
 Rows are the job's rows outside the head's `sample_rows` (never trained on). The engine runs them
 at width 1, fixed depth, greedy; then the trunk runs once over prompt + the engine's output and
 the head is evaluated teacher-forced on those same positions (head_eval.acceptance_by_depth), and
 its per-position hits are replayed as the engine would walk them (head_eval.replayed_tokens_per_verify).
+Several heads (comma-separated) run one after another on the same rows with the model loaded once
+(their held-out rows must agree: the same sample), and a table of tokens per verify ends the run.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def offline(bundle, prompts, texts, head_dir, depth):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--head", default="heads/smollm2-135m-instruct")
+    ap.add_argument("--head", default="heads/smollm2-135m-instruct", help="a head directory, or several, comma-separated")
     ap.add_argument("--data", default="jobs/eval.yaml", help="the job whose rows outside the head's sample are used")
     ap.add_argument("--rows", type=int, default=6)
     ap.add_argument("--skip", type=int, default=0, help="held-out rows to skip first")
@@ -97,14 +100,28 @@ def main():
     from mtplx.models.loading import load
 
     bundle = load(args.model)
-    idx, prompts = heldout_prompts(args.data, args.head, bundle.tokenizer, args.rows, args.skip)
-    print(f"rows {idx}", flush=True)
-    on = online(bundle, prompts, args.head, args.depth, args.tokens, args.lookup)
-    print("online:", json.dumps({k: v for k, v in on.items() if k != "texts"}), flush=True)
-    if args.online_only:
-        return
-    off = offline(bundle, prompts, on["texts"], args.head, args.depth)
-    print("offline:", json.dumps(off), flush=True)
+    heads = args.head.split(",")
+    table = []
+    first = None
+    for head in heads:
+        idx, prompts = heldout_prompts(args.data, head, bundle.tokenizer, args.rows, args.skip)
+        if first is not None and idx != first:
+            raise SystemExit(f"{head}'s held-out rows differ from {heads[0]}'s: compare heads trained on the same sample")
+        first = idx
+        print(f"head {head}: rows {idx}", flush=True)
+        on = online(bundle, prompts, head, args.depth, args.tokens, args.lookup)
+        print("online:", json.dumps({k: v for k, v in on.items() if k != "texts"}), flush=True)
+        row = [head, len(idx), on["tokens"], f"{on['tokens_per_verify']:.3f}", " / ".join(map(str, on["accepted_per_verify"]))]
+        if not args.online_only:
+            off = offline(bundle, prompts, on["texts"], head, args.depth)
+            print("offline:", json.dumps(off), flush=True)
+            row.append(f"{off['replayed']:.3f}")
+        table.append(row)
+    cols = ["head", "rows", "tokens", "tokens/verify", "accepted per verify by depth"] + ([] if args.online_only else ["offline replayed"])
+    print(f"\n{args.data}, depth {args.depth}, {args.tokens} tokens a row, greedy, one stream")
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for row in table:
+        print("| " + " | ".join(map(str, row)) + " |")
 
 
 if __name__ == "__main__":
