@@ -14,6 +14,8 @@
 #   bash benchmarks/gpu_mtp.sh cli     # the example jobs as a user runs them (mtplx-batch run, a fresh process each): wall, startup phases, summary
 #   bash benchmarks/gpu_mtp.sh fresh   # the shipped eval-mtp job in fresh processes, prefill queries unpadded / padded: warm-up (first-time costs) vs timed
 #   bash benchmarks/gpu_mtp.sh jobs    # jobs/eval-mtp.yaml as shipped vs the same rows with ngram / ngram adaptive / none, and batch_generate, one process, phases as they end
+#   bash benchmarks/gpu_mtp.sh kcache  # custom CUDA kernels built by MLX in every process vs once per machine (mtplx/kernel_cache.py): fresh processes, sources, entries
+#   bash benchmarks/gpu_mtp.sh clirep  # the example jobs as a user runs them, fresh processes, settings interleaved REPEATS times: medians, same text
 #   bash benchmarks/gpu_mtp.sh stream  # width-32 refilled streams of 2x / 4x width rows: plain vs MTP 3 (+ lookup 2), admissions, drains, tail (REPEATS=N: interleaved)
 set -uo pipefail
 OUT=${OUT:-bench-out}
@@ -178,6 +180,56 @@ fresh)  # issue 18 (h7c): what a fresh process pays, and the part padded prefill
       --set output.keep_columns=[] ${JOBS_SET:-} --attr "$a" --no-peer --out /tmp/b/fresh 2>&1 | grep -v "^|" | tee -a "$OUT/fresh.log"
   done
   ;;
+kcache)  # issue 18 (h8d): our custom CUDA kernels (rows_attention, layer_kernels, ...) are compiled by MLX's NVRTC in
+  # every fresh process: MLX reads its PTX cache for them but never writes them there. mtplx/kernel_cache.py builds each
+  # instantiation once and writes the entry MLX reads. Fresh processes on the shipped eval-mtp job (ROWS rows, warm-up
+  # run = every first-time cost of a process, then a timed run), each over its own copy of MLX's cache (MLX_PTX_CACHE_DIR,
+  # MLX's own variable) without custom-kernel entries: "before" = kernel_cache off (what every process paid), "first" =
+  # on (this process builds them), "warm" = on again (a later process finds them); then method none before / warm; then
+  # the source check (MLX's generated source = ours, entries present) in the warm copy. ~1.5 min warm.
+  mkdir -p /tmp/b
+  P=$(python3 -c "from mtplx import kernel_cache as k; print(k.ptx_dir())")
+  for d in /tmp/ptx-before /tmp/ptx-after; do
+    rm -rf $d; mkdir -p $d; [ -d "$P" ] && cp -r "$P"/. $d/
+    find $d -maxdepth 1 -name 'custom_kernel_*' -exec rm -rf {} +
+  done
+  echo "== MLX's cache $P: $(ls "$P" 2>/dev/null | wc -l) entries, $(ls "$P" 2>/dev/null | grep -c '^custom_kernel_') custom" | tee -a "$OUT/kcache.log"
+  run1() {  # TAG PTX_DIR ENABLED [--set ...]
+    local tag=$1 dir=$2 en=$3; shift 3
+    echo "== fresh process: $tag (MLX_PTX_CACHE_DIR=$dir, kernel_cache.ENABLED=$en) $* $(date +%T)" | tee -a "$OUT/kcache.log"
+    MLX_PTX_CACHE_DIR=$dir timeout ${LIMIT:-60} python3 -m benchmarks.jobs_vs_peer jobs/eval-mtp.yaml --set input.limit=${ROWS:-64} \
+      --set output.keep_columns=[] "$@" --attr mtplx.kernel_cache.ENABLED=$en --no-peer --out /tmp/b/kc 2>&1 | grep -v "^|" | tee -a "$OUT/kcache.log"
+  }
+  run1 mtp-before /tmp/ptx-before false
+  run1 mtp-first /tmp/ptx-after true
+  run1 mtp-warm /tmp/ptx-after true
+  run1 none-before /tmp/ptx-before false --set speculative.method=none
+  run1 none-warm /tmp/ptx-after true --set speculative.method=none
+  echo "== source check $(date +%T)" | tee -a "$OUT/kcache.log"
+  MLX_PTX_CACHE_DIR=/tmp/ptx-after timeout 60 python3 -m benchmarks.kernel_cache_check --attr mtplx.kernel_cache.ENABLED=true 2>&1 | tee -a "$OUT/kcache.log"
+  echo "== entries written: $(ls /tmp/ptx-after | grep -c '^custom_kernel_') $(date +%T)" | tee -a "$OUT/kcache.log"
+  ;;
+clirep)  # issue 18 (h8d): the example jobs as a user runs them (`mtplx-batch run`, a fresh process each, ROWS rows, stop
+  # strings on), every setting once per repeat, REPEATS repeats interleaved: wall s and the summary's s, medians, and whether
+  # each setting wrote the same text as the first (greedy: every method must). SPECS: tag|job|overrides|kernel cache|MLX's
+  # cache dir: eval-mtp as shipped, eval-mtp with mtp_lookup 0, jobs/eval.yaml, eval-mtp with method none (kernel cache on,
+  # MLX's cache in /tmp/ptx-after, made by `kcache`), eval-mtp with the kernel cache off over /tmp/ptx-before (as before).
+  mkdir -p /tmp/b /tmp/ptx-before /tmp/ptx-after
+  SPECS=${SPECS:-"eval-mtp|jobs/eval-mtp.yaml||true|/tmp/ptx-after eval-mtp-l0|jobs/eval-mtp.yaml|speculative.mtp_lookup=0|true|/tmp/ptx-after eval|jobs/eval.yaml||true|/tmp/ptx-after none|jobs/eval-mtp.yaml|speculative.method=none|true|/tmp/ptx-after eval-mtp-before|jobs/eval-mtp.yaml||false|/tmp/ptx-before"}
+  for rep in $(seq ${REPEATS:-3}); do
+    for spec in $SPECS; do
+      IFS='|' read -r tag job sets en dir <<< "$spec"
+      extra=(); for kv in ${sets//,/ }; do extra+=(--set "$kv"); done
+      t0=$(date +%s%N)
+      MLX_PTX_CACHE_DIR=$dir timeout ${LIMIT:-60} python3 -m benchmarks.fresh_cli --attr mtplx.kernel_cache.ENABLED=$en -- run "$job" \
+        --set input.limit=${ROWS:-64} "${extra[@]}" --set output.dir=/tmp/b/rep-$tag-$rep --restart --log-json 2>&1 \
+        | grep --line-buffered -E '"event": "(startup|summary)"' > /tmp/b/rep-$tag-$rep.log
+      rc=${PIPESTATUS[0]}
+      echo "== rep $rep $tag: exit $rc, wall $(( ($(date +%s%N) - t0) / 1000000 )) ms $(grep -o '"seconds": [0-9.]*' /tmp/b/rep-$tag-$rep.log)" | tee -a "$OUT/clirep.log"
+    done
+  done
+  python3 -m benchmarks.clirep_table "$SPECS" "${REPEATS:-3}" "$OUT/clirep.log" | tee -a "$OUT/clirep.log"
+  ;;
 stream)  # issue 18 (h7b): width-32 refilled streams, plain vs MTP depth 3 (+ lookup 2), on held-out HumanEval rows cycled
   # to 2x and 4x the width (64 / 128 rows, greedy, 96 tokens), ~2.5 min warm: the whole-run ratio, and where MTP's time
   # goes besides its rounds (admissions, drains = calls that returned with the pipeline read empty, prefill s, tail s =
@@ -202,6 +254,6 @@ lookup)  # issue 18 (h22a): mtp, mtp + prompt-lookup fallback, ngram, plain vs m
   for d in /tmp/b/lookup/*/; do cp "$d/real_models.md" "$OUT/lookup-$(basename $d).md"; done
   ;;
 *)
-  sed -n 2,17p "$0"; exit 2
+  sed -n 2,19p "$0"; exit 2
   ;;
 esac

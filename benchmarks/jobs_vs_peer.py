@@ -54,11 +54,13 @@ def say(msg: str) -> None:
 
 class FirstCalls:
     """Counts the compiled programs an engine makes (verify bank, MTP draft bank) and times the
-    first call of each, synchronized (tracing, compiling, kernel builds), and the seconds in
-    admission's prefills: `take()` returns what was made and spent since the last take."""
+    first call of each, synchronized (tracing, compiling, kernel builds), the seconds in
+    admission's prefills, and the custom-kernel instantiations mtplx/kernel_cache.py built or found
+    in MLX's cache: `take()` returns what was made and spent since the last take."""
 
     def __init__(self, engine):
         self.made, self.seconds, self.prefill_s = {"verify": 0, "head": 0}, 0.0, 0.0
+        self._built = _kernel_counts()  # at the last take
         run = engine.prefiller.run
 
         def prefill(*args, **kwargs):  # admission's prefills (their first tokens are read there anyway)
@@ -107,10 +109,20 @@ class FirstCalls:
         return first
 
     def take(self) -> dict:
+        built = _kernel_counts()
         out = {"new verify programs": self.made["verify"], "new head programs": self.made["head"],
-               "first calls s": round(self.seconds, 2), "prefill s": round(self.prefill_s, 2)}
-        self.made, self.seconds, self.prefill_s = {"verify": 0, "head": 0}, 0.0, 0.0
+               "first calls s": round(self.seconds, 2), "prefill s": round(self.prefill_s, 2),
+               "kernels built": built[0] - self._built[0], "kernel builds s": round(built[1] - self._built[1], 2),
+               "kernels found": built[2] - self._built[2]}
+        self.made, self.seconds, self.prefill_s, self._built = {"verify": 0, "head": 0}, 0.0, 0.0, built
         return out
+
+
+def _kernel_counts() -> tuple:
+    """(built, seconds building, found) of mtplx/kernel_cache.py in this process so far."""
+    from mtplx import kernel_cache
+
+    return kernel_cache.stats["built"], kernel_cache.stats["build_s"], kernel_cache.stats["found"]
 
 
 def counters(engine) -> dict:

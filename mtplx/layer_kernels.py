@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import kernel_cache
 from .rows_attention import cuda_ready
 
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
@@ -290,10 +291,10 @@ def _kernel(name):
     if key not in _kernels:
         v2 = VERSION == 2
         if name == "add_norm":
-            _kernels[key] = mx.fast.cuda_kernel(name="mtplx_add_rms_norm" + ("_v2" if v2 else ""), input_names=["x", "r", "w", "eps"],
+            _kernels[key] = kernel_cache.cuda_kernel(name="mtplx_add_rms_norm" + ("_v2" if v2 else ""), input_names=["x", "r", "w", "eps"],
                                                 output_names=["h", "y"], source=_ADD_NORM_V2 if v2 else _ADD_NORM, header=_HEADER)
         else:
-            _kernels[key] = mx.fast.cuda_kernel(
+            _kernels[key] = kernel_cache.cuda_kernel(
                 name="mtplx_qk_norm_rope" + ("_v2" if v2 else ""), input_names=["q", "k", "q_weight", "k_weight", "offset", "params"],
                 output_names=["q_out", "k_out"], source=_QK_ROPE_V2 if v2 else _QK_ROPE, header=_HEADER)
     return _kernels[key]

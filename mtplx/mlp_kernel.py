@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import kernel_cache
 from .fusion import StackedPart
 from .rows_attention import cuda_ready
 
@@ -122,7 +123,7 @@ def swiglu_gemv(x: mx.array, w: mx.array) -> mx.array:
     (bf16 / fp16), as one CUDA kernel; shape [..., N]."""
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="mtplx_swiglu_gemv", input_names=["x", "w"], output_names=["out"],
+        _kernel = kernel_cache.cuda_kernel(name="mtplx_swiglu_gemv", input_names=["x", "w"], output_names=["out"],
                                       source=_SOURCE, header=_HEADER)
     two_n, k = w.shape
     n = two_n // 2

@@ -31,7 +31,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import layer_kernels
+from . import kernel_cache, layer_kernels
 from .mlp_kernel import GEMV_ROWS
 from .rows_attention import cuda_ready
 
@@ -124,7 +124,7 @@ def o_add_norm(a: mx.array, wo: mx.array, x: mx.array, w: mx.array, eps: float):
     """(x + a @ wo.T, rms_norm(x + a @ wo.T, w, eps)) for one row, as one kernel; shapes of x."""
     global _kernel, _ticket
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="mtplx_o_add_norm", input_names=["a", "wo", "x", "w", "eps", "ticket"],
+        _kernel = kernel_cache.cuda_kernel(name="mtplx_o_add_norm", input_names=["a", "wo", "x", "w", "eps", "ticket"],
                                       output_names=["o", "h", "y"], source=_source(),
                                       header=layer_kernels._HEADER + GEMV_ROWS + _LOAD_CG)
         _ticket = mx.zeros((16,), dtype=mx.int32)  # past MLX's managed small-array pool: atomics there cost ~1 ms a call

@@ -37,6 +37,8 @@ import sys
 
 import mlx.core as mx
 
+from . import kernel_cache
+
 
 HEAD_DIMS = (64, 96, 128)
 # MLX's vector kernel takes query lengths < 4; here the limit is only where a verify stops being
@@ -269,7 +271,7 @@ def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths:
     MLX's layout). Every choice gives every query the same bits."""
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="mtplx_rows_attention", input_names=["q", "k", "v", "lengths", "scale"],
+        _kernel = kernel_cache.cuda_kernel(name="mtplx_rows_attention", input_names=["q", "k", "v", "lengths", "scale"],
                                       output_names=["out"], source=_SOURCE, header=_HEADER)
     B, Hq, L, D = q.shape
     Hk = k.shape[1]

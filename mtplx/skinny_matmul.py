@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import kernel_cache
 from .rows_attention import cuda_ready
 
 MAX_ROWS = 8
@@ -178,7 +179,7 @@ def _kernel(with_bias: bool):
         names = ["x", "w", "bias"] if with_bias else ["x", "w"]
         total = "__fadd_rn(acc[r][m], static_cast<float>(bias[n]))" if with_bias else "acc[r][m]"
         src = _SOURCE.replace("ADD_BIAS(acc[r][m])", total)
-        _kernels[with_bias] = mx.fast.cuda_kernel(name="mtplx_skinny_matmul" + ("_bias" if with_bias else ""),
+        _kernels[with_bias] = kernel_cache.cuda_kernel(name="mtplx_skinny_matmul" + ("_bias" if with_bias else ""),
                                                   input_names=names, output_names=["out"], source=src, header=_HEADER)
     return _kernels[with_bias]
 

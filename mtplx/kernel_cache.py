@@ -1,0 +1,335 @@
+"""Our custom CUDA kernels built once per machine, not once per process.
+
+MLX keeps the CUDA kernels it builds for its own ops (fused elementwise, gathers, quantized matmuls)
+in an on-disk cache, its "PTX cache" (`$TMPDIR/mlx/<version>/ptx`, or MLX's own MLX_PTX_CACHE_DIR),
+so a later process loads them instead of compiling them again with NVRTC. A custom kernel
+(`mx.fast.cuda_kernel`: rows_attention, layer_kernels, ...) is looked up in that cache too, but MLX
+never writes one there: every fresh process compiles every custom kernel instantiation it meets
+(each `template=` combination is its own program, a fraction of a second of NVRTC each), at the
+first call of whichever compiled program first uses it. That was the seconds a fresh
+`mtplx-batch run` paid at its first MTP proposal, whatever the kernel cache held (session 7).
+
+`cuda_kernel(...)` is `mx.fast.cuda_kernel(...)` with one step before each new instantiation's
+first call in a process: if MLX's cache has no entry for it, compile it here (NVRTC through
+ctypes, the library MLX itself links) and write the entry MLX would look for. MLX then loads it
+from disk, in this process and every later one. The entry is found by MLX's own name for it
+(the kernel's name and template, and the std::hash of the source MLX generates for it:
+`generated_source` writes that source as MLX does, so the name matches), and holds the cubin and
+the kernel's mangled name. Our compile replaces MLX's device-utility header (embedded in MLX's
+library, not shipped as a file) with the CUDA headers it includes; our kernels use nothing else
+of it. Anything that does not work out (no NVRTC, no CUDA headers, a compile error, a kernel
+whose source asks for shapes) leaves the instantiation to MLX, as before: the values are MLX's
+own program's either way, only where it was compiled changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+# off until the GPU check (benchmarks/gpu_mtp.sh kcache) has shown MLX loading the entries; benchmarks set it
+ENABLED = False
+_CTYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
+           mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
+           mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double"}
+# a dtype in a kernel's name (MLX's get_type_string)
+_TYPE_NAMES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.float64: "double",
+               mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
+               mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t"}
+_DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+_UTILS = "mlx/backend/cuda/device/utils.cuh"
+_COMPLEX = "mlx/backend/cuda/device/complex.cuh"
+_SHAPE_INFO = (("Shape", "shape"), ("Strides", "strides"), ("int", "ndim"))
+_MAX_FILE_NAME = 245  # MLX splits longer entry names into directories of this many characters
+# what this process did: instantiations found in MLX's cache, built here (and seconds), left to MLX
+stats: Dict[str, object] = {"found": 0, "built": 0, "build_s": 0.0, "left_to_mlx": 0, "reasons": {}}
+
+
+# -- MLX's names for a custom kernel and its cache entry ------------------------------------------
+def std_hash(data: bytes) -> int:
+    """libstdc++'s std::hash of a std::string with these bytes (64-bit _Hash_bytes, seed 0xc70f6907)."""
+    m, mask = 0xC6A4A7935BD1E995, (1 << 64) - 1
+    n = len(data)
+    h = (0xC70F6907 ^ (n * m)) & mask
+    aligned = n & ~7
+    for i in range(0, aligned, 8):
+        k = (int.from_bytes(data[i:i + 8], "little") * m) & mask
+        h = ((h ^ ((k ^ (k >> 47)) * m & mask)) * m) & mask
+    if n & 7:
+        h = ((h ^ int.from_bytes(data[aligned:], "little")) * m) & mask
+    h = ((h ^ (h >> 47)) * m) & mask
+    return h ^ (h >> 47)
+
+
+def _template_value(value) -> str:
+    if isinstance(value, bool):
+        return "t" if value else "f"
+    if isinstance(value, int):
+        return str(value)
+    return _TYPE_NAMES[value]
+
+
+def generated_source(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str, header: str,
+                     inputs: Sequence[Tuple[mx.Dtype, int]], output_dtypes: Sequence[mx.Dtype],
+                     template: Sequence[Tuple[str, object]]) -> Tuple[str, str]:
+    """(function name, source) as MLX's CUDA backend writes them for this instantiation: `inputs` are
+    (dtype, ndim) of each input. Raises KeyError for a dtype MLX would not name the same way."""
+    func = "custom_kernel_" + name + "".join("_" + _template_value(v) for _, v in template)
+    lines = [_DEFAULT_HEADER, header, "namespace mlx::core::cu {\n\n", "namespace cg = cooperative_groups;\n\n",
+             f"__global__ void {func}(\n"]
+    for n, (dtype, ndim) in zip(input_names, inputs):
+        lines.append(f"    const {_CTYPES[dtype]}* {n},\n")
+        if ndim > 0:  # the shape, strides and ndim of an input whose name the source uses with them
+            lines += [f"    const __grid_constant__ {t} {n}_{s},\n" for t, s in _SHAPE_INFO if f"{n}_{s}" in source]
+    for i, (n, dtype) in enumerate(zip(output_names, output_dtypes)):
+        lines.append(f"    {_CTYPES[dtype]}* {n}" + (",\n" if i < len(output_names) - 1 else ") {\n"))
+    for n, v in template:
+        if isinstance(v, bool):
+            lines.append(f"  constexpr bool {n} = {'true' if v else 'false'};\n")
+        elif isinstance(v, int):
+            lines.append(f"  constexpr int {n} = {v};\n")
+        else:
+            lines.append(f"  using {n} = {_CTYPES[v]};\n")
+    if template:
+        lines.append("\n")
+    lines += [source, "\n}\n\n} // namespace mlx::core::cu\n"]
+    return func, "".join(lines)
+
+
+def entry_name(func: str, source: str) -> str:
+    """MLX's name for the module of a custom kernel: its name and the std::hash of its source, in hex."""
+    return f"{func}_{std_hash(source.encode()):x}"
+
+
+def ptx_dir() -> Path:
+    """Where MLX's CUDA backend keeps its built kernels (its own rule: MLX_PTX_CACHE_DIR, else the C++
+    temporary directory, then mlx/<version>/ptx)."""
+    own = os.environ.get("MLX_PTX_CACHE_DIR")
+    if own:
+        return Path(own)
+    tmp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(v)), "/tmp")
+    return Path(tmp) / "mlx" / mx.__version__ / "ptx"
+
+
+def entry_path(directory: Path, module: str) -> Path:
+    """The .ptx file MLX reads for `module` (names past 245 characters become directories, as in MLX)."""
+    parts = [module[i:i + _MAX_FILE_NAME] for i in range(0, len(module), _MAX_FILE_NAME)] or [""]
+    return directory.joinpath(*parts[:-1], parts[-1] + ".ptx")
+
+
+def write_entry(path: Path, kernel: str, mangled: str, binary: bytes) -> None:
+    """The kernel-name file first, then the binary, each renamed into place: MLX takes the entry as
+    present once the .ptx exists, so it never reads half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for target, data in ((path.with_suffix(".txt"), f"{kernel}\t{mangled}\n".encode()), (path, binary)):
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+
+
+# -- NVRTC --------------------------------------------------------------------------------------
+class _Nvrtc:
+    """The NVRTC library MLX links (libnvrtc.so.13, already loaded with MLX's CUDA backend)."""
+
+    def __init__(self):
+        self.lib = self._load()
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        self.version = (major.value, minor.value)
+        if self.version < (12, 0):
+            raise RuntimeError(f"NVRTC {self.version} is older than 12.0")
+
+    @staticmethod
+    def _load():
+        errors = []
+        for name in ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"):
+            try:
+                return ctypes.CDLL(name)
+            except OSError as e:
+                errors.append(str(e))
+        for d in _package_dirs("lib"):
+            for f in sorted(d.glob("libnvrtc.so*")):
+                try:
+                    return ctypes.CDLL(str(f))
+                except OSError as e:
+                    errors.append(str(e))
+        raise RuntimeError("no NVRTC library: " + "; ".join(errors))
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+            raise RuntimeError(f"{what}: {self.lib.nvrtcGetErrorString(code).decode()}")
+
+    def compile(self, source: str, kernel: str, options: Sequence[str], headers: Dict[str, bytes]) -> Tuple[bytes, str]:
+        """(cubin, mangled name of `kernel`) for `source` compiled with `options`."""
+        lib, prog = self.lib, ctypes.c_void_p()
+        names = list(headers)
+        hdrs = (ctypes.c_char_p * len(names))(*[headers[n] for n in names])
+        incl = (ctypes.c_char_p * len(names))(*[n.encode() for n in names])
+        self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"mtplx_kernel.cu", len(names),
+                                           hdrs, incl), "nvrtcCreateProgram")
+        try:
+            self._check(lib.nvrtcAddNameExpression(prog, kernel.encode()), "nvrtcAddNameExpression")
+            opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+            code = lib.nvrtcCompileProgram(prog, len(options), opts)
+            if code != 0:
+                size = ctypes.c_size_t()
+                lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+                log = ctypes.create_string_buffer(size.value + 1)
+                lib.nvrtcGetProgramLog(prog, log)
+                raise RuntimeError(f"NVRTC could not compile {kernel}: {log.value.decode(errors='replace')[:2000]}")
+            mangled = ctypes.c_char_p()
+            self._check(lib.nvrtcGetLoweredName(prog, kernel.encode(), ctypes.byref(mangled)), "nvrtcGetLoweredName")
+            size = ctypes.c_size_t()
+            self._check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            cubin = ctypes.create_string_buffer(size.value)
+            self._check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            return cubin.raw, mangled.value.decode()
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _package_dirs(sub: str) -> List[Path]:
+    """<site>/nvidia/<cu13|cuda_runtime|cuda_nvrtc>/<sub> directories on sys.path and beside MLX."""
+    roots = [Path(p) for p in sys.path if p] + [Path(mx.__file__).parent.parent]
+    out = []
+    for r in roots:
+        for pkg in ("cu13", "cu12", "cuda_runtime", "cuda_nvrtc"):
+            d = r / "nvidia" / pkg / sub
+            if d.is_dir() and d not in out:
+                out.append(d)
+    return out
+
+
+def include_dirs() -> List[Path]:
+    """MLX's bundled headers (its include/ and CCCL), then the CUDA runtime headers (cuda_fp16.h)."""
+    mlx_inc = Path(mx.__file__).parent / "include"
+    dirs = [d for d in (mlx_inc, mlx_inc / "cccl") if d.is_dir()]
+    cuda = [d for d in _package_dirs("include") + [Path("/usr/local/cuda/include")] if (d / "cuda_fp16.h").exists()]
+    if not cuda:
+        raise RuntimeError("no CUDA headers (cuda_fp16.h) beside MLX, on sys.path or in /usr/local/cuda")
+    return dirs + cuda[:1]
+
+
+def mlx_device_headers() -> Dict[str, bytes]:
+    """MLX's device-utility header (utils.cuh, which the source MLX generates for a custom kernel
+    includes) and the complex.cuh it includes, as MLX's library embeds them for NVRTC: they are not
+    shipped as files. Found among the library's embedded header texts by what each defines."""
+    lib = Path(mx.__file__).parent / "lib" / "libmlx.so"
+    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        texts = set()
+        for hit in re.finditer(rb"\0// Copyright", m):
+            start = hit.start() + 1
+            text = m[start:m.find(b"\0", start)]
+            if b"#pragma once" in text:
+                texts.add(text)
+    found = {_UTILS: [t for t in texts if b'#include "' + _COMPLEX.encode() + b'"' in t
+                      and b"struct Limits" in t and b"load_vector" in t],
+             _COMPLEX: [t for t in texts if b"using complex64_t" in t and b'#include "' not in t]}
+    for name, hits in found.items():
+        if len(hits) != 1:
+            raise RuntimeError(f"{len(hits)} texts in {lib} look like MLX's {name}")
+    return {name: hits[0] for name, hits in found.items()}
+
+
+def arch_option() -> str:
+    """--gpu-architecture for this device's own code (sm_XY, with `a` from compute capability 9), as MLX builds."""
+    info = mx.device_info()
+    major, minor = info.get("compute_capability_major"), info.get("compute_capability_minor")
+    if major is None:
+        arch = str(info.get("architecture", ""))
+        if not (arch.startswith("sm_") and arch[3:].isdigit() and len(arch) >= 5):
+            raise RuntimeError(f"no compute capability in mx.device_info(): {info}")
+        major, minor = int(arch[3:-1]), int(arch[-1])
+    return f"--gpu-architecture=sm_{major}{minor}{'a' if int(major) >= 9 else ''}"
+
+
+_compiler: Optional[Tuple[_Nvrtc, List[str], Dict[str, bytes]]] = None
+
+
+def compiler() -> Tuple[_Nvrtc, List[str], Dict[str, bytes]]:
+    """NVRTC, MLX's options for this device and MLX's device headers (found once a process)."""
+    global _compiler
+    if _compiler is None:
+        nvrtc = _Nvrtc()
+        _compiler = (nvrtc, ["--device-as-default-execution-space", arch_option()]
+                     + [f"--include-path={d}" for d in include_dirs()], mlx_device_headers())
+    return _compiler
+
+
+def build(func: str, source: str, directory: Optional[Path] = None) -> Path:
+    """Compile MLX's source of one instantiation and write MLX's cache entry for it; returns its path."""
+    nvrtc, options, headers = compiler()
+    kernel = "mlx::core::cu::" + func
+    binary, mangled = nvrtc.compile(source, kernel, options, headers)
+    path = entry_path(directory or ptx_dir(), entry_name(func, source))
+    write_entry(path, kernel, mangled, binary)
+    return path
+
+
+# -- the kernel object --------------------------------------------------------------------------
+def _on_cuda() -> bool:
+    from .rows_attention import cuda_ready
+
+    return cuda_ready()
+
+
+class CachedKernel:
+    """An mx.fast.cuda_kernel whose instantiations are in MLX's cache before their first call."""
+
+    def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
+                 header: str = "", ensure_row_contiguous: bool = True, shared_memory: int = 0):
+        self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
+        self.source, self.header = source, header
+        self._options = {"ensure_row_contiguous": ensure_row_contiguous, "shared_memory": shared_memory}
+        self._mlx = None  # MLX's kernel object (made at the first call: it exists only on CUDA)
+        self._seen = set()
+
+    def __call__(self, *, inputs, output_dtypes, template=(), **kwargs):
+        if ENABLED:
+            self.ensure(inputs, output_dtypes, template)
+        if self._mlx is None:
+            self._mlx = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names, output_names=self.output_names,
+                                            source=self.source, header=self.header, **self._options)
+        return self._mlx(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
+
+    def ensure(self, inputs, output_dtypes, template) -> None:
+        """Make sure MLX's cache holds this instantiation (once per process per instantiation)."""
+        arrays = [(a.dtype, a.ndim) if isinstance(a, mx.array) else None for a in inputs]
+        key = (tuple(arrays), tuple(output_dtypes), tuple((n, v) for n, v in template))
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        try:
+            if None in arrays:
+                raise KeyError("an input that is not an array")
+            func, source = generated_source(self.name, self.input_names, self.output_names, self.source, self.header,
+                                            arrays, output_dtypes, list(template))
+            if entry_path(ptx_dir(), entry_name(func, source)).exists():
+                stats["found"] += 1
+                return
+            if not _on_cuda():
+                raise RuntimeError("not on CUDA")
+            t0 = time.perf_counter()
+            build(func, source)
+            stats["built"] += 1
+            stats["build_s"] += time.perf_counter() - t0
+        except Exception as e:  # MLX compiles it at its first call, as it always did
+            stats["left_to_mlx"] += 1
+            reasons = stats["reasons"]
+            reason = f"{type(e).__name__}: {e}"[:300]
+            reasons[reason] = reasons.get(reason, 0) + 1
+
+
+def cuda_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str, header: str = "",
+                ensure_row_contiguous: bool = True, shared_memory: int = 0) -> CachedKernel:
+    """`mx.fast.cuda_kernel` with the same arguments; its instantiations are built once per machine."""
+    return CachedKernel(name, input_names, output_names, source, header, ensure_row_contiguous, shared_memory)
