@@ -210,12 +210,14 @@ def _package_dirs(sub: str) -> List[Path]:
 
 
 def include_dirs() -> List[Path]:
-    """MLX's bundled headers (its include/ and CCCL), then the CUDA runtime headers (cuda_fp16.h)."""
+    """MLX's bundled headers (its include/ and CCCL), then the CUDA runtime headers (cuda_fp16.h), looked
+    for where MLX looks (an nvidia package, then CUDA_HOME / CUDA_PATH, then /usr/local/cuda) and on sys.path."""
     mlx_inc = Path(mx.__file__).parent / "include"
     dirs = [d for d in (mlx_inc, mlx_inc / "cccl") if d.is_dir()]
-    cuda = [d for d in _package_dirs("include") + [Path("/usr/local/cuda/include")] if (d / "cuda_fp16.h").exists()]
+    homes = [Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    cuda = [d for d in _package_dirs("include") + homes + [Path("/usr/local/cuda/include")] if (d / "cuda_fp16.h").exists()]
     if not cuda:
-        raise RuntimeError("no CUDA headers (cuda_fp16.h) beside MLX, on sys.path or in /usr/local/cuda")
+        raise RuntimeError("no CUDA headers (cuda_fp16.h) in an nvidia package, CUDA_HOME, CUDA_PATH or /usr/local/cuda")
     return dirs + cuda[:1]
 
 
