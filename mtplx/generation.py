@@ -13,6 +13,7 @@ split at its stable-prefix edge, and a prefix shared with earlier rows is copied
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -363,10 +364,11 @@ class Engine(SpeculativeRounds):
         # they are read after it (SpeculativeRounds._land_joined), so the device does not wait for
         # the host between the prefill and that round.
         defer = self._carried is not None and self.defer_first_read and len(slots) >= self.max_batch
-        if defer:
-            prefilled, firsts = self.prefiller.run(admitted, self.drafter, read=False)
-        else:
-            prefilled = self.prefiller.run(admitted, self.drafter)
+        with self._prefill_stream(defer):
+            if defer:
+                prefilled, firsts = self.prefiller.run(admitted, self.drafter, read=False)
+            else:
+                prefilled = self.prefiller.run(admitted, self.drafter)
         if self.bank is not None:
             self.bank.note_restored(sum(r.stats.cached_prompt_tokens for r in admitted))
         if self.first_token_at is None:
@@ -412,6 +414,19 @@ class Engine(SpeculativeRounds):
             if self.drafter is not None:
                 self.drafter.extend([s for _, _, s in grow])
         return finished_early and not batch.drained
+
+    # An admission behind a round in flight prefills on a stream of its own, so the device may run it
+    # beside the rounds (a launch-bound round leaves most of a GPU idle); its results reach the rounds
+    # through MLX's cross-stream dependencies. Off until measured (benchmarks/round_cost `@prefill_beside=true`).
+    prefill_beside = False
+    _side = None
+
+    def _prefill_stream(self, behind: bool):
+        if not (behind and self.prefill_beside):
+            return contextlib.nullcontext()
+        if self._side is None:
+            self._side = mx.new_stream(mx.default_device())
+        return mx.stream(self._side)
 
     def _start(self, cache: BatchCache) -> None:
         """Queue the evaluation of the batch's cache and the drafter's state (nothing is read)."""

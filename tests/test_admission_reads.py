@@ -35,12 +35,13 @@ def setup(tiny_model, tmp_path_factory):
     return bundle, str(head), str(tiny_model("llama", seed=1)), rows
 
 
-def _engine(setup, method, width, defer):
+def _engine(setup, method, width, defer, beside=False):
     bundle, head, draft, _ = setup
     spec = SpeculativeConfig(method=method.split("-")[0], depth=3, adaptive_depth=False, mtp_head=head if method != "draft" else None,
                              draft_model=draft if method == "draft" else None, mtp_lookup=2 if method == "mtp-lookup" else 0)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
     eng.defer_first_read = defer
+    eng.prefill_beside = beside
     return eng
 
 
@@ -111,3 +112,16 @@ def test_rows_that_end_at_their_first_token_behind_a_carried_round(setup):
     for i, (p, m) in enumerate(many):
         assert res[i].tokens == reference_tokens(bundle.model, p, m, eng.eos), i
         assert res[i].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft"])
+def test_an_admission_prefilled_on_a_stream_of_its_own_gives_the_same_text(setup, method):
+    """`prefill_beside`: the admission behind a round in flight prefills on its own stream (MLX orders
+    the rounds after it through the arrays they share): the text stays plain decoding's."""
+    bundle, _, _, rows = setup
+    reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
+    eng = _engine(setup, method, 6, True, beside=True)
+    out = {r.key: r.tokens for r in eng.generate(reqs)}
+    assert eng._side is not None
+    for i, (p, m) in enumerate(rows):
+        assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i
