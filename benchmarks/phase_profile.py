@@ -86,6 +86,8 @@ def instrument(engine):
 
         bank._program = program
         timed_method(bank, "verify", "verify (incl. compiles)")
+        # a speculative round's verify with its acceptance, one program (graphbank.verify_round)
+        timed_method(bank, "verify_round", "verify + acceptance (incl. compiles)")
         timed_method(bank, "eager", "verify eager")
 
 
