@@ -281,7 +281,13 @@ def setting(entry: str, head: str) -> Setting:
         if "=" not in e:
             raise SystemExit(f"--depths: @{e!r} is not @NAME=VALUE (e.g. 3@refill_at=32)")
         name, value = e.split("=", 1)
-        attrs.append((name, yaml.safe_load(value)))
+        value = yaml.safe_load(value)
+        if isinstance(value, str):  # YAML reads 1e9 as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        attrs.append((name, value))
     at = "".join(f" @{n}={v}" for n, v in attrs)
     if entry == "plain":
         return Setting("plain" + at, PLAIN.spec, attrs=tuple(attrs))
