@@ -55,3 +55,41 @@ def test_the_largest_chunks_fit_static_shared_memory():
                 n *= eval(dim, {}, sizes)
             total += 4 * n
         assert total <= 48 * 1024, (D, total)
+
+
+@pytest.mark.parametrize("boolean", [True, False])
+def test_unfused_attention_is_mlx_attention(boolean):
+    """`unfused` (FUSED_PREFILL off) against MLX's own attention: grouped query heads (9 over 3, as
+    SmolLM2), rows of different lengths under a [B, 1, L, S] mask (boolean, or added), a capacity
+    longer than any row."""
+    import mlx.core as mx
+
+    B, Hq, Hk, L, S, D = 3, 9, 3, 12, 32, 64
+    q, k, v = (mx.random.normal(s, key=mx.random.key(i)) for i, s in
+               enumerate([(B, Hq, L, D), (B, Hk, S, D), (B, Hk, S, D)]))
+    lengths = mx.array([12, 20, 5])  # keys a row holds before its L queries
+    mask = mx.arange(S)[None, None, :] <= (lengths[:, None] + mx.arange(L)[None])[:, :, None]  # [B, L, S]
+    mask = mask[:, None]
+    if not boolean:
+        mask = mx.where(mask, 0.0, -1e9)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=mask)
+    got = ra.unfused(q, k, v, D ** -0.5, mask)
+    assert got.shape == want.shape and mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_prefill_attention_goes_unfused_only_where_fused_prefill_is_off(monkeypatch):
+    """A prefill's attention (more queries than rows_attention takes, an array mask) is MLX's own
+    (cuDNN's on CUDA) unless FUSED_PREFILL is off; short queries and string masks always are."""
+    import mlx.core as mx
+
+    calls = []
+    monkeypatch.setattr(ra, "_original", lambda q, k, v, cache, scale, mask, sinks=None: calls.append("mlx") or q)
+    monkeypatch.setattr(ra, "unfused", lambda q, k, v, scale, mask: calls.append("unfused") or q)
+    q, k = mx.zeros((1, 3, ra.MAX_QUERIES + 1, 64)), mx.zeros((1, 3, 32, 64))
+    mask = mx.ones((1, 1, q.shape[2], 32), dtype=mx.bool_)
+    ra.attention(q, k, k, None, 0.125, mask)
+    monkeypatch.setattr(ra, "FUSED_PREFILL", False)
+    ra.attention(q, k, k, None, 0.125, mask)
+    ra.attention(q, k, k, None, 0.125, "causal")
+    ra.attention(q[:, :, :2], k, k, None, 0.125, mask[:, :, :2])
+    assert calls == ["mlx", "unfused", "mlx", "mlx"]
