@@ -104,3 +104,43 @@ def test_data_seconds_keeps_the_continuations_finished_in_time(tiny_model):
     eos = set(bundle.tokenizer.eos_token_ids)
     for seq, g in zip(cut.sequences, cut.groups):  # each kept continuation is complete and the trunk's own
         assert seq == prompts[g] + reference_tokens(bundle.model, prompts[g], 6, eos)
+
+
+def test_a_deadline_ends_generation_however_long_the_warm_up(tiny_model, tmp_path):
+    """A deadline already past (a fresh host's warm-up ate the data budget) keeps what finished at
+    the first result and stops, where `seconds` alone would run on; train_head sets it at half of
+    --max-seconds, so training keeps its share."""
+    import time
+
+    bundle = load(tiny_model("llama"))
+    prompts = [np.random.default_rng(i).integers(5, 500, 6).tolist() for i in range(12)]
+    lines = []
+    cut = self_distill(bundle, prompts, 6, max_batch=2, seconds=1e6, log=lines.append, deadline=time.monotonic())
+    assert 1 <= len(cut.sequences) <= 2 and any("the deadline (half of --max-seconds)" in l for l in lines)
+    free = self_distill(bundle, prompts, 6, max_batch=2, seconds=1e6)
+    assert len(free.sequences) == 12
+
+
+def test_train_head_sets_the_generation_deadline_at_half_its_time_limit(tiny_model, tmp_path, monkeypatch):
+    import time
+
+    from mtplx.training import head_data
+    from mtplx.training.head_data import ReadData
+    from mtplx.training.train_head import TrainConfig, train_head
+
+    seen = []
+    real = head_data.self_distill
+
+    def spy(*args, **kw):
+        import inspect
+
+        seen.append(inspect.signature(real).bind(*args, **kw).arguments.get("deadline"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(head_data, "self_distill", spy)
+    bundle = load(tiny_model("llama"))
+    prompts = [np.random.default_rng(i).integers(5, 500, 8).tolist() for i in range(6)]
+    t0 = time.monotonic()
+    train_head(bundle, ReadData("prompts", prompts=prompts, max_new_tokens=6), tmp_path / "h",
+               TrainConfig(steps=2, batch_size=2, seq_len=32, max_seconds=100.0))
+    assert len(seen) == 1 and t0 + 49 < seen[0] < time.monotonic() + 50

@@ -156,15 +156,17 @@ def _encode_text(tok, text: str, piece_chars: int = 4000) -> List[int]:
 def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  max_batch: int = 32, seq_len: Optional[int] = None, quiet: bool = True,
                  samples: Union[int, Sequence[int]] = 0, temperature: float = 0.8, seed: int = 0,
-                 seconds: Optional[float] = None, log: Optional[Callable[[str], None]] = None) -> TrainData:
+                 seconds: Optional[float] = None, log: Optional[Callable[[str], None]] = None,
+                 deadline: Optional[float] = None) -> TrainData:
     """prompt + the model's own greedy continuation for every prompt, plus `samples` sampled ones
     (one count for all prompts or one per prompt; at `temperature`, seeded) that show the head
     other paths the trunk takes; `max_batch` rows decoded together (plain decoding, continuous
     batching); scored from the first generated token on. With `seconds`, generation stops that
     long after the first continuation finished (on a fresh GPU host the first rows wait minutes
     for kernel builds: that time does not count) and keeps the continuations finished by then
-    (the requests run in prompt order, so the first prompts are complete). `log` gets a progress
-    line every ~15 s."""
+    (the requests run in prompt order, so the first prompts are complete). `deadline` (a
+    time.monotonic() value) ends it by then whatever `seconds` says (training's share of a time
+    limit stays, however long the warm-up took). `log` gets a progress line every ~15 s."""
     from ..config import ScheduleConfig, SpeculativeConfig
     from ..generation import Engine
     from ..request import Request, SamplingParams
@@ -201,10 +203,11 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
             last_log = now
             log(f"generating: {len(out)}/{len(reqs)} continuations, {generated:,} tokens, "
                 f"{generated / max(now - started, 1e-9):,.0f} tok/s ({now - started:.0f}s)")
-        if seconds is not None and now - first > seconds and len(out) < len(reqs):
+        late = deadline is not None and now > deadline
+        if (late or (seconds is not None and now - first > seconds)) and len(out) < len(reqs):
             if log is not None:
-                log(f"generation time limit of {seconds:.0f}s: kept {len(out)} of {len(reqs)} continuations "
-                    f"({generated:,} tokens)")
+                why = "the deadline (half of --max-seconds)" if late else f"generation time limit of {seconds:.0f}s"
+                log(f"{why}: kept {len(out)} of {len(reqs)} continuations ({generated:,} tokens)")
             break
     bar.close()
     keys = sorted(out)
@@ -285,7 +288,7 @@ def is_job_or_table(path: str) -> bool:
     return low.endswith((".yaml", ".yml")) or any(low.endswith(suf) for suf in TABLE_FORMATS)
 
 
-def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, log=None) -> TrainData:
+def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, log=None, deadline=None) -> TrainData:
     """Training sequences from `data`: ReadData (a job's or a table's rows, read by the caller), a
     text file, a list of strings (plain text), a list of token-id lists (every position scored), or
     a TrainData."""
@@ -294,7 +297,7 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, 
     if isinstance(data, TrainData):
         return TrainData(list(data.sequences), data.source, list(data.starts)).clip(cfg.seq_len, limit)
     if isinstance(data, ReadData):
-        return _read_data(bundle, data, cfg, quiet, log)
+        return _read_data(bundle, data, cfg, quiet, log, deadline)
     if isinstance(data, (list, tuple)):
         if all(isinstance(x, str) for x in data):
             seqs = [w for text in data for w in _windows(_encode_text(tok, text), cfg.seq_len)]
@@ -316,7 +319,7 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, 
     return TrainData(seqs, f"text:{os.path.abspath(path)}").clip(cfg.seq_len, limit)
 
 
-def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: bool, log=None) -> TrainData:
+def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: bool, log=None, deadline=None) -> TrainData:
     """The rows' prompts self-distilled together with the general prompts of `cfg.prompts` (one
     engine run: the job's rows first, so a generation time limit cuts the general ones), which
     come back as `extra` (training only); or the rows' texts cut into windows."""
@@ -331,7 +334,7 @@ def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: boo
             + f", {data.max_new_tokens} tokens each, {cfg.gen_batch} rows at a time")
     both = self_distill(bundle, list(data.prompts) + general, data.max_new_tokens, cfg.gen_batch, cfg.seq_len, quiet,
                         [cfg.samples_per_prompt] * n + [GENERAL_SAMPLES] * len(general), cfg.temperature, cfg.seed,
-                        cfg.data_seconds, log)
+                        cfg.data_seconds, log, deadline)
     own = [i for i, g in enumerate(both.groups) if g < n]
     out = _subset(both, own, data.source)
     out.rows = data.rows
@@ -355,13 +358,13 @@ def _general_source(cfg: TrainConfig, kinds) -> str:
     return "prompts:" + ",".join(f"{spec.split(':')[0]}:{kinds.count(spec.split(':')[0])}" for spec in cfg.prompts)
 
 
-def general_data(bundle: ModelBundle, cfg: TrainConfig, quiet: bool = True, log=None) -> Optional["TrainData"]:
+def general_data(bundle: ModelBundle, cfg: TrainConfig, quiet: bool = True, log=None, deadline=None) -> Optional["TrainData"]:
     """The `--prompts` prompts self-distilled alone (for data without prompts of its own: text)."""
     general, kinds = _general(bundle, cfg)
     if not general:
         return None
     out = self_distill(bundle, general, cfg.max_new_tokens or 256, cfg.gen_batch, cfg.seq_len, quiet,
-                       GENERAL_SAMPLES, cfg.temperature, cfg.seed, cfg.data_seconds, log)
+                       GENERAL_SAMPLES, cfg.temperature, cfg.seed, cfg.data_seconds, log, deadline)
     out.source = _general_source(cfg, kinds)
     return out.clip(cfg.seq_len)
 

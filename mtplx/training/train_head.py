@@ -390,8 +390,11 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         tdata = TrainData.load(data_file)  # an earlier run stopped before its first checkpoint
         log(f"reusing {len(tdata.sequences)} sequences from {data_file}")
     else:
-        tdata = build_data(bundle, _read(read, data, bundle, cfg), cfg, quiet, log).clip(cfg.seq_len)
-        extra = tdata.extra if tdata.extra is not None else general_data(bundle, cfg, quiet, log)
+        # with a time limit, generation ends by half of it: training keeps its share, however long a
+        # fresh host's kernel builds held back the first continuation
+        deadline = started + cfg.max_seconds / 2 if cfg.max_seconds is not None else None
+        tdata = build_data(bundle, _read(read, data, bundle, cfg), cfg, quiet, log, deadline).clip(cfg.seq_len)
+        extra = tdata.extra if tdata.extra is not None else general_data(bundle, cfg, quiet, log, deadline)
         tdata.split(cfg.heldout, cfg.seed)
         if extra is not None:  # --prompts: training only, like --text
             tdata.extend(extra)
