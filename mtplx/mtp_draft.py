@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from .cache import BatchCache
@@ -40,17 +41,22 @@ class DraftVocab:
             raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1}")
         self.vocab_size = vocab_size
         self.ids = mx.array(ids.astype(np.int32))
-        # Rows of the head's output projection for these ids, read off by projecting basis
-        # vectors (works for tied, untied and quantized heads alike; a bias cancels out).
         D = head.fc.weight.shape[0]
         dtype = head.norm.weight.dtype
-        zero = head.logits(mx.zeros((1, D), dtype))[:, self.ids]
-        cols = []
-        for s in range(0, D, chunk):
-            basis = mx.eye(D, dtype=dtype)[s : s + chunk]
-            cols.append(head.logits(basis)[:, self.ids] - zero)
-        self.weight_t = mx.concatenate(cols, axis=0).astype(dtype)  # [D, S]
-        self.bias = zero[0]
+        rows = plain_rows(head, self.ids)
+        if rows is not None:  # the rows themselves: what projecting basis vectors reads off, without
+            self.weight_t = rows.T.astype(dtype)  # the D x V product (most of a CPU engine's setup)
+            self.bias = mx.zeros((self.ids.shape[0],), dtype)
+        else:
+            # Rows of the head's output projection for these ids, read off by projecting basis
+            # vectors (works for tied, untied and quantized heads alike; a bias cancels out).
+            zero = head.logits(mx.zeros((1, D), dtype))[:, self.ids]
+            cols = []
+            for s in range(0, D, chunk):
+                basis = mx.eye(D, dtype=dtype)[s : s + chunk]
+                cols.append(head.logits(basis)[:, self.ids] - zero)
+            self.weight_t = mx.concatenate(cols, axis=0).astype(dtype)  # [D, S]
+            self.bias = zero[0]
         mx.eval(self.weight_t, self.bias)
 
     @property
@@ -66,6 +72,24 @@ class DraftVocab:
         out = mx.zeros((flat.shape[0], self.vocab_size), q.dtype)
         out[:, self.ids] = flat
         return out.reshape(q.shape[:-1] + (self.vocab_size,))
+
+
+def plain_rows(head: MTPHead, ids: mx.array) -> Optional[mx.array]:
+    """The rows for `ids` of the matrix W the head's logits are h @ W.T with, where W is a plain
+    (not quantized) weight without a bias: its own projection or the trunk's lm_head (nn.Linear), or
+    the trunk's tied embedding (nn.Embedding); None otherwise (quantized, biased, several depths)."""
+    from .models.mtp import text_model
+
+    if type(head) is not MTPHead:
+        return None
+    if "head" in head:
+        layer = head.head
+    else:
+        lm = text_model(head._trunk[0])
+        layer = lm.lm_head if hasattr(lm, "lm_head") else lm.model.embed_tokens
+    if type(layer) in (nn.Linear, nn.Embedding) and "bias" not in layer:
+        return layer.weight[ids]
+    return None
 
 
 def frequent_tokens(sequences: Sequence[Sequence[int]], starts: Sequence[int], size: int, vocab_size: int,

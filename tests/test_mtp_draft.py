@@ -190,3 +190,21 @@ def test_sampled_output_with_a_draft_vocab_follows_the_target(tiny_model, tmp_pa
     failures = [f"{name} {t}: chi2 {s:.1f} on {dof} dof, p={p:.2g}"
                 for name in SETTINGS for t, s, dof, p in distribution_tests(samples[name], exact[name]) if p < P_OK]
     assert not failures, failures
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_draft_vocab_reads_plain_rows_bit_for_bit(tiny_model, monkeypatch, kind):
+    """Where the head's projection is a plain weight (the tied embedding, an lm_head) the drafting
+    vocabulary reads its rows instead of projecting basis vectors, with the same bits."""
+    from mtplx import mtp_draft
+
+    bundle = load(tiny_model(kind))
+    head = _init_head(bundle.model, TrainConfig(seed=3))
+    ids = [0, 7, 9, 100, 511]
+    assert mtp_draft.plain_rows(head, mx.array(ids)) is not None
+    direct = DraftVocab(head, ids, 512)
+    monkeypatch.setattr(mtp_draft, "plain_rows", lambda head, ids: None)
+    basis = DraftVocab(head, ids, 512)
+    assert mx.array_equal(direct.weight_t, basis.weight_t).item()
+    h = mx.random.normal((4, head.fc.weight.shape[0])).astype(head.norm.weight.dtype)
+    assert mx.array_equal(direct.logits(h), basis.logits(h)).item()
