@@ -148,11 +148,16 @@ def trace(eng, reqs, save=None):
     return out
 
 
-def _summary(label, runs, plain_med):
+def _summary(label, runs, plain_runs):
+    """A setting's medians over its runs; x plain as the median of its ratios to plain's run of the same
+    repeat (the host's slow spells hit both), and as the ratio of the medians."""
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
     tps = [r["tok/s"] for r in runs]
+    ratios = [r["tok/s"] / p["tok/s"] for r, p in zip(runs, plain_runs or [])]
     row = {"setting": label, "tok/s": med["tok/s"], "spread": f"{min(tps):.0f}-{max(tps):.0f}",
-           "x plain (medians)": med["tok/s"] / plain_med if plain_med else "-",
+           "x plain": statistics.median(ratios) if ratios else "-",
+           "x plain spread": f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-",
+           "x plain (medians)": med["tok/s"] / statistics.median(p["tok/s"] for p in plain_runs) if plain_runs else "-",
            "ms/round": med["ms/round"], "runs": len(runs)}
     for k in ("tokens/verify", "launch ms", "read ms", "land ms"):
         row[k] = med.get(k, "-")  # (plain rounds are not split: their launch is a closure)
@@ -214,15 +219,15 @@ def main():
         reference = None
         same = {s[0]: 0 for s in settings}
         for rep in range(args.repeats):
-            for s in settings:
+            for s in settings[rep % len(settings):] + settings[: rep % len(settings)]:  # rotated: no setting always runs first
                 r = timed_run(engines[s[0]], reqs)
                 texts = r.pop("texts")
                 reference = reference or texts
                 same[s[0]] += texts == reference
                 runs[s[0]].append(r)
                 print(f"repeat {rep + 1} {s[0]}: {r['tok/s']:.1f} tok/s, {r['ms/round']:.2f} ms/round", flush=True)
-            plain_med = statistics.median(r["tok/s"] for r in runs[settings[0][0]]) if settings[0][1] is None else None
-            rows = [_summary(s[0], runs[s[0]], plain_med) for s in settings]
+            plain_runs = runs[settings[0][0]] if settings[0][1] is None else None
+            rows = [_summary(s[0], runs[s[0]], plain_runs) for s in settings]
             for row in rows:
                 row["texts = first setting's"] = f"{same[row['setting']]}/{len(runs[row['setting']])}"
             print(table(rows), flush=True)
