@@ -22,7 +22,8 @@ torch.profiler (CUPTI sees MLX's kernels) and prints per round: kernels, GPU-bus
 and the costliest kernel names, so what an MTP round adds over a plain round shows by kernel; every
 kernel and CUDA runtime call of those runs is written to trace-0/1.json.gz for a look round by round.
 
-Writes round_trace.json to --out.
+Writes round_trace.json to --out. `--compare trace-0.json.gz trace-1.json.gz` (no run) prints saved traces side
+by side, per round: kernels and host CUDA calls by name.
 """
 
 from __future__ import annotations
@@ -148,6 +149,36 @@ def trace(eng, reqs, save=None):
     return out
 
 
+def compare(paths):
+    """Two or more saved traces (trace-N.json.gz) side by side, per round: kernels by name, their GPU
+    microseconds, and the host's CUDA runtime calls by name (what one setting adds over another)."""
+    import gzip
+    from collections import defaultdict
+
+    from .step_overhead import _name
+
+    per = []
+    for p in paths:
+        with gzip.open(p, "rt") as f:
+            d = json.load(f)
+        R = max(d["rounds"], 1)
+        k, r = defaultdict(lambda: [0.0, 0.0]), defaultdict(lambda: [0.0, 0.0])
+        for cat, name, _, dur in d["events"]:
+            into = k if cat == "kernel" else r
+            into[_name(name) if cat == "kernel" else name][0] += 1 / R
+            into[_name(name) if cat == "kernel" else name][1] += dur / R
+        per.append((k, r, R))
+    for label, idx in (("kernels", 0), ("host CUDA calls", 1)):
+        names = sorted({n for x in per for n in x[idx]}, key=lambda n: -max(x[idx][n][1] for x in per if n in x[idx]))
+        print(f"| {label} a round | " + " | ".join(f"{Path(p).name} (n, us)" for p in paths) + " |")
+        print("|---|" + "---|" * len(paths))
+        for n in names:
+            print(f"| {n} | " + " | ".join(f"{x[idx][n][0]:.1f}, {x[idx][n][1]:.0f}" if n in x[idx] else "-" for x in per) + " |")
+        print("| all | " + " | ".join(f"{sum(v[0] for v in x[idx].values()):.0f}, {sum(v[1] for v in x[idx].values()):.0f}"
+                                       for x in per) + f" |  (rounds: {', '.join(str(x[2]) for x in per)})")
+        print()
+
+
 def _summary(label, runs, plain_runs):
     """A setting's medians over its runs; x plain as the median of its ratios to plain's run of the same
     repeat (the host's slow spells hit both), and as the ratio of the medians."""
@@ -180,7 +211,10 @@ def main():
     ap.add_argument("--trace", action="store_true", help="CUDA: a kernel trace of one run of each of the first two settings")
     ap.add_argument("--trace-rows", type=int, default=1, help="rows in each traced run (the first ones)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--compare", nargs="+", metavar="TRACE", help="no run: saved traces (trace-N.json.gz) side by side, per round")
     args = ap.parse_args()
+    if args.compare:
+        return compare(args.compare)
     if args.trace:
         try:
             import torch  # noqa: F401 (before MLX's first kernel, so CUPTI sees the whole context)
