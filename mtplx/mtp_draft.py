@@ -58,13 +58,17 @@ class DraftVocab:
             self.weight_t = mx.concatenate(cols, axis=0).astype(dtype)  # [D, S]
             self.bias = zero[0]
         mx.eval(self.weight_t, self.bias)
+        # a projection of zeros is zero for every head without a bias (plain, tied, quantized):
+        # then no add, which would be a kernel of its own in every draft step
+        self.has_bias = bool(mx.any(self.bias != 0).item())
 
     @property
     def size(self) -> int:
         return int(self.ids.shape[0])
 
     def logits(self, h: mx.array) -> mx.array:
-        return h @ self.weight_t.astype(h.dtype) + self.bias.astype(h.dtype)
+        out = h @ self.weight_t.astype(h.dtype)
+        return out + self.bias.astype(h.dtype) if self.has_bias else out
 
     def expand(self, q: mx.array) -> mx.array:
         """[..., S] probabilities over the set -> [..., V] over the whole vocabulary (zero outside)."""

@@ -208,3 +208,23 @@ def test_draft_vocab_reads_plain_rows_bit_for_bit(tiny_model, monkeypatch, kind)
     assert mx.array_equal(direct.weight_t, basis.weight_t).item()
     h = mx.random.normal((4, head.fc.weight.shape[0])).astype(head.norm.weight.dtype)
     assert mx.array_equal(direct.logits(h), basis.logits(h)).item()
+
+
+def test_a_quantized_heads_draft_projection_has_no_bias_add(tiny_model, tmp_path):
+    """A quantized tied head's projection is read off by projecting basis vectors; the projection of
+    zeros (the bias) is exactly zero, so each draft step's logits are one product, no add kernel,
+    with the values the product plus that zero bias give."""
+    import mlx.nn as nn
+
+    from benchmarks.round_graph import graph_primitives
+
+    bundle = load(tiny_model("qwen3"))
+    nn.quantize(bundle.model, group_size=32, bits=4)
+    head = _init_head(bundle.model, TrainConfig(seed=3))
+    vocab = DraftVocab(head, [0, 7, 9, 100, 511], 512)
+    assert not vocab.has_bias and float(mx.abs(vocab.bias).max()) == 0.0
+    h = mx.random.normal((3, head.fc.weight.shape[0])).astype(head.norm.weight.dtype)
+    mx.eval(h)
+    out = vocab.logits(h)
+    assert "Add" not in graph_primitives([out])
+    assert mx.array_equal(out, h @ vocab.weight_t + vocab.bias).item()
