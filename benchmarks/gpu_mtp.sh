@@ -210,6 +210,10 @@ kcache)  # issue 18 (h8d): our custom CUDA kernels (rows_attention, layer_kernel
   echo "== source check $(date +%T)" | tee -a "$OUT/kcache.log"
   MLX_PTX_CACHE_DIR=/tmp/ptx-after timeout 60 python3 -m benchmarks.kernel_cache_check --attr mtplx.kernel_cache.ENABLED=true 2>&1 | tee -a "$OUT/kcache.log"
   echo "== entries written: $(ls /tmp/ptx-after | grep -c '^custom_kernel_') $(date +%T)" | tee -a "$OUT/kcache.log"
+  echo "== engine setup, profiled (fresh process, mtp then none) $(date +%T)" | tee -a "$OUT/kcache.log"
+  for m in mtp none; do
+    MLX_PTX_CACHE_DIR=/tmp/ptx-after timeout 40 python3 -m benchmarks.setup_profile jobs/eval-mtp.yaml --set speculative.method=$m --top 22 2>&1 | tee -a "$OUT/kcache.log"
+  done
   ;;
 clirep)  # issue 18 (h8d): the example jobs as a user runs them (`mtplx-batch run`, a fresh process each, ROWS rows, stop
   # strings on), every setting once per repeat, REPEATS repeats interleaved: wall s and the summary's s, medians, and whether
