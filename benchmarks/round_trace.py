@@ -14,9 +14,10 @@ A setting is `plain`, or an MTP depth (`3`), with `lN` for speculative.mtp_looku
 `:attr=value` pairs that set an Engine attribute before its warm-up, for A/B of engine switches
 (`3:fold_accept=0`; an attribute the Engine does not have is refused).
 
-Per MTP round the host's split: ms queueing a round (`_launch`: graph building, program calls,
-async_eval), ms waiting for a round's read (`_read`: the device behind the host when large, ~0 when the
-host is the bottleneck) and ms landing it (`_land`: bookkeeping, emit). `--trace` (CUDA, torch
+Per round the host's split: ms building its graph (a plain round's verify call, a speculative round's
+`_launch`: program calls, eager ops, the drafter), ms dispatching it (`mx.async_eval`: the eval's graph
+walk and kernel launches); for MTP also ms waiting for a round's read (`_read`: large when the device is
+behind the host, ~0 when the host is the bottleneck) and ms landing it (`_land`: bookkeeping, emit). `--trace` (CUDA, torch
 installed) then runs each of the first two settings once more (its first --trace-rows rows) under
 torch.profiler (CUPTI sees MLX's kernels) and prints per round: kernels, GPU-busy and idle microseconds,
 and the costliest kernel names, so what an MTP round adds over a plain round shows by kernel; every
@@ -55,18 +56,37 @@ def parse_setting(text: str):
 
 
 def _split_timers(eng):
-    """Wrap the speculative round's launch / read / land in timers (seconds summed, calls)."""
-    spent = {"launch": 0.0, "read": 0.0, "land": 0.0}
-    for name in spent:
-        inner = getattr(eng, "_" + name)
+    """Time a run's host work: `mx.async_eval` (dispatch: the eval's graph walk and kernel launches,
+    every setting), and the round's graph building: a speculative round's `_launch` less its
+    dispatch, a plain round's verify call (`_verify`: its compiled program's replay); for a
+    speculative round also `_read` (the host waiting for the device) and `_land` (bookkeeping)."""
+    import mlx.core as mx
 
-        def timed(*args, _inner=inner, _name=name, **kwargs):
-            t0 = time.perf_counter()
+    spent = {"build": 0.0, "dispatch": 0.0, "read": 0.0, "land": 0.0}
+    real_async = mx.async_eval
+
+    def dispatch(*args):
+        t0 = time.perf_counter()
+        out = real_async(*args)
+        spent["dispatch"] += time.perf_counter() - t0
+        return out
+    mx.async_eval = dispatch
+    names = {"_launch": "build", "_read": "read", "_land": "land"} if eng.drafter is not None else {"_verify": "build"}
+    for attr, label in names.items():
+        inner = getattr(eng, attr)
+
+        def timed(*args, _inner=inner, _label=label, **kwargs):
+            t0, d0 = time.perf_counter(), spent["dispatch"]
             out = _inner(*args, **kwargs)
-            spent[_name] += time.perf_counter() - t0
+            spent[_label] += time.perf_counter() - t0 - (spent["dispatch"] - d0)
             return out
-        setattr(eng, "_" + name, timed)
-    return spent
+        setattr(eng, attr, timed)
+
+    def undo():
+        mx.async_eval = real_async
+        for attr in names:
+            eng.__dict__.pop(attr, None)
+    return spent, undo
 
 
 def make_engine(bundle, head: str, setting, width: int):
@@ -87,23 +107,23 @@ def make_engine(bundle, head: str, setting, width: int):
 def timed_run(eng, reqs):
     from .common import sync
 
-    split = _split_timers(eng) if eng.drafter is not None else None
+    split, undo = _split_timers(eng)
     rounds0 = eng.counters["rounds"]
     sync()
     t0 = time.perf_counter()
     res = list(eng.generate(reqs))
     sync()
     dt = time.perf_counter() - t0
-    for name in ("_launch", "_read", "_land"):
-        eng.__dict__.pop(name, None)
+    undo()
     rounds = eng.counters["rounds"] - rounds0
     n = sum(len(r.tokens) for r in res)
     out = {"tok/s": n / dt, "ms/round": 1e3 * dt / max(rounds, 1), "rounds": rounds, "tokens": n,
            "texts": {r.key: list(r.tokens) for r in res}}
-    if split is not None:
+    if eng.drafter is not None:
         verifies = sum(r.stats.verify_calls for r in res)
         out["tokens/verify"] = (sum(r.stats.accepted_tokens for r in res) + verifies) / max(verifies, 1)
-        out.update({f"{k} ms": 1e3 * v / max(rounds, 1) for k, v in split.items()})
+    out.update({f"{k} ms": 1e3 * v / max(rounds, 1) for k, v in split.items()
+                if eng.drafter is not None or k in ("build", "dispatch")})
     return out
 
 
@@ -190,8 +210,8 @@ def _summary(label, runs, plain_runs):
            "x plain spread": f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-",
            "x plain (medians)": med["tok/s"] / statistics.median(p["tok/s"] for p in plain_runs) if plain_runs else "-",
            "ms/round": med["ms/round"], "runs": len(runs)}
-    for k in ("tokens/verify", "launch ms", "read ms", "land ms"):
-        row[k] = med.get(k, "-")  # (plain rounds are not split: their launch is a closure)
+    for k in ("tokens/verify", "build ms", "dispatch ms", "read ms", "land ms"):
+        row[k] = med.get(k, "-")  # (a plain round's read and emit are a closure's: not split)
     return row
 
 
