@@ -39,8 +39,8 @@ from .config import SPEC_METHODS, SpeculativeConfig
 from .models.loading import ModelBundle
 from .models.mtp import MTPHead
 from .head_prefill import head_prefill_rows
-from .mtp_draft import (CompiledDraftBank, DraftVocab, at_accepted, commit_inputs, history_append, lookup_drafts, pick,
-                        project, stack_drafts)
+from .mtp_draft import (CompiledDraftBank, DraftVocab, at_accepted, commit_inputs, draft_step, history_append,
+                        lookup_drafts, pick_indexed, project, stack_drafts)
 from .sampling import SamplerBatch
 
 
@@ -328,12 +328,12 @@ class MtpDrafter(_CachedDrafter):
         first_logits, h = self.extra
         start = self.cache.rows.mark()
         ones = np.ones(self.cache.batch, dtype=np.int64)
-        tok, q = pick(first_logits, sampler, u[:, 0], self.vocab)
+        tok, q, idx = pick_indexed(first_logits, sampler, u[:, 0], self.vocab)
         drafts, qs = [tok], [q]
         for j in range(1, K):
-            h = self.head.hidden(h[:, None], tok[:, None], self.cache.layers, step=j)[:, 0]
+            h = draft_step(self.head, self.vocab, h, tok, idx, self.cache.layers, j)
             self.cache.commit(ones)
-            tok, q = pick(project(self.head, self.vocab, h, j), sampler, u[:, j], self.vocab)
+            tok, q, idx = pick_indexed(project(self.head, self.vocab, h, j), sampler, u[:, j], self.vocab)
             drafts.append(tok)
             qs.append(q)
         self.cache.rows.restore(start)

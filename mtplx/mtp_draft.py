@@ -66,6 +66,18 @@ class DraftVocab:
     def size(self) -> int:
         return int(self.ids.shape[0])
 
+    def step_table(self, head: MTPHead) -> Optional[tuple]:
+        """([S, D]: each drafting token's `embedding_share` of the head's fc, fc's hidden-state half
+        [D, D]), built once; None where the head's fc cannot be split, or a head of several modules.
+        A draft step then reads one row instead of running the embedding, its norm, the
+        concatenation and the embedding's half of fc (`draft_step`)."""
+        if not hasattr(self, "_table"):
+            share = head.embedding_share(self.ids) if type(head) is MTPHead else None
+            self._table = None if share is None else (share, head.hidden_half())
+            if share is not None:
+                mx.eval(*self._table)
+        return self._table
+
     def logits(self, h: mx.array) -> mx.array:
         out = h @ self.weight_t.astype(h.dtype)
         return out + self.bias.astype(h.dtype) if self.has_bias else out
@@ -131,14 +143,31 @@ def project(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, step: int =
 def pick(logits: mx.array, sampler: SamplerBatch, u: mx.array, vocab: Optional[DraftVocab]):
     """One draft per row from [W, S] head logits: (token ids [W], q [W, V] or None when all rows are
     greedy, where acceptance needs no q)."""
+    return pick_indexed(logits, sampler, u, vocab)[:2]
+
+
+def pick_indexed(logits: mx.array, sampler: SamplerBatch, u: mx.array, vocab: Optional[DraftVocab]):
+    """`pick`, and each draft's index in the drafting vocabulary [W] (its token id without one)."""
     if sampler.all_greedy:
         idx = mx.argmax(logits, axis=-1).astype(mx.int32)
-        return (idx if vocab is None else vocab.ids[idx]), None
+        return (idx if vocab is None else vocab.ids[idx]), None, idx
     q = shaped_probs(logits[:, None], sampler)[:, 0]
     idx = sample_from(q, u)
     if vocab is None:
-        return idx, q
-    return vocab.ids[idx], vocab.expand(q)
+        return idx, q, idx
+    return vocab.ids[idx], vocab.expand(q), idx
+
+
+def draft_step(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, tok: mx.array, idx: mx.array, caches,
+               step: int) -> mx.array:
+    """The head's hidden state [W, D] after the draft `tok` [W] (`idx`: its index in the drafting
+    vocabulary), one step of the draft chain: with the vocabulary's step table the token's part of
+    fc is a row of it (DraftVocab.step_table), else the head runs over the token as it does at a
+    commit. Eager and compiled drafting both take this step, so their drafts agree."""
+    table = None if vocab is None else vocab.step_table(head)
+    if table is None:
+        return head.hidden(h[:, None], tok[:, None], caches, step=step)[:, 0]
+    return head.hidden_after(h[:, None], table[0][idx][:, None], table[1], caches)[:, 0]
 
 
 def stack_drafts(drafts, qs):
@@ -359,13 +388,13 @@ class CompiledDraftBank:
 def draft_chain(head: MTPHead, vocab: Optional[DraftVocab], kinds, first, h, s: SamplerBatch, u, lengths, arrays, K: int):
     """K drafts per row from the head's first logits and hidden state, over a shadow of its cache
     whose rows hold `lengths` entries (the K-1 steps write past them, into arrays nobody keeps)."""
-    tok, q = pick(first, s, u[:, 0], vocab)
+    tok, q, idx = pick_indexed(first, s, u[:, 0], vocab)
     drafts, qs = [tok], [q]
     for j in range(1, K):
         shadow = _shadow_cache(kinds, lengths + (j - 1), arrays)
-        h = head.hidden(h[:, None], tok[:, None], shadow.layers, step=j)[:, 0]
+        h = draft_step(head, vocab, h, tok, idx, shadow.layers, j)
         arrays = _shadow_outputs(shadow)
-        tok, q = pick(project(head, vocab, h, j), s, u[:, j], vocab)
+        tok, q, idx = pick_indexed(project(head, vocab, h, j), s, u[:, j], vocab)
         drafts.append(tok)
         qs.append(q)
     return stack_drafts(drafts, qs)

@@ -103,11 +103,16 @@ def _run(bundle, spec, prompts, params, max_batch=3, check=False):
     return [out[i] for i in range(len(reqs))], eng
 
 
-@pytest.mark.parametrize("family,lookup", [("llama", 0), ("qwen3_next", 0), ("llama", 2)])
+@pytest.mark.parametrize("family,lookup", [("llama", 0), ("qwen3_next", 0), ("llama", 2), ("llama-vocab", 0)])
 def test_compiled_drafts_equal_eager_drafts(tiny_model, tmp_path, family, lookup):
-    """(With `lookup`, the prompt-lookup fallback on the device: drafts, q and the rows' histories.)"""
+    """(With `lookup`, the prompt-lookup fallback on the device: drafts, q and the rows' histories;
+    `-vocab`: with a drafting vocabulary, whose draft steps read their embedding's part of fc off
+    DraftVocab.step_table.)"""
+    vocab = family.endswith("-vocab")
+    family = family.split("-")[0]
     bundle = load(tiny_model(family))
-    head = _sidecar(bundle, tmp_path / "head") if family == "llama" else None  # qwen3_next ships mtp.*
+    head = (_sidecar(bundle, tmp_path / "head", vocab_ids=list(range(0, 512, 2)) if vocab else None)
+            if family == "llama" else None)  # qwen3_next ships mtp.*
     rng = np.random.default_rng(1)
     prompts = [rng.integers(5, 200, int(n)).tolist() for n in (5, 40, 17, 9, 250, 3)]
     params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=24, temperature=0.9, top_k=20)]
@@ -119,6 +124,8 @@ def test_compiled_drafts_equal_eager_drafts(tiny_model, tmp_path, family, lookup
         counts = eng.drafter.lookup.counts
         assert counts["lookup"] >= 3 and counts["head"] >= 10, counts
     d = eng.drafter
+    if vocab:
+        assert d.vocab is not None and d.vocab.step_table(d.head) is not None
     print(f"\n{family}: {d.checks} checked, programs {d.bank.stats['programs']}, max |q diff| {d.q_diff:.2g}, "
           f"max commit diff {d.commit_diff:.2g}")
     assert d.checks["propose"] >= 3 and d.checks["commit"] >= 10
@@ -228,3 +235,42 @@ def test_a_quantized_heads_draft_projection_has_no_bias_add(tiny_model, tmp_path
     out = vocab.logits(h)
     assert "Add" not in graph_primitives([out])
     assert mx.array_equal(out, h @ vocab.weight_t + vocab.bias).item()
+
+
+def test_a_draft_step_off_the_vocabularys_table_is_the_heads_own_step(tiny_model, tmp_path):
+    """The table row (the token's normed embedding through its half of fc) plus the hidden state's half
+    is the head's step over the token: the same hidden state (float32, to rounding), and the step's
+    graph has no embedding, norm of it or concatenation left."""
+    from benchmarks.round_graph import graph_primitives
+    from mtplx.cache import BatchCache
+    from mtplx.mtp_draft import draft_step
+
+    bundle = load(tiny_model("llama"))
+    head = _init_head(bundle.model, TrainConfig(seed=3))
+    ids = list(range(3, 512, 3))
+    vocab = DraftVocab(head, ids, 512)
+    table = vocab.step_table(head)
+    assert table is not None and table[0].shape == (len(ids), head.fc.weight.shape[0])
+    idx = mx.array([0, 5, 40, len(ids) - 1], dtype=mx.int32)
+    tok = vocab.ids[idx]
+    h = mx.random.normal((4, head.fc.weight.shape[0]))
+    mx.eval(h, tok)
+
+    def step(use_table):
+        cache = BatchCache(list(head.cache_kinds), [0, 0, 0, 0])
+        ctx = mx.random.normal((4, 6, h.shape[1]))
+        head.hidden(ctx, mx.array(np.arange(24).reshape(4, 6) % 500, dtype=mx.int32), cache.layers)  # some context
+        cache.commit([6, 6, 6, 6])
+        mx.eval([a for c in cache.layers for a in c.state_arrays()])
+        return draft_step(head, vocab if use_table else None, h, tok, idx, cache.layers, 1)
+
+    mx.random.seed(0)
+    got = step(True)
+    prims = graph_primitives([got])
+    mx.random.seed(0)
+    ref = step(False)
+    ref_prims = graph_primitives([ref])
+    assert mx.allclose(got, ref, atol=1e-5, rtol=1e-5).item(), float(mx.abs(got - ref).max())
+    # the table's row: no concatenation of the embedding with the hidden state, one norm fewer
+    assert prims["Concatenate"] == ref_prims["Concatenate"] - 1, (prims, ref_prims)
+    assert sum(prims.values()) < sum(ref_prims.values())

@@ -134,13 +134,47 @@ class MTPHead(nn.Module):
             e = e.astype(self.norm_embedding.weight.dtype)
         e = self.norm_embedding(e)
         parts = [self.norm_hidden(hidden), e] if self.hidden_first else [e, self.norm_hidden(hidden)]
-        x = self.fc(mx.concatenate(parts, axis=-1))
+        return self._blocks(self.fc(mx.concatenate(parts, axis=-1)), caches, mask)
+
+    def _blocks(self, x: mx.array, caches, mask) -> mx.array:
         caches = caches or [None] * len(self.layers)
         if mask is None and caches[0] is not None:  # rows have their own lengths: always mask
             mask = _leaves(caches[0])[0].make_mask(x.shape[1], return_array=True)
         for layer, c in zip(self.layers, caches):
             x = layer(x, mask, c)
         return self.norm(x)
+
+    # -- a draft step with the embedding's share of fc read off a table (mtp_draft.DraftVocab.step_table)
+    def _fc_halves(self):
+        """fc's weight as (the embedding's columns, the hidden state's), or None where fc is not a
+        plain bias-free Linear (a quantized head computes its fc as trained)."""
+        if type(self.fc) is not nn.Linear or "bias" in self.fc:
+            return None
+        D = self.fc.weight.shape[1] // 2
+        w = self.fc.weight
+        return (w[:, D:], w[:, :D]) if self.hidden_first else (w[:, :D], w[:, D:])
+
+    def embedding_share(self, tokens: mx.array) -> Optional[mx.array]:
+        """[..., D]: the part of fc's output that the tokens' embeddings give (normed, their columns
+        of fc), or None where fc cannot be split. Position 0's zeroed embedding (`zero_first`) is
+        not applied: for tokens drafted after position 0, as every draft step's are."""
+        halves = self._fc_halves()
+        if halves is None:
+            return None
+        e = self.embed(tokens)
+        e = self.norm_embedding(e.astype(self.norm_embedding.weight.dtype))
+        return e @ halves[0].T
+
+    def hidden_after(self, hidden: mx.array, share: mx.array, w_hidden: mx.array, caches=None, mask=None) -> mx.array:
+        """`hidden(hidden, tokens, ...)` with the tokens' `embedding_share` given: the embedding, its
+        norm and its half of fc are one row of a table instead of kernels of their own. `w_hidden`:
+        fc's columns for the hidden state (`hidden_half`), laid out as a Linear's weight."""
+        return self._blocks(share + self.norm_hidden(hidden) @ w_hidden.T, caches, mask)
+
+    def hidden_half(self) -> Optional[mx.array]:
+        """fc's columns for the hidden state as a weight of their own [D, D] (a copy), or None."""
+        halves = self._fc_halves()
+        return None if halves is None else mx.contiguous(halves[1])
 
 
 class _ShiftedRows:
