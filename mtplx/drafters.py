@@ -40,7 +40,7 @@ from .models.loading import ModelBundle
 from .models.mtp import MTPHead
 from .head_prefill import head_prefill_rows
 from .mtp_draft import (CompiledDraftBank, DraftVocab, at_accepted, commit_inputs, draft_step, history_append,
-                        lookup_drafts, pick_indexed, project, stack_drafts)
+                        lookup_drafts, pick, project, stack_drafts)
 from .sampling import SamplerBatch
 
 
@@ -328,16 +328,16 @@ class MtpDrafter(_CachedDrafter):
         first_logits, h = self.extra
         start = self.cache.rows.mark()
         ones = np.ones(self.cache.batch, dtype=np.int64)
-        tok, q, idx = pick_indexed(first_logits, sampler, u[:, 0], self.vocab)
-        drafts, qs = [tok], [q]
+        idx, q = pick(first_logits, sampler, u[:, 0])
+        idxs, qs = [idx], [q]
         for j in range(1, K):
-            h = draft_step(self.head, self.vocab, h, tok, idx, self.cache.layers, j)
+            h = draft_step(self.head, self.vocab, h, idx, self.cache.layers, j)
             self.cache.commit(ones)
-            tok, q, idx = pick_indexed(project(self.head, self.vocab, h, j), sampler, u[:, j], self.vocab)
-            drafts.append(tok)
+            idx, q = pick(project(self.head, self.vocab, h, j), sampler, u[:, j])
+            idxs.append(idx)
             qs.append(q)
         self.cache.rows.restore(start)
-        drafts, q = stack_drafts(drafts, qs)
+        drafts, q = stack_drafts(self.vocab, idxs, qs)
         if self.lookup is None:
             return drafts, q, None
         use, looked = self.lookup.drafts(self._lookup_arg(K)[1], self.cache.rows.device + 1, K)

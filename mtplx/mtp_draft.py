@@ -140,38 +140,36 @@ def project(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, step: int =
     return head.logits(h, step) if vocab is None else vocab.logits(h)
 
 
-def pick(logits: mx.array, sampler: SamplerBatch, u: mx.array, vocab: Optional[DraftVocab]):
-    """One draft per row from [W, S] head logits: (token ids [W], q [W, V] or None when all rows are
-    greedy, where acceptance needs no q)."""
-    return pick_indexed(logits, sampler, u, vocab)[:2]
-
-
-def pick_indexed(logits: mx.array, sampler: SamplerBatch, u: mx.array, vocab: Optional[DraftVocab]):
-    """`pick`, and each draft's index in the drafting vocabulary [W] (its token id without one)."""
+def pick(logits: mx.array, sampler: SamplerBatch, u: mx.array):
+    """One draft per row from [W, S] head logits, as its index in the drafting vocabulary [W] (the
+    token id without one), with its q over that vocabulary [W, S] (None when all rows are greedy,
+    where acceptance needs no q). `stack_drafts` maps the round's indices and q to token ids and to
+    the whole vocabulary once, not per step."""
     if sampler.all_greedy:
-        idx = mx.argmax(logits, axis=-1).astype(mx.int32)
-        return (idx if vocab is None else vocab.ids[idx]), None, idx
+        return mx.argmax(logits, axis=-1).astype(mx.int32), None
     q = shaped_probs(logits[:, None], sampler)[:, 0]
-    idx = sample_from(q, u)
-    if vocab is None:
-        return idx, q, idx
-    return vocab.ids[idx], vocab.expand(q), idx
+    return sample_from(q, u), q
 
 
-def draft_step(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, tok: mx.array, idx: mx.array, caches,
-               step: int) -> mx.array:
-    """The head's hidden state [W, D] after the draft `tok` [W] (`idx`: its index in the drafting
-    vocabulary), one step of the draft chain: with the vocabulary's step table the token's part of
-    fc is a row of it (DraftVocab.step_table), else the head runs over the token as it does at a
-    commit. Eager and compiled drafting both take this step, so their drafts agree."""
+def draft_step(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, idx: mx.array, caches, step: int) -> mx.array:
+    """The head's hidden state [W, D] after the draft of index `idx` [W] (`pick`), one step of the
+    draft chain: with the vocabulary's step table the token's part of fc is a row of it
+    (DraftVocab.step_table), else the head runs over the token as it does at a commit. Eager and
+    compiled drafting both take this step, so their drafts agree."""
     table = None if vocab is None else vocab.step_table(head)
     if table is None:
+        tok = idx if vocab is None else vocab.ids[idx]
         return head.hidden(h[:, None], tok[:, None], caches, step=step)[:, 0]
     return head.hidden_after(h[:, None], table[0][idx][:, None], table[1], caches)[:, 0]
 
 
-def stack_drafts(drafts, qs):
-    return mx.stack(drafts, axis=1), (None if qs[0] is None else mx.stack(qs, axis=1))
+def stack_drafts(vocab: Optional[DraftVocab], idxs, qs):
+    """A round's picks (`pick`, per step) -> (token ids [W, K], q [W, K, V] or None)."""
+    idx = mx.stack(idxs, axis=1)
+    q = None if qs[0] is None else mx.stack(qs, axis=1)
+    if vocab is None:
+        return idx, q
+    return vocab.ids[idx], (None if q is None else vocab.expand(q))
 
 
 def commit_inputs(verify_in: mx.array, n: mx.array, next_tokens: mx.array) -> mx.array:
@@ -388,16 +386,16 @@ class CompiledDraftBank:
 def draft_chain(head: MTPHead, vocab: Optional[DraftVocab], kinds, first, h, s: SamplerBatch, u, lengths, arrays, K: int):
     """K drafts per row from the head's first logits and hidden state, over a shadow of its cache
     whose rows hold `lengths` entries (the K-1 steps write past them, into arrays nobody keeps)."""
-    tok, q, idx = pick_indexed(first, s, u[:, 0], vocab)
-    drafts, qs = [tok], [q]
+    idx, q = pick(first, s, u[:, 0])
+    idxs, qs = [idx], [q]
     for j in range(1, K):
         shadow = _shadow_cache(kinds, lengths + (j - 1), arrays)
-        h = draft_step(head, vocab, h, tok, idx, shadow.layers, j)
+        h = draft_step(head, vocab, h, idx, shadow.layers, j)
         arrays = _shadow_outputs(shadow)
-        tok, q, idx = pick_indexed(project(head, vocab, h, j), s, u[:, j], vocab)
-        drafts.append(tok)
+        idx, q = pick(project(head, vocab, h, j), s, u[:, j])
+        idxs.append(idx)
         qs.append(q)
-    return stack_drafts(drafts, qs)
+    return stack_drafts(vocab, idxs, qs)
 
 
 # -- prompt lookup on the device (speculative.mtp_lookup; drafters.LookupFallback) -----------------

@@ -262,7 +262,8 @@ def test_a_draft_step_off_the_vocabularys_table_is_the_heads_own_step(tiny_model
         head.hidden(ctx, mx.array(np.arange(24).reshape(4, 6) % 500, dtype=mx.int32), cache.layers)  # some context
         cache.commit([6, 6, 6, 6])
         mx.eval([a for c in cache.layers for a in c.state_arrays()])
-        return draft_step(head, vocab if use_table else None, h, tok, idx, cache.layers, 1)
+        return draft_step(head, vocab if use_table else None, h, idx, cache.layers, 1) if use_table else \
+            draft_step(head, None, h, tok, cache.layers, 1)
 
     mx.random.seed(0)
     got = step(True)
@@ -274,3 +275,32 @@ def test_a_draft_step_off_the_vocabularys_table_is_the_heads_own_step(tiny_model
     # the table's row: no concatenation of the embedding with the hidden state, one norm fewer
     assert prims["Concatenate"] == ref_prims["Concatenate"] - 1, (prims, ref_prims)
     assert sum(prims.values()) < sum(ref_prims.values())
+
+
+def test_a_rounds_drafts_map_to_token_ids_and_the_whole_vocabulary_once(tiny_model):
+    """The draft chain picks in the drafting vocabulary's index space; the round's K picks become
+    token ids with one gather and (sampled) their q over the whole vocabulary with one scatter,
+    not one of each per step."""
+    from benchmarks.round_graph import graph_primitives
+    from mtplx.cache import BatchCache
+    from mtplx.mtp_draft import draft_chain
+    from mtplx.sampling import SamplerBatch
+
+    bundle = load(tiny_model("llama"))
+    head = _init_head(bundle.model, TrainConfig(seed=3))
+    vocab = DraftVocab(head, list(range(3, 512, 3)), 512)
+    vocab.step_table(head)
+    cache = BatchCache(list(head.cache_kinds), [0, 0])
+    head.hidden(mx.random.normal((2, 5, head.fc.weight.shape[0])), mx.array([[5, 6, 7, 8, 9]] * 2, dtype=mx.int32), cache.layers)
+    cache.commit([5, 5])
+    arrays = [a for c in cache.layers for a in c.state_arrays()]
+    h = mx.random.normal((2, head.fc.weight.shape[0]))
+    first = vocab.logits(h)
+    sampler = SamplerBatch.from_params([SamplingParams(temperature=0.8), SamplingParams(temperature=1.0)])
+    u = mx.random.uniform(shape=(2, 3))
+    mx.eval(arrays, h, first, u)
+    drafts, q = draft_chain(head, vocab, list(cache.kinds), first, h, sampler, u, cache.rows.device, arrays, 3)
+    prims = graph_primitives([drafts, q])
+    assert drafts.shape == (2, 3) and q.shape == (2, 3, 512)
+    assert prims["Scatter"] == 1, prims
+    assert set(np.array(drafts).ravel().tolist()) <= set(range(3, 512, 3))
