@@ -12,7 +12,8 @@ after every repeat (a cut-off run still has its numbers).
 
 A setting is `plain`, or an MTP depth (`3`), with `lN` for speculative.mtp_lookup N (`3l2`), and
 `:attr=value` pairs that set an Engine attribute before its warm-up, for A/B of engine switches
-(`3:fold_accept=0`; an attribute the Engine does not have is refused).
+(`3:fold_accept=0`, dotted into the engine: `3:drafter.vocab.use_table=0`; an attribute the Engine does not have is
+refused).
 
 Per round the host's split: ms building its graph (a plain round's verify call, a speculative round's
 `_launch`: program calls, eager ops, the drafter), ms dispatching it (`mx.async_eval`: the eval's graph
@@ -97,10 +98,15 @@ def make_engine(bundle, head: str, setting, width: int):
     spec = (SpeculativeConfig(method="none") if depth is None else
             SpeculativeConfig(method="mtp", depth=depth, mtp_head=head, mtp_lookup=lookup))
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
-    for k, v in attrs.items():
-        if not hasattr(eng, k):
+    for k, v in attrs.items():  # a dotted name reaches into the engine (drafter.vocab.use_table)
+        *path, name = k.split(".")
+        owner = eng
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is None or not hasattr(owner, name):
             raise SystemExit(f"--settings: the Engine has no attribute {k!r} (setting {setting[0]!r})")
-        setattr(eng, k, type(getattr(eng, k))(v) if isinstance(getattr(eng, k), (bool, int)) else v)
+        old = getattr(owner, name)
+        setattr(owner, name, type(old)(v) if isinstance(old, (bool, int)) else v)
     return eng
 
 

@@ -35,6 +35,8 @@ DRAFT_VOCAB_FILE = "mtp_draft_vocab.npy"
 class DraftVocab:
     """The token ids the head drafts among, and the output projection restricted to them."""
 
+    use_table = True  # draft steps off `step_table`; benchmarks turn it off (round_trace `:drafter.vocab.use_table=0`)
+
     def __init__(self, head: MTPHead, ids: Sequence[int], vocab_size: int, chunk: int = 256):
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         if ids.size == 0 or ids[0] < 0 or ids[-1] >= vocab_size:
@@ -71,6 +73,8 @@ class DraftVocab:
         [D, D]), built once; None where the head's fc cannot be split, or a head of several modules.
         A draft step then reads one row instead of running the embedding, its norm, the
         concatenation and the embedding's half of fc (`draft_step`)."""
+        if not self.use_table:
+            return None
         if not hasattr(self, "_table"):
             share = head.embedding_share(self.ids) if type(head) is MTPHead else None
             self._table = None if share is None else (share, head.hidden_half())

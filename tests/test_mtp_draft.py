@@ -251,6 +251,9 @@ def test_a_draft_step_off_the_vocabularys_table_is_the_heads_own_step(tiny_model
     vocab = DraftVocab(head, ids, 512)
     table = vocab.step_table(head)
     assert table is not None and table[0].shape == (len(ids), head.fc.weight.shape[0])
+    off = DraftVocab(head, ids, 512)
+    off.use_table = False  # (benchmarks' switch: draft steps run the head over the token)
+    assert off.step_table(head) is None
     idx = mx.array([0, 5, 40, len(ids) - 1], dtype=mx.int32)
     tok = vocab.ids[idx]
     h = mx.random.normal((4, head.fc.weight.shape[0]))
