@@ -10,7 +10,8 @@ its own Engine (same model), warmed once (every program and kernel built), then 
 setting after setting, so a slow spell of the host hits all of them; medians and spread are printed
 after every repeat (a cut-off run still has its numbers).
 
-A setting is `plain`, or an MTP depth (`3`), with `lN` for speculative.mtp_lookup N (`3l2`), and
+A setting is `plain`, or an MTP depth (`3`: fixed; `a3`: adaptive depth up to 3), with `lN` for speculative.mtp_lookup N
+(`3l2`), and
 `:attr=value` pairs that set an Engine attribute before its warm-up, for A/B of engine switches
 (`3:fold_accept=0`, dotted into the engine: `3:drafter.vocab.use_table=0`; an attribute the Engine does not have is
 refused).
@@ -41,19 +42,19 @@ from pathlib import Path
 
 
 def parse_setting(text: str):
-    """'plain' | 'DEPTH[lN][:attr=value...]' -> (label, depth or None, lookup, {attr: value})."""
+    """'plain' | '[a]DEPTH[lN][:attr=value...]' -> (label, depth or None, lookup, {attr: value}, adaptive)."""
     head, *pairs = text.split(":")
-    m = re.fullmatch(r"plain|(\d+)(?:l(\d+))?", head)
+    m = re.fullmatch(r"plain|(a?)(\d+)(?:l(\d+))?", head)
     if m is None:
-        raise SystemExit(f"--settings: {text!r} is not 'plain' or DEPTH[lN][:attr=value...] (e.g. 3, 3l2, 3:fold_accept=0)")
+        raise SystemExit(f"--settings: {text!r} is not 'plain' or [a]DEPTH[lN][:attr=value...] (e.g. 3, 3l2, a3l2, 3:fold_accept=0)")
     attrs = {}
     for p in pairs:
         k, sep, v = p.partition("=")
         if not sep or not k:
             raise SystemExit(f"--settings: {p!r} in {text!r} is not attr=value")
         attrs[k] = int(v) if re.fullmatch(r"-?\d+", v) else v
-    depth = None if head == "plain" else int(m.group(1))
-    return text, depth, int(m.group(2) or 0) if depth else 0, attrs
+    depth = None if head == "plain" else int(m.group(2))
+    return text, depth, int(m.group(3) or 0) if depth else 0, attrs, bool(m.group(1))
 
 
 def _split_timers(eng):
@@ -94,9 +95,9 @@ def make_engine(bundle, head: str, setting, width: int):
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine
 
-    _, depth, lookup, attrs = setting
+    _, depth, lookup, attrs, adaptive = setting
     spec = (SpeculativeConfig(method="none") if depth is None else
-            SpeculativeConfig(method="mtp", depth=depth, mtp_head=head, mtp_lookup=lookup))
+            SpeculativeConfig(method="mtp", depth=depth, mtp_head=head, mtp_lookup=lookup, adaptive_depth=adaptive))
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
     for k, v in attrs.items():  # a dotted name reaches into the engine (drafter.vocab.use_table)
         *path, name = k.split(".")
