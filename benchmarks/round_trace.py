@@ -14,7 +14,8 @@ A setting is `plain`, or an MTP depth (`3`: fixed; `a3`: adaptive depth up to 3)
 (`3l2`), and
 `:attr=value` pairs that set an Engine attribute before its warm-up, for A/B of engine switches
 (`3:fold_accept=0`, dotted into the engine: `3:drafter.vocab.use_table=0`; an attribute the Engine does not have is
-refused).
+refused), or a module's attribute while that engine is built and warmed, its programs traced
+(`3:mtplx.fusion.STACK_FEW_ROWS=0`).
 
 Per round the host's split: ms building its graph (a plain round's verify call, a speculative round's
 `_launch`: program calls, eager ops, the drafter), ms dispatching it (`mx.async_eval`: the eval's graph
@@ -32,6 +33,7 @@ by side, per round: kernels and host CUDA calls by name.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import statistics
@@ -92,14 +94,27 @@ def _split_timers(eng):
 
 
 def make_engine(bundle, head: str, setting, width: int):
+    """The setting's Engine, warmed (one run of the rows is the caller's). Module attributes
+    (`mtplx.MODULE.NAME=V`) hold only while it is built and warmed: its programs are traced then."""
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine
 
     _, depth, lookup, attrs, adaptive = setting
     spec = (SpeculativeConfig(method="none") if depth is None else
             SpeculativeConfig(method="mtp", depth=depth, mtp_head=head, mtp_lookup=lookup, adaptive_depth=adaptive))
+    modules = {k: v for k, v in attrs.items() if k.startswith("mtplx.")}
+    restore = []
+    for k, v in modules.items():
+        mod, name = importlib.import_module(k.rsplit(".", 1)[0]), k.rsplit(".", 1)[1]
+        if not hasattr(mod, name):
+            raise SystemExit(f"--settings: {k.rsplit('.', 1)[0]} has no attribute {name!r} (setting {setting[0]!r})")
+        old = getattr(mod, name)
+        restore.append((mod, name, old))
+        setattr(mod, name, type(old)(v) if isinstance(old, (bool, int)) else v)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
     for k, v in attrs.items():  # a dotted name reaches into the engine (drafter.vocab.use_table)
+        if k in modules:
+            continue
         *path, name = k.split(".")
         owner = eng
         for part in path:
@@ -108,7 +123,7 @@ def make_engine(bundle, head: str, setting, width: int):
             raise SystemExit(f"--settings: the Engine has no attribute {k!r} (setting {setting[0]!r})")
         old = getattr(owner, name)
         setattr(owner, name, type(old)(v) if isinstance(old, (bool, int)) else v)
-    return eng
+    return eng, restore
 
 
 def timed_run(eng, reqs):
@@ -273,8 +288,11 @@ def main():
         engines = {}
         for s in settings:  # each warmed once: every program and kernel its runs need exists
             t0 = time.perf_counter()
-            engines[s[0]] = eng = make_engine(bundle, head, s, args.width)
+            eng, restore = make_engine(bundle, head, s, args.width)
+            engines[s[0]] = eng
             list(eng.generate(reqs))
+            for mod, name, old in restore:
+                setattr(mod, name, old)
             print(f"warm-up {s[0]}: {time.perf_counter() - t0:.2f} s", flush=True)
         runs = {s[0]: [] for s in settings}
         reference = None

@@ -55,6 +55,8 @@ class _Stacked:
         bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         self.spans = list(zip(bounds[:-1], bounds[1:]))
         self.views = [_like(layers[0], {k: self.layer[k][a:b] for k in keys}) for a, b in self.spans]
+        # rows whose stacked product gives each sibling the bits of its own: see `few_rows`
+        self.few_rows = few_rows(layers[0])
         self._x = None
         self._parts: List[mx.array] = []
         self._left = 0
@@ -84,9 +86,26 @@ class StackedPart(nn.Module):
 
     def __call__(self, x):
         st = self._stacked[0]
-        if x.size != x.shape[-1]:  # several rows: this sibling's own product, on its rows
+        if x.size // x.shape[-1] > (st.few_rows if STACK_FEW_ROWS else 1):  # many rows: each sibling's own product
             return st.views[self._index](x)
         return st.part(x, self._index)
+
+
+QMV_ROWS = 7  # MLX CUDA's quantized matmul runs its vector kernel (qmv) below 8 rows (quantized.cpp)
+# few-row products stacked where `few_rows` allows (read when a program is traced); benchmarks turn it off
+# for one engine's warm-up (round_trace `:mtplx.fusion.STACK_FEW_ROWS=0`) to measure the path before
+STACK_FEW_ROWS = True
+
+
+def few_rows(layer) -> int:
+    """Up to how many rows (the product's M) a stacked product keeps each sibling's values: one row
+    for every layer (a row of a vector product does not depend on the others); up to QMV_ROWS for a
+    quantized layer under MLX's CUDA qmv, which gives each output row of each of the M rows its own
+    warp whatever N is (quantized.cpp: below 8 rows qmv, unless the layer is one qmm_sm90 takes,
+    a group as long as the input). So a verify of up to 7 tokens a row at one stream stacks too."""
+    if isinstance(layer, nn.QuantizedLinear) and rows_attention.cuda_ready() and layer.group_size < layer.weight.shape[1] * 32 // layer.bits:
+        return QMV_ROWS
+    return 1
 
 
 def _settings(m) -> tuple:

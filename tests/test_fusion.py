@@ -138,3 +138,32 @@ def test_the_mtp_heads_blocks_stack_as_the_trunks_and_draft_the_same(tiny_model,
     _, plain = run(False)
     assert [t for t, _, _ in stacked] == refs
     assert stacked == plain
+
+
+def test_a_few_row_product_of_quantized_layers_stacks_with_the_same_bits(tiny_model):
+    """A verify of a few tokens at one stream (4 rows) takes the stacked product where it keeps the
+    values: quantized layers under MLX's CUDA vector kernel (fusion.few_rows: up to QMV_ROWS rows; set
+    here on the CPU, whose quantized product is row-independent too); elsewhere, and past that, each
+    sibling's own product. Logits bit for bit; one product a group instead of three (two)."""
+    from benchmarks.round_graph import graph_primitives
+    from mtplx import fusion
+    from mtplx.fusion import QMV_ROWS, few_rows
+
+    model = load(tiny_model("llama")).model
+    nn.quantize(model, group_size=32, bits=4)
+    tokens = mx.array([[5, 9, 13, 21]], dtype=mx.int32)
+    ref = model(tokens)
+    mx.eval(ref)
+    plain_count = graph_primitives([model(tokens)])["QuantizedMatmul"]
+    assert few_rows(model.model.layers[0].self_attn.q_proj) == (QMV_ROWS if fusion.rows_attention.cuda_ready() else 1)
+    fuse_projections(model)
+    parts = {id(m._stacked[0]): m._stacked[0] for _, m in model.named_modules() if isinstance(m, StackedPart)}
+    for st in parts.values():
+        assert st.few_rows in (1, QMV_ROWS)
+        st.few_rows = QMV_ROWS  # as on CUDA
+    out = model(tokens)
+    stacked_count = graph_primitives([out])["QuantizedMatmul"]
+    assert np.array_equal(np.array(out), np.array(ref))
+    assert stacked_count == plain_count - 3 * len(model.model.layers)  # q/k/v 3 -> 1, gate/up 2 -> 1
+    long = mx.array([list(range(5, 5 + QMV_ROWS + 1))], dtype=mx.int32)  # past QMV_ROWS: own products
+    assert graph_primitives([model(long)])["QuantizedMatmul"] == plain_count
