@@ -185,9 +185,8 @@ kcache)  # issue 18 (h8d): our custom CUDA kernels (rows_attention, layer_kernel
   # instantiation once and writes the entry MLX reads. Fresh processes on the shipped eval-mtp job (ROWS rows, warm-up
   # run = every first-time cost of a process, then a timed run), each over its own copy of MLX's cache (MLX_PTX_CACHE_DIR,
   # MLX's own variable) without custom-kernel entries: "before" = kernel_cache off (what every process paid), "first" =
-  # on (this process builds them), "warm" = on again (a later process finds them), and warm with prefill attention through
-  # plain ops instead of cuDNN (rows_attention.FUSED_PREFILL off: no graph per shape to build); then method none before /
-  # warm; then the source check (MLX's generated source = ours, entries present) in the warm copy. ~1.7 min warm.
+  # on (this process builds them), "warm" = on again (a later process finds them); then method none before / warm; then
+  # the source check (MLX's generated source = ours, entries present) in the warm copy, and the engine setup profiled.
   mkdir -p /tmp/b
   P=$(python3 -c "from mtplx import kernel_cache as k; print(k.ptx_dir())")
   for d in /tmp/ptx-before /tmp/ptx-after; do
@@ -204,7 +203,6 @@ kcache)  # issue 18 (h8d): our custom CUDA kernels (rows_attention, layer_kernel
   run1 mtp-before /tmp/ptx-before false
   run1 mtp-first /tmp/ptx-after true
   run1 mtp-warm /tmp/ptx-after true
-  run1 mtp-warm-unfused-prefill /tmp/ptx-after true --attr mtplx.rows_attention.FUSED_PREFILL=false
   run1 none-before /tmp/ptx-before false --set speculative.method=none
   run1 none-warm /tmp/ptx-after true --set speculative.method=none
   echo "== source check $(date +%T)" | tee -a "$OUT/kcache.log"

@@ -292,41 +292,13 @@ _original = None
 
 
 def attention(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's `scaled_dot_product_attention`, with `rows_attention` for a RowKVCache's own mask (and,
-    where FUSED_PREFILL is off, `unfused` for longer queries under an array mask)."""
+    """mlx-lm's `scaled_dot_product_attention`, with `rows_attention` for a RowKVCache's own mask."""
     from .cache import RowKVCache
 
     if (sinks is None and isinstance(cache, RowKVCache) and mask is not None and mask is cache.rows.mask
             and usable(queries, keys, values)):
         return rows_attention(queries, keys, values, scale, cache.rows.resident())
-    if not FUSED_PREFILL and sinks is None and isinstance(mask, mx.array) and queries.shape[2] > MAX_QUERIES:
-        return unfused(queries, keys, values, scale, mask)
     return _original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-
-
-# MLX's CUDA attention over more queries than `rows_attention` takes (a prefill) is cuDNN's, which
-# builds a graph for each exact shape (queries, keys, mask) anew in every process; off: `unfused`
-# instead, plain ops with nothing to build (benchmarks/gpu_mtp.sh kcache measures which a fresh
-# process pays less for)
-FUSED_PREFILL = True
-
-
-def unfused(queries, keys, values, scale: float, mask: mx.array) -> mx.array:
-    """softmax(q k^T * scale) v under `mask` (boolean: where to attend, or added to the scores) with
-    MLX's plain ops: each KV head's query heads as one group, the softmax in float32 (MLX's precise).
-    q [B, Hq, L, D], k / v [B, Hk, S, D], mask broadcastable to [B, Hq, L, S]."""
-    B, Hq, L, D = queries.shape
-    Hk = keys.shape[1]
-    q = (queries * scale).reshape(B, Hk, Hq // Hk, L, D)
-    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # [B, Hk, G, L, S]
-    m = mx.broadcast_to(mask, (mask.shape[0], Hq) + mask.shape[2:]) if mask.shape[1] == 1 and Hq > 1 else mask
-    m = m.reshape(m.shape[0], Hk, Hq // Hk, L, m.shape[-1])
-    if m.dtype == mx.bool_:
-        scores = mx.where(m, scores, mx.finfo(scores.dtype).min)
-    else:
-        scores = scores + m.astype(scores.dtype)
-    probs = mx.softmax(scores, axis=-1, precise=True)
-    return (probs @ values[:, :, None]).reshape(B, Hq, L, D)
 
 
 def install(model) -> int:
