@@ -416,9 +416,11 @@ class Engine(SpeculativeRounds):
         return finished_early and not batch.drained
 
     # An admission behind a round in flight prefills on a stream of its own, so the device may run it
-    # beside the rounds (a launch-bound round leaves most of a GPU idle); its results reach the rounds
-    # through MLX's cross-stream dependencies. Off until measured (benchmarks/round_cost `@prefill_beside=true`).
-    prefill_beside = False
+    # beside the rounds (a launch-bound round leaves most of a GPU idle) and the rounds' stream keeps its
+    # own work; its results reach the rounds through MLX's cross-stream dependencies. H200, session 8
+    # (width 32, 128 rows): 13.1 ms a round against 17.5 on one stream. benchmarks/round_cost turns it off
+    # (`@prefill_beside=false`) to measure without.
+    prefill_beside = True
     _side = None
 
     def _prefill_stream(self, behind: bool):

@@ -35,7 +35,7 @@ def setup(tiny_model, tmp_path_factory):
     return bundle, str(head), str(tiny_model("llama", seed=1)), rows
 
 
-def _engine(setup, method, width, defer, beside=False):
+def _engine(setup, method, width, defer, beside=True):
     bundle, head, draft, _ = setup
     spec = SpeculativeConfig(method=method.split("-")[0], depth=3, adaptive_depth=False, mtp_head=head if method != "draft" else None,
                              draft_model=draft if method == "draft" else None, mtp_lookup=2 if method == "mtp-lookup" else 0)
@@ -125,3 +125,24 @@ def test_an_admission_prefilled_on_a_stream_of_its_own_gives_the_same_text(setup
     assert eng._side is not None
     for i, (p, m) in enumerate(rows):
         assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i
+
+
+def test_on_a_gpu_an_admission_pads_its_rows_into_fewer_groups(monkeypatch):
+    """A GPU prefill group costs its launches whatever its padding: an admission of rows of 73..208
+    tokens is one group there (padded grid within 4x the real tokens), two on a CPU."""
+    import mlx.core as mx
+
+    from mtplx import prefill as prefill_mod
+
+    lengths = [208, 177, 147, 199, 128, 73]
+
+    class Runtime:
+        model, split, want_hidden = None, False, False
+
+    cpu = prefill_mod.Prefiller(Runtime(), 512, False, {})
+    assert len(prefill_mod.length_groups(lengths, cpu.padding_waste)) == 2
+    monkeypatch.setattr(prefill_mod.mx, "default_device", lambda: mx.Device(mx.gpu))
+    gpu = prefill_mod.Prefiller(Runtime(), 512, False, {})
+    assert len(prefill_mod.length_groups(lengths, gpu.padding_waste)) == 1
+    assert len(prefill_mod.length_groups([16] + [600] * 3, gpu.padding_waste)) == 1
+    assert len(prefill_mod.length_groups([10] * 4 + [600], gpu.padding_waste)) == 2  # 5 x 600 > 4 x 640

@@ -17,6 +17,7 @@ import pytest
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.models.loading import load
+from mtplx.spec_rounds import REFILL_AT
 from mtplx.request import Request, SamplingParams
 from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
 from tiny_models import reference_tokens
@@ -200,6 +201,7 @@ def test_an_admission_happens_behind_the_round_in_flight(setup, method, monkeypa
     trunk's chunk and the drafter's per admission)."""
     bundle, _, _, rows, _ = setup
     eng = _engine(setup, method, 8)
+    eng.refill_at = 8  # an admission at every freed slot of width 8: many admissions (the default admits at 2)
     evals, real = [0], mx.eval
     monkeypatch.setattr(mx, "eval", lambda *a, **k: (evals.__setitem__(0, evals[0] + 1), real(*a, **k))[1])
     idle_lengths, launch = [], eng._launch  # a slot whose row has finished holds no entries (nothing to attend over)
@@ -271,7 +273,7 @@ def test_a_batch_that_narrows_after_an_admission_reads_the_carried_round_first(s
 
 def test_with_requests_waiting_a_wide_batch_refills_several_slots_at_once(setup):
     """A refill drains the pipeline (the round in flight is read, admission prefills): at width 16
-    with requests waiting, a call returns once 1/8 of its slots (2) are free, not at every finished
+    with requests waiting, a call returns once 1/4 of its slots (4) are free, not at every finished
     row (rows of staggered lengths end one at a time), and the text stays plain decoding's."""
     bundle, head, _, rows, _ = setup
     eng = _engine(setup, "mtp", 16)
@@ -287,4 +289,4 @@ def test_with_requests_waiting_a_wide_batch_refills_several_slots_at_once(setup)
     for i, (p, m) in enumerate(many):
         assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i
     waiting = [f for d, f, going in freed if not d and going]
-    assert waiting and min(waiting) >= 2, freed
+    assert waiting and min(waiting) >= 16 // REFILL_AT == 4, freed
