@@ -151,6 +151,32 @@ def unstack(model) -> int:
     return n
 
 
+# the MTP head's blocks quantized where the trunk is (quantize_head); benchmarks turn it off for one engine
+# (round_trace `:mtplx.fusion.QUANTIZE_HEAD=0`, read when the Engine is made)
+QUANTIZE_HEAD = True
+HEAD_BITS, HEAD_GROUP = 8, 64
+
+
+def quantize_head(head, trunk) -> int:
+    """Quantize the Linear layers of the MTP head's blocks (HEAD_BITS, HEAD_GROUP) where the trunk's
+    are quantized: on CUDA a float product of the commit's few rows (the verified tokens) is a cuBLAS
+    GEMM that MLX records by stream capture, a child graph of its own each (H200, window 1: ~11 a
+    one-stream round), where a quantized one is the trunk's qmv kernel, a plain graph node. Drafts
+    change by the rounding, the output does not (verification is exact). fc stays as it is: draft steps
+    read its embedding half off DraftVocab.step_table. Returns how many layers."""
+    if not QUANTIZE_HEAD or not any(isinstance(m, nn.QuantizedLinear) for _, m in trunk.named_modules()):
+        return 0
+    count = [0]
+
+    def pick(path, m):
+        ok = type(m) is nn.Linear and path.startswith("layers") and m.weight.shape[1] % HEAD_GROUP == 0
+        count[0] += ok
+        return ok
+
+    nn.quantize(head, group_size=HEAD_GROUP, bits=HEAD_BITS, class_predicate=pick)
+    return count[0]
+
+
 def stacking_pays() -> bool:
     """Stacked projections measured faster only in compiled CUDA decode steps (BENCHMARKS.md, h22d)."""
     return rows_attention.cuda_ready()

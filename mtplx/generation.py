@@ -29,7 +29,8 @@ from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profil
 from .config import ScheduleConfig, SpeculativeConfig, prefill_chunk_env, sustained_prefill_env
 from .depth import DepthController
 from .drafters import make_drafter
-from .fusion import DECODE_GROUPS, decode_paths, fuse_projections
+from . import fusion
+from .fusion import DECODE_GROUPS, decode_paths, fuse_projections, quantize_head
 from .architectures import PASSED_FILE, capture_backend, prepare, probe_key
 from .graphbank import CompiledVerifyBank
 from .models.loading import ModelBundle, cache_dir, context_length, load
@@ -128,8 +129,11 @@ class Engine(SpeculativeRounds):
                                          self.stack_projections, self.use_rows_attention, self.use_skinny_matmul,
                                          self.use_layer_kernels, self.use_mlp_kernel, self.use_o_norm_kernel)
         self.drafter = make_drafter(self.spec, bundle)
-        if self.decode_paths["stacked_projections"] and isinstance(getattr(self.drafter, "head", None), nn.Module):
-            # the MTP head's blocks take the trunk's stacked one-row products too (its draft steps are one row)
+        if (self.stack_projections and self.spec.compiled_verify != "off" and fusion.stacking_pays()  # as decode_paths stacks
+                and isinstance(getattr(self.drafter, "head", None), nn.Module)):
+            # the MTP head's blocks take the trunk's kernels: quantized where the trunk is, and the stacked
+            # one-row products (its draft steps are one row)
+            self.decode_paths["head_quantized"] = quantize_head(self.drafter.head, self.model)
             self.decode_paths["head_stacked_projections"] = fuse_projections(self.drafter.head, DECODE_GROUPS)
         self.runtime = _Runtime(self.model, want_hidden=self.drafter is not None and self.drafter.needs_hidden)
         self.weight_bytes = _tree_bytes(self.model.parameters())

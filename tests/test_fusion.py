@@ -167,3 +167,37 @@ def test_a_few_row_product_of_quantized_layers_stacks_with_the_same_bits(tiny_mo
     assert stacked_count == plain_count - 3 * len(model.model.layers)  # q/k/v 3 -> 1, gate/up 2 -> 1
     long = mx.array([list(range(5, 5 + QMV_ROWS + 1))], dtype=mx.int32)  # past QMV_ROWS: own products
     assert graph_primitives([model(long)])["QuantizedMatmul"] == plain_count
+
+
+def test_the_mtp_heads_blocks_are_quantized_where_the_trunk_is(tiny_model, tmp_path, monkeypatch):
+    """Where the engine stacks (compiled CUDA decode; forced here) and the trunk is quantized, the head's
+    block products are quantized too (fusion.quantize_head: the trunk's qmv kernel, not a captured
+    GEMM, for the commit's few rows), fc left float (DraftVocab.step_table reads its halves); the text
+    is plain decoding's. QUANTIZE_HEAD off keeps them float."""
+    import mtplx.fusion as fusion
+    import mtplx.generation as generation
+    from mtplx.config import ScheduleConfig, SpeculativeConfig
+    from mtplx.request import Request, SamplingParams
+    from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
+
+    from tiny_models import reference_tokens
+
+    bundle = load(tiny_model("llama"))
+    head = save_sidecar(bundle, _init_head(bundle.model, TrainConfig(seed=3)), tmp_path / "head", {})
+    nn.quantize(bundle.model, group_size=32, bits=4)
+    prompts = [[5, 9, 13, 5, 9, 13, 5], [7, 3, 7, 3, 7, 3, 7, 3], [11, 12]]
+    refs = [reference_tokens(bundle.model, p, 12, set(bundle.tokenizer.eos_token_ids)) for p in prompts]
+    monkeypatch.setattr(fusion, "stacking_pays", lambda: True)
+
+    def engine():
+        return generation.Engine(bundle, SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, compiled_verify="on",
+                                                           mtp_head=str(head)), ScheduleConfig(max_batch=1))
+
+    eng = engine()
+    layers = eng.drafter.head.layers
+    assert eng.decode_paths["head_quantized"] == 7 * len(layers)
+    assert isinstance(layers[0].mlp.down_proj, nn.QuantizedLinear) and type(eng.drafter.head.fc) is nn.Linear
+    out = {r.key: r.tokens for r in eng.generate([Request(i, list(p), SamplingParams(max_tokens=12)) for i, p in enumerate(prompts)])}
+    assert [out[i] for i in range(len(prompts))] == refs
+    monkeypatch.setattr(fusion, "QUANTIZE_HEAD", False)
+    assert engine().decode_paths["head_quantized"] == 0
