@@ -21,10 +21,10 @@ Per round the host's split: ms building its graph (a plain round's verify call, 
 `_launch`: program calls, eager ops, the drafter), ms dispatching it (`mx.async_eval`: the eval's graph
 walk and kernel launches); for MTP also ms waiting for a round's read (`_read`: large when the device is
 behind the host, ~0 when the host is the bottleneck) and ms landing it (`_land`: bookkeeping, emit). `--trace` (CUDA, torch
-installed) then runs each of the first two settings once more (its first --trace-rows rows) under
+installed) then runs each of --trace-settings (default the first two) once more (its first --trace-rows rows) under
 torch.profiler (CUPTI sees MLX's kernels) and prints per round: kernels, GPU-busy and idle microseconds,
 and the costliest kernel names, so what an MTP round adds over a plain round shows by kernel; every
-kernel and CUDA runtime call of those runs is written to trace-0/1.json.gz for a look round by round.
+kernel and CUDA runtime call of those runs is written to trace-N.json.gz (N: the setting's index) for a look round by round.
 
 Writes round_trace.json to --out. `--compare trace-0.json.gz trace-1.json.gz` (no run) prints saved traces side
 by side, per round: kernels and host CUDA calls by name.
@@ -252,6 +252,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--trace", action="store_true", help="CUDA: a kernel trace of one run of each of the first two settings")
     ap.add_argument("--trace-rows", type=int, default=1, help="rows in each traced run (the first ones)")
+    ap.add_argument("--trace-settings", default="0,1", help="which settings --trace traces (indices into --settings)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--compare", nargs="+", metavar="TRACE", help="no run: saved traces (trace-N.json.gz) side by side, per round")
     args = ap.parse_args()
@@ -315,7 +316,8 @@ def main():
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "round_trace.json").write_text(json.dumps(result, indent=1, default=str))
         if args.trace and mx.default_device().type == mx.DeviceType.gpu:
-            for i, s in enumerate(settings[:2]):
+            for i in [int(x) for x in args.trace_settings.split(",")]:
+                s = settings[i]
                 save = None if not args.out else Path(args.out) / f"trace-{i}.json.gz"
                 try:
                     t = trace(engines[s[0]], reqs[: args.trace_rows], save)
