@@ -219,13 +219,7 @@ class Prefiller:
             groups.append((members, results, firsts, states))
         # a drafter without a batched prefill takes each row's first token on the host (prefill_row)
         host = read or (drafter is not None and any(st is None for g in groups for st in g[3]))
-        device = None
-        if not read:  # every row's first token in row order, on the device
-            parts = [mx.array([out[i][2] for i in alone], dtype=mx.int32)] if alone else []
-            parts += [g[2] if isinstance(g[2], mx.array) else mx.array(g[2], dtype=mx.int32) for g in groups]
-            order = alone + [i for g in groups for i in g[0]]
-            where = np.argsort(np.asarray(order, dtype=np.int64)).astype(np.int32)
-            device = mx.take(mx.concatenate(parts), mx.array(where)) if parts else mx.zeros((0,), mx.int32)
+        device = None if read else self._firsts_in_row_order(out, alone, groups)
         if groups and host and self.one_read:
             read_all = np.array(mx.concatenate([g[2] for g in groups])).tolist()
             at = 0
@@ -239,6 +233,17 @@ class Prefiller:
         for row in rows:
             row.stats.prompt_tokens = len(row.req.prompt_tokens)
         return out if read else (out, device)
+
+    @staticmethod
+    def _firsts_in_row_order(out, alone, groups) -> mx.array:
+        """Every row's first token on the device, in row order: the rows prefilled alone (read
+        already) and each group's (not read)."""
+        parts = [mx.array([out[i][2] for i in alone], dtype=mx.int32)] if alone else []
+        parts += [g[2] if isinstance(g[2], mx.array) else mx.array(g[2], dtype=mx.int32) for g in groups]
+        if not parts:
+            return mx.zeros((0,), mx.int32)
+        order = alone + [i for g in groups for i in g[0]]
+        return mx.take(mx.concatenate(parts), mx.array(np.argsort(np.asarray(order)).astype(np.int32)))
 
     def _restore(self, cache: BatchCache, rows, keys, reserve: int = 0) -> Tuple[List[int], List[Optional[tuple]]]:
         """Copy each row's stored prefix (if any) into `cache`: one gather per prefix and layer.
