@@ -65,7 +65,7 @@ train)  # the recipe, data + training + held-out evaluation, under one hard limi
   # waits ~170 s for kernel builds; session 5's run: 3.7k tok/s at 128 rows, 560k tokens in 150 s); 200k
   # tokens of stdlib source; depths 1-3 unrolled, KL to the trunk over the 8192-token drafting vocabulary;
   # GSM8K held out as the second dataset. Batches of 32 x 448, each step in bfloat16 over float32 weights
-  # (--train-dtype auto; session 5's float32 step: 0.066 s); --fit-steps times steps 5-25 and fits the
+  # (--train-dtype auto; session 5's float32 step: 0.066 s); --fit-steps times steps 25-125 and fits the
   # cosine schedule (at most 12000 steps) to end before 365 s from the start, where training stops
   # anyway (evaluated and written either way); the whole command is cut at TOTAL (400 s, inside a 7-minute
   # device call).

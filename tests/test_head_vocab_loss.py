@@ -83,7 +83,7 @@ def test_a_batch_padded_to_a_fixed_length_gives_the_same_loss(tiny_model):
 
 
 def test_fit_steps_plans_the_schedule_into_the_time_limit_and_a_rerun_keeps_it(tiny_model, tmp_path):
-    """--fit-steps: after timing steps 5-25 the cosine schedule is re-planned to the steps the time
+    """--fit-steps: after timing steps 25-125 the cosine schedule is re-planned to the steps the time
     left holds (at most --steps), the learning rate follows that plan from then on, the plan is in
     mtp_head.json and the checkpoint, and rerunning the finished run keeps it (trains nothing)."""
     import json

@@ -290,7 +290,8 @@ def _schedule(cfg: TrainConfig):
     return decay
 
 
-FIT_PROBE = (5, 25)  # --fit-steps times steps 5..25 of a run (the first ones build kernels on a GPU)
+FIT_PROBE = (25, 125)  # --fit-steps times steps 25..125 of a run (the first ones build kernels on a GPU; session 8:
+# steps 5-25 timed 0.056 s a step on the H200 where the run then went at ~0.04, so training ended 51 s early)
 
 
 def _fit(cfg: TrainConfig, step: int, per_step: float, eval_seconds: float, left: float) -> int:

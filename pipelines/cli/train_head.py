@@ -115,7 +115,7 @@ def _terminate_as_interrupt(signum, frame):
               help="Stop training after this much wall time (data and trunk passes included); the head is "
                    "evaluated and written as usual.")
 @click.option("--fit-steps", is_flag=True,
-              help="With --max-seconds: time steps 5-25, then shorten the schedule (warmup, cosine) to the steps "
+              help="With --max-seconds: time steps 25-125, then shorten the schedule (warmup, cosine) to the steps "
                    "the time left holds, at most --steps, so the run ends on its schedule, not at the limit. "
                    "The plan is kept in the checkpoint (a resume follows it).")
 @gguf_mode_option
