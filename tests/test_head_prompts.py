@@ -16,6 +16,7 @@ import ast
 import json
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from mtplx.models.loading import load
@@ -144,3 +145,23 @@ def test_train_head_sets_the_generation_deadline_at_half_its_time_limit(tiny_mod
     train_head(bundle, ReadData("prompts", prompts=prompts, max_new_tokens=6), tmp_path / "h",
                TrainConfig(steps=2, batch_size=2, seq_len=32, max_seconds=100.0))
     assert len(seen) == 1 and t0 + 49 < seen[0] < time.monotonic() + 50
+
+
+def test_general_samples_gives_each_general_prompt_more_sampled_continuations(tiny_model):
+    """--general-samples N: each --prompts prompt gets its greedy and N sampled continuations (the
+    job's rows keep --samples-per-prompt); N = 1 is the default."""
+    from mtplx.training.head_data import ReadData, build_data
+
+    bundle = load(tiny_model("llama"))
+    rows = [np.random.default_rng(i).integers(5, 500, 8).tolist() for i in range(4)]
+    read = ReadData("rows", prompts=rows, max_new_tokens=6)
+    cfg = TrainConfig(prompts=("stdlib-code:2",), general_samples=3, seq_len=512, gen_batch=8)
+    data = build_data(bundle, read, cfg)
+    assert len(data.sequences) == 4 and len(data.extra.sequences) == 2 * 4
+    general, _ = general_prompts(bundle.tokenizer, ["stdlib-code:2"], 0)
+    for k, p in enumerate(general):
+        four = data.extra.sequences[4 * k : 4 * k + 4]
+        assert all(s[: len(p)] == p for s in four) and len({tuple(s) for s in four}) > 1
+    assert len(build_data(bundle, read, TrainConfig(prompts=("stdlib-code:2",), seq_len=512)).extra.sequences) == 4
+    with pytest.raises(TrainHeadError, match="general_samples must be >= 0"):
+        TrainConfig(general_samples=-1).check()

@@ -330,10 +330,10 @@ def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: boo
     n = len(data.prompts)
     if log is not None:
         log(f"self-distilling {n} rows x {1 + cfg.samples_per_prompt} continuations"
-            + (f" + {len(general)} general prompts x {1 + GENERAL_SAMPLES} ({_general_source(cfg, kinds)})" if general else "")
+            + (f" + {len(general)} general prompts x {1 + cfg.general_samples} ({_general_source(cfg, kinds)})" if general else "")
             + f", {data.max_new_tokens} tokens each, {cfg.gen_batch} rows at a time")
     both = self_distill(bundle, list(data.prompts) + general, data.max_new_tokens, cfg.gen_batch, cfg.seq_len, quiet,
-                        [cfg.samples_per_prompt] * n + [GENERAL_SAMPLES] * len(general), cfg.temperature, cfg.seed,
+                        [cfg.samples_per_prompt] * n + [cfg.general_samples] * len(general), cfg.temperature, cfg.seed,
                         cfg.data_seconds, log, deadline)
     own = [i for i, g in enumerate(both.groups) if g < n]
     out = _subset(both, own, data.source)
@@ -342,8 +342,6 @@ def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: boo
         out.extra = _subset(both, [i for i, g in enumerate(both.groups) if g >= n], _general_source(cfg, kinds))
     return out.clip(cfg.seq_len)
 
-
-GENERAL_SAMPLES = 1  # a --prompts prompt gets its greedy continuation and this many sampled ones
 
 
 def _general(bundle: ModelBundle, cfg: TrainConfig):
@@ -364,7 +362,7 @@ def general_data(bundle: ModelBundle, cfg: TrainConfig, quiet: bool = True, log=
     if not general:
         return None
     out = self_distill(bundle, general, cfg.max_new_tokens or 256, cfg.gen_batch, cfg.seq_len, quiet,
-                       GENERAL_SAMPLES, cfg.temperature, cfg.seed, cfg.data_seconds, log, deadline)
+                       cfg.general_samples, cfg.temperature, cfg.seed, cfg.data_seconds, log, deadline)
     out.source = _general_source(cfg, kinds)
     return out.clip(cfg.seq_len)
 

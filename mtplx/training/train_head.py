@@ -82,6 +82,7 @@ class TrainConfig:
     samples_per_prompt: int = 0  # self-distillation: sampled continuations per prompt besides the greedy one
     temperature: float = 0.8  # self-distillation: temperature of the sampled continuations
     prompts: Tuple[str, ...] = ()  # general prompts self-distilled for training only: "stdlib-code:N", "stdlib-chat:N"
+    general_samples: int = 1  # sampled continuations per general prompt besides the greedy one
     data_seconds: Optional[float] = None  # self-distillation stops at this wall time, keeping what finished
     text: Tuple[str, ...] = ()  # general text mixed into training: files, directories, or "stdlib"
     text_tokens: int = 200_000  # tokens of general text at most
@@ -124,6 +125,8 @@ class TrainConfig:
             problems.append(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         if self.sample is not None and self.sample < 1:
             problems.append(f"sample must be >= 1 rows, got {self.sample}")
+        if self.general_samples < 0:
+            problems.append(f"general_samples must be >= 0, got {self.general_samples}")
         if self.gen_batch < 1:
             problems.append(f"gen_batch must be >= 1 rows, got {self.gen_batch}")
         if self.data_seconds is not None and self.data_seconds <= 0:
@@ -312,11 +315,14 @@ def data_key(data, cfg: TrainConfig) -> Optional[dict]:
     with open(data, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    return {"path": os.path.abspath(data), "sha256": h.hexdigest()[:16], "max_rows": cfg.max_rows,
+    key = {"path": os.path.abspath(data), "sha256": h.hexdigest()[:16], "max_rows": cfg.max_rows,
             "max_new_tokens": cfg.max_new_tokens, "seq_len": cfg.seq_len, "heldout": cfg.heldout, "seed": cfg.seed,
             "sample": cfg.sample, "samples_per_prompt": cfg.samples_per_prompt, "temperature": cfg.temperature,
             "text": list(cfg.text), "text_tokens": cfg.text_tokens, "prompts": list(cfg.prompts),
             "gen_batch": cfg.gen_batch, "data_seconds": cfg.data_seconds}
+    if cfg.general_samples != 1:  # only when set: checkpoints made before the option resume as they did
+        key["general_samples"] = cfg.general_samples
+    return key
 
 
 def _read(read, data, bundle: ModelBundle, cfg: TrainConfig):

@@ -73,9 +73,12 @@ def _terminate_as_interrupt(signum, frame):
 @click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=0.8, show_default=True,
               help="Self-distillation: temperature of the sampled continuations.")
 @click.option("--prompts", multiple=True, metavar="KIND:N",
-              help="General prompts self-distilled for training only (repeatable), each with its greedy and one "
-                   "sampled continuation: stdlib-code:N (N stdlib functions cut to signature + docstring, the trunk "
+              help="General prompts self-distilled for training only (repeatable), each with its greedy and "
+                   "--general-samples sampled continuations: stdlib-code:N (N stdlib functions cut to signature + docstring, the trunk "
                    "writes the body) or stdlib-chat:N (N docstrings asked about in words).")
+@click.option("--general-samples", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Sampled continuations per --prompts prompt besides its greedy one (session 8's recipe ran out of "
+                   "stdlib prompts 17 s before its generation limit: more per prompt is more data).")
 @click.option("--gen-batch", type=click.IntRange(min=1), default=32, show_default=True,
               help="Self-distillation: rows generated together (wider is faster on a GPU).")
 @click.option("--data-seconds", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -123,7 +126,7 @@ def _terminate_as_interrupt(signum, frame):
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or messages; errors only.")
 def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_depths: int, steps: int, batch_size: int, seq_len: int,
                lr: float, heldout: float, max_rows: Optional[int], max_new_tokens: Optional[int], sample: Optional[int],
-               samples_per_prompt: int, temperature: float, prompts, gen_batch: int, data_seconds: Optional[float],
+               samples_per_prompt: int, temperature: float, prompts, general_samples: int, gen_batch: int, data_seconds: Optional[float],
                text, text_tokens: int, heldout_data: Optional[str],
                heldout_rows: int, loss: str, hidden_weight: float, draft_vocab: int, init: str,
                dtype: str, train_dtype: str, seed: int, eval_every: int, checkpoint_every: int, max_seconds: Optional[float], fit_steps: bool,
@@ -140,7 +143,7 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
     cfg = TrainConfig(depth_layers=depth_layers, draft_depths=draft_depths, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
                       heldout=heldout, max_rows=max_rows, max_new_tokens=max_new_tokens, init=init, dtype=dtype, train_dtype=train_dtype,
                       seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every, sample=sample,
-                      samples_per_prompt=samples_per_prompt, temperature=temperature, prompts=tuple(prompts),
+                      samples_per_prompt=samples_per_prompt, temperature=temperature, prompts=tuple(prompts), general_samples=general_samples,
                       gen_batch=gen_batch, data_seconds=data_seconds, text=tuple(text),
                       text_tokens=text_tokens, heldout_data=heldout_data, heldout_rows=heldout_rows, loss=loss,
                       hidden_weight=hidden_weight, draft_vocab=draft_vocab, max_seconds=max_seconds,
