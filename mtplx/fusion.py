@@ -151,9 +151,11 @@ def unstack(model) -> int:
     return n
 
 
-# the MTP head's blocks quantized where the trunk is (quantize_head); benchmarks turn it off for one engine
-# (round_trace `:mtplx.fusion.QUANTIZE_HEAD=0`, read when the Engine is made)
-QUANTIZE_HEAD = True
+# the MTP head's blocks quantized where the trunk is (quantize_head), read when the Engine is made (round_trace
+# `:mtplx.fusion.QUANTIZE_HEAD=1`). Off: on the H200 (session 8, final window) it ran 1.43x plain against 1.38x off at
+# one stream (faster in 7 of 7 interleaved repeats), but a fresh host built ~60 s of new kernels, and adaptive depth's
+# catch-up of the head over 8+ tokens meets 8-bit qmm kernels no warm-up built (a measured run at 278 ms a round)
+QUANTIZE_HEAD = False
 HEAD_BITS, HEAD_GROUP = 8, 64
 
 

@@ -173,7 +173,7 @@ def test_the_mtp_heads_blocks_are_quantized_where_the_trunk_is(tiny_model, tmp_p
     """Where the engine stacks (compiled CUDA decode; forced here) and the trunk is quantized, the head's
     block products are quantized too (fusion.quantize_head: the trunk's qmv kernel, not a captured
     GEMM, for the commit's few rows), fc left float (DraftVocab.step_table reads its halves); the text
-    is plain decoding's. QUANTIZE_HEAD off keeps them float."""
+    is plain decoding's. QUANTIZE_HEAD off (the default) keeps them float."""
     import mtplx.fusion as fusion
     import mtplx.generation as generation
     from mtplx.config import ScheduleConfig, SpeculativeConfig
@@ -188,6 +188,7 @@ def test_the_mtp_heads_blocks_are_quantized_where_the_trunk_is(tiny_model, tmp_p
     prompts = [[5, 9, 13, 5, 9, 13, 5], [7, 3, 7, 3, 7, 3, 7, 3], [11, 12]]
     refs = [reference_tokens(bundle.model, p, 12, set(bundle.tokenizer.eos_token_ids)) for p in prompts]
     monkeypatch.setattr(fusion, "stacking_pays", lambda: True)
+    monkeypatch.setattr(fusion, "QUANTIZE_HEAD", True)  # (off by default: fusion.py says why)
 
     def engine():
         return generation.Engine(bundle, SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, compiled_verify="on",
