@@ -18,16 +18,14 @@ from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
-from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
-from tiny_models import reference_tokens
+from tiny_models import reference_tokens, untrained_head
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_model, tmp_path_factory):
     path = tiny_model("llama")
     bundle = load(path)
-    head = tmp_path_factory.mktemp("head")
-    save_sidecar(bundle, _init_head(bundle.model, TrainConfig(seed=3)), head, {})
+    head = untrained_head(bundle, tmp_path_factory.mktemp("head"))
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, 400, int(n)).tolist() for n in (3, 17, 6, 40, 9, 2, 25, 11, 5)]
     # staggered lengths so rows end at different rounds; every fifth row ends at its first token

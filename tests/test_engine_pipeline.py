@@ -19,16 +19,14 @@ from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.spec_rounds import REFILL_AT
 from mtplx.request import Request, SamplingParams
-from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
-from tiny_models import reference_tokens
+from tiny_models import reference_tokens, untrained_head
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_model, tmp_path_factory):
     path = tiny_model("llama")
     bundle = load(path)
-    head = tmp_path_factory.mktemp("head")
-    save_sidecar(bundle, _init_head(bundle.model, TrainConfig(seed=3)), head, {})
+    head = untrained_head(bundle, tmp_path_factory.mktemp("head"))
     rng = np.random.default_rng(5)
     rows = [(rng.integers(3, 400, int(n)).tolist(), int(m)) for n, m in zip([3, 17, 6, 40, 9, 2, 25, 11, 5], [1, 3, 9, 14, 7, 12, 5, 10, 2])]
     eos = set(bundle.tokenizer.eos_token_ids)

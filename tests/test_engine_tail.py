@@ -18,8 +18,7 @@ from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
-from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
-from tiny_models import reference_tokens
+from tiny_models import reference_tokens, untrained_head
 
 WIDTH = 8
 
@@ -27,8 +26,7 @@ WIDTH = 8
 @pytest.fixture(scope="module")
 def setup(tiny_model, tmp_path_factory):
     bundle = load(tiny_model("llama"))
-    head = tmp_path_factory.mktemp("head")
-    save_sidecar(bundle, _init_head(bundle.model, TrainConfig(seed=3)), head, {})
+    head = untrained_head(bundle, tmp_path_factory.mktemp("head"))
     rng = np.random.default_rng(11)
     # 12 rows at width 8: rows end at different rounds, the last ones after the source is drained
     rows = [(rng.integers(3, 400, int(n)).tolist(), int(m))

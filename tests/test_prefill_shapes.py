@@ -19,8 +19,7 @@ from mtplx.head_prefill import head_prefill_rows
 from mtplx.models.loading import load
 from mtplx.prefill import prefill_width
 from mtplx.request import Request, SamplingParams
-from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
-from tiny_models import reference_tokens
+from tiny_models import reference_tokens, untrained_head
 
 
 def test_prefill_width_makes_few_shapes_with_little_padding(monkeypatch):
@@ -44,8 +43,7 @@ def test_the_default_follows_the_device():
 @pytest.fixture(scope="module")
 def setup(tiny_model, tmp_path_factory):
     bundle = load(tiny_model("llama"))
-    head = tmp_path_factory.mktemp("head")
-    save_sidecar(bundle, _init_head(bundle.model, TrainConfig(seed=3)), head, {})
+    head = untrained_head(bundle, tmp_path_factory.mktemp("head"))
     rng = np.random.default_rng(7)
     shared = rng.integers(3, 400, 12).tolist()  # a shared prefix: later rows prefill their suffix only
     rows = [(shared + rng.integers(3, 400, int(n)).tolist(), int(m))

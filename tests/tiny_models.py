@@ -729,3 +729,12 @@ def greedy_logits(model, n: int) -> List[np.ndarray]:
 def same_logits(a: List[np.ndarray], b: List[np.ndarray]) -> bool:
     """Two `greedy_logits` runs equal bit for bit."""
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def untrained_head(bundle, out_dir, seed: int = 3) -> Path:
+    """An untrained MTP head for `bundle`'s model saved as a sidecar in `out_dir` (the engine tests' drafter:
+    its drafts are mostly rejected, so rounds accept a mix of 0..K tokens)."""
+    from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
+
+    save_sidecar(bundle, _init_head(bundle.model, TrainConfig(seed=seed)), out_dir, {})
+    return Path(out_dir)
