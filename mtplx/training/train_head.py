@@ -46,6 +46,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from .head_data import (TrainData, TrainHeadError, _bar, build_data, general_data, is_job_or_table, padded_length,
                         text_data, trunk_features)
 from .head_prompts import parse_spec
+from .precision import step_dtypes as _dtypes, value_and_grad as _value_and_grad
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
 from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint, checkpoint_step,  # noqa: F401
@@ -207,41 +208,6 @@ def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1, teacher
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def _dtypes(cfg: TrainConfig, model):
-    """(dtype hidden states are stored in, dtype the training step computes in). Head parameters,
-    the optimizer state and every evaluation stay float32 throughout; a bfloat16 step runs on a
-    bfloat16 copy of the parameters and hands float32 gradients to the optimizer (on a GPU the
-    float32 step is bound by float32 arithmetic, session 5: 0.066 s for 32 x 448 at 3 depths)."""
-    gpu = mx.default_device() == mx.gpu
-    store = (mx.bfloat16 if gpu else mx.float32) if cfg.dtype == "auto" else getattr(mx, cfg.dtype)
-    train = (mx.bfloat16 if gpu else mx.float32) if cfg.train_dtype == "auto" else getattr(mx, cfg.train_dtype)
-    return store, train
-
-
-def _value_and_grad(head: MTPHead, loss_fn, dtype):
-    """(loss, float32 gradients) of `loss_fn(head, ...)`, the forward and backward run over a copy of
-    the head's (float32) trainable parameters cast to `dtype` (mixed precision; the head keeps its
-    float32 parameters). float32: plain nn.value_and_grad."""
-    if dtype == mx.float32:
-        return nn.value_and_grad(head, loss_fn)
-
-    def over(params, *args):
-        head.update(params)
-        return loss_fn(head, *args)
-
-    grad_fn = mx.value_and_grad(over)
-
-    def run(_head, *args):
-        master = head.trainable_parameters()
-        try:
-            loss, grads = grad_fn(tree_map(lambda p: p.astype(dtype), master), *args)
-        finally:
-            head.update(master)
-        return loss, tree_map(lambda g: g.astype(mx.float32), grads)
-
-    return run
 
 
 def _dense_params(module: nn.Module) -> Dict[str, mx.array]:
