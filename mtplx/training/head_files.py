@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
@@ -16,7 +18,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..models.loading import ModelBundle
-from ..models.mtp import SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, trunk_probe, trunk_signature
+from ..models.mtp import SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, trunk_probe, trunk_signature
+from .head_data import TrainHeadError
 
 CHECKPOINT_DIR = "checkpoint"
 DATA_FILE = "data.npz"
@@ -107,3 +110,56 @@ def checkpoint_step(out_dir) -> Optional[int]:
     """The step of the checkpoint in HEAD_DIR, or None."""
     d = _ckpt_state_dir(Path(out_dir))
     return None if d is None else int(json.loads((d / "state.json").read_text())["step"])
+
+
+# -- a run's record and its resumption --------------------------------------------------------------
+def resumable_state(state_dir: Optional[Path], ck: Path, cfg, header: dict) -> Optional[dict]:
+    """The checkpoint's state when it is a run of these settings (None without one); refused otherwise."""
+    if state_dir is None:
+        return None
+    state = json.loads((state_dir / "state.json").read_text())
+    saved = dict({"draft_depths": 1, "fit_steps": False}, **state["config"])  # checkpoints from before draft_depths trained depth 1
+    diff = [f"{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in cfg.resume_view().items()
+            if saved.get(k) != v]
+    if state["trunk"] != header["trunk"]:
+        diff.insert(0, f"trunk: checkpoint {state['trunk']} vs model {header['trunk']}")
+    elif not _probe_matches(state.get("trunk_probe") or [], header["trunk_probe"]):
+        diff.insert(0, "trunk: same shape but other weights than the checkpoint's")
+    dkey = header["data_key"]
+    if dkey is not None and state.get("data_key") is not None and state["data_key"] != dkey:
+        diff.append(f"data: checkpoint {state['data_key'].get('path')} (sha256 {state['data_key'].get('sha256')}) "
+                    f"vs now {dkey['path']} (sha256 {dkey['sha256']})")
+    if diff:
+        raise TrainHeadError(f"{ck} holds a run with other settings ({'; '.join(diff)}): use the same "
+                             "settings to resume it, or --restart to start over")
+    return state
+
+
+def sidecar_meta(cfg, tdata, step: int, header: dict, train_loss, initial: dict,
+                  last_eval: dict, held_report: dict, other_meta, train_dtype, vocab, train_f, held_f,
+                  started: float) -> dict:
+    """What `mtp_head.json` records of a training run."""
+    return {
+        "steps": step,
+        "planned_steps": header.get("planned_steps"),
+        "train_loss": train_loss,
+        "heldout_loss": last_eval["heldout_loss"],
+        "heldout_acceptance": last_eval["heldout_acceptance"],
+        "initial_heldout_loss": initial["heldout_loss"],
+        "initial_heldout_acceptance": initial["heldout_acceptance"],
+        "heldout_acceptance_by_depth": held_report["acceptance_by_depth"],
+        "heldout_tokens_per_verify": held_report["tokens_per_verify"],
+        "heldout_replayed_tokens_per_verify": held_report["replayed_tokens_per_verify"],
+        "heldout_other": other_meta,
+        "train_dtype": str(train_dtype).split(".")[-1],  # what the training steps computed in
+        "draft_vocab": None if vocab is None else len(vocab),
+        "data": tdata.source,
+        "data_digest": tdata.digest(),
+        "sample_rows": tdata.rows,
+        "sequences": len(tdata.sequences),
+        "heldout_sequences": len(tdata.heldout),
+        "train_positions": train_f.positions,
+        "heldout_positions": held_f.positions,
+        "seconds": round(time.monotonic() - started, 1),
+        "config": asdict(cfg),
+    }

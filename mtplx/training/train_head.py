@@ -28,12 +28,11 @@ Recipe:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -50,9 +49,9 @@ from .precision import step_dtypes as _dtypes, value_and_grad as _value_and_grad
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
 from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint, checkpoint_step,  # noqa: F401
-                         nextn_weights, save_sidecar)  # nextn_weights: exported here too
+                         nextn_weights, resumable_state, save_sidecar, sidecar_meta)  # nextn_weights: exported here too
 from ..mtp_draft import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
-from ..models.mtp import MTPHead, _probe_matches, has_trunk_split, project_logits, trunk_probe, trunk_signature
+from ..models.mtp import MTPHead, has_trunk_split, project_logits, trunk_probe, trunk_signature
 
 OTHER_FILE = "heldout_other.npz"
 
@@ -305,6 +304,35 @@ def _resolve_bundle(model, gguf_mode: str = "auto") -> ModelBundle:
     return load(model, gguf_mode=gguf_mode)
 
 
+def _training_data(bundle: ModelBundle, data, cfg: TrainConfig, ck: Path, state: Optional[dict], dkey, started: float,
+                   read, quiet: bool, log) -> TrainData:
+    """The sequences to train on: the checkpoint's, or built (self-distilled rows, general text), split and saved."""
+    data_file = ck / DATA_FILE
+    if data_file.exists() and state is not None:
+        tdata = TrainData.load(data_file)
+        log(f"resuming at step {state['step']}: {len(tdata.sequences)} sequences from {data_file}")
+        return tdata
+    if data_file.exists() and dkey is not None and TrainData.stored_key(data_file) == dkey:
+        tdata = TrainData.load(data_file)  # an earlier run stopped before its first checkpoint
+        log(f"reusing {len(tdata.sequences)} sequences from {data_file}")
+        return tdata
+    # with a time limit, generation ends by half of it: training keeps its share, however long a
+    # fresh host's kernel builds held back the first continuation
+    deadline = started + cfg.max_seconds / 2 if cfg.max_seconds is not None else None
+    tdata = build_data(bundle, _read(read, data, bundle, cfg), cfg, quiet, log, deadline).clip(cfg.seq_len)
+    extra = tdata.extra if tdata.extra is not None else general_data(bundle, cfg, quiet, log, deadline)
+    tdata.split(cfg.heldout, cfg.seed)
+    if extra is not None:  # --prompts: training only, like --text
+        tdata.extend(extra)
+    if cfg.text:  # general text: training only, so the held-out split stays the data's own
+        tdata.extend(text_data(bundle, cfg.text, cfg.text_tokens, cfg.seq_len, cfg.seed).clip(cfg.seq_len))
+    ck.mkdir(parents=True, exist_ok=True)
+    tdata.save(data_file, dkey)
+    log(f"data: {len(tdata.sequences)} sequences, {sum(map(len, tdata.sequences)):,} tokens "
+        f"({time.monotonic() - started:.0f}s)")
+    return tdata
+
+
 # -- training --------------------------------------------------------------------------------------
 def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, restart: bool = False,
                quiet: bool = True, callback: Optional[Callable[[int, dict], None]] = None,
@@ -338,45 +366,10 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     dkey = data_key(data, cfg)
     header = {"trunk": sig, "trunk_probe": trunk_probe(bundle), "config": cfg.resume_view(), "data_key": dkey}
     state_dir = _ckpt_state_dir(out)
-    state = json.loads((state_dir / "state.json").read_text()) if state_dir else None
-    if state is not None:
-        saved = dict({"draft_depths": 1, "fit_steps": False}, **state["config"])  # checkpoints from before draft_depths trained depth 1
-        diff = [f"{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in cfg.resume_view().items()
-                if saved.get(k) != v]
-        if state["trunk"] != sig:
-            diff.insert(0, f"trunk: checkpoint {state['trunk']} vs model {sig}")
-        elif not _probe_matches(state.get("trunk_probe") or [], header["trunk_probe"]):
-            diff.insert(0, "trunk: same shape but other weights than the checkpoint's")
-        if dkey is not None and state.get("data_key") is not None and state["data_key"] != dkey:
-            diff.append(f"data: checkpoint {state['data_key'].get('path')} (sha256 {state['data_key'].get('sha256')}) "
-                        f"vs now {dkey['path']} (sha256 {dkey['sha256']})")
-        if diff:
-            raise TrainHeadError(f"{ck} holds a run with other settings ({'; '.join(diff)}): use the same "
-                                 "settings to resume it, or --restart to start over")
+    state = resumable_state(state_dir, ck, cfg, header)
 
     # 1. data
-    data_file = ck / DATA_FILE
-    if data_file.exists() and state is not None:
-        tdata = TrainData.load(data_file)
-        log(f"resuming at step {state['step']}: {len(tdata.sequences)} sequences from {data_file}")
-    elif data_file.exists() and dkey is not None and TrainData.stored_key(data_file) == dkey:
-        tdata = TrainData.load(data_file)  # an earlier run stopped before its first checkpoint
-        log(f"reusing {len(tdata.sequences)} sequences from {data_file}")
-    else:
-        # with a time limit, generation ends by half of it: training keeps its share, however long a
-        # fresh host's kernel builds held back the first continuation
-        deadline = started + cfg.max_seconds / 2 if cfg.max_seconds is not None else None
-        tdata = build_data(bundle, _read(read, data, bundle, cfg), cfg, quiet, log, deadline).clip(cfg.seq_len)
-        extra = tdata.extra if tdata.extra is not None else general_data(bundle, cfg, quiet, log, deadline)
-        tdata.split(cfg.heldout, cfg.seed)
-        if extra is not None:  # --prompts: training only, like --text
-            tdata.extend(extra)
-        if cfg.text:  # general text: training only, so the held-out split stays the data's own
-            tdata.extend(text_data(bundle, cfg.text, cfg.text_tokens, cfg.seq_len, cfg.seed).clip(cfg.seq_len))
-        ck.mkdir(parents=True, exist_ok=True)
-        tdata.save(data_file, dkey)
-        log(f"data: {len(tdata.sequences)} sequences, {sum(map(len, tdata.sequences)):,} tokens "
-            f"({time.monotonic() - started:.0f}s)")
+    tdata = _training_data(bundle, data, cfg, ck, state, dkey, started, read, quiet, log)
     held = set(tdata.heldout)
     train_idx = [i for i in range(len(tdata.sequences)) if i not in held]
     if not train_idx:
@@ -536,30 +529,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     if other is not None:
         other_meta = {"data": other.source, "sequences": len(other.sequences), "positions": other_f.positions,
                       **depth_report(head, other_f, depths, compute_dtype, vocab)}
-    meta = {
-        "steps": step,
-        "planned_steps": header.get("planned_steps"),
-        "train_loss": train_loss,
-        "heldout_loss": last_eval["heldout_loss"],
-        "heldout_acceptance": last_eval["heldout_acceptance"],
-        "initial_heldout_loss": initial["heldout_loss"],
-        "initial_heldout_acceptance": initial["heldout_acceptance"],
-        "heldout_acceptance_by_depth": by_depth,
-        "heldout_tokens_per_verify": held_report["tokens_per_verify"],
-        "heldout_replayed_tokens_per_verify": held_report["replayed_tokens_per_verify"],
-        "heldout_other": other_meta,
-        "train_dtype": str(mixed["dtype"]).split(".")[-1],  # what the training steps computed in
-        "draft_vocab": None if vocab is None else len(vocab),
-        "data": tdata.source,
-        "data_digest": tdata.digest(),
-        "sample_rows": tdata.rows,
-        "sequences": len(tdata.sequences),
-        "heldout_sequences": len(tdata.heldout),
-        "train_positions": train_f.positions,
-        "heldout_positions": held_f.positions,
-        "seconds": round(time.monotonic() - started, 1),
-        "config": asdict(cfg),
-    }
+    meta = sidecar_meta(cfg, tdata, step, header, train_loss, initial, last_eval, held_report, other_meta,
+                         mixed["dtype"], vocab, train_f, held_f, started)
     save_sidecar(bundle, head, out, meta)
     remove = Path(out) / DRAFT_VOCAB_FILE
     if vocab is not None:
