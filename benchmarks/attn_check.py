@@ -81,6 +81,30 @@ def same_bits(a, b, dtype) -> bool:
     return bool(mx.all(a.view(BITS[dtype]) == b.view(BITS[dtype])).item())
 
 
+def layouts(attn, q, k, v, lens, got, dtype) -> list[str]:
+    """rows_attention on views laid out as the model hands them (q a transposed slice of a wider
+    [B, L, *] projection, as after a stacked q/k/v product and RoPE; k / v a slice of more heads), with
+    ra.STRIDED on and off: the names of those whose bits differ from `got` (contiguous inputs)."""
+    B, Hq, L, D = q.shape
+    Hk = k.shape[1]
+    wide = mx.concatenate([q.transpose(0, 2, 1, 3).reshape(B, L, Hq * D), mx.zeros((B, L, 3 * D), q.dtype)], axis=-1)
+    q_view = wide[..., : Hq * D].reshape(B, L, Hq, D).transpose(0, 2, 1, 3)
+    k_view = mx.concatenate([k, k[:, :1]], axis=1)[:, :Hk]
+    v_view = mx.concatenate([v, v[:, :1]], axis=1)[:, :Hk]
+    was, bad = ra.STRIDED, []
+    try:
+        for strided in (True, False):
+            ra.STRIDED = strided
+            for label, args in (("q view", (q_view, k, v)), ("k/v views", (q, k_view, v_view)),
+                                ("all views", (q_view, k_view, v_view)), ("contiguous", (q, k, v))):
+                out = attn(*args, SCALE, lens)
+                if not same_bits(out, got, dtype):
+                    bad.append(f"{label} (STRIDED={int(strided)})")
+    finally:
+        ra.STRIDED = was
+    return bad
+
+
 def check(attn, name, B, Hq, Hk, D, L, lengths, dtype) -> list[str]:
     """Prints the case's row; returns what failed."""
     t0 = time.perf_counter()
@@ -97,6 +121,9 @@ def check(attn, name, B, Hq, Hk, D, L, lengths, dtype) -> list[str]:
     alone_bad = [i for i in range(L) if not same_bits(attn(q[:, :, i:i + 1], k, v, SCALE, lens + i), got[:, :, i:i + 1], dtype)]
     if alone_bad:
         fails.append(f"{name}: queries {alone_bad} differ from the same query alone (L=1 at length + i)")
+    bad_layouts = layouts(attn, q, k, v, lens, got, dtype)
+    if bad_layouts:
+        fails.append(f"{name}: {bad_layouts} differ from the row-contiguous call")
     diffs, ident = [], []
     for b in range(B):
         for i in range(L):
@@ -120,7 +147,8 @@ def check(attn, name, B, Hq, Hk, D, L, lengths, dtype) -> list[str]:
         fails.append(f"{name}: {B * L - same} of {B * L} queries not bit-identical to MLX's kernel (<= 1024 keys)")
     row = {"case": name, "B": B, "Hq/Hk": f"{Hq}/{Hk}", "D": D, "L": L, "dtype": str(dtype).split(".")[-1],
            "keys": f"{min(lengths) + 1}..{max(lengths) + L}", "chunks": ",".join(map(str, chunks)), "split": split,
-           "chunks same": not differ, "alone same": not alone_bad, "MLX bit-identical": f"{same}/{B * L}",
+           "chunks same": not differ, "alone same": not alone_bad,
+           "layouts same": not bad_layouts, "MLX bit-identical": f"{same}/{B * L}",
            "MLX on a cache slice": sliced,
            "max abs diff": worst, "ok": not fails, "s": time.perf_counter() - t0}
     print(table([row]), flush=True)

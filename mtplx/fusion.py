@@ -102,7 +102,10 @@ def few_rows(layer) -> int:
     for every layer (a row of a vector product does not depend on the others); up to QMV_ROWS for a
     quantized layer under MLX's CUDA qmv, which gives each output row of each of the M rows its own
     warp whatever N is (quantized.cpp: below 8 rows qmv, unless the layer is one qmm_sm90 takes,
-    a group as long as the input). So a verify of up to 7 tokens a row at one stream stacks too."""
+    a group as long as the input). So a verify of up to 7 tokens a row at one stream stacks too.
+    Up to GEMV_ROWS for a RowsLinear (its few rows are vector products each)."""
+    if isinstance(layer, RowsLinear):
+        return GEMV_ROWS
     if isinstance(layer, nn.QuantizedLinear) and rows_attention.cuda_ready() and layer.group_size < layer.weight.shape[1] * 32 // layer.bits:
         return QMV_ROWS
     return 1
@@ -114,7 +117,7 @@ def _settings(m) -> tuple:
 
 
 def _fusable(layers) -> bool:
-    return (all(type(m) in (nn.Linear, nn.QuantizedLinear) and "bias" not in m for m in layers)
+    return (all(type(m) in (nn.Linear, nn.QuantizedLinear, RowsLinear) and "bias" not in m for m in layers)
             and len({_settings(m) for m in layers}) == 1)
 
 
@@ -177,6 +180,41 @@ def quantize_head(head, trunk) -> int:
 
     nn.quantize(head, group_size=HEAD_GROUP, bits=HEAD_BITS, class_predicate=pick)
     return count[0]
+
+
+# the MTP head's float products over a few rows as MLX's matrix-vector kernel (RowsLinear), read when the
+# Engine is made (round_trace `:mtplx.fusion.HEAD_GEMV=0` measures without)
+HEAD_GEMV = False  # (off until the H200 measures it)
+GEMV_ROWS = 8  # a commit of up to 8 verified tokens (depth 7) at one stream
+
+
+class RowsLinear(nn.Linear):
+    """A float Linear whose product over 2..GEMV_ROWS rows is MLX's matrix-vector kernel over a batch of
+    vectors (W @ x[..., None]) instead of a GEMM. On CUDA MLX takes cuBLAS for a product of several rows,
+    which its CUDA graphs record by stream capture, a child graph each (H200, session 8: ~11 a one-stream
+    MTP round, the head's commit over the verified tokens), where the batched gemv is one plain node. A
+    warp per output row, as the one-row product (gemv) computes it: each row gets the bits a one-row product
+    of it gives, so a stacked product (few_rows) keeps each sibling's values. Past GEMV_ROWS (wide
+    batches, prefill) and at one row it is nn.Linear's product."""
+
+    def __call__(self, x):
+        rows = x.size // x.shape[-1]
+        if rows == 1 or rows > GEMV_ROWS or "bias" in self:
+            return super().__call__(x)
+        return (self.weight @ x[..., None]).squeeze(-1)
+
+
+def head_gemv(head) -> int:
+    """Make the float Linear layers of the MTP head's blocks and its fc RowsLinear (HEAD_GEMV; before
+    fuse_projections, whose stacked layers keep the class). Returns how many layers."""
+    if not HEAD_GEMV:
+        return 0
+    n = 0
+    for path, m in head.named_modules():
+        if type(m) is nn.Linear and "bias" not in m and (path.startswith("layers") or path == "fc"):
+            m.__class__ = RowsLinear
+            n += 1
+    return n
 
 
 def stacking_pays() -> bool:

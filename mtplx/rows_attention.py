@@ -203,7 +203,39 @@ _SOURCE = """
   }
 """
 
+# The kernel reading q, k, v through their strides and writing [B, L, H_q, D] (`rows_attention`). At several
+# queries a row q is a transposed view ([B, L, H, D] data: a slice of the projection, through RoPE), which the
+# row-contiguous kernel had MLX copy first, and its [B, H, L, D] result the model copied back to [B, L, H * D]:
+# two copies a layer (H200, session 8: ~66 copy_g_nd a one-stream MTP round). The same arithmetic: the same bits.
+STRIDED = False  # (off until the H200 measures it: round_trace `:mtplx.rows_attention.STRIDED=1`)
+_REPLACE = (  # (row-contiguous indexing, strided indexing): each occurs once in _SOURCE
+    ("q[(((size_t)batch_idx * Hq + kv_head_idx * G + t / L) * L + t % L) * D + e % D]",
+     "q[batch_idx * q_strides[0] + (kv_head_idx * G + t / L) * q_strides[1] + (t % L) * q_strides[2]\n"
+     "                                 + (e % D) * q_strides[3]]"),
+    ("const T* K = k + (((size_t)batch_idx * Hk + kv_head_idx) * cap + warp_idx) * D;",
+     "const T* K = k + batch_idx * k_strides[0] + kv_head_idx * k_strides[1] + warp_idx * k_strides[2];"),
+    ("const T* V = v + (((size_t)batch_idx * Hk + kv_head_idx) * cap + warp_idx) * D;",
+     "const T* V = v + batch_idx * v_strides[0] + kv_head_idx * v_strides[1] + warp_idx * v_strides[2];"),
+    ("kv[j] = K[VPT * lane_idx + j];", "kv[j] = K[(VPT * lane_idx + j) * k_strides[3]];"),
+    ("vv[j] = static_cast<U>(V[VPT * lane_idx + j]);", "vv[j] = static_cast<U>(V[(VPT * lane_idx + j) * v_strides[3]]);"),
+    ("K += BN * D;", "K += BN * k_strides[2];"),
+    ("V += BN * D;", "V += BN * v_strides[2];"),
+    ("T* O = out + (((size_t)batch_idx * Hq + kv_head_idx * G + t / L) * L + t % L) * D;",
+     "T* O = out + (((size_t)batch_idx * L + t % L) * Hq + kv_head_idx * G + t / L) * D;  // [B, L, Hq, D]"),
+)
+
+
+def _strided_source() -> str:
+    src = _SOURCE
+    for old, new in _REPLACE:
+        assert src.count(old) == 1, old
+        src = src.replace(old, new)
+    return src
+
+
+_STRIDED_SOURCE = _strided_source()
 _kernel = None
+_strided_kernel = None
 _scales = {}
 _on_cuda = None
 
@@ -263,16 +295,25 @@ def split(B: int, Hk: int, queries: int, D: int) -> tuple[int, int]:
     return per, -(-queries // per)
 
 
+def _kernels(strided: bool):
+    global _kernel, _strided_kernel
+    if _kernel is None:
+        _kernel = kernel_cache.cuda_kernel(name="mtplx_rows_attention", input_names=["q", "k", "v", "lengths", "scale"],
+                                           output_names=["out"], source=_SOURCE, header=_HEADER)
+        _strided_kernel = kernel_cache.cuda_kernel(
+            name="mtplx_rows_attention_strided", input_names=["q", "k", "v", "lengths", "scale"], output_names=["out"],
+            source=_STRIDED_SOURCE, header=_HEADER, ensure_row_contiguous=False)
+    return _strided_kernel if strided else _kernel
+
+
 def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths: mx.array,
                    per_block: int | None = None) -> mx.array:
     """softmax(q k^T * scale) v where query i of row b reads keys 0..lengths[b] + i of k/v
     [B, H_kv, cap, D] (the rest of the bucket is never read). q: [B, H_q, L, D], L <= MAX_QUERIES.
     `per_block`: queries a block (default `split`'s; benchmarks/attn_check times others; 1 is
-    MLX's layout). Every choice gives every query the same bits."""
-    global _kernel
-    if _kernel is None:
-        _kernel = kernel_cache.cuda_kernel(name="mtplx_rows_attention", input_names=["q", "k", "v", "lengths", "scale"],
-                                      output_names=["out"], source=_SOURCE, header=_HEADER)
+    MLX's layout). Every choice gives every query the same bits. With STRIDED (and L > 1) the kernel
+    reads q, k, v where they lie and the result [B, H_q, L, D] is a view of a [B, L, H_q, D] array:
+    the model's transpose back to [B, L, H_q * D] is then no copy."""
     B, Hq, L, D = q.shape
     Hk = k.shape[1]
     per, blocks = split(B, Hk, Hq // Hk * L, D)
@@ -281,10 +322,12 @@ def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths:
     key = (scale, pads())
     if key not in _scales:
         _scales[key] = resident_constant([scale])
-    (out,) = _kernel(inputs=[q, k, v, lengths.astype(mx.int32), _scales[key]],
-                     template=[("T", q.dtype), ("D", D), ("QB", per)], grid=(blocks * 1024, Hk, B),
-                     threadgroup=(1024, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype])
-    return out
+    strided = STRIDED and L > 1  # (at one query the layouts are one: MLX copies nothing either way)
+    shape = (B, L, Hq, D) if strided else q.shape
+    (out,) = _kernels(strided)(inputs=[q, k, v, lengths.astype(mx.int32), _scales[key]],
+                               template=[("T", q.dtype), ("D", D), ("QB", per)], grid=(blocks * 1024, Hk, B),
+                               threadgroup=(1024, 1, 1), output_shapes=[shape], output_dtypes=[q.dtype])
+    return out.transpose(0, 2, 1, 3) if strided else out
 
 
 # -- plugging it into mlx-lm model code ------------------------------------------------------------

@@ -197,8 +197,66 @@ def test_the_mtp_heads_blocks_are_quantized_where_the_trunk_is(tiny_model, tmp_p
     eng = engine()
     layers = eng.drafter.head.layers
     assert eng.decode_paths["head_quantized"] == 7 * len(layers)
-    assert isinstance(layers[0].mlp.down_proj, nn.QuantizedLinear) and type(eng.drafter.head.fc) is nn.Linear
+    assert isinstance(layers[0].mlp.down_proj, nn.QuantizedLinear) and isinstance(eng.drafter.head.fc, nn.Linear)
     out = {r.key: r.tokens for r in eng.generate([Request(i, list(p), SamplingParams(max_tokens=12)) for i, p in enumerate(prompts)])}
     assert [out[i] for i in range(len(prompts))] == refs
     monkeypatch.setattr(fusion, "QUANTIZE_HEAD", False)
     assert engine().decode_paths["head_quantized"] == 0
+
+
+def _head_matmuls(head, bundle, L):
+    """Matmul primitives of the head's forward over L tokens of one row (no cache)."""
+    from benchmarks.round_graph import graph_primitives
+
+    hidden = mx.random.normal((1, L, head.fc.weight.shape[0]), key=mx.random.key(1)).astype(head.fc.weight.dtype)
+    tokens = mx.array([list(range(5, 5 + L))], dtype=mx.int32)
+    out = head.hidden(hidden, tokens)
+    return graph_primitives([out])["Matmul"], out
+
+
+def test_the_mtp_heads_float_products_of_a_few_rows_are_vector_products(tiny_model, tmp_path, monkeypatch):
+    """Where the engine stacks (compiled CUDA decode; forced here) the float head's blocks and fc are
+    RowsLinear (fusion.HEAD_GEMV): its commit over a few verified tokens takes MLX's matrix-vector product
+    (on CUDA one graph node, not a captured cuBLAS GEMM), a row's values those of its one-row product, so
+    the stacked q/k/v and gate/up take a few rows too: 5 products a commit of 4 tokens instead of 8. Past
+    GEMV_ROWS each sibling takes its own. The text is plain decoding's at widths 1-4, as with it off."""
+    import mtplx.fusion as fusion
+    import mtplx.generation as generation
+    from mtplx.config import ScheduleConfig, SpeculativeConfig
+    from mtplx.request import Request, SamplingParams
+
+    from tiny_models import reference_tokens, untrained_head
+
+    bundle = load(tiny_model("llama"))
+    head = untrained_head(bundle, tmp_path / "head")
+    rng = np.random.default_rng(11)
+    rows = [(rng.integers(3, 400, int(n)).tolist(), int(m)) for n, m in zip([6, 21, 9, 30], [10, 7, 12, 8])]
+    eos = set(bundle.tokenizer.eos_token_ids)
+    refs = [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
+    monkeypatch.setattr(fusion, "stacking_pays", lambda: True)
+
+    def engine(width, on):
+        monkeypatch.setattr(fusion, "HEAD_GEMV", on)
+        return generation.Engine(bundle, SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, compiled_verify="on",
+                                                           mtp_head=str(head)), ScheduleConfig(max_batch=width, order="input"))
+
+    eng = engine(1, True)
+    h = eng.drafter.head
+    assert eng.decode_paths["head_gemv"] == 7 * len(h.layers) + 1
+    assert type(h.fc) is fusion.RowsLinear and fusion.few_rows(h.layers[0].mlp.gate_proj.stacked) == fusion.GEMV_ROWS
+    assert eng.drafter.vocab is None or eng.drafter.vocab.step_table(h) is not None  # fc still splits in halves
+    off = engine(1, False)
+    assert off.decode_paths["head_gemv"] == 0 and type(off.drafter.head.fc) is nn.Linear
+    off.drafter.head.update(h.parameters())
+    many, ref = _head_matmuls(off.drafter.head, bundle, 4)
+    few, out = _head_matmuls(h, bundle, 4)
+    assert few == many - 3 * len(h.layers)  # q/k/v 3 -> 1, gate/up 2 -> 1 (fc, o, down as they were)
+    assert np.allclose(np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32)), atol=1e-5)
+    wide = fusion.GEMV_ROWS + 1  # past GEMV_ROWS: each sibling's own product, as with it off
+    assert _head_matmuls(h, bundle, wide)[0] == _head_matmuls(off.drafter.head, bundle, wide)[0] == many
+    for width in (1, 2, 3, 4):
+        for on in (True, False):
+            e = engine(width, on)
+            got = {r.key: r.tokens for r in e.generate([Request(i, list(p), SamplingParams(max_tokens=m))
+                                                         for i, (p, m) in enumerate(rows)])}
+            assert [got[i] for i in range(len(rows))] == refs, (width, on)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from mtplx import rows_attention as ra
@@ -56,3 +58,82 @@ def test_the_largest_chunks_fit_static_shared_memory():
             total += 4 * n
         assert total <= 48 * 1024, (D, total)
 
+
+
+# -- the strided kernel's host side: layouts, run through an engine with an MLX stand-in for the kernel --------
+def test_the_strided_source_rewrites_every_index_once():
+    """Each of the row-contiguous kernel's indexings of q, k, v and out is replaced in the strided source."""
+    assert ra._STRIDED_SOURCE != ra._SOURCE
+    for old, new in ra._REPLACE:
+        assert ra._SOURCE.count(old) == 1 and old not in ra._STRIDED_SOURCE and new in ra._STRIDED_SOURCE
+    for name in ("q", "k", "v"):
+        assert f"{name}_strides[" in ra._STRIDED_SOURCE and f"{name}_strides[" not in ra._SOURCE
+
+
+class _StandIn:
+    """The kernel's contract in MLX ops (the CPU has no CUDA kernel): query i of row b attends to keys
+    0..lengths[b] + i; the result in the layout the call asks for ([B, H, L, D], or [B, L, H, D] for the
+    strided kernel). Records (strided, L) for each call."""
+
+    def __init__(self, calls, strided):
+        self.calls, self.strided = calls, strided
+
+    def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        q, k, v, lengths, scale = inputs
+        B, Hq, L, D = q.shape
+        Hk, cap = k.shape[1], k.shape[2]
+        k, v = (mx.repeat(a, Hq // Hk, axis=1) for a in (k, v))
+        scores = (q.astype(mx.float32) @ k.astype(mx.float32).swapaxes(-1, -2)) * scale[0]
+        limit = lengths[:, None, None, None] + mx.arange(L)[None, None, :, None]
+        scores = mx.where(mx.arange(cap)[None, None, None, :] <= limit, scores, -mx.inf)
+        out = (mx.softmax(scores, axis=-1) @ v.astype(mx.float32)).astype(output_dtypes[0])
+        if self.strided:
+            assert tuple(output_shapes[0]) == (B, L, Hq, D)
+            out = out.transpose(0, 2, 1, 3)
+        else:
+            assert tuple(output_shapes[0]) == (B, Hq, L, D)
+        self.calls.append((self.strided, L))
+        return [mx.contiguous(out)]
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ra, "_kernels", lambda strided: _StandIn(calls, strided))
+    monkeypatch.setattr(ra, "usable", lambda q, k, v: q.shape[2] <= ra.MAX_QUERIES)
+    monkeypatch.setattr(ra, "cuda_ready", lambda: True)
+    monkeypatch.setattr(ra, "pads", lambda: False)
+    yield calls
+    ra.uninstall()
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4])
+def test_the_strided_layout_decodes_as_plain_through_the_engine(tiny_model, stand_in, monkeypatch, tmp_path, width):
+    """Greedy MTP text through rows_attention's path with STRIDED on equals plain decoding and the
+    row-contiguous path's (the kernel replaced by its contract in MLX ops: the layouts and views around
+    it are what this checks; benchmarks/attn_check checks the kernel's bits on CUDA)."""
+    from mtplx.config import ScheduleConfig, SpeculativeConfig
+    from mtplx.generation import Engine
+    from mtplx.models.loading import load
+    from mtplx.request import Request, SamplingParams
+    from tiny_models import reference_tokens, untrained_head
+
+    bundle = load(tiny_model("llama"))
+    head = untrained_head(bundle, tmp_path / "head")
+    rng = np.random.default_rng(5)
+    rows = [(rng.integers(3, 400, int(n)).tolist(), int(m)) for n, m in zip([5, 19, 8, 33], [9, 6, 11, 7])]
+    eos = set(bundle.tokenizer.eos_token_ids)
+    refs = [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
+    outs = {}
+    for strided in (True, False):
+        monkeypatch.setattr(ra, "STRIDED", strided)
+        stand_in.clear()
+        spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, compiled_verify="on", mtp_head=str(head))
+        eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
+        assert eng.decode_paths["rows_attention"] > 0
+        reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
+        outs[strided] = [list(r.tokens) for r in sorted(eng.generate(reqs), key=lambda r: r.key)]
+        several = {s for s, L in stand_in if L > 1}
+        assert several == {strided}, stand_in  # verifies of several queries took the strided kernel iff STRIDED
+        ra.uninstall()
+    assert outs[True] == outs[False] == refs

@@ -148,7 +148,7 @@ class MTPHead(nn.Module):
     def _fc_halves(self):
         """fc's weight as (the embedding's columns, the hidden state's), or None where fc is not a
         plain bias-free Linear (a quantized head computes its fc as trained)."""
-        if type(self.fc) is not nn.Linear or "bias" in self.fc:
+        if not isinstance(self.fc, nn.Linear) or "bias" in self.fc:  # (fusion.RowsLinear is one)
             return None
         D = self.fc.weight.shape[1] // 2
         w = self.fc.weight
