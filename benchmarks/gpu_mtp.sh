@@ -218,24 +218,26 @@ clirep)  # issue 18 (h8d): the example jobs as a user runs them (`mtplx-batch ru
   # each setting wrote the same text as the first (greedy: every method must). SPECS: tag|job|overrides|kernel cache|MLX's
   # cache dir (empty: MLX's own): eval-mtp as shipped, eval-mtp with mtp_lookup 0, jobs/eval.yaml, eval-mtp with method none
   # (kernel cache on, MLX's cache in /tmp/ptx-after, made by `kcache`), eval-mtp with the kernel cache off over /tmp/ptx-before
-  # (as before). WARM=1: each setting once untimed first.
+  # (as before). WARM=1: each setting once untimed first (WARM_ROWS rows, 8). A sixth field: MODULE.NAME=V,... set by fresh_cli --attr.
   mkdir -p /tmp/b /tmp/ptx-before /tmp/ptx-after
   SPECS=${SPECS:-"eval-mtp|jobs/eval-mtp.yaml||true|/tmp/ptx-after eval-mtp-l0|jobs/eval-mtp.yaml|speculative.mtp_lookup=0|true|/tmp/ptx-after eval|jobs/eval.yaml||true|/tmp/ptx-after none|jobs/eval-mtp.yaml|speculative.method=none|true|/tmp/ptx-after eval-mtp-before|jobs/eval-mtp.yaml||false|/tmp/ptx-before"}
   if [ -n "${WARM:-}" ]; then  # one untimed run of each setting first (8 rows): kernels any of them builds are on disk before rep 1
     for spec in $SPECS; do
-      IFS='|' read -r tag job sets en dir <<< "$spec"
+      IFS='|' read -r tag job sets en dir attrs <<< "$spec"
       extra=(); for kv in ${sets//,/ }; do extra+=(--set "$kv"); done
-      env ${dir:+MLX_PTX_CACHE_DIR=$dir} timeout ${LIMIT:-60} python3 -m benchmarks.fresh_cli --attr mtplx.kernel_cache.ENABLED=$en -- run "$job" \
-        --set input.limit=8 "${extra[@]}" --set output.dir=/tmp/b/warm-$tag --restart --quiet > /dev/null 2>&1
+      at=(); for kv in ${attrs//,/ }; do at+=(--attr "$kv"); done
+      env ${dir:+MLX_PTX_CACHE_DIR=$dir} timeout ${LIMIT:-60} python3 -m benchmarks.fresh_cli --attr mtplx.kernel_cache.ENABLED=$en "${at[@]}" -- run "$job" \
+        --set input.limit=${WARM_ROWS:-8} "${extra[@]}" --set output.dir=/tmp/b/warm-$tag --restart --quiet > /dev/null 2>&1
       echo "== warm-up $tag: exit $?" | tee -a "$OUT/clirep.log"
     done
   fi
   for rep in $(seq ${REPEATS:-3}); do
     for spec in $SPECS; do
-      IFS='|' read -r tag job sets en dir <<< "$spec"
+      IFS='|' read -r tag job sets en dir attrs <<< "$spec"
       extra=(); for kv in ${sets//,/ }; do extra+=(--set "$kv"); done
+      at=(); for kv in ${attrs//,/ }; do at+=(--attr "$kv"); done
       t0=$(date +%s%N)
-      env ${dir:+MLX_PTX_CACHE_DIR=$dir} timeout ${LIMIT:-60} python3 -m benchmarks.fresh_cli --attr mtplx.kernel_cache.ENABLED=$en -- run "$job" \
+      env ${dir:+MLX_PTX_CACHE_DIR=$dir} timeout ${LIMIT:-60} python3 -m benchmarks.fresh_cli --attr mtplx.kernel_cache.ENABLED=$en "${at[@]}" -- run "$job" \
         --set input.limit=${ROWS:-64} "${extra[@]}" --set output.dir=/tmp/b/rep-$tag-$rep --restart --log-json 2>&1 \
         | grep --line-buffered -E '"event": "(startup|summary)"' > /tmp/b/rep-$tag-$rep.log
       rc=${PIPESTATUS[0]}

@@ -50,16 +50,23 @@ TRY_ROUNDS = 2  # rounds a neighbour try lasts (its last one is followed by anot
 # model's rounds cost more than the verify's slope)
 FIRST_TRY = (3, 4, 5)
 UNTRIED_SLOPE = 0.15  # assumed extra cost per drafted token before it is measured (optimistic)
+# A drafter's recorded acceptance per draft position (an MTP head's held-out figures, mtp_head.json) as
+# the controller's starting a_j, instead of one per-token guess for every position; measured rounds
+# then move them (off: the guess, as before session 9)
+HEAD_PRIOR = True
 
 
 class DepthController:
     def __init__(self, max_depth: int, adaptive: bool = True, acceptance: float = 0.7,
-                 shapes: Optional[Dict[int, List[float]]] = None):
+                 shapes: Optional[Dict[int, List[float]]] = None, prior: Optional[List[float]] = None):
         self.max_depth = max_depth
         self.shapes = dict(shapes or {})  # width -> relative verify cost by depth (calibrate.cost_shapes)
         self.adaptive = adaptive
         self.acceptance = acceptance  # per-token, EMA over rounds (the prior for unmeasured positions)
         self.passed: Dict[int, float] = {}  # draft position j -> EMA of P(draft j passes | j-1 passed)
+        if prior and HEAD_PRIOR:  # the drafter's recorded a_j (position 1 first)
+            self.passed = {j: float(a) for j, a in enumerate(prior, start=1)}
+            self.acceptance = float(prior[0])
         self.seconds: Dict[Tuple[int, int], float] = {}  # (width bucket, depth) -> EMA round time
         self.seen: Dict[Tuple[int, int], int] = {}
         self.explore = True  # tries of other depths (off: the best depth only)

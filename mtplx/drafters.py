@@ -184,6 +184,11 @@ class _CachedDrafter:
 
 
 HEAD_BEHIND = 64  # rounds without drafts the MTP head may fall behind by before it catches up
+# The catch-up through the compiled commit program, in pieces of at most `catch_up_len` rounds (the
+# longest verified length: every piece's program is one adaptive depth's warm-up built at the shape's
+# first round). Off: one eager forward over all of them (the path before session 9: on a GPU each new
+# length met attention plans and kernels no program had built, and its drafts were proposed eagerly).
+CATCH_UP_COMPILED = True
 
 
 class MtpDrafter(_CachedDrafter):
@@ -207,8 +212,9 @@ class MtpDrafter(_CachedDrafter):
     drafts_ahead = True  # advance(following=...) drafts the next round in the commit's program
 
     def __init__(self, head: MTPHead, chunk_size: int = 512, vocab: Optional[DraftVocab] = None,
-                 compiled: bool = True, lookup: Optional["LookupFallback"] = None):
+                 compiled: bool = True, lookup: Optional["LookupFallback"] = None, catch_up_len: int = 4):
         self.head = head
+        self.catch_up_len = catch_up_len  # rounds a compiled catch-up commits at once (the engine's depth + 1)
         self.chunk = chunk_size
         self.vocab = vocab
         self.bank = CompiledDraftBank(head, vocab) if compiled else None
@@ -218,6 +224,7 @@ class MtpDrafter(_CachedDrafter):
         self.ready: Optional[tuple] = None  # (K, sampler, u, drafts, q, lookup rows): drafted ahead by advance
         self.history: Optional[mx.array] = None  # [W, C] each row's prompt + output (lookup only)
         self.behind: list = []  # rounds not committed yet: (verify_in, hidden, n, nxt, counts, most)
+        self.acceptance_prior: Optional[List[float]] = None  # recorded a_j (depth.DepthController's start)
 
     def _new_cache(self):
         return BatchCache(list(self.head.cache_kinds), [0])
@@ -361,15 +368,48 @@ class MtpDrafter(_CachedDrafter):
         self._commit(n, nxt, counts, most, verify_in, hidden, exact, following)
 
     def _catch_up(self):
-        """Commit the rounds the head is behind by (one eager forward)."""
+        """Commit the rounds the head is behind by (`_commit_behind`; off: one eager forward)."""
         if self.behind:
             verify_in, hidden, n, nxt, counts, most = self.behind.pop()
             self.cache.rows.expect(-1)  # (the commit's advance counts it again)
             self._commit(n, nxt, counts, most, verify_in, hidden)
 
+    def _commit_eager(self, verify_in, n, nxt, hidden, lookup):
+        """The commit's (first logits, head hidden[, history]) by eager ops (the reference)."""
+        committed = commit_inputs(verify_in, n, nxt)
+        h_at = at_accepted(self.head.hidden(hidden, committed, self.cache.layers), n)
+        out = (project(self.head, self.vocab, h_at), h_at)
+        if lookup is not None:
+            out += (history_append(self.history, self.cache.rows.device + 1, committed),)
+        return out
+
+    def _commit_behind(self, behind) -> None:
+        """Commit the rounds left behind (each one verified token, all kept) through the compiled
+        commit program, `catch_up_len` rounds a call: the verified lengths adaptive depth builds
+        (and warms) anyway, so a catch-up meets no new shape, whatever its length."""
+        for at in range(0, len(behind), self.catch_up_len):
+            part = behind[at : at + self.catch_up_len]
+            verify_in = mx.concatenate([b[0] for b in part], axis=1)
+            hidden = mx.concatenate([b[1] for b in part], axis=1)
+            n, nxt = part[-1][2] + (len(part) - 1), part[-1][3]
+            counts = sum((b[4] for b in part[1:]), part[0][4])
+            most = sum((b[5] for b in part[1:]), part[0][5])
+            self.cache.rows.expect(-1)  # (one of its rounds is counted again by the advance below)
+            lookup = self._lookup_arg(len(part))
+            out = self.bank.commit(self.cache, hidden, verify_in, n, nxt, None, lookup)
+            if out is None:  # this shape runs eagerly
+                out = self._commit_eager(verify_in, n, nxt, hidden, lookup)
+            self.cache.advance(counts, most)
+            self.extra = list(out[:2])
+            if self.lookup is not None:
+                self.history = out[2]
+
     def _commit(self, n, nxt, counts, most, verify_in, hidden, exact=False, following=None):
         out, self.ready = None, None
         behind, self.behind = self.behind, []
+        if behind and self.bank is not None and CATCH_UP_COMPILED:
+            self._commit_behind(behind)
+            behind = []
         if behind:  # the rounds before this one, all their tokens kept: one commit of them all (each
             # counted unread when it was put off, `expect`, and corrected when the engine reads it)
             verify_in = mx.concatenate([b[0] for b in behind] + [verify_in], axis=1)
@@ -383,11 +423,7 @@ class MtpDrafter(_CachedDrafter):
         if self.bank is not None and not behind:  # (a catch-up's length varies: eager, not a program per length)
             out = self.bank.commit(self.cache, hidden, verify_in, n, nxt, plan, lookup)
         if out is None:
-            committed = commit_inputs(verify_in, n, nxt)
-            h_at = at_accepted(self.head.hidden(hidden, committed, self.cache.layers), n)
-            out = (project(self.head, self.vocab, h_at), h_at)
-            if lookup is not None:
-                out += (history_append(self.history, self.cache.rows.device + 1, committed),)
+            out = self._commit_eager(verify_in, n, nxt, hidden, lookup)
         self.cache.advance(counts, most, exact)
         self.extra = list(out[:2])
         if lookup is not None:
@@ -457,7 +493,26 @@ def _mtp(spec: SpeculativeConfig, bundle: ModelBundle) -> MtpDrafter:
     head = load_head(bundle, spec.mtp_head)
     vocab = load_draft_vocab(head, spec.mtp_head, bundle.vocab_size)
     lookup = LookupFallback(spec.ngram_size, spec.mtp_lookup) if spec.mtp_lookup else None
-    return MtpDrafter(head, vocab=vocab, compiled=spec.compiled_verify != "off", lookup=lookup)
+    drafter = MtpDrafter(head, vocab=vocab, compiled=spec.compiled_verify != "off", lookup=lookup,
+                         catch_up_len=spec.depth + 1)
+    drafter.acceptance_prior = head_acceptance(spec.mtp_head)
+    return drafter
+
+
+def head_acceptance(sidecar: Optional[str]) -> Optional[List[float]]:
+    """The head's held-out acceptance per draft position (P(draft j passes | draft j-1 passed), from
+    its training run's mtp_head.json), or None where it has none: adaptive depth starts from it."""
+    import json
+    from pathlib import Path
+
+    from .models.mtp import SIDECAR_META
+
+    try:
+        got = json.loads((Path(sidecar) / SIDECAR_META).read_text()).get("heldout_acceptance_by_depth")
+    except (TypeError, OSError, ValueError):
+        return None
+    ok = isinstance(got, list) and got and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in got)
+    return [float(a) for a in got] if ok else None
 
 
 # speculative.method -> the drafter for a job's settings and the target model

@@ -166,7 +166,8 @@ class Engine(SpeculativeRounds):
         self.max_batch = (auto_max_batch(profile, self.memory_budget, self.row_bytes(AUTO_ROW_TOKENS, 0))
                           if str(self.schedule.max_batch) == "auto" else int(self.schedule.max_batch))
         self.depth_control = DepthController(self.spec.depth if self.drafter is not None else 0, self.spec.adaptive_depth,
-                                             shapes=cost_shapes(profile))
+                                             shapes=cost_shapes(profile),
+                                             prior=getattr(self.drafter, "acceptance_prior", None))
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
         # one-row plain decoding eagerly (the same logits) where the calibration measured it faster
         self.one_stream_eager = self.bank is not None and one_stream_eager(profile)

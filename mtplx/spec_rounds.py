@@ -32,6 +32,10 @@ from .sampling import SamplerBatch, accept_greedy, accept_sampled, shaped_probs,
 # (H200, session 8: ~40-80 ms each at width 32), so fewer, larger admissions: 1/4 (was 1/8; window 1,
 # 64 / 128 rows at width 32, MTP 1.31x / 1.06x plain against 1.25x / 0.88x).
 REFILL_AT = 4
+# While adaptive depth explores, a (width, capacity)'s first round builds every depth's programs (h7a).
+# Off: each is built at its first use, and rounds over a build are not timed either way (a short job
+# then builds only the pairs of depths it meets: 4 + 19 programs a capacity at depth 3 when on)
+WARM_DEPTHS = True
 
 
 class SpeculativeRounds:
@@ -220,7 +224,7 @@ class SpeculativeRounds:
         self.depth_control.explore = on
         if not self.depth_control.adaptive:
             return
-        depths = range(self.spec.depth + 1) if on else ()
+        depths = range(self.spec.depth + 1) if on and WARM_DEPTHS else ()
         if self.bank is not None:
             self.bank.warm_lengths = tuple(d + 1 for d in depths)
         if hasattr(self.drafter, "warm"):
