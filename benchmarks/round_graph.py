@@ -6,7 +6,8 @@ wraps `mx.async_eval` / `mx.eval`: before each call it writes the lazy graph of 
 about to be evaluated (`mx.export_to_dot`, only what is not evaluated yet) and counts its
 primitives by name. View-only primitives (reshape, broadcast, slice, ...) are counted apart:
 they rarely launch a kernel. Every compiled-program call (verify bank, draft bank) is counted by
-wrapping the banks' call sites. Use it in `benchmarks.round_cost --graph`.
+wrapping the banks' call sites; each write (scatter, slice update) is classed by where it lands
+(`write_destinations`: in place, or a copy of the whole destination first). Use it in `benchmarks.round_cost --graph`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,47 @@ def graph_primitives(arrays) -> Counter:
         os.unlink(path)
 
 
+WRITES = {"ScatterAxis", "Scatter", "SliceUpdate"}
+_NODE = re.compile(r'\{ (\d+) \[label ="([^"]+)", shape=rectangle\]; \}')
+_EDGE = re.compile(r'^"?([^"\s]+)"? -> "?([^"\s]+)"?$')
+
+
+def write_destinations(arrays) -> Counter:
+    """Where each write (scatter, slice update) in the unevaluated graph behind `arrays` lands. MLX writes
+    in place only into an array nothing else holds (`is_donatable`); on CUDA an array a kernel of the
+    same command batch read is held until the batch completes. So: `copy` (the destination is read by
+    another node of this graph, or is one of its outputs: MLX copies the whole array first, a copy_v on
+    CUDA), `evaluated` (an array an earlier eval made: in place once nothing holds it, on CUDA once the
+    round before has finished on the device), `in place` (a fresh intermediate only this write reads)."""
+    arrays = [a for a in arrays if isinstance(a, mx.array)]
+    if not arrays:
+        return Counter()
+    fd, path = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+    try:
+        mx.export_to_dot(path, *arrays)
+        with open(path) as f:
+            text = f.read()
+    finally:
+        os.unlink(path)
+    prims = dict(_NODE.findall(text))
+    sources = set(re.findall(r'rank=source; "([^"]+)"', text))
+    sinks = set(re.findall(r'rank=sink; "([^"]+)"', text))
+    inputs, readers = {}, Counter()
+    for line in text.splitlines():
+        m = _EDGE.match(line.strip())
+        if m and m.group(2) in prims:
+            inputs.setdefault(m.group(2), []).append(m.group(1))
+            readers[m.group(1)] += 1
+    out = Counter()
+    for node, label in prims.items():
+        if label in WRITES:
+            dst = inputs[node][0]
+            where = ("copy" if readers[dst] > 1 or dst in sinks else "evaluated" if dst in sources else "in place")
+            out[where] += 1
+    return out
+
+
 def _flat(args):
     for a in args:
         if isinstance(a, (list, tuple)):
@@ -54,6 +96,7 @@ class GraphCounter:
     def __init__(self, engine=None):
         self.primitives = Counter()
         self.programs = Counter()
+        self.writes = Counter()  # write_destinations
         self.engine = engine
         self._restore = []
 
@@ -66,6 +109,7 @@ class GraphCounter:
         def counting(real):
             def wrapped(*args, **kwargs):
                 self.primitives.update(graph_primitives(list(_flat(args))))
+                self.writes.update(write_destinations(list(_flat(args))))
                 return real(*args, **kwargs)
             return wrapped
 
@@ -109,4 +153,5 @@ class GraphCounter:
         return {"kernels/round": kernels / r, "views/round": views / r,
                 "programs/round": sum(self.programs.values()) / r,
                 "programs": ", ".join(f"{k} {v / r:.2f}" for k, v in sorted(self.programs.items())),
-                "top kernels/round": top}
+                "top kernels/round": top,
+                "writes/round": ", ".join(f"{k} {v / r:.2f}" for k, v in sorted(self.writes.items()))}

@@ -186,9 +186,32 @@ def trace(eng, reqs, save=None):
         with gzip.open(save, "wt") as f:
             json.dump({"rounds": rounds, "events": kept}, f)
     out = analyse(kernels, rounds)
+    out["writes by size"] = writes_by_size(kernels, rounds)
     out["runtime calls"] = {k: {"per round": round(n / rounds, 2), "us/round": round(t / rounds, 1)}
                             for k, (n, t) in sorted(calls.items(), key=lambda kv: -kv[1][1])}
     return out
+
+
+def writes_by_size(kernels, rounds: int) -> dict:
+    """Copy and scatter kernels a round by their launch size (blocks of the grid, CUPTI's `grid`): a copy of
+    a whole KV cache (a scatter MLX could not do in place) launches many blocks, a dtype cast of a round's
+    few tokens one, so the counts tell the two apart (issue 18: copy_v in pipelined MTP rounds)."""
+    from .step_overhead import _name
+
+    sizes = {}
+    for e in kernels:
+        name = _name(e["name"])
+        if not (name.startswith("copy") or name.startswith("scatter")):
+            continue
+        grid = (e.get("args") or {}).get("grid") or [0]
+        blocks = 1
+        for g in grid:
+            blocks *= int(g)
+        c = sizes.setdefault(f"{name} x{blocks}", [0, 0.0])
+        c[0] += 1
+        c[1] += e.get("dur", 0)
+    return {k: {"per round": round(n / rounds, 2), "us each": round(t / n, 2)}
+            for k, (n, t) in sorted(sizes.items(), key=lambda kv: -kv[1][0])}
 
 
 def compare(paths):
@@ -331,6 +354,8 @@ def main():
                       flush=True)
                 for name, k in top:
                     print(f"   {name}: {k['per step']} a round, {k['us/step']} us a round ({k['us each']} us each)", flush=True)
+                for name, c in list(t.get("writes by size", {}).items())[:12]:
+                    print(f"   {name} blocks: {c['per round']} a round ({c['us each']} us each)", flush=True)
                 for name, c in list(t.get("runtime calls", {}).items())[:10]:
                     print(f"   host {name}: {c['per round']} a round, {c['us/round']} us a round", flush=True)
             if args.out:

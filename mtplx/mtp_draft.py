@@ -139,6 +139,11 @@ def load_draft_vocab(head: MTPHead, sidecar: Optional[str], vocab_size: int) -> 
 
 
 # -- the draft math, shared by the eager and the compiled paths -----------------------------------
+# A greedy pick keeps argmax's uint32 index (the gathers after it read it as it is: the step table's row, the
+# drafting vocabulary's id). True: each pick is cast to int32 first, a kernel of its own per draft step on
+# CUDA (a copy_v: issue 18, session 9); round_trace measures both (`3:mtplx.mtp_draft.CAST_PICKS=1`).
+CAST_PICKS = False
+
 def project(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, step: int = 0) -> mx.array:
     """Head logits over the drafting vocabulary (the whole one when `vocab` is None)."""
     return head.logits(h, step) if vocab is None else vocab.logits(h)
@@ -150,7 +155,8 @@ def pick(logits: mx.array, sampler: SamplerBatch, u: mx.array):
     where acceptance needs no q). `stack_drafts` maps the round's indices and q to token ids and to
     the whole vocabulary once, not per step."""
     if sampler.all_greedy:
-        return mx.argmax(logits, axis=-1).astype(mx.int32), None
+        idx = mx.argmax(logits, axis=-1)
+        return (idx.astype(mx.int32) if CAST_PICKS else idx), None
     q = shaped_probs(logits[:, None], sampler)[:, 0]
     return sample_from(q, u), q
 

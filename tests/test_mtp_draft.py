@@ -307,3 +307,33 @@ def test_a_rounds_drafts_map_to_token_ids_and_the_whole_vocabulary_once(tiny_mod
     assert drafts.shape == (2, 3) and q.shape == (2, 3, 512)
     assert prims["Scatter"] == 1, prims
     assert set(np.array(drafts).ravel().tolist()) <= set(range(3, 512, 3))
+
+
+def test_greedy_picks_are_not_cast_before_their_gathers(tiny_model, monkeypatch):
+    """A greedy draft chain's picks stay argmax's index into the step table and the drafting vocabulary:
+    no cast a draft step (a kernel of its own each on CUDA), the same drafts as with the casts."""
+    from benchmarks.round_graph import graph_primitives
+    from mtplx import mtp_draft
+    from mtplx.cache import BatchCache
+    from mtplx.sampling import SamplerBatch
+
+    bundle = load(tiny_model("llama"))
+    head = _init_head(bundle.model, TrainConfig(seed=3))
+    vocab = DraftVocab(head, list(range(3, 512, 3)), 512)
+    vocab.step_table(head)
+    cache = BatchCache(list(head.cache_kinds), [0, 0])
+    head.hidden(mx.random.normal((2, 5, head.fc.weight.shape[0])), mx.array([[5, 6, 7, 8, 9]] * 2, dtype=mx.int32), cache.layers)
+    cache.commit([5, 5])
+    arrays = [a for c in cache.layers for a in c.state_arrays()]
+    h = mx.random.normal((2, head.fc.weight.shape[0]))
+    first = vocab.logits(h)
+    sampler = SamplerBatch.from_params([SamplingParams(), SamplingParams()])
+    u = mx.zeros((2, 3))
+    mx.eval(arrays, h, first)
+    got = {}
+    for cast in (True, False):
+        monkeypatch.setattr(mtp_draft, "CAST_PICKS", cast)
+        drafts, q = mtp_draft.draft_chain(head, vocab, list(cache.kinds), first, h, sampler, u, cache.rows.device, arrays, 3)
+        got[cast] = (graph_primitives([drafts])["AsType"], np.array(drafts).tolist(), drafts.dtype)
+    assert got[True][0] - got[False][0] == 3, got  # one cast fewer a draft
+    assert got[True][1] == got[False][1] and got[False][2] == mx.int32
