@@ -272,3 +272,80 @@ def test_fixed_depth_builds_nothing_ahead(tiny_model, tmp_path):
     assert eng.bank.stats["warmed"] == 0 and eng.drafter.bank.stats["warmed"] == 0
     assert eng.bank.warm_lengths == () and eng.drafter.bank.warm_depths == ()
     assert behind and max(behind) == 0
+
+
+def _eager_head_calls(eng) -> list:
+    """Records each eager forward of the MTP head (a commit or a proposal outside a program)."""
+    calls, d = [], eng.drafter
+    commit, propose = d._commit_eager, d._propose_eager
+    d._commit_eager = lambda verify_in, *a: calls.append(("commit", verify_in.shape)) or commit(verify_in, *a)
+    d._propose_eager = lambda K, *a: calls.append(("propose", K)) or propose(K, *a)
+    return calls
+
+
+def test_after_a_warm_up_an_adaptive_run_builds_nothing_and_runs_the_head_compiled(tiny_model, tmp_path):
+    """Session 8 on the H200: an adaptive run built a program mid-run. The head's catch-up after
+    rounds at depth 0 was one eager forward over all of them (a new query length each time: on a GPU
+    attention plans and kernels no warm-up had built, and past 8 queries MLX's masked attention), and
+    the next round's drafts were then proposed eagerly too. Now it commits them through the compiled
+    commit programs adaptive depth builds at a shape's first round, depth + 1 rounds a call. After a
+    warm-up run, the same rows with stretches at depth 0 (up to 11 rounds) build no program, run the
+    head eagerly nowhere, and give plain decoding's text."""
+    from test_mtp_draft import _sidecar
+
+    bundle = load(tiny_model("llama"))
+    eos = set(bundle.tokenizer.eos_token_ids)
+    head = _sidecar(bundle, tmp_path / "head")
+    rng = np.random.default_rng(9)
+    rows = [(rng.integers(3, 400, 9).tolist(), 70) for _ in range(3)]
+    reqs = [Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
+    eng = _mtp_engine(bundle, head, width=2)
+    eng.TAIL_KEEPS_WIDTH = 2  # (as on a GPU: the last row keeps the batch's width and its programs)
+    eng.depth_control.choose = lambda w, **k: 3
+    first = {r.key: r.tokens for r in eng.generate(reqs)}
+    built = _programs(eng)
+    calls = _eager_head_calls(eng)
+    schedule = [3, 0, 0, 0, 2] + [0] * 11 + [3, 1] + [0] * 6 + [2, 3]
+    cycle = iter(schedule * 20)
+    eng.depth_control.choose = lambda w, **k: next(cycle)
+    caught, d = [], eng.drafter
+    commit = d._commit
+    d._commit = lambda *a, **k: caught.append(len(d.behind)) or commit(*a, **k)
+    second = {r.key: r.tokens for r in eng.generate(reqs)}
+    assert caught and max(caught) > 4, caught  # catch-ups longer than a verify
+    assert calls == [], calls
+    assert _programs(eng) == built, sorted(map(str, _programs(eng) - built))
+    for i, (p, m) in enumerate(rows):
+        assert first[i] == second[i] == reference_tokens(bundle.model, p, m, eos), i
+
+
+def test_adaptive_depth_starts_where_the_heads_recorded_acceptance_pays(tiny_model, tmp_path):
+    """The head's mtp_head.json records its held-out acceptance per draft position: the controller
+    starts from it (before: 0.7 a position for every head). A head that records 0.05 starts at
+    depth 0 (plain decoding: drafting cannot pay), one that records 0.95 at its depth 3; greedy text
+    is plain decoding's either way."""
+    import json
+
+    from mtplx.models.mtp import SIDECAR_META
+    from test_mtp_draft import _sidecar
+
+    bundle = load(tiny_model("llama"))
+    eos = set(bundle.tokenizer.eos_token_ids)
+    rng = np.random.default_rng(10)
+    rows = [(rng.integers(3, 400, 7).tolist(), 12) for _ in range(2)]
+    first = {}
+    for a in (0.05, 0.95):
+        head = _sidecar(bundle, tmp_path / f"head-{a}")
+        meta = json.loads((tmp_path / f"head-{a}" / SIDECAR_META).read_text())
+        meta["heldout_acceptance_by_depth"] = [a] * 4
+        (tmp_path / f"head-{a}" / SIDECAR_META).write_text(json.dumps(meta))
+        eng = _mtp_engine(bundle, head, width=2)
+        assert eng.depth_control.passed == {j: a for j in range(1, 5)}
+        chosen, choose = [], eng.depth_control.choose
+        eng.depth_control.choose = lambda w, **k: chosen.append(choose(w, **k)) or chosen[-1]
+        out = {r.key: r.tokens for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m))
+                                                      for i, (p, m) in enumerate(rows))}
+        first[a] = chosen[0]
+        for i, (p, m) in enumerate(rows):
+            assert out[i] == reference_tokens(bundle.model, p, m, eos), (a, i)
+    assert first == {0.05: 0, 0.95: 3}, first
