@@ -26,6 +26,7 @@ from typing import Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from . import small_ops
 from .cache import BatchCache
 from .graphbank import _shadow_cache, _shadow_outputs
 from .sampling import SamplerBatch, sample_from, shaped_probs
@@ -69,7 +70,7 @@ def draft_chain(step: Callable[[mx.array, int], mx.array], feed: mx.array, sampl
         tok, q = pick(logits, sampler, u[:, j], vocab)
         drafts.append(tok)
         qs.append(q)
-    return mx.stack(drafts, axis=1), (None if qs[0] is None else mx.stack(qs, axis=1))
+    return small_ops.columns(drafts), (None if qs[0] is None else mx.stack(qs, axis=1))
 
 
 def chain_seconds(chain: Callable[[], Optional[mx.array]], clock: Callable[[], float],

@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import small_ops
 from .architectures import capture_backend as model_capture_backend
 from .cache import BatchCache, RowKVCache
 from .row_lengths import RowLengths
@@ -152,7 +153,7 @@ class CompiledVerifyBank:
         length after it, and the round's read [W, 2 + K]."""
         n_arrays = len(rest) - (0 if accept[0] == "greedy" else 5 + accept[3])
         arrays, extra = rest[:n_arrays], rest[n_arrays:]
-        verify_in = mx.concatenate([pending[:, None], drafts], axis=1)
+        verify_in = small_ops.joined([pending], drafts)
         logits, hidden, *cache_out = self._run_shadow(kinds, verify_in, lengths, *arrays)
         if accept[0] == "greedy":
             n, nxt = accept_greedy(logits, drafts, limit)
@@ -163,7 +164,7 @@ class CompiledVerifyBank:
             n, nxt = accept_sampled(shaped_probs(logits, sampler), drafts, q, u_accept, u_next, limit)
         n, nxt = n.astype(mx.int32), nxt.astype(mx.int32)
         counts = mx.where(live, n + 1, 0).astype(mx.int32)
-        read = mx.concatenate([n[:, None], nxt[:, None], drafts], axis=1)
+        read = small_ops.joined([n, nxt], drafts)
         return (read, n, nxt, counts, lengths + counts, verify_in, hidden) + tuple(cache_out)
 
     def _program(self, key, kinds):

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import small_ops
 from .cache import BatchCache
 from .graphbank import _shadow_cache, _shadow_outputs
 from .models.mtp import MTPHead
@@ -175,7 +176,7 @@ def draft_step(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, idx: mx.
 
 def stack_drafts(vocab: Optional[DraftVocab], idxs, qs):
     """A round's picks (`pick`, per step) -> (token ids [W, K], q [W, K, V] or None)."""
-    idx = mx.stack(idxs, axis=1)
+    idx = small_ops.columns(idxs)
     q = None if qs[0] is None else mx.stack(qs, axis=1)
     if vocab is None:
         return idx, q
@@ -186,8 +187,11 @@ def commit_inputs(verify_in: mx.array, n: mx.array, next_tokens: mx.array) -> mx
     """The head's tokens for a commit: position i of [pending, d1..dK] is followed by d_{i+1}, and
     the last accepted position by the verify's own next token."""
     K1 = verify_in.shape[1]
-    following = mx.concatenate([verify_in[:, 1:], verify_in[:, :1]], axis=1)
-    return mx.where(mx.arange(K1)[None] == n[:, None], next_tokens[:, None], following)
+    if small_ops.FEWER:  # one gather by a constant index, not a copy kernel per part
+        following = mx.take(verify_in, small_ops.rolled(K1), axis=1)
+    else:
+        following = mx.concatenate([verify_in[:, 1:], verify_in[:, :1]], axis=1)
+    return mx.where(small_ops.arange(K1)[None] == n[:, None], next_tokens[:, None], following)
 
 
 def at_accepted(h_out: mx.array, n: mx.array) -> mx.array:

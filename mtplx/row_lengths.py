@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from . import small_ops
+
 
 class RowLengths:
     """Per-row committed lengths, kept on the host (for scheduling) and on the device (for rope).
@@ -51,7 +53,7 @@ class RowLengths:
         if c is None or c[0] is not self.device or c[1] != L:
             self.resident()
             base = self._resident[1]  # the padded lengths where there are (then sliced back to B rows)
-            pos = (base[:, None] + mx.arange(L, dtype=mx.int32))[: self.device.size]
+            pos = (base[:, None] + small_ops.arange(L))[: self.device.size]
             c = self._positions = (self.device, L, pos[:, None, :, None])
         return c[2]
 

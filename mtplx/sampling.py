@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from . import small_ops
 from .request import SamplingParams
 
 
@@ -92,7 +93,7 @@ def _within(limit: Optional[mx.array], B: int, K: int) -> mx.array:
     """[B, K] mask of the drafts each row may keep (row b drafted limit[b] of the K)."""
     if limit is None:
         return mx.ones((B, K), mx.bool_)
-    return mx.arange(K)[None, :] < limit[:, None]
+    return small_ops.arange(K)[None, :] < limit[:, None]
 
 
 def accept_greedy(target_logits: mx.array, drafts: mx.array, limit: Optional[mx.array] = None):

@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from . import small_ops
 from .cache import BatchCache
 from .depth import position_counts
 from .request import Result
@@ -279,7 +280,7 @@ class SpeculativeRounds:
             compiled, failures = True, None
             cache.advance(counts, most, after=after)
         else:
-            verify_in = mx.concatenate([pending[:, None], drafts], axis=1)
+            verify_in = small_ops.joined([pending], drafts)
             logits, hidden, compiled, failures = self._verify(verify_in, cache)
             if accept is None:
                 n, nxt = accept_greedy(logits, drafts, limit)
@@ -295,7 +296,7 @@ class SpeculativeRounds:
             following = {"following": (nxt_plan.K, sampler, nxt_plan.u_drafts)} if ahead_ok else {}
             self.drafter.advance(n, nxt, counts, most, verify_in, hidden, **following)
         if out is None:
-            out = mx.concatenate([n[:, None].astype(mx.int32), nxt[:, None].astype(mx.int32), drafts], axis=1)
+            out = small_ops.joined([n.astype(mx.int32), nxt.astype(mx.int32)], drafts)
         mx.async_eval(out, cache.rows.device)
         return _Flight(out, nxt.astype(mx.int32), verify_in, hidden, depths, K, live, most, n_active, compiled, failures,
                        list(slots), nxt_plan)

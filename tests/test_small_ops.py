@@ -1,0 +1,80 @@
+"""mtplx/small_ops.py: a round's small index arrays as fewer kernels (constant ranges, a few columns joined
+by one fused select) give the same values, the engine's text is plain decoding's with it on and off at
+widths 1-4 (MTP, and the draft model's chain), and a round hands the device fewer ranges and
+concatenations (CPU counts of the primitives each round evaluates)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtplx import small_ops
+from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.generation import Engine
+from mtplx.models.loading import load
+from mtplx.request import Request, SamplingParams
+from tiny_models import reference_tokens, untrained_head
+
+
+def test_the_constant_ops_give_the_ops_values(monkeypatch):
+    a = mx.array([3, 1, 4], dtype=mx.int32)
+    b = mx.array([7, 0, 2], dtype=mx.uint32)
+    rest = mx.array([[5, 6], [8, 9], [1, 2]], dtype=mx.int32)
+    for on in (True, False):
+        monkeypatch.setattr(small_ops, "FEWER", on)
+        r = small_ops.arange(5)
+        assert r.dtype == mx.int32 and r.tolist() == list(range(5))
+        got = small_ops.joined([a, b], rest)
+        ref = mx.concatenate([a[:, None], b[:, None], rest], axis=1)
+        assert got.dtype == ref.dtype and got.tolist() == ref.tolist()
+        s = small_ops.columns([a, a + 1, a + 2])
+        assert s.dtype == mx.int32 and s.tolist() == mx.stack([a, a + 1, a + 2], axis=1).tolist()
+    monkeypatch.setattr(small_ops, "FEWER", True)
+    assert small_ops.rolled(4).tolist() == [1, 2, 3, 0]
+    assert small_ops.arange(5) is small_ops.arange(5)  # made once
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tmp_path_factory):
+    path = tiny_model("llama")
+    bundle = load(path)
+    head = untrained_head(bundle, tmp_path_factory.mktemp("head"))
+    rng = np.random.default_rng(9)
+    rows = [(rng.integers(3, 400, int(n)).tolist(), int(m)) for n, m in zip([4, 15, 7, 36, 10], [9, 5, 12, 7, 6])]
+    eos = set(bundle.tokenizer.eos_token_ids)
+    return bundle, str(head), str(path), rows, [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
+
+
+def _run(setup, method, width, count=False):
+    from benchmarks.round_graph import GraphCounter
+
+    bundle, head, path, rows, _ = setup
+    spec = SpeculativeConfig(method=method, depth=3, adaptive_depth=False, compiled_verify="on",
+                             mtp_head=head if method == "mtp" else None, draft_model=path if method == "draft" else None)
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
+    reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
+    out = {r.key: list(r.tokens) for r in eng.generate(reqs)}
+    if not count:
+        return out, None
+    r0 = eng.counters["rounds"]
+    with GraphCounter(eng) as g:
+        list(eng.generate(reqs))
+    rounds = eng.counters["rounds"] - r0
+    return out, {k: g.primitives[k] / rounds for k in ("Arange", "Concatenate", "Gather")}
+
+
+@pytest.mark.parametrize("method,width", [("mtp", 1), ("mtp", 2), ("mtp", 3), ("mtp", 4), ("draft", 1), ("draft", 3)])
+def test_rounds_decode_as_plain_with_fewer_kernels(setup, monkeypatch, method, width):
+    refs = setup[4]
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(small_ops, "FEWER", on)
+        out, counts = _run(setup, method, width, count=method == "mtp" and width == 1)
+        assert [out[i] for i in range(len(refs))] == refs, (on, method, width)
+        got[on] = counts
+    if got[True] is not None:  # one stream, depth 3: the verify's, the commit's and 3 draft steps' write positions,
+        # the commit's tokens, the acceptance's limit: ranges; verify_in, the read, the commit's tokens, the
+        # drafts: concatenations
+        assert got[True]["Arange"] <= got[False]["Arange"] - 5, got
+        assert got[True]["Concatenate"] <= got[False]["Concatenate"] - 3, got
