@@ -25,6 +25,7 @@ class Watch:
     def __init__(self):
         self.rounds, self.events, self.depths = 0, [], Counter()
         self.eager_shapes = set()
+        self.consumer = []  # seconds the caller took per result yielded
 
     def event(self, kind: str, what) -> None:
         self.events.append((self.rounds, kind, what))
@@ -82,6 +83,17 @@ class Watch:
             return land(self, slots, cache, flight, out, seconds)
 
         spec_rounds.SpeculativeRounds._land = _land
+        rounds_gen = spec_rounds.SpeculativeRounds._round
+
+        def _round(self, *a, **k):  # the time the caller spends between results (the job's writes)
+            import time
+
+            for res in rounds_gen(self, *a, **k):
+                t = time.perf_counter()
+                yield res
+                watch.consumer.append(time.perf_counter() - t)
+
+        spec_rounds.SpeculativeRounds._round = _round
 
     def eager_head(self, shape) -> None:
         new = shape not in self.eager_shapes
@@ -95,7 +107,10 @@ class Watch:
         return (f"rounds {self.rounds}; depths (K) {depths}\n"
                 f"all events: {dict(kinds)}\n"
                 f"after round 1: {dict(late)}\n"
-                f"eager head commit shapes (W, L): {sorted(self.eager_shapes)}")
+                f"eager head commit shapes (W, L): {sorted(self.eager_shapes)}\n"
+                f"caller's time per result yielded: {len(self.consumer)} results, "
+                f"max {1000 * max(self.consumer, default=0):.1f} ms, sum {sum(self.consumer):.3f} s, "
+                f"over 5 ms: {sum(c > 0.005 for c in self.consumer)}")
 
 
 def main(argv=None):

@@ -27,6 +27,11 @@ of the round after: the engine passes a round's time only when that round drafte
 drafting that loses would look as if it paid). So a try of another depth lasts more than one
 round: FIRST_TRY's three, TRY_ROUNDS for the neighbour tries.
 
+Nor is a round timed over the caller's work with results it was handed (a job's shard writes), and a
+depth's cost is the median of its last few timed rounds (MEDIAN_OF): one slow round moves nothing. An
+MTP head starts the controller from the acceptance per draft position its training run recorded on
+held-out rows (mtp_head.json), not from one guess for every head (HEAD_PRIOR).
+
 A calibration profile (calibrate.py, `mtplx-batch calibrate`) gives the controller the shape of
 each width's cost curve measured on this machine (a verify of k + 1 tokens relative to one of 1),
 so it starts from those ratios instead of an assumed slope; its own round times set the scale.
@@ -37,6 +42,7 @@ Only greedy rows follow it (their text cannot change); sampled rows keep `specul
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -54,6 +60,15 @@ UNTRIED_SLOPE = 0.15  # assumed extra cost per drafted token before it is measur
 # the controller's starting a_j, instead of one per-token guess for every position; measured rounds
 # then move them (off: the guess, as before session 9)
 HEAD_PRIOR = True
+# A (width, depth)'s cost is the median of its last MEDIAN_OF timed rounds: one slow round (a host
+# hiccup, a GC pause) moves it not at all. 0: an average that took 0.3 of each round (before session 9:
+# one 40 ms round in a 5.4 ms depth's average made it look 2.5x dearer, and a depth that paid was left
+# for the neighbour, for as many tries as the average took to come back)
+MEDIAN_OF = 5
+# From depth 0 (plain decoding), every other try is the deepest depth, not only depth 1: a drafter
+# whose fixed cost (an MTP head's commit) makes depth 1 lose to plain can still pay deeper, and without
+# this a depth that once looked dear was never measured again (off: depth 1 only, as before session 9)
+TRY_DEEPEST_FROM_PLAIN = True
 
 
 class DepthController:
@@ -67,8 +82,9 @@ class DepthController:
         if prior and HEAD_PRIOR:  # the drafter's recorded a_j (position 1 first)
             self.passed = {j: float(a) for j, a in enumerate(prior, start=1)}
             self.acceptance = float(prior[0])
-        self.seconds: Dict[Tuple[int, int], float] = {}  # (width bucket, depth) -> EMA round time
+        self.seconds: Dict[Tuple[int, int], float] = {}  # (width bucket, depth) -> round time (MEDIAN_OF)
         self.seen: Dict[Tuple[int, int], int] = {}
+        self.samples: Dict[Tuple[int, int], List[float]] = {}  # the last MEDIAN_OF timed rounds
         self.explore = True  # tries of other depths (off: the best depth only)
         self.widths: Dict[int, _Tries] = {}  # width bucket -> its rounds and tries (each width explores on its own)
 
@@ -142,7 +158,9 @@ class DepthController:
             k = best + 1 if w.count % 2 else best - 1  # tries alternate the depths above and below the best
             if k > self.max_depth:
                 k = 0  # at the deepest: plain decoding again, what drafting must beat (one high time stays otherwise)
-            w.depth, w.until = min(abs(k), self.max_depth), n + TRY_ROUNDS  # at depth 0: below is depth 1
+            elif k < 0 and TRY_DEEPEST_FROM_PLAIN:
+                k = self.max_depth  # at plain decoding: the deepest depth again, what drafting can earn at most
+            w.depth, w.until = min(abs(k), self.max_depth), n + TRY_ROUNDS  # (off: below depth 0 is depth 1)
         return w.depth if n < w.until else best
 
     def record(self, width: int, depth: int, seconds: Optional[float], accepted: int, tried: int,
@@ -154,7 +172,13 @@ class DepthController:
         self.seen[key] = self.seen.get(key, 0) + 1
         if self.seen[key] > 1 and seconds is not None:  # a shape's first round compiles and allocates
             old = self.seconds.get(key)
-            self.seconds[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
+            if MEDIAN_OF:
+                recent = self.samples.setdefault(key, [])
+                recent.append(seconds)
+                del recent[:-MEDIAN_OF]
+                self.seconds[key] = statistics.median(recent)
+            else:
+                self.seconds[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
         if tried:
             self.acceptance = 0.8 * self.acceptance + 0.2 * (accepted / tried)
         for j, (r, p) in enumerate(zip(reached or (), passed or ()), start=1):

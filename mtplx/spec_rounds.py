@@ -37,6 +37,11 @@ REFILL_AT = 4
 # Off: each is built at its first use, and rounds over a build are not timed either way (a short job
 # then builds only the pairs of depths it meets: 4 + 19 programs a capacity at depth 3 when on)
 WARM_DEPTHS = True
+# A round whose timed interval holds the caller's time with the results it was handed (a job writes rows,
+# commits a shard with fsyncs: 5-280 ms on a CPU, against a 5 ms round on the H200) feeds the depth
+# controller no time. Off: it is timed (before session 9; one such sample moved a depth's average by
+# many rounds' worth, and adaptive depth left the depth that paid)
+UNTIMED_OVER_RESULTS = True
 
 
 class SpeculativeRounds:
@@ -99,7 +104,8 @@ class SpeculativeRounds:
         # round drafts as deep (then it is what a run of such rounds costs each), else None: a
         # cheap round would carry a costly one's queueing, or the last one none (depth.py). Nor
         # when a program was built since the round was queued (its own or the next one's): that
-        # time is a compile's (and on a GPU kernel builds'), not what the depth costs.
+        # time is a compile's (and on a GPU kernel builds'), not what the depth costs. Nor when the caller
+        # had results meanwhile (UNTIMED_OVER_RESULTS).
         built = self._programs_built()
         carried, self._carried = self._carried, None
         if carried is not None:  # queued before the admission that just ran: it goes on from there
@@ -112,7 +118,7 @@ class SpeculativeRounds:
                 pending = mx.where(mx.array(joined), self._joined_pending(pending, len(slots)), current.nxt)
         else:
             current, plan, pending = self._launch(slots, cache, sampler, pending, 0), None, None
-        landed_at = self.clock()
+        landed_at, quiet = self.clock(), True
         while True:
             # a round after this one only if some row can still be going after it (a row emits at
             # least one token a round: one that is a token short of max_tokens ends with this round)
@@ -126,7 +132,7 @@ class SpeculativeRounds:
             first = self._land_joined(slots, cache) if self._joining is not None else []  # queued behind `following`
             out = self._read(current)
             now = self.clock()
-            steady = steady and self._programs_built() == built
+            steady = steady and self._programs_built() == built and (quiet or not UNTIMED_OVER_RESULTS)
             finished = first + self._land(slots, cache, current, out, now - landed_at if steady else None)
             landed_at, built = now, built_next
             live = sum(s is not None for s in slots)
@@ -149,6 +155,7 @@ class SpeculativeRounds:
                     yield from finished
                     return
             elif following is not None and not (drained and finished and (not live or self._narrows(live, len(slots)))):
+                quiet = not finished  # what the caller does with a result (a job writes its shards) is no round's
                 yield from finished
                 current = following
                 continue

@@ -228,3 +228,56 @@ def test_one_stream_where_mtp_loses_settles_on_plain():
     tail = chosen[-200:]
     assert tail.count(0) > 0.9 * len(tail), chosen
     assert any(tail), chosen
+
+
+def _mtp_rounds(ctrl, cost, rounds, slow=None, a=0.68, width=8):
+    """Rounds as an MTP head gives them (8 rows, each draft passing with chance `a` once the one
+    before it has), timed cost[k]; `slow` = {round index: seconds}: rounds timed that instead."""
+    import numpy as np
+
+    from mtplx.depth import position_counts
+
+    rng, chosen = np.random.default_rng(0), []
+    for i in range(rounds):
+        k = ctrl.choose(width)
+        chosen.append(k)
+        n = np.minimum(np.argmin(np.append(rng.random((width, k)) < a, np.zeros((width, 1), bool), axis=1), axis=1), k)
+        depths = np.full(width, k)
+        reached, passed = position_counts(n, depths, k)
+        ctrl.record(width, k, (slow or {}).get(i, cost[k]), int(n.sum()), int(np.minimum(n + 1, k).sum()), reached, passed)
+    return chosen
+
+
+# an MTP round on a host-bound GPU: the head's commit a fixed cost over plain, then the verify's slope
+MTP_COST = {0: 3.0e-3, 1: 4.8e-3, 2: 5.1e-3, 3: 5.4e-3}
+
+
+def test_one_slow_round_does_not_move_the_depth_that_pays():
+    """Depth 3 pays (2.44 tokens for 5.4 ms against depth 2's 2.14 for 5.1). One round of it timed
+    40 ms (a host hiccup): the depth's cost is the median of its last rounds, so the controller stays
+    (before: an average taking 0.3 of each round put depth 3 at 15.8 ms, and depth 2 ran until tries
+    of depth 3 had brought the average back)."""
+    prior = [0.68] * 4
+    ctrl = DepthController(3, prior=prior)
+    chosen = _mtp_rounds(ctrl, MTP_COST, 200, slow={60: 0.040}, a=0.68)
+    after = chosen[61:200]
+    assert after.count(3) > 0.9 * len(after), chosen
+
+
+def test_from_plain_decoding_the_deepest_depth_is_tried_again():
+    """Depth 3 timed high once while it was the only drafting depth measured (the device busy
+    elsewhere), so plain decoding looks best. Depth 1 loses to plain (the head's commit is a fixed
+    cost), and tries from plain decoding alternate depth 1 and the deepest depth: depth 3 is
+    measured again and the controller goes back to it (before: tries of depth 1 only, plain for good)."""
+    from mtplx import depth
+
+    ctrl = DepthController(3, prior=[0.68] * 4)
+    ctrl.record(8, 3, None, 0, 0)  # (a shape's first round: untimed)
+    ctrl.record(8, 3, 0.030, 2, 3, [1, 1, 1], [1, 1, 0])  # one high time: plain looks best
+    ctrl.record(8, 0, None, 0, 0)
+    ctrl.record(8, 0, MTP_COST[0], 0, 0)
+    ctrl.widths[8] = depth._Tries(rounds=10)  # (past the first tries of plain decoding)
+    assert ctrl.choose(8) == 0
+    chosen = _mtp_rounds(ctrl, MTP_COST, 300)
+    tail = chosen[-100:]
+    assert tail.count(3) > 0.8 * len(tail), chosen

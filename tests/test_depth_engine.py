@@ -349,3 +349,39 @@ def test_adaptive_depth_starts_where_the_heads_recorded_acceptance_pays(tiny_mod
         for i, (p, m) in enumerate(rows):
             assert out[i] == reference_tokens(bundle.model, p, m, eos), (a, i)
     assert first == {0.05: 0, 0.95: 3}, first
+
+
+def test_the_callers_time_with_a_result_never_prices_a_depth(tiny_model, tmp_path):
+    """A job writes each result (a shard commit fsyncs: up to 0.6 s on this CPU, against a 5 ms round
+    on the H200) before it asks for the next round. A caller charging the fake clock 1 s per result:
+    no time the controller is fed holds it (before: the round after each result carried it), and
+    the text is plain decoding's."""
+    from test_mtp_draft import _sidecar
+
+    bundle = load(tiny_model("llama"))
+    eos = set(bundle.tokenizer.eos_token_ids)
+    head = _sidecar(bundle, tmp_path / "head")
+    rng = np.random.default_rng(11)
+    rows = [(rng.integers(3, 400, 6).tolist(), m) for m in (12, 24, 36, 60)]
+    clock = FakeClock()
+    eng = _mtp_engine(bundle, head, width=4)
+    eng.TAIL_KEEPS_WIDTH = 4  # the batch keeps its width: results come between rounds of one call
+    eng.clock = clock
+    fed, record, folded = [], eng.depth_control.record, eng._verify_round
+
+    def timed_folded(*a, **k):
+        out = folded(*a, **k)
+        clock.now += 0.004
+        return out
+
+    eng._verify_round = timed_folded
+    eng.depth_control.record = lambda w, d, s, *a, **k: fed.append((d, s)) or record(w, d, s, *a, **k)
+    out = {}
+    for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)):
+        out[r.key] = r.tokens
+        clock.now += 1.0
+    timed = [s for _, s in fed if s is not None]
+    assert len(timed) > 10, fed
+    assert max(timed) < 0.1, fed
+    for i, (p, m) in enumerate(rows):
+        assert out[i] == reference_tokens(bundle.model, p, m, eos), i
