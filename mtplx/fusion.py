@@ -204,11 +204,14 @@ class RowsLinear(nn.Linear):
         return (self.weight @ x[..., None]).squeeze(-1)
 
 
-def head_gemv(head) -> int:
+def head_gemv(head, vocab=None) -> int:
     """Make the float Linear layers of the MTP head's blocks and its fc RowsLinear (HEAD_GEMV; before
-    fuse_projections, whose stacked layers keep the class). Returns how many layers."""
+    fuse_projections, whose stacked layers keep the class), and the drafting vocabulary's projection
+    (mtp_draft.DraftVocab) a matrix-vector product at one row. Returns how many layers."""
     if not HEAD_GEMV:
         return 0
+    if vocab is not None:
+        vocab.as_vector_product()
     n = 0
     for path, m in head.named_modules():
         if type(m) is nn.Linear and "bias" not in m and (path.startswith("layers") or path == "fc"):

@@ -134,7 +134,8 @@ class Engine(SpeculativeRounds):
             # the MTP head's blocks take the trunk's kernels: quantized where the trunk is, and the stacked
             # one-row products (its draft steps are one row)
             self.decode_paths["head_quantized"] = quantize_head(self.drafter.head, self.model)
-            self.decode_paths["head_gemv"] = fusion.head_gemv(self.drafter.head)  # its float products of few rows
+            # its float products of a few rows as matrix-vector products (fusion.HEAD_GEMV)
+            self.decode_paths["head_gemv"] = fusion.head_gemv(self.drafter.head, getattr(self.drafter, "vocab", None))
             self.decode_paths["head_stacked_projections"] = fuse_projections(self.drafter.head, DECODE_GROUPS)
         self.runtime = _Runtime(self.model, want_hidden=self.drafter is not None and self.drafter.needs_hidden)
         self.weight_bytes = _tree_bytes(self.model.parameters())

@@ -83,6 +83,13 @@ class DraftVocab:
                 mx.eval(*self._table)
         return self._table
 
+    def as_vector_product(self) -> None:
+        """Keep weight_t as the transpose of an [S, D] row-major array: on CUDA MLX then takes its matrix-
+        vector kernel for a one-row projection (a draft step's, the commit's first logits), where a [D, S]
+        row-major weight_t is a cuBLAS GEMM even at one row (a captured child graph each; fusion.head_gemv)."""
+        self.weight_t = mx.contiguous(self.weight_t.T).T
+        mx.eval(self.weight_t)
+
     def logits(self, h: mx.array) -> mx.array:
         out = h @ self.weight_t.astype(h.dtype)
         return out + self.bias.astype(h.dtype) if self.has_bias else out

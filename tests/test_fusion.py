@@ -260,3 +260,24 @@ def test_the_mtp_heads_float_products_of_a_few_rows_are_vector_products(tiny_mod
             got = {r.key: r.tokens for r in e.generate([Request(i, list(p), SamplingParams(max_tokens=m))
                                                          for i, (p, m) in enumerate(rows)])}
             assert [got[i] for i in range(len(rows))] == refs, (width, on)
+
+
+def test_the_drafting_vocabularys_projection_keeps_its_values_as_a_vector_product(tiny_model, tmp_path, monkeypatch):
+    """fusion.head_gemv lays the drafting vocabulary's weight_t out as the transpose of an [S, D] array (on
+    CUDA a one-row projection is then MLX's gemv, not a cuBLAS GEMM): the same logits."""
+    import mtplx.fusion as fusion
+    from mtplx.models.mtp import load_head
+    from mtplx.mtp_draft import DraftVocab
+
+    from tiny_models import untrained_head
+
+    bundle = load(tiny_model("llama"))
+    head = load_head(bundle, str(untrained_head(bundle, tmp_path / "head")))
+    vocab = DraftVocab(head, list(range(3, 300, 2)), bundle.vocab_size)
+    h = mx.random.normal((2, head.fc.weight.shape[0]), key=mx.random.key(3)).astype(head.norm.weight.dtype)
+    ref = vocab.logits(h)
+    before = vocab.weight_t
+    monkeypatch.setattr(fusion, "HEAD_GEMV", True)
+    assert fusion.head_gemv(head, vocab) == 7 * len(head.layers) + 1
+    assert vocab.weight_t is not before and vocab.weight_t.shape == before.shape
+    assert np.allclose(np.array(vocab.logits(h).astype(mx.float32)), np.array(ref.astype(mx.float32)), atol=1e-5)
