@@ -56,7 +56,7 @@ class _Stacked:
         self.spans = list(zip(bounds[:-1], bounds[1:]))
         self.views = [_like(layers[0], {k: self.layer[k][a:b] for k in keys}) for a, b in self.spans]
         # rows whose stacked product gives each sibling the bits of its own: see `few_rows`
-        self.few_rows = few_rows(layers[0])
+        self.few_rows = few_rows(self.layer)
         self._x = None
         self._parts: List[mx.array] = []
         self._left = 0
@@ -105,7 +105,7 @@ def few_rows(layer) -> int:
     a group as long as the input). So a verify of up to 7 tokens a row at one stream stacks too.
     Up to GEMV_ROWS for a RowsLinear (its few rows are vector products each)."""
     if isinstance(layer, RowsLinear):
-        return GEMV_ROWS
+        return GEMV_ROWS if layer.weight.nbytes <= GEMV_MAX_BYTES else 1
     if isinstance(layer, nn.QuantizedLinear) and rows_attention.cuda_ready() and layer.group_size < layer.weight.shape[1] * 32 // layer.bits:
         return QMV_ROWS
     return 1
@@ -186,6 +186,9 @@ def quantize_head(head, trunk) -> int:
 # Engine is made (round_trace `:mtplx.fusion.HEAD_GEMV=0` measures without)
 HEAD_GEMV = False  # (off until the H200 measures it)
 GEMV_ROWS = 8  # a commit of up to 8 verified tokens (depth 7) at one stream
+# a weight the vector kernel reads once a row: only where it stays in the GPU's L2 cache (H200: 50 MB) between
+# rows; larger (an 8B model's head) is read once by the GEMM
+GEMV_MAX_BYTES = 16 << 20
 
 
 class RowsLinear(nn.Linear):
@@ -199,7 +202,7 @@ class RowsLinear(nn.Linear):
 
     def __call__(self, x):
         rows = x.size // x.shape[-1]
-        if rows == 1 or rows > GEMV_ROWS or "bias" in self:
+        if rows == 1 or rows > GEMV_ROWS or "bias" in self or self.weight.nbytes > GEMV_MAX_BYTES:
             return super().__call__(x)
         return (self.weight @ x[..., None]).squeeze(-1)
 
