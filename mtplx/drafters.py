@@ -39,6 +39,7 @@ from .config import SPEC_METHODS, SpeculativeConfig
 from .models.loading import ModelBundle
 from .models.mtp import MTPHead
 from .head_prefill import head_prefill_rows
+from . import mtp_draft
 from .mtp_draft import (CompiledDraftBank, DraftVocab, at_accepted, commit_inputs, draft_step, history_append,
                         lookup_drafts, pick, project, stack_drafts)
 from .sampling import SamplerBatch
@@ -259,7 +260,7 @@ class MtpDrafter(_CachedDrafter):
         state = (cache, [project(self.head, self.vocab, h_last), h_last])
         # the row's context: one token longer than its head cache (the head's entry for the last
         # token comes with the next commit)
-        return state if self.lookup is None else state + (mx.array(list(tokens) + [int(first_token)], dtype=mx.int32)[None],)
+        return state if self.lookup is None else state + (self.lookup.context(mx.array(list(tokens) + [int(first_token)], dtype=mx.int32)),)
 
     def reset(self):
         super().reset()
@@ -314,7 +315,7 @@ class MtpDrafter(_CachedDrafter):
         # head's programs are keyed by both, and a round where only one had crossed a bucket
         # would compile a program of its own.
         layers = [c for c in self.cache.layers if c.keys is not None]
-        self._history_room(max([self.cache.rows.max + 1 + extra] + [c.keys.shape[2] for c in layers]))
+        self._history_room(max([self.lookup.lead + self.cache.rows.max + 1 + extra] + [c.keys.shape[2] for c in layers]))
         for c in layers:
             c._ensure_capacity(self.cache.batch, c.keys, c.values, self.history.shape[1])
         return self.lookup, self.history
@@ -380,7 +381,7 @@ class MtpDrafter(_CachedDrafter):
         h_at = at_accepted(self.head.hidden(hidden, committed, self.cache.layers), n)
         out = (project(self.head, self.vocab, h_at), h_at)
         if lookup is not None:
-            out += (history_append(self.history, self.cache.rows.device + 1, committed),)
+            out += (self.lookup.append(self.history, self.cache.rows.device + 1, committed),)
         return out
 
     def _commit_behind(self, behind) -> None:
@@ -443,39 +444,73 @@ class LookupFallback:
     drafts that continuation (mtp_draft.lookup_drafts: what NgramDrafter.match finds on the
     host); the others draft with the head. The choice is made from the context before the round,
     and a lookup draft's proposal distribution is the point mass on it, so acceptance (and the
-    output) stays exact. Nothing is read for it: rounds stay one ahead."""
+    output) stays exact. Nothing is read for it: rounds stay one ahead.
+
+    A row's history is its context after `lead` columns of -1 (`context`), so the compact match
+    (mtp_draft.COMPACT_LOOKUP, read here) pads nothing per round."""
+
+    FOLD_EVERY = 256  # rounds whose choices wait before they are added up (`record`)
 
     def __init__(self, ngram_size: int, min_match: int):
         self.n = max(ngram_size, min_match)
         self.min_match = min_match
+        self.compact = bool(mtp_draft.COMPACT_LOOKUP)
+        self.lead = self.n if self.compact else 0
         self._tally = mx.zeros((2,), mx.int32)  # row-rounds drafted (by lookup, in all), on the device
+        self._rounds: List[tuple] = []  # (rows that looked up, counts) of rounds not added up yet
+
+    def context(self, tokens: mx.array) -> mx.array:
+        """A row's history [1, lead + L] from its context `tokens` [L] (or [1, L])."""
+        row = tokens.reshape(1, -1).astype(mx.int32)
+        return mx.pad(row, [(0, 0), (self.lead, 0)], constant_values=-1) if self.lead else row
+
+    def append(self, history: mx.array, lengths: mx.array, committed: mx.array) -> mx.array:
+        """`history` with each row's committed tokens written after its `lengths` tokens (history_append)."""
+        return history_append(history, lengths, committed, self.lead)
 
     def drafts(self, history: mx.array, lengths: mx.array, K: int):
         """(rows that draft from their context [W] bool, those drafts [W, K])."""
-        return lookup_drafts(history, lengths, K, self.n, self.min_match)
+        return lookup_drafts(history, lengths, K, self.n, self.min_match, self.lead, self.compact)
 
     @staticmethod
     def mix(use: mx.array, looked: mx.array, drafts: mx.array, q: Optional[mx.array]):
         """The head's drafts and q, with the lookup rows' drafts and point masses in their place."""
         drafts = mx.where(use[:, None], looked, drafts.astype(mx.int32))
         if q is not None:
-            point = (mx.arange(q.shape[-1])[None, None] == looked[..., None]).astype(q.dtype)
+            point = (mtp_draft.arange_constant(q.shape[-1])[None, None] == looked[..., None]).astype(q.dtype)
             q = mx.where(use[:, None, None], point, q)
         return drafts, q
 
     def record(self, use: mx.array, counts: mx.array):
-        """Count a round's choices among its live rows: additions over arrays the rounds evaluate
-        anyway, evaluated when the engine's call ends (`settle`), not by an eval of their own each
-        round (which would run the head program before the round's read)."""
-        live = counts > 0
-        self._tally = self._tally + mx.stack([(use & live).sum(), live.sum()]).astype(mx.int32)
+        """Count a round's choices among its live rows. Compact: kept as they are and added up in a few
+        ops every FOLD_EVERY rounds and when the engine's call ends (`settle`), no op of a round's own;
+        else added up every round (ops over arrays the rounds evaluate anyway, evaluated at `settle`)."""
+        if not self.compact:
+            live = counts > 0
+            self._tally = self._tally + mx.stack([(use & live).sum(), live.sum()]).astype(mx.int32)
+            return
+        self._rounds.append((use, counts))
+        if len(self._rounds) >= self.FOLD_EVERY:
+            self._fold()
+
+    def _fold(self):
+        """Add up the rounds waiting, a few ops for each run of rounds of one width."""
+        rounds, self._rounds = self._rounds, []
+        while rounds:
+            W = rounds[0][0].shape[0]
+            same = next((i for i, r in enumerate(rounds) if r[0].shape[0] != W), len(rounds))
+            use, live = mx.stack([r[0] for r in rounds[:same]]), mx.stack([r[1] for r in rounds[:same]]) > 0
+            self._tally = self._tally + mx.stack([(use & live).sum(), live.sum()]).astype(mx.int32)
+            rounds = rounds[same:]
 
     def settle(self):
+        self._fold()
         mx.async_eval(self._tally)
 
     @property
     def counts(self) -> Dict[str, int]:
         """Row-rounds drafted each way (one read)."""
+        self._fold()
         used, rows = np.array(self._tally).tolist()
         return {"lookup": used, "head": rows - used}
 

@@ -72,6 +72,6 @@ def head_prefill_rows(drafter, prompts: Sequence[Sequence[int]], hiddens: Sequen
         row.write_row(0, cache.snapshot_row(b))
         state = (row, [logits[b : b + 1], h_last[b : b + 1]])
         if drafter.lookup is not None:  # the row's context: one token longer than its head cache
-            state += (mx.concatenate([mx.array(list(prompts[b]), dtype=mx.int32), firsts[b : b + 1]])[None],)
+            state += (drafter.lookup.context(mx.concatenate([mx.array(list(prompts[b]), dtype=mx.int32), firsts[b : b + 1]])),)
         states.append(state)
     return states

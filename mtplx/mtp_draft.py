@@ -348,7 +348,7 @@ class CompiledDraftBank:
                 arrays = _shadow_outputs(shadow)
                 out = (first, h_at) + tuple(arrays)
                 if finder is not None:
-                    hist = history_append(hist, lengths + 1, committed)
+                    hist = finder.append(hist, lengths + 1, committed)
                     out += (hist,)
                 if not rest:
                     return out
@@ -420,18 +420,36 @@ def draft_chain(head: MTPHead, vocab: Optional[DraftVocab], kinds, first, h, s: 
 
 
 # -- prompt lookup on the device (speculative.mtp_lookup; drafters.LookupFallback) -----------------
-def history_append(hist: mx.array, hlen: mx.array, committed: mx.array) -> mx.array:
+def history_append(hist: mx.array, hlen: mx.array, committed: mx.array, lead: int = 0) -> mx.array:
     """Write a round's committed tokens into each row's history [W, C] at its length `hlen`: the
     first counts of `committed` [W, K+1] (commit_inputs) are the row's new tokens; the rest land
     past its new length, where nothing reads before a later round overwrites them."""
-    pos = hlen[:, None] + mx.arange(committed.shape[1], dtype=mx.int32)[None]
+    pos = hlen[:, None] + arange_constant(committed.shape[1], lead)[None]  # (`lead`: columns before the history's first token)
     return mx.put_along_axis(hist, pos, committed.astype(hist.dtype), axis=1)
 
 
-def lookup_drafts(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int):
-    """Per row of `hist` [W, C] (its first `hlen` tokens): does the longest suffix of `shortest`..
-    `longest` tokens seen before, at its latest earlier place, have K tokens after it there?
-    Returns (that [W] bool, those K tokens [W, K]): what NgramDrafter.match gives on the host."""
+# The device lookup as few kernels (`_compact_lookup`: one gather of the suffix, one fused comparison over
+# the history, one reduction, one gather of the drafts, and the history kept behind a pad of its own, so no
+# pad per round) where the loop (`_lookup_by_length`) runs a gather, a pad, a comparison and a reduction per
+# suffix length; the same drafts. On a launch-bound GPU a round costs what it hands the device, node by node
+# (BENCHMARKS.md, h8a). Read when a LookupFallback is made: round_trace `3l2:mtplx.mtp_draft.COMPACT_LOOKUP=0`
+# measures the loop (and the lookup tally added up every round, drafters.LookupFallback.record).
+COMPACT_LOOKUP = True
+
+
+def lookup_drafts(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int, lead: int = 0,
+                  compact: Optional[bool] = None):
+    """Per row of `hist` [W, lead + C] (after `lead` columns of -1, its first `hlen` tokens): does the
+    longest suffix of `shortest`..`longest` tokens seen before, at its latest earlier place, have K
+    tokens after it there? Returns (that [W] bool, those K tokens [W, K]): what NgramDrafter.match
+    gives on the host. `compact` (default COMPACT_LOOKUP): in one pass (`_compact_lookup`)."""
+    if COMPACT_LOOKUP if compact is None else compact:
+        return _compact_lookup(hist, hlen, K, longest, shortest, lead)
+    return _lookup_by_length(hist[:, lead:], hlen, K, longest, shortest)
+
+
+def _lookup_by_length(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int):
+    """`lookup_drafts` one suffix length at a time, longest first (the path before COMPACT_LOOKUP)."""
     W, C = hist.shape
     end = mx.arange(C, dtype=mx.int32)[None]  # an n-gram of size m ending before position `end`
     best, found = mx.full((W,), -1, mx.int32), mx.zeros((W,), mx.bool_)
@@ -449,6 +467,28 @@ def lookup_drafts(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest
     return use, mx.take_along_axis(hist, at, axis=1)
 
 
+def _compact_lookup(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int, lead: int):
+    """`lookup_drafts` in one pass. For each place e (the tokens before it), `run` counts how many of
+    the suffix's last tokens, newest first, match there (up to `longest`); the longest suffix seen
+    before is the largest run, and its latest place the largest e among those: both are the largest
+    run * C + e. Before the history's start the pad is read (-1: never a token)."""
+    if lead < longest:  # (a history kept without a pad of its own: padded here)
+        hist, lead = mx.pad(hist, [(0, 0), (longest - lead, 0)], constant_values=-1), longest
+    W, C = hist.shape[0], hist.shape[1] - lead
+    # each row's last `longest` tokens, newest first: columns hlen + lead - 1 - k
+    suffix = mx.take_along_axis(hist, hlen[:, None] - arange_constant(longest, 1 - lead)[None], axis=1)
+    end = arange_constant(C)[None]
+    same = end < hlen[:, None]  # (the suffix itself ends at hlen)
+    run = None
+    for k in range(longest):
+        same = same & (hist[:, lead - 1 - k : lead - 1 - k + C] == suffix[:, k : k + 1])
+        run = same.astype(mx.int32) if run is None else run + same
+    score = mx.max(mx.where(run >= shortest, run * C + end, -1), axis=1, keepdims=True)
+    use = (score >= 0) & (score - (score // C) * C + K <= hlen[:, None])  # (not % C: its own kernel with `at`'s)
+    at = mx.minimum(score % C + arange_constant(K, lead)[None], C - 1 + lead)
+    return use[:, 0], mx.take_along_axis(hist, at, axis=1)
+
+
 def _looked_up(finder, hist, hlen, K, drafts, q):
     """The head's drafts and q with the lookup rows' in their place, and those rows (or None)."""
     if finder is None:
@@ -459,7 +499,7 @@ def _looked_up(finder, hist, hlen, K, drafts, q):
 
 
 def _lookup_key(lookup) -> tuple:
-    return () if lookup is None else ("lookup", lookup[0].n, lookup[0].min_match, lookup[1].shape[1])
+    return () if lookup is None else ("lookup", lookup[0].n, lookup[0].min_match, lookup[0].compact, lookup[1].shape[1])
 
 
 def _packed(d, q, *rest):
@@ -469,3 +509,15 @@ def _packed(d, q, *rest):
 
 def _unpacked(out):
     return tuple(a if a.size else None for a in out)
+
+
+_RANGES: Dict[Tuple[int, int], mx.array] = {}
+
+
+def arange_constant(n: int, start: int = 0) -> mx.array:
+    """start..start+n-1 (int32), made once: inside a compiled program an evaluated constant, not an
+    arange kernel in every call."""
+    if (n, start) not in _RANGES:
+        _RANGES[n, start] = mx.arange(start, start + n, dtype=mx.int32)
+        mx.eval(_RANGES[n, start])
+    return _RANGES[n, start]
