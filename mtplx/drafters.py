@@ -202,9 +202,10 @@ class MtpDrafter(_CachedDrafter):
     one ahead.
 
     A round without drafts followed by another (adaptive depth at 0) is not committed: the head
-    falls behind by it (`behind`, at most HEAD_BEHIND rounds) and catches up in one eager forward
-    with the next round it commits, or before rows move, a call ends or it proposes
-    (`_catch_up`), so a round at depth 0 costs what a plain decoding round does.
+    falls behind by it (`behind`, at most HEAD_BEHIND rounds) and catches up with the next round it
+    commits, or before rows move, a call ends or it proposes (`_catch_up`), so a round at depth 0
+    costs what a plain decoding round does. The catch-up runs the compiled commit programs over
+    depth + 1 rounds a call (`_commit_behind`): shapes adaptive depth has built, whatever its length.
     """
 
     name = "mtp"
