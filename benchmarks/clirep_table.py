@@ -22,10 +22,28 @@ def texts(run_dir: str):
     return {r["id"]: r["completion"] for r in rows}
 
 
+def drafting(run_dir: str) -> str:
+    """'tokens drafted per drafting round, verify programs built (of them warmed ahead)' of a run
+    directory: what adaptive depth chose and built ('-' where the run left none)."""
+    import json
+
+    import pyarrow.dataset as ds
+
+    try:
+        t = ds.dataset(f"{run_dir}/shards").to_table(columns=["drafted_tokens", "verify_calls"]).to_pydict()
+        bank = json.load(open(f"{run_dir}/manifest.json")).get("compiled_verify") or {}
+    except Exception:
+        return "-"
+    calls = sum(v or 0 for v in t["verify_calls"])
+    depth = f"{sum(d or 0 for d in t['drafted_tokens']) / calls:.2f}" if calls else "0"
+    return f"{depth}, {bank.get('programs', '-')} ({bank.get('warmed', '-')})"
+
+
 def table(tags, repeats: int, log: str, root: str = "/tmp/b") -> str:
     ref = texts(f"{root}/rep-{tags[0]}-1")
-    out = [f"| setting | wall s, median | wall s, each run | run s (summary), median | same text as {tags[0]} |",
-           "|---|---|---|---|---|"]
+    out = [f"| setting | wall s, median | wall s, each run | run s (summary), median | same text as {tags[0]} "
+           "| per run: depth of drafting rounds, verify programs (warmed) |",
+           "|---|---|---|---|---|---|"]
     for tag in tags:
         walls, runs = [], []
         for wall, run in re.findall(rf"== rep \d+ {re.escape(tag)}: exit 0, wall (\d+) ms(?: \"seconds\": ([0-9.]+))?", log):
@@ -34,7 +52,9 @@ def table(tags, repeats: int, log: str, root: str = "/tmp/b") -> str:
                 runs.append(float(run))
         same = sum(texts(f"{root}/rep-{tag}-{r}") == ref for r in range(1, repeats + 1)) if ref else "n/a"
         med = (lambda v: f"{statistics.median(v):.2f}" if v else "-")
-        out.append(f"| {tag} | {med(walls)} | {' '.join(f'{w:.2f}' for w in walls)} | {med(runs)} | {same}/{repeats} |")
+        runs_drafting = "; ".join(drafting(f"{root}/rep-{tag}-{r}") for r in range(1, repeats + 1))
+        out.append(f"| {tag} | {med(walls)} | {' '.join(f'{w:.2f}' for w in walls)} | {med(runs)} | {same}/{repeats} "
+                   f"| {runs_drafting} |")
     return "\n".join(out)
 
 
