@@ -39,7 +39,7 @@ from .config import SPEC_METHODS, SpeculativeConfig
 from .models.loading import ModelBundle
 from .models.mtp import MTPHead
 from .head_prefill import head_prefill_rows
-from . import mtp_draft
+from . import mtp_draft, small_ops
 from .mtp_draft import (CompiledDraftBank, DraftVocab, at_accepted, commit_inputs, draft_step, history_append,
                         lookup_drafts, pick, project, stack_drafts)
 from .sampling import SamplerBatch
@@ -478,7 +478,7 @@ class LookupFallback:
         """The head's drafts and q, with the lookup rows' drafts and point masses in their place."""
         drafts = mx.where(use[:, None], looked, drafts.astype(mx.int32))
         if q is not None:
-            point = (mtp_draft.arange_constant(q.shape[-1])[None, None] == looked[..., None]).astype(q.dtype)
+            point = (small_ops.arange(q.shape[-1])[None, None] == looked[..., None]).astype(q.dtype)
             q = mx.where(use[:, None, None], point, q)
         return drafts, q
 

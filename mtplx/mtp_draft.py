@@ -424,7 +424,7 @@ def history_append(hist: mx.array, hlen: mx.array, committed: mx.array, lead: in
     """Write a round's committed tokens into each row's history [W, C] at its length `hlen`: the
     first counts of `committed` [W, K+1] (commit_inputs) are the row's new tokens; the rest land
     past its new length, where nothing reads before a later round overwrites them."""
-    pos = hlen[:, None] + arange_constant(committed.shape[1], lead)[None]  # (`lead`: columns before the history's first token)
+    pos = hlen[:, None] + (small_ops.arange(committed.shape[1])[None] + lead)  # (`lead`: columns before the history's first token)
     return mx.put_along_axis(hist, pos, committed.astype(hist.dtype), axis=1)
 
 
@@ -476,8 +476,8 @@ def _compact_lookup(hist: mx.array, hlen: mx.array, K: int, longest: int, shorte
         hist, lead = mx.pad(hist, [(0, 0), (longest - lead, 0)], constant_values=-1), longest
     W, C = hist.shape[0], hist.shape[1] - lead
     # each row's last `longest` tokens, newest first: columns hlen + lead - 1 - k
-    suffix = mx.take_along_axis(hist, hlen[:, None] - arange_constant(longest, 1 - lead)[None], axis=1)
-    end = arange_constant(C)[None]
+    suffix = mx.take_along_axis(hist, hlen[:, None] + (lead - 1) - small_ops.arange(longest)[None], axis=1)
+    end = small_ops.arange(C)[None]
     same = end < hlen[:, None]  # (the suffix itself ends at hlen)
     run = None
     for k in range(longest):
@@ -485,7 +485,7 @@ def _compact_lookup(hist: mx.array, hlen: mx.array, K: int, longest: int, shorte
         run = same.astype(mx.int32) if run is None else run + same
     score = mx.max(mx.where(run >= shortest, run * C + end, -1), axis=1, keepdims=True)
     use = (score >= 0) & (score - (score // C) * C + K <= hlen[:, None])  # (not % C: its own kernel with `at`'s)
-    at = mx.minimum(score % C + arange_constant(K, lead)[None], C - 1 + lead)
+    at = mx.minimum(score % C + small_ops.arange(K)[None], C - 1) + lead
     return use[:, 0], mx.take_along_axis(hist, at, axis=1)
 
 
@@ -509,15 +509,3 @@ def _packed(d, q, *rest):
 
 def _unpacked(out):
     return tuple(a if a.size else None for a in out)
-
-
-_RANGES: Dict[Tuple[int, int], mx.array] = {}
-
-
-def arange_constant(n: int, start: int = 0) -> mx.array:
-    """start..start+n-1 (int32), made once: inside a compiled program an evaluated constant, not an
-    arange kernel in every call."""
-    if (n, start) not in _RANGES:
-        _RANGES[n, start] = mx.arange(start, start + n, dtype=mx.int32)
-        mx.eval(_RANGES[n, start])
-    return _RANGES[n, start]
