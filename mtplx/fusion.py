@@ -184,7 +184,9 @@ def quantize_head(head, trunk) -> int:
 
 # the MTP head's float products over a few rows as MLX's matrix-vector kernel (RowsLinear), read when the
 # Engine is made (round_trace `:mtplx.fusion.HEAD_GEMV=0` measures without)
-HEAD_GEMV = False  # (off until the H200 measures it)
+# On: H200, session 9 window 1 (with rows_attention.STRIDED): 1.65x plain against 1.47x at one stream; the trace: no
+# cuBLAS GEMM a round (10.6 before), child graphs 12.5 -> 1.9, graph destroys 17.4 -> 6.8 a round
+HEAD_GEMV = True
 GEMV_ROWS = 8  # a commit of up to 8 verified tokens (depth 7) at one stream
 # a weight the vector kernel reads once a row: only where it stays in the GPU's L2 cache (H200: 50 MB) between
 # rows; larger (an 8B model's head) is read once by the GEMM

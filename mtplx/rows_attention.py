@@ -207,7 +207,9 @@ _SOURCE = """
 # queries a row q is a transposed view ([B, L, H, D] data: a slice of the projection, through RoPE), which the
 # row-contiguous kernel had MLX copy first, and its [B, H, L, D] result the model copied back to [B, L, H * D]:
 # two copies a layer (H200, session 8: ~66 copy_g_nd a one-stream MTP round). The same arithmetic: the same bits.
-STRIDED = False  # (off until the H200 measures it: round_trace `:mtplx.rows_attention.STRIDED=1`)
+# On: H200, session 9 window 1 (with fusion.HEAD_GEMV, one-stream MTP depth 3, 5 interleaved repeats): 1.65x plain
+# against 1.47x, 5.79 ms a round against 7.75; the trace 66 copy_g_nd a round fewer (round_trace `:...STRIDED=0`)
+STRIDED = True
 _REPLACE = (  # (row-contiguous indexing, strided indexing): each occurs once in _SOURCE
     ("q[(((size_t)batch_idx * Hq + kv_head_idx * G + t / L) * L + t % L) * D + e % D]",
      "q[batch_idx * q_strides[0] + (kv_head_idx * G + t / L) * q_strides[1] + (t % L) * q_strides[2]\n"
