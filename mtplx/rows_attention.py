@@ -37,7 +37,7 @@ import sys
 
 import mlx.core as mx
 
-from . import kernel_cache
+from . import kernel_cache, small_ops
 
 
 HEAD_DIMS = (64, 96, 128)
@@ -266,12 +266,16 @@ def resident_constant(values, dtype=mx.float32) -> mx.array:
 
 
 def padded(a: mx.array):
-    """A zero-padded copy of `a` (1-D) large enough to stay out of MLX's managed pool (one small kernel),
-    or None where `a` is out of it already (or `pads()` is false). Its first a.size elements are `a`."""
+    """A padded copy of `a` (1-D) large enough to stay out of MLX's managed pool, or None where `a` is out
+    of it already (or `pads()` is false). Its first a.size elements are `a`; past them zeros, or with
+    small_ops.FEWER copies of a[0]: one gather by a constant index (a fill and two copies otherwise, three
+    kernels: at one stream a round pads the lengths of each of its forwards and draft steps)."""
     if not pads() or a.nbytes > SMALL_POOL_BYTES or a.ndim != 1:
         return None
-    pad = -(-(SMALL_POOL_BYTES + 1) // a.dtype.size) - a.size
-    return mx.concatenate([a, mx.zeros((pad,), dtype=a.dtype)])
+    n = -(-(SMALL_POOL_BYTES + 1) // a.dtype.size)
+    if small_ops.FEWER:
+        return mx.take(a, small_ops.pad_index(a.size, n))
+    return mx.concatenate([a, mx.zeros((n - a.size,), dtype=a.dtype)])
 
 
 def cuda_ready() -> bool:

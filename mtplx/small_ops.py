@@ -19,22 +19,32 @@ FEWER = True
 _ranges = {}
 
 
+def _constant(key, values: np.ndarray, dtype=mx.int32) -> mx.array:
+    """`values` as a device array made once per key; one of at most 8 bytes is a view of a longer one
+    (MLX keeps arrays of <= 8 bytes in a managed pool the host touches: rows_attention.SMALL_POOL_BYTES)."""
+    if key not in _ranges:
+        n = len(values)
+        longer = np.concatenate([values, np.zeros(max(0, 3 - n), values.dtype)])
+        _ranges[key] = mx.array(longer, dtype=dtype)[:n]
+    return _ranges[key]
+
+
 def arange(n: int, dtype=mx.int32) -> mx.array:
     """mx.arange(n, dtype=dtype): with FEWER a constant made once per (n, dtype)."""
     if not FEWER:
         return mx.arange(n, dtype=dtype)
-    key = (n, dtype)
-    if key not in _ranges:
-        _ranges[key] = mx.array(np.arange(n), dtype=dtype)
-    return _ranges[key]
+    return _constant((n, dtype), np.arange(n), dtype)
 
 
 def rolled(n: int) -> mx.array:
     """The constant [1, 2, .., n - 1, 0] (int32): taking it along an axis rolls that axis left by one."""
-    key = ("rolled", n)
-    if key not in _ranges:
-        _ranges[key] = mx.array(np.roll(np.arange(n), -1), dtype=mx.int32)
-    return _ranges[key]
+    return _constant(("rolled", n), np.roll(np.arange(n), -1))
+
+
+def pad_index(size: int, n: int) -> mx.array:
+    """The constant [0, 1, .., size - 1, 0, .., 0] of n entries (int32): taking it pads an array of `size`
+    to n with copies of its first element, in one gather."""
+    return _constant(("pad", size, n), np.concatenate([np.arange(size), np.zeros(n - size, np.int64)]))
 
 
 def columns(cols: Sequence[mx.array]) -> mx.array:

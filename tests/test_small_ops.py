@@ -78,3 +78,19 @@ def test_rounds_decode_as_plain_with_fewer_kernels(setup, monkeypatch, method, w
         # drafts: concatenations
         assert got[True]["Arange"] <= got[False]["Arange"] - 5, got
         assert got[True]["Concatenate"] <= got[False]["Concatenate"] - 3, got
+
+
+def test_one_rows_lengths_are_padded_by_one_gather(monkeypatch):
+    """rows_attention.padded (a row's lengths kept out of MLX's managed pool, forced here as on CUDA): with
+    FEWER one gather by a constant index, not a fill and a concatenation; the first elements are the array."""
+    from benchmarks.round_graph import graph_primitives
+    from mtplx import rows_attention as ra
+
+    monkeypatch.setattr(ra, "pads", lambda: True)
+    a = mx.array([37], dtype=mx.int32) + 0  # (lazy: its graph is what a program would hold)
+    for on, kinds in ((True, {"Gather"}), (False, {"Concatenate", "Full"})):
+        monkeypatch.setattr(small_ops, "FEWER", on)
+        p = ra.padded(a)
+        assert p.nbytes > ra.SMALL_POOL_BYTES and p[0].item() == 37
+        assert kinds <= set(graph_primitives([ra.padded(a)])) and ("Concatenate" in graph_primitives([ra.padded(a)])) != on
+    assert small_ops.arange(1).tolist() == [0] and small_ops.arange(2).tolist() == [0, 1]
