@@ -243,8 +243,9 @@ clirep)  # issue 18 (h8d): the example jobs as a user runs them (`mtplx-batch ru
       rc=${PIPESTATUS[0]}
       echo "== rep $rep $tag: exit $rc, wall $(( ($(date +%s%N) - t0) / 1000000 )) ms $(grep -o '"seconds": [0-9.]*' /tmp/b/rep-$tag-$rep.log)" | tee -a "$OUT/clirep.log"
     done
+    # the table so far after every repeat (a run cut off by a hard limit still leaves the last one)
+    python3 -m benchmarks.clirep_table "$SPECS" "$rep" "$OUT/clirep.log" | tee "$OUT/clirep-table.md"
   done
-  python3 -m benchmarks.clirep_table "$SPECS" "${REPEATS:-3}" "$OUT/clirep.log" | tee -a "$OUT/clirep.log"
   ;;
 stream)  # issue 18 (h7b): width-32 refilled streams, plain vs MTP depth 3 (+ lookup 2), on held-out HumanEval rows cycled
   # to 2x and 4x the width (64 / 128 rows, greedy, 96 tokens), ~2.5 min warm: the whole-run ratio, and where MTP's time
