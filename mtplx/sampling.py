@@ -100,13 +100,15 @@ def accept_greedy(target_logits: mx.array, drafts: mx.array, limit: Optional[mx.
     """Greedy verify: [B, K+1, V] logits, [B, K] drafts -> (accepted count [B], next token [B]).
 
     `limit[b]` (default K) is how many of the K drafts row b really drafted."""
-    best = mx.argmax(target_logits, axis=-1).astype(mx.int32)  # [B, K+1]
+    best = mx.argmax(target_logits, axis=-1)  # [B, K+1]
+    if not small_ops.FEWER:  # (with FEWER only the next token is cast: a cast kernel of [B, K+1] fewer)
+        best = best.astype(mx.int32)
     K = drafts.shape[1]
     if K == 0:
-        return mx.zeros((best.shape[0],), mx.int32), best[:, 0]
+        return mx.zeros((best.shape[0],), mx.int32), best[:, 0].astype(mx.int32)
     matches = ((drafts == best[:, :K]) & _within(limit, best.shape[0], K)).astype(mx.int32)
     n = mx.cumprod(matches, axis=1).sum(axis=1)
-    nxt = mx.take_along_axis(best, n[:, None], axis=1)[:, 0]
+    nxt = mx.take_along_axis(best, n[:, None], axis=1)[:, 0].astype(mx.int32)
     return n, nxt
 
 

@@ -94,3 +94,20 @@ def test_one_rows_lengths_are_padded_by_one_gather(monkeypatch):
         assert p.nbytes > ra.SMALL_POOL_BYTES and p[0].item() == 37
         assert kinds <= set(graph_primitives([ra.padded(a)])) and ("Concatenate" in graph_primitives([ra.padded(a)])) != on
     assert small_ops.arange(1).tolist() == [0] and small_ops.arange(2).tolist() == [0, 1]
+
+
+def test_greedy_acceptance_casts_only_the_next_token(monkeypatch):
+    """With FEWER accept_greedy compares and gathers argmax's own indices and casts only the next token
+    (on CUDA a cast kernel of the [B, K+1] picks fewer a round): the same counts and tokens, int32."""
+    from mtplx.sampling import accept_greedy
+
+    logits = mx.random.normal((3, 4, 50), key=mx.random.key(5))
+    best = mx.argmax(logits, axis=-1)
+    drafts = mx.where(mx.array([[1, 1, 1], [1, 0, 1], [0, 1, 1]], dtype=mx.bool_), best[:, :3], 49).astype(mx.int32)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(small_ops, "FEWER", on)
+        n, nxt = accept_greedy(logits, drafts)
+        assert n.dtype == nxt.dtype == mx.int32
+        got[on] = (n.tolist(), nxt.tolist())
+    assert got[True] == got[False] and got[True][0] == [3, 1, 0]
