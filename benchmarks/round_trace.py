@@ -232,7 +232,7 @@ def compare(paths):
             into = k if cat == "kernel" else r
             into[_name(name) if cat == "kernel" else name][0] += 1 / R
             into[_name(name) if cat == "kernel" else name][1] += dur / R
-        per.append((k, r, R))
+        per.append((k, r, R, graph_sizes(d["events"])))
     for label, idx in (("kernels", 0), ("host CUDA calls", 1)):
         names = sorted({n for x in per for n in x[idx]}, key=lambda n: -max(x[idx][n][1] for x in per if n in x[idx]))
         print(f"| {label} a round | " + " | ".join(f"{Path(p).name} (n, us)" for p in paths) + " |")
@@ -242,6 +242,23 @@ def compare(paths):
         print("| all | " + " | ".join(f"{sum(v[0] for v in x[idx].values()):.0f}, {sum(v[1] for v in x[idx].values()):.0f}"
                                        for x in per) + f" |  (rounds: {', '.join(str(x[2]) for x in per)})")
         print()
+    for p, x in zip(paths, per):  # where a round's graphs are cut: a few nodes past a cut cost a whole launch
+        common = ", ".join(f"{n} x{c}" for n, c in x[3].most_common(8))
+        print(f"{Path(p).name}: {sum(x[3].values()) / x[2]:.2f} graphs a round; kernel nodes a graph (most common): {common}")
+
+
+def graph_sizes(events):
+    """Counter of kernel nodes a CUDA graph: the cudaGraphAddKernelNode calls between two cudaGraphLaunch calls."""
+    from collections import Counter
+
+    sizes, n = Counter(), 0
+    for _, name, _, _ in sorted(events, key=lambda e: e[2]):
+        if name == "cudaGraphAddKernelNode":
+            n += 1
+        elif name == "cudaGraphLaunch":
+            sizes[n] += 1
+            n = 0
+    return sizes
 
 
 def _summary(label, runs, plain_runs):
