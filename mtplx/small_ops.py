@@ -26,6 +26,7 @@ def _constant(key, values: np.ndarray, dtype=mx.int32) -> mx.array:
         n = len(values)
         longer = np.concatenate([values, np.zeros(max(0, 3 - n), values.dtype)])
         _ranges[key] = mx.array(longer, dtype=dtype)[:n]
+        mx.eval(_ranges[key])  # (a constant, not a slice a program would trace)
     return _ranges[key]
 
 
