@@ -4,8 +4,10 @@ kernel it hands the device costs the host ~5-7 us on the H200, whatever it compu
 Inside a compiled program `mx.arange(n)` is a kernel at every call (MLX does not fold constants), and
 `mx.concatenate` / `mx.stack` of a few columns is a copy kernel per part. Here a range is a constant
 array made once (a compiled program captures it: no kernel), and a few [W] columns become [W, n] as a
-chain of selects over that range, which compile fuses into one kernel. The values are the same.
-`FEWER` switches both (read when a program is traced; round_trace `:mtplx.small_ops.FEWER=0`).
+chain of selects over that range, which compile fuses into one kernel; a row's lengths are padded out of
+MLX's managed pool by one gather by a constant index (`pad_index`, rows_attention.padded), and the greedy
+acceptance casts only the next token (sampling.accept_greedy). The values are the same. `FEWER` switches
+all of it (read when a program is traced; round_trace `:mtplx.small_ops.FEWER=0`).
 """
 
 from __future__ import annotations
