@@ -349,7 +349,7 @@ class MtpDrafter(_CachedDrafter):
         drafts, q = stack_drafts(self.vocab, idxs, qs)
         if self.lookup is None:
             return drafts, q, None
-        use, looked = self.lookup.drafts(self._lookup_arg(K)[1], self.cache.rows.device + 1, K)
+        use, looked = self.lookup.drafts(self._lookup_arg(K)[1], self.cache.rows.device, K, extra=1)
         return self.lookup.mix(use, looked, drafts, q) + (use,)
 
     def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
@@ -382,7 +382,7 @@ class MtpDrafter(_CachedDrafter):
         h_at = at_accepted(self.head.hidden(hidden, committed, self.cache.layers), n)
         out = (project(self.head, self.vocab, h_at), h_at)
         if lookup is not None:
-            out += (self.lookup.append(self.history, self.cache.rows.device + 1, committed),)
+            out += (self.lookup.append(self.history, self.cache.rows.device, committed, extra=1),)
         return out
 
     def _commit_behind(self, behind) -> None:
@@ -465,18 +465,19 @@ class LookupFallback:
         row = tokens.reshape(1, -1).astype(mx.int32)
         return mx.pad(row, [(0, 0), (self.lead, 0)], constant_values=-1) if self.lead else row
 
-    def append(self, history: mx.array, lengths: mx.array, committed: mx.array) -> mx.array:
-        """`history` with each row's committed tokens written after its `lengths` tokens (history_append)."""
-        return history_append(history, lengths, committed, self.lead)
+    def append(self, history: mx.array, lengths: mx.array, committed: mx.array, extra: int = 0) -> mx.array:
+        """`history` with each row's committed tokens written after its `lengths + extra` tokens (history_append)."""
+        return history_append(history, lengths, committed, self.lead + extra)
 
-    def drafts(self, history: mx.array, lengths: mx.array, K: int):
-        """(rows that draft from their context [W] bool, those drafts [W, K])."""
-        return lookup_drafts(history, lengths, K, self.n, self.min_match, self.lead, self.compact)
+    def drafts(self, history: mx.array, lengths: mx.array, K: int, extra: int = 0):
+        """(rows that draft from their context [W], nonzero where so, those drafts [W, K]); the contexts
+        are `lengths + extra` tokens long (the head's lengths and 1: the history is a token ahead)."""
+        return lookup_drafts(history, lengths, K, self.n, self.min_match, self.lead, self.compact, extra)
 
     @staticmethod
     def mix(use: mx.array, looked: mx.array, drafts: mx.array, q: Optional[mx.array]):
         """The head's drafts and q, with the lookup rows' drafts and point masses in their place."""
-        drafts = mx.where(use[:, None], looked, drafts.astype(mx.int32))
+        drafts = mx.where(use[:, None], looked, drafts.astype(mx.int32))  # (an int `use`: cast inside the select)
         if q is not None:
             point = (small_ops.arange(q.shape[-1])[None, None] == looked[..., None]).astype(q.dtype)
             q = mx.where(use[:, None, None], point, q)
@@ -488,7 +489,7 @@ class LookupFallback:
         else added up every round (ops over arrays the rounds evaluate anyway, evaluated at `settle`)."""
         if not self.compact:
             live = counts > 0
-            self._tally = self._tally + mx.stack([(use & live).sum(), live.sum()]).astype(mx.int32)
+            self._tally = self._tally + mx.stack([(use.astype(mx.bool_) & live).sum(), live.sum()]).astype(mx.int32)
             return
         self._rounds.append((use, counts))
         if len(self._rounds) >= self.FOLD_EVERY:
@@ -500,7 +501,7 @@ class LookupFallback:
         while rounds:
             W = rounds[0][0].shape[0]
             same = next((i for i, r in enumerate(rounds) if r[0].shape[0] != W), len(rounds))
-            use, live = mx.stack([r[0] for r in rounds[:same]]), mx.stack([r[1] for r in rounds[:same]]) > 0
+            use, live = mx.stack([r[0] for r in rounds[:same]]) != 0, mx.stack([r[1] for r in rounds[:same]]) > 0
             self._tally = self._tally + mx.stack([(use & live).sum(), live.sum()]).astype(mx.int32)
             rounds = rounds[same:]
 

@@ -286,7 +286,7 @@ class CompiledDraftBank:
                 arrays = list(arrays[:-1] if finder is not None else arrays)
                 s = SamplerBatch(temps, top_p, top_k, *flags)
                 d, q = draft_chain(head, vocab, kinds, first, h, s, u, lengths, arrays, K)
-                return _packed(*_looked_up(finder, hist, lengths + 1, K, d, q))
+                return _packed(*_looked_up(finder, hist, lengths, K, d, q))
             return run
 
         return key, build
@@ -348,7 +348,7 @@ class CompiledDraftBank:
                 arrays = _shadow_outputs(shadow)
                 out = (first, h_at) + tuple(arrays)
                 if finder is not None:
-                    hist = finder.append(hist, lengths + 1, committed)
+                    hist = finder.append(hist, lengths, committed, extra=1)
                     out += (hist,)
                 if not rest:
                     return out
@@ -356,7 +356,7 @@ class CompiledDraftBank:
                 s = SamplerBatch(temps, top_p, top_k, *flags)
                 ahead = lengths + counts
                 d, q = draft_chain(head, vocab, kinds, first, h_at, s, u, ahead, arrays, K)
-                return out + _packed(*_looked_up(finder, hist, ahead + 1, K, d, q))
+                return out + _packed(*_looked_up(finder, hist, ahead, K, d, q))
             return run
 
         return key, build
@@ -424,7 +424,7 @@ def history_append(hist: mx.array, hlen: mx.array, committed: mx.array, lead: in
     """Write a round's committed tokens into each row's history [W, C] at its length `hlen`: the
     first counts of `committed` [W, K+1] (commit_inputs) are the row's new tokens; the rest land
     past its new length, where nothing reads before a later round overwrites them."""
-    pos = hlen[:, None] + (small_ops.arange(committed.shape[1])[None] + lead)  # (`lead`: columns before the history's first token)
+    pos = hlen[:, None] + (small_ops.arange(committed.shape[1])[None] + lead)  # (`lead`: the pad before the first token, +1 for head lengths)
     return mx.put_along_axis(hist, pos, committed.astype(hist.dtype), axis=1)
 
 
@@ -438,14 +438,15 @@ COMPACT_LOOKUP = True
 
 
 def lookup_drafts(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int, lead: int = 0,
-                  compact: Optional[bool] = None):
-    """Per row of `hist` [W, lead + C] (after `lead` columns of -1, its first `hlen` tokens): does the
-    longest suffix of `shortest`..`longest` tokens seen before, at its latest earlier place, have K
-    tokens after it there? Returns (that [W] bool, those K tokens [W, K]): what NgramDrafter.match
-    gives on the host. `compact` (default COMPACT_LOOKUP): in one pass (`_compact_lookup`)."""
+                  compact: Optional[bool] = None, extra: int = 0):
+    """Per row of `hist` [W, lead + C] (after `lead` columns of -1, its first `hlen + extra` tokens): does
+    the longest suffix of `shortest`..`longest` tokens seen before, at its latest earlier place, have K
+    tokens after it there? Returns (that [W], nonzero where so, those K tokens [W, K]): what
+    NgramDrafter.match gives on the host. `compact` (default COMPACT_LOOKUP): in one pass
+    (`_compact_lookup`; `extra` is then folded into its constants, not an add of its own)."""
     if COMPACT_LOOKUP if compact is None else compact:
-        return _compact_lookup(hist, hlen, K, longest, shortest, lead)
-    return _lookup_by_length(hist[:, lead:], hlen, K, longest, shortest)
+        return _compact_lookup(hist, hlen, K, longest, shortest, lead, extra)
+    return _lookup_by_length(hist[:, lead:], hlen + extra if extra else hlen, K, longest, shortest)
 
 
 def _lookup_by_length(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int):
@@ -467,33 +468,36 @@ def _lookup_by_length(hist: mx.array, hlen: mx.array, K: int, longest: int, shor
     return use, mx.take_along_axis(hist, at, axis=1)
 
 
-def _compact_lookup(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int, lead: int):
+def _compact_lookup(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int, lead: int, extra: int = 0):
     """`lookup_drafts` in one pass. For each place e (the tokens before it), `run` counts how many of
     the suffix's last tokens, newest first, match there (up to `longest`); the longest suffix seen
     before is the largest run, and its latest place the largest e among those: both are the largest
-    run * C + e. Before the history's start the pad is read (-1: never a token)."""
+    run * C + e. Before the history's start the pad is read (-1: never a token). Each use of the
+    lengths adds `extra` in its own kernel (a shared `hlen + extra` would be a kernel of its own)."""
     if lead < longest:  # (a history kept without a pad of its own: padded here)
         hist, lead = mx.pad(hist, [(0, 0), (longest - lead, 0)], constant_values=-1), longest
     W, C = hist.shape[0], hist.shape[1] - lead
-    # each row's last `longest` tokens, newest first: columns hlen + lead - 1 - k
-    suffix = mx.take_along_axis(hist, hlen[:, None] + (lead - 1) - small_ops.arange(longest)[None], axis=1)
+    # each row's last `longest` tokens, newest first: columns hlen + extra + lead - 1 - k
+    suffix = mx.take_along_axis(hist, hlen[:, None] + (lead - 1 + extra) - small_ops.arange(longest)[None], axis=1)
     end = small_ops.arange(C)[None]
-    same = end < hlen[:, None]  # (the suffix itself ends at hlen)
+    same = (end - extra) < hlen[:, None]  # (the suffix itself ends at hlen + extra)
     run = None
     for k in range(longest):
         same = same & (hist[:, lead - 1 - k : lead - 1 - k + C] == suffix[:, k : k + 1])
         run = same.astype(mx.int32) if run is None else run + same
     score = mx.max(mx.where(run >= shortest, run * C + end, -1), axis=1, keepdims=True)
-    use = (score >= 0) & (score - (score // C) * C + K <= hlen[:, None])  # (not % C: its own kernel with `at`'s)
-    at = mx.minimum(score % C + small_ops.arange(K)[None], C - 1) + lead
-    return use[:, 0], mx.take_along_axis(hist, at, axis=1)
+    # one kernel for both: columns 0..K-1 the places of the K tokens after it, column K whether all K are there
+    j = small_ops.arange(K + 1)[None]
+    best = score % C
+    places = mx.where(j < K, mx.minimum(best + j, C - 1) + lead, ((score >= 0) & (best + (K - extra) <= hlen[:, None])))
+    return places[:, K], mx.take_along_axis(hist, places[:, :K], axis=1)
 
 
 def _looked_up(finder, hist, hlen, K, drafts, q):
     """The head's drafts and q with the lookup rows' in their place, and those rows (or None)."""
     if finder is None:
         return drafts, q, None
-    use, looked = finder.drafts(hist, hlen, K)
+    use, looked = finder.drafts(hist, hlen, K, extra=1)
     drafts, q = finder.mix(use, looked, drafts, q)
     return drafts, q, use
 
