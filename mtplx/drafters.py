@@ -485,8 +485,8 @@ class LookupFallback:
 
     def record(self, use: mx.array, counts: mx.array):
         """Count a round's choices among its live rows. Compact: kept as they are and added up in a few
-        ops every FOLD_EVERY rounds and when the engine's call ends (`settle`), no op of a round's own;
-        else added up every round (ops over arrays the rounds evaluate anyway, evaluated at `settle`)."""
+        ops every FOLD_EVERY rounds and when `counts` is read, no op of a round's or a call's own; else
+        added up every round (ops over arrays the rounds evaluate anyway, evaluated at `settle`)."""
         if not self.compact:
             live = counts > 0
             self._tally = self._tally + mx.stack([(use.astype(mx.bool_) & live).sum(), live.sum()]).astype(mx.int32)
@@ -504,10 +504,11 @@ class LookupFallback:
             use, live = mx.stack([r[0] for r in rounds[:same]]) != 0, mx.stack([r[1] for r in rounds[:same]]) > 0
             self._tally = self._tally + mx.stack([(use & live).sum(), live.sum()]).astype(mx.int32)
             rounds = rounds[same:]
+        mx.async_eval(self._tally)  # (so the rounds' arrays are let go)
 
     def settle(self):
-        self._fold()
-        mx.async_eval(self._tally)
+        if not self.compact:  # (compact: the rounds wait in `_rounds`, at most FOLD_EVERY, no eval of a call's own)
+            mx.async_eval(self._tally)
 
     @property
     def counts(self) -> Dict[str, int]:
