@@ -54,14 +54,18 @@ def unsupported_quantization(model) -> Optional[str]:
 
 
 class _ShadowRows(RowLengths):
-    def __init__(self, device_lengths: mx.array):
+    def __init__(self, device_lengths: mx.array, resident=None):
         self.device = device_lengths
         self.host = None
         self.shared = None  # inside a program lengths are an input: never a Python int
+        if resident is not None:  # (a padded copy, the view of it that `device_lengths` is): no pad of its own
+            self._resident = (device_lengths, resident[0], resident[1])
 
 
-def _shadow_cache(kinds, lengths: mx.array, arrays) -> BatchCache:
-    cache = BatchCache(kinds, rows=_ShadowRows(lengths))
+def _shadow_cache(kinds, lengths: mx.array, arrays, resident=None) -> BatchCache:
+    """A cache over `arrays` whose rows hold `lengths` entries; `resident`: RowLengths.resident's
+    (padded copy, view) of those lengths where the caller made them."""
+    cache = BatchCache(kinds, rows=_ShadowRows(lengths, resident))
     it = iter(arrays)
     for layer in cache.leaves:
         if isinstance(layer, RowKVCache):

@@ -28,6 +28,7 @@ from . import small_ops
 from .cache import BatchCache
 from .graphbank import _shadow_cache, _shadow_outputs
 from .models.mtp import MTPHead
+from .rows_attention import padded
 from .sampling import SamplerBatch, sample_from, shaped_probs
 
 DRAFT_VOCAB_FILE = "mtp_draft_vocab.npy"
@@ -151,6 +152,9 @@ def load_draft_vocab(head: MTPHead, sidecar: Optional[str], vocab_size: int) -> 
 # drafting vocabulary's id). True: each pick is cast to int32 first, a kernel of its own per draft step on
 # CUDA (a copy_v: issue 18, session 9); round_trace measures both (`3:mtplx.mtp_draft.CAST_PICKS=1`).
 CAST_PICKS = False
+# The draft chain's steps take their row lengths from one padded copy (`_step_rows`); False: each step adds
+# its offset and pads its own (at one row on CUDA a fill and two copies a step). round_trace: `:mtplx.mtp_draft.STEP_ROWS_ONCE=0`.
+STEP_ROWS_ONCE = True
 
 def project(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, step: int = 0) -> mx.array:
     """Head logits over the drafting vocabulary (the whole one when `vocab` is None)."""
@@ -409,14 +413,31 @@ def draft_chain(head: MTPHead, vocab: Optional[DraftVocab], kinds, first, h, s: 
     whose rows hold `lengths` entries (the K-1 steps write past them, into arrays nobody keeps)."""
     idx, q = pick(first, s, u[:, 0])
     idxs, qs = [idx], [q]
+    steps = _step_rows(lengths, K) if STEP_ROWS_ONCE else [(lengths + j, None) for j in range(K - 1)]
     for j in range(1, K):
-        shadow = _shadow_cache(kinds, lengths + (j - 1), arrays)
+        rows, resident = steps[j - 1]
+        shadow = _shadow_cache(kinds, rows, arrays, resident)
         h = draft_step(head, vocab, h, idx, shadow.layers, j)
         arrays = _shadow_outputs(shadow)
         idx, q = pick(project(head, vocab, h, j), s, u[:, j])
         idxs.append(idx)
         qs.append(q)
     return stack_drafts(vocab, idxs, qs)
+
+
+def _step_rows(lengths: mx.array, K: int) -> list:
+    """The K-1 draft steps' (row lengths, resident lengths or None): `lengths` + 0, 1, ... On CUDA at one
+    or two rows (rows_attention.padded) one padded copy of `lengths`, each step's lengths a view of that
+    copy plus its offset (a pad a step was a fill and a concatenation of two copies); the first step
+    `lengths` itself, with no addition of 0."""
+    base = padded(lengths)
+    if base is None:
+        return [(lengths if j == 0 else lengths + j, None) for j in range(K - 1)]
+    out = []
+    for j in range(K - 1):
+        full = base if j == 0 else base + j
+        out.append((full[: lengths.size], (full, full[: lengths.size])))
+    return out
 
 
 # -- prompt lookup on the device (speculative.mtp_lookup; drafters.LookupFallback) -----------------

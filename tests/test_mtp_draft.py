@@ -337,3 +337,42 @@ def test_greedy_picks_are_not_cast_before_their_gathers(tiny_model, monkeypatch)
         got[cast] = (graph_primitives([drafts])["AsType"], np.array(drafts).tolist(), drafts.dtype)
     assert got[True][0] - got[False][0] == 3, got  # one cast fewer a draft
     assert got[True][1] == got[False][1] and got[False][2] == mx.int32
+
+
+def test_draft_steps_take_their_lengths_from_one_padded_copy(tiny_model, monkeypatch, tmp_path):
+    """Where one row's lengths are padded out of MLX's small-array pool (CUDA, rows_attention.padded), the
+    draft chain pads them once, not once a step: the same drafts, fewer concatenations (two copies each on
+    CUDA); the compiled draft programs build over it (no eager fallback) and greedy text stays plain's."""
+    from benchmarks.round_graph import graph_primitives
+    from mtplx import mtp_draft, rows_attention
+    from mtplx.cache import BatchCache
+    from mtplx.sampling import SamplerBatch
+
+    monkeypatch.setattr(rows_attention, "pads", lambda: True)
+    bundle = load(tiny_model("llama"))
+    head = _init_head(bundle.model, TrainConfig(seed=3))
+    vocab = DraftVocab(head, list(range(3, 512, 3)), 512)
+    vocab.step_table(head)
+    cache = BatchCache(list(head.cache_kinds), [0])
+    head.hidden(mx.random.normal((1, 5, head.fc.weight.shape[0])), mx.array([[5, 6, 7, 8, 9]], dtype=mx.int32), cache.layers)
+    cache.commit([5])
+    arrays = [a for c in cache.layers for a in c.state_arrays()]
+    h = mx.random.normal((1, head.fc.weight.shape[0]))
+    first = vocab.logits(h)
+    mx.eval(arrays, h, first)
+    got = {}
+    for once in (False, True):
+        monkeypatch.setattr(mtp_draft, "STEP_ROWS_ONCE", once)
+        drafts, _ = mtp_draft.draft_chain(head, vocab, list(cache.kinds), first, h, SamplerBatch.from_params([SamplingParams()]),
+                                          mx.zeros((1, 4)), cache.rows.device, arrays, 4)
+        got[once] = (graph_primitives([drafts])["Concatenate"], np.array(drafts).tolist())
+    assert got[True][1] == got[False][1]
+    assert got[True][0] == got[False][0] - 2, got  # 3 steps: one pad, not three
+
+    prompt = [5, 17, 230, 41, 9, 77]
+    ref = reference_tokens(bundle.model, prompt, 12, set())
+    spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, mtp_head=_sidecar(bundle, tmp_path))
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=1))
+    out = list(eng.generate([Request(key=0, prompt_tokens=prompt, params=SamplingParams(max_tokens=12))]))
+    assert out[0].tokens == ref
+    assert eng.drafter.bank.stats["compiled_calls"] > 0 and eng.drafter.bank.stats["eager_calls"] == 0, eng.drafter.bank.stats
