@@ -341,9 +341,10 @@ def test_greedy_picks_are_not_cast_before_their_gathers(tiny_model, monkeypatch)
 
 def test_draft_steps_take_their_lengths_from_one_padded_copy(tiny_model, monkeypatch, tmp_path):
     """Where one row's lengths are padded out of MLX's small-array pool (CUDA, rows_attention.padded), the
-    draft chain pads them once, not once a step: the same drafts, fewer concatenations (two copies each on
-    CUDA); the compiled draft programs build over it (no eager fallback) and greedy text stays plain's."""
-    from benchmarks.round_graph import graph_primitives
+    draft chain pads them once, not once a step, and its first step adds no 0: the same drafts, a kernel
+    fewer a step (small_ops' pad is a gather; without it three: a fill and a concatenation of two copies);
+    the compiled draft programs build over it (no eager fallback) and greedy text stays plain's."""
+    from benchmarks.round_graph import VIEWS, graph_primitives
     from mtplx import mtp_draft, rows_attention
     from mtplx.cache import BatchCache
     from mtplx.sampling import SamplerBatch
@@ -365,9 +366,10 @@ def test_draft_steps_take_their_lengths_from_one_padded_copy(tiny_model, monkeyp
         monkeypatch.setattr(mtp_draft, "STEP_ROWS_ONCE", once)
         drafts, _ = mtp_draft.draft_chain(head, vocab, list(cache.kinds), first, h, SamplerBatch.from_params([SamplingParams()]),
                                           mx.zeros((1, 4)), cache.rows.device, arrays, 4)
-        got[once] = (graph_primitives([drafts])["Concatenate"], np.array(drafts).tolist())
+        kernels = sum(n for name, n in graph_primitives([drafts]).items() if name not in VIEWS)
+        got[once] = (kernels, np.array(drafts).tolist())
     assert got[True][1] == got[False][1]
-    assert got[True][0] == got[False][0] - 2, got  # 3 steps: one pad, not three
+    assert got[True][0] <= got[False][0] - 3, got  # 3 steps: one pad, not three, and two additions
 
     prompt = [5, 17, 230, 41, 9, 77]
     ref = reference_tokens(bundle.model, prompt, 12, set())
