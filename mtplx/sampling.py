@@ -96,6 +96,16 @@ def _within(limit: Optional[mx.array], B: int, K: int) -> mx.array:
     return small_ops.arange(K)[None, :] < limit[:, None]
 
 
+def _kept(ok: mx.array) -> mx.array:
+    """[B, K] bool -> [B] int32: how many leading entries of each row are True. With small_ops.FEWER the
+    first False's index (K where none) as one reduction, the select fused into the comparison before it
+    (a cumulative product and a sum otherwise: two kernels)."""
+    if not small_ops.FEWER:
+        return mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+    K = ok.shape[1]
+    return mx.where(ok, K, small_ops.arange(K)[None]).min(axis=1).astype(mx.int32)
+
+
 def accept_greedy(target_logits: mx.array, drafts: mx.array, limit: Optional[mx.array] = None):
     """Greedy verify: [B, K+1, V] logits, [B, K] drafts -> (accepted count [B], next token [B]).
 
@@ -106,8 +116,7 @@ def accept_greedy(target_logits: mx.array, drafts: mx.array, limit: Optional[mx.
     K = drafts.shape[1]
     if K == 0:
         return mx.zeros((best.shape[0],), mx.int32), best[:, 0].astype(mx.int32)
-    matches = ((drafts == best[:, :K]) & _within(limit, best.shape[0], K)).astype(mx.int32)
-    n = mx.cumprod(matches, axis=1).sum(axis=1)
+    n = _kept(((drafts == best[:, :K]) & _within(limit, best.shape[0], K)))
     nxt = mx.take_along_axis(best, n[:, None], axis=1)[:, 0].astype(mx.int32)
     return n, nxt
 
@@ -132,8 +141,7 @@ def accept_sampled(p: mx.array, drafts: mx.array, q: Optional[mx.array], u_accep
     else:
         q_d = mx.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     within = _within(limit, B, K)
-    ok = ((u_accept * q_d < p_d) & within).astype(mx.int32)
-    n = mx.cumprod(ok, axis=1).sum(axis=1)
+    n = _kept((u_accept * q_d < p_d) & within)
     # Past a row's own drafts there is no proposal: the token there comes from p itself.
     q = mx.where(within[..., None], q, 0.0)
     q_pad = mx.concatenate([q, mx.zeros((B, 1, V), q.dtype)], axis=1)

@@ -111,3 +111,17 @@ def test_greedy_acceptance_casts_only_the_next_token(monkeypatch):
         assert n.dtype == nxt.dtype == mx.int32
         got[on] = (n.tolist(), nxt.tolist())
     assert got[True] == got[False] and got[True][0] == [3, 1, 0]
+
+
+def test_kept_counts_the_leading_accepted_drafts(monkeypatch):
+    """sampling._kept: the first rejection's index as one reduction (FEWER) equals the cumulative product's sum."""
+    from mtplx.sampling import _kept
+
+    ok = mx.array(np.random.default_rng(2).random((64, 5)) < 0.7)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(small_ops, "FEWER", on)
+        n = _kept(ok)
+        assert n.dtype == mx.int32
+        got[on] = n.tolist()
+    assert got[True] == got[False] and min(got[True]) == 0 and max(got[True]) == 5
