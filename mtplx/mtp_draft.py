@@ -198,8 +198,9 @@ def commit_inputs(verify_in: mx.array, n: mx.array, next_tokens: mx.array) -> mx
     """The head's tokens for a commit: position i of [pending, d1..dK] is followed by d_{i+1}, and
     the last accepted position by the verify's own next token."""
     K1 = verify_in.shape[1]
-    if small_ops.FEWER:  # one gather by a constant index, not a copy kernel per part
-        following = mx.take(verify_in, small_ops.rolled(K1), axis=1)
+    if small_ops.FEWER:  # the columns rolled by one as selects, fused with the one below: one kernel
+        cols = small_ops.rows_of(verify_in)
+        following = small_ops.columns(cols[1:] + cols[:1])
     else:
         following = mx.concatenate([verify_in[:, 1:], verify_in[:, :1]], axis=1)
     return mx.where(small_ops.arange(K1)[None] == n[:, None], next_tokens[:, None], following)

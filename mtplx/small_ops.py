@@ -39,11 +39,6 @@ def arange(n: int, dtype=mx.int32) -> mx.array:
     return _constant((n, dtype), np.arange(n), dtype)
 
 
-def rolled(n: int) -> mx.array:
-    """The constant [1, 2, .., n - 1, 0] (int32): taking it along an axis rolls that axis left by one."""
-    return _constant(("rolled", n), np.roll(np.arange(n), -1))
-
-
 def pad_index(size: int, n: int) -> mx.array:
     """The constant [0, 1, .., size - 1, 0, .., 0] of n entries (int32): taking it pads an array of `size`
     to n with copies of its first element, in one gather."""
