@@ -316,3 +316,22 @@ def test_round_cost_interleaved_pairs_each_run_with_plains_of_its_round(tmp_path
     assert [r["method"] for r in out] == ["plain", "mtp depth 3", "mtp depth 3 (drained at admissions)"]
     assert all(r["runs"] == 3 and r["runs = plain"] == "3/3" for r in out)
     assert out[1]["new programs"] == 0  # warmed up before the first round
+
+
+def test_write_destinations_tell_a_copy_from_an_in_place_write():
+    """A scatter into an array another node of the graph reads is counted as a copy (MLX copies the whole
+    destination first), one into an evaluated array nothing else reads as `evaluated`, one into a fresh
+    intermediate as `in place`."""
+    import mlx.core as mx
+
+    from benchmarks.round_graph import write_destinations
+
+    cache = mx.zeros((1, 2, 8, 4))
+    mx.eval(cache)
+    pos = mx.zeros((1, 2, 1, 4), mx.int32)
+    new = mx.ones((1, 2, 1, 4))
+    written = mx.put_along_axis(cache, pos, new, axis=2)  # into the evaluated cache
+    read = (written * 2).sum()  # the written cache is read ...
+    again = mx.put_along_axis(written, pos + 1, new, axis=2)  # ... and written again: a copy
+    fresh = mx.put_along_axis(mx.zeros((1, 2, 8, 4)) + 1, pos, new, axis=2)  # into an intermediate
+    assert write_destinations([read, again, fresh]) == {"evaluated": 1, "copy": 1, "in place": 1}
