@@ -13,12 +13,9 @@ summary: what was built or run eagerly at a shape that no program or earlier eag
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import sys
 from collections import Counter
 
-import yaml
+from benchmarks.fresh_cli import set_attrs
 
 
 class Watch:
@@ -114,21 +111,13 @@ class Watch:
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cut = argv.index("--") if "--" in argv else len(argv)
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--attr", action="append", default=[], help="MODULE.NAME=V, set before the command runs")
-    args = ap.parse_args(argv[:cut])
-    for a in args.attr:
-        target, value = a.split("=", 1)
-        module, name = target.rsplit(".", 1)
-        setattr(importlib.import_module(module), name, yaml.safe_load(value))
+    rest = set_attrs(argv, __doc__)
     watch = Watch()
     watch.install()
     from pipelines.cli.commands import main as cli
 
     try:
-        cli(args=argv[cut + 1:], prog_name="mtplx-batch", standalone_mode=False)
+        cli(args=rest, prog_name="mtplx-batch", standalone_mode=False)
     finally:
         print(watch.summary(), flush=True)
 

@@ -13,19 +13,25 @@ import sys
 import yaml
 
 
-def main(argv=None):
+def set_attrs(argv, doc=__doc__) -> list:
+    """Parse `[--attr MODULE.NAME=V ...] -- CLI ARGS`, set each attribute, return the CLI's args."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attr", action="append", default=[], help="MODULE.NAME=V, set before the command runs")
     args = ap.parse_args(argv[:cut])
     for a in args.attr:
         target, value = a.split("=", 1)
         module, name = target.rsplit(".", 1)
         setattr(importlib.import_module(module), name, yaml.safe_load(value))
+    return argv[cut + 1:]
+
+
+def main(argv=None):
+    rest = set_attrs(argv)
     from pipelines.cli.commands import main as cli
 
-    cli(args=argv[cut + 1:], prog_name="mtplx-batch")
+    cli(args=rest, prog_name="mtplx-batch")
 
 
 if __name__ == "__main__":
