@@ -24,19 +24,24 @@ VIEWS = {"Broadcast", "BroadcastAxes", "ExpandDims", "Squeeze", "Reshape", "Slic
 _LABEL = re.compile(r'label ="([^"]+)", shape=rectangle')
 
 
-def graph_primitives(arrays) -> Counter:
-    """Primitive names in the unevaluated graph behind `arrays` (one count per primitive node)."""
+def _dot(arrays) -> str:
+    """The DOT text of the unevaluated graph behind `arrays` ('' when none is an array)."""
     arrays = [a for a in arrays if isinstance(a, mx.array)]
     if not arrays:
-        return Counter()
+        return ""
     fd, path = tempfile.mkstemp(suffix=".dot")
     os.close(fd)
     try:
         mx.export_to_dot(path, *arrays)
         with open(path) as f:
-            return Counter(_LABEL.findall(f.read()))
+            return f.read()
     finally:
         os.unlink(path)
+
+
+def graph_primitives(arrays) -> Counter:
+    """Primitive names in the unevaluated graph behind `arrays` (one count per primitive node)."""
+    return Counter(_LABEL.findall(_dot(arrays)))
 
 
 WRITES = {"ScatterAxis", "Scatter", "SliceUpdate"}
@@ -51,17 +56,9 @@ def write_destinations(arrays) -> Counter:
     another node of this graph, or is one of its outputs: MLX copies the whole array first, a copy_v on
     CUDA), `evaluated` (an array an earlier eval made: in place once nothing holds it, on CUDA once the
     round before has finished on the device), `in place` (a fresh intermediate only this write reads)."""
-    arrays = [a for a in arrays if isinstance(a, mx.array)]
-    if not arrays:
+    text = _dot(arrays)
+    if not text:
         return Counter()
-    fd, path = tempfile.mkstemp(suffix=".dot")
-    os.close(fd)
-    try:
-        mx.export_to_dot(path, *arrays)
-        with open(path) as f:
-            text = f.read()
-    finally:
-        os.unlink(path)
     prims = dict(_NODE.findall(text))
     sources = set(re.findall(r'rank=source; "([^"]+)"', text))
     sinks = set(re.findall(r'rank=sink; "([^"]+)"', text))
