@@ -25,6 +25,25 @@ from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
 from test_engine_sampling import PROMPT, SETTINGS, distribution_tests, exact_joint
 from tiny_models import reference_tokens
 
+
+def _chain_inputs(tiny_model, rows: int):
+    """The tiny llama and a random head over it with a drafting vocabulary (every third id) and its step table,
+    its cache holding 5 tokens for each of `rows` rows, and a hidden state with its first logits: what
+    draft_chain takes."""
+    from mtplx.cache import BatchCache
+
+    bundle = load(tiny_model("llama"))
+    head = _init_head(bundle.model, TrainConfig(seed=3))
+    vocab = DraftVocab(head, list(range(3, 512, 3)), 512)
+    vocab.step_table(head)
+    cache = BatchCache(list(head.cache_kinds), [0] * rows)
+    D = head.fc.weight.shape[0]
+    head.hidden(mx.random.normal((rows, 5, D)), mx.array([[5, 6, 7, 8, 9]] * rows, dtype=mx.int32), cache.layers)
+    cache.commit([5] * rows)
+    arrays = [a for c in cache.layers for a in c.state_arrays()]
+    h = mx.random.normal((rows, D))
+    return bundle, head, vocab, cache, arrays, h, vocab.logits(h)
+
 P_OK = 1e-4
 
 
@@ -285,20 +304,10 @@ def test_a_rounds_drafts_map_to_token_ids_and_the_whole_vocabulary_once(tiny_mod
     token ids with one gather and (sampled) their q over the whole vocabulary with one scatter,
     not one of each per step."""
     from benchmarks.round_graph import graph_primitives
-    from mtplx.cache import BatchCache
     from mtplx.mtp_draft import draft_chain
     from mtplx.sampling import SamplerBatch
 
-    bundle = load(tiny_model("llama"))
-    head = _init_head(bundle.model, TrainConfig(seed=3))
-    vocab = DraftVocab(head, list(range(3, 512, 3)), 512)
-    vocab.step_table(head)
-    cache = BatchCache(list(head.cache_kinds), [0, 0])
-    head.hidden(mx.random.normal((2, 5, head.fc.weight.shape[0])), mx.array([[5, 6, 7, 8, 9]] * 2, dtype=mx.int32), cache.layers)
-    cache.commit([5, 5])
-    arrays = [a for c in cache.layers for a in c.state_arrays()]
-    h = mx.random.normal((2, head.fc.weight.shape[0]))
-    first = vocab.logits(h)
+    bundle, head, vocab, cache, arrays, h, first = _chain_inputs(tiny_model, rows=2)
     sampler = SamplerBatch.from_params([SamplingParams(temperature=0.8), SamplingParams(temperature=1.0)])
     u = mx.random.uniform(shape=(2, 3))
     mx.eval(arrays, h, first, u)
@@ -314,19 +323,9 @@ def test_greedy_picks_are_not_cast_before_their_gathers(tiny_model, monkeypatch)
     no cast a draft step (a kernel of its own each on CUDA), the same drafts as with the casts."""
     from benchmarks.round_graph import graph_primitives
     from mtplx import mtp_draft
-    from mtplx.cache import BatchCache
     from mtplx.sampling import SamplerBatch
 
-    bundle = load(tiny_model("llama"))
-    head = _init_head(bundle.model, TrainConfig(seed=3))
-    vocab = DraftVocab(head, list(range(3, 512, 3)), 512)
-    vocab.step_table(head)
-    cache = BatchCache(list(head.cache_kinds), [0, 0])
-    head.hidden(mx.random.normal((2, 5, head.fc.weight.shape[0])), mx.array([[5, 6, 7, 8, 9]] * 2, dtype=mx.int32), cache.layers)
-    cache.commit([5, 5])
-    arrays = [a for c in cache.layers for a in c.state_arrays()]
-    h = mx.random.normal((2, head.fc.weight.shape[0]))
-    first = vocab.logits(h)
+    bundle, head, vocab, cache, arrays, h, first = _chain_inputs(tiny_model, rows=2)
     sampler = SamplerBatch.from_params([SamplingParams(), SamplingParams()])
     u = mx.zeros((2, 3))
     mx.eval(arrays, h, first)
@@ -346,20 +345,10 @@ def test_draft_steps_take_their_lengths_from_one_padded_copy(tiny_model, monkeyp
     the compiled draft programs build over it (no eager fallback) and greedy text stays plain's."""
     from benchmarks.round_graph import VIEWS, graph_primitives
     from mtplx import mtp_draft, rows_attention
-    from mtplx.cache import BatchCache
     from mtplx.sampling import SamplerBatch
 
     monkeypatch.setattr(rows_attention, "pads", lambda: True)
-    bundle = load(tiny_model("llama"))
-    head = _init_head(bundle.model, TrainConfig(seed=3))
-    vocab = DraftVocab(head, list(range(3, 512, 3)), 512)
-    vocab.step_table(head)
-    cache = BatchCache(list(head.cache_kinds), [0])
-    head.hidden(mx.random.normal((1, 5, head.fc.weight.shape[0])), mx.array([[5, 6, 7, 8, 9]], dtype=mx.int32), cache.layers)
-    cache.commit([5])
-    arrays = [a for c in cache.layers for a in c.state_arrays()]
-    h = mx.random.normal((1, head.fc.weight.shape[0]))
-    first = vocab.logits(h)
+    bundle, head, vocab, cache, arrays, h, first = _chain_inputs(tiny_model, rows=1)
     mx.eval(arrays, h, first)
     got = {}
     for once in (False, True):
