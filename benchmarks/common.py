@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -15,7 +16,12 @@ import mlx.core as mx
 def device_name() -> str:
     dev = mx.default_device()
     info = mx.device_info() if hasattr(mx, "device_info") else {}
-    return f"{dev} {info.get('device_name', platform.processor() or platform.machine())}"
+    name = f"{dev} {info.get('device_name', platform.processor() or platform.machine())}"
+    if dev.type == mx.DeviceType.gpu and sys.platform.startswith("linux"):  # what MLX's CUDA backend read
+        from mtplx.cuda_graphs import describe
+
+        name += f" ({describe()['line']})"
+    return name
 
 
 def versions() -> Dict[str, str]:

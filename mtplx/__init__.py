@@ -5,12 +5,10 @@ import sys
 import types
 
 from .blas import use_openblas
-from .cuda_graphs import apply as _cuda_graph_limits
 
 __version__ = "0.1.0"
 
 use_openblas()  # before anything imports mlx.core (mtplx/blas.py says why)
-_cuda_graph_limits()  # MLX's CUDA-graph size, read when mlx.core loads (mtplx/cuda_graphs.py)
 
 
 class _DeferredPackage(types.ModuleType):

@@ -1,33 +1,96 @@
-"""How large MLX's CUDA graphs are, set through MLX's own variables before mlx.core loads.
+"""How large MLX's CUDA graphs are, chosen from the job and set through MLX's own variables before mlx.core loads.
 
 MLX's CUDA backend records the kernels of an eval into a CUDA graph and launches it once it holds more
 than MLX_MAX_OPS_PER_BUFFER kernels or its inputs more than MLX_MAX_MB_PER_BUFFER MB
-(mlx/backend/cuda/device.cpp; 100 ops / 1000 MB on an sm_90 GPU such as the H200). MLX reads both once,
-when its first GPU stream is made, i.e. when mlx.core loads. `apply()` gives MLX the values in LIMITS
-that the environment does not already set (a user's own setting wins), and only while mlx.core is not
-yet loaded; `import mtplx` calls it, as it binds OpenBLAS (mtplx/blas.py), so the CLI, the engine and
-the benchmarks, which import mtplx first, all run with it. Where MLX has no CUDA backend the variables
-mean nothing to it (MLX_MAX_OPS_PER_BUFFER is also a Metal setting, so this is Linux only).
+(mlx/backend/cuda/device.cpp; 100 ops / 1000 MB on an sm_90 GPU such as the H200). MLX reads both once
+per process, when its first GPU stream is made, i.e. when mlx.core loads, so one process gets one value.
+
+Which value pays depends on the job (BENCHMARKS.md, session 9 and h10b): a one-stream MTP round is ~640
+kernels, 6-7 graphs at 100 ops (h9d's trace), and every graph costs the host a launch, an update and a
+destroy (25-200 us); at 400 ops, 7 repeats gave MTP depth 3 1.85x plain (1.68x at the default), but plain
+decoding at width 32 ran slower (5.3k against 6.3k tok/s, another process). So `TABLE` is keyed by (width bucket, plain or speculative): the CLI (through
+pipelines' `run_job`), the Ray executor's actors and the benchmarks that run a job call `apply_for` with
+the job's width and method before anything imports mlx.core. A variable the user set wins; once mlx.core
+is loaded, or off Linux (MLX_MAX_OPS_PER_BUFFER is also a Metal setting), nothing is set.
+`describe()` says what applied, for the run's log and summary.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Dict, MutableMapping, Optional
+from typing import Dict, MutableMapping, Optional, Tuple, Union
 
-# MLX's own variable -> value; empty: MLX's defaults (benchmarks/step_overhead measures the settings)
-LIMITS: Dict[str, str] = {}
-applied: Dict[str, str] = {}  # what apply() set in this process
+ENABLED = True  # False: MLX's own defaults for every job (the A/B switch: fresh_cli --attr mtplx.cuda_graphs.ENABLED=0)
+VARIABLES = ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")
+
+# Rows decoded together (schedule.max_batch, at most the rows the run has) -> bucket; "auto" (a calibrated
+# width, known only once the model loads) counts as the widest.
+BUCKETS = ((1, "1"), (16, "2-16"), (None, "17+"))
+
+# (bucket, speculative) -> MLX's variable -> value; a key not here: MLX's defaults. H200, SmolLM2-135M,
+# held-out HumanEval, fresh processes (raw logs benchmarks/results/h200-s9-final-ops400.log, h200-s10-*):
+TABLE: Dict[Tuple[str, bool], Dict[str, str]] = {
+    # one stream, MTP depth 3: 1.85x plain at 400 ops against 1.68x at 100 (7 repeats each, session 9)
+    ("1", True): {"MLX_MAX_OPS_PER_BUFFER": "400"},
+}
+
+applied: Dict[str, str] = {}  # what this process set
+chosen: Optional[str] = None  # the table row apply_for looked up ("width 1, speculative"), or why none
 
 
-def apply(environ: Optional[MutableMapping[str, str]] = None, platform: Optional[str] = None) -> Dict[str, str]:
-    """Set the LIMITS that `environ` (os.environ) does not have; returns what was set ({} once mlx.core
+def bucket(width: Union[int, str]) -> str:
+    if not isinstance(width, int):
+        return BUCKETS[-1][1]
+    return next(name for top, name in BUCKETS if top is None or width <= top)
+
+
+def limits_for(width: Union[int, str], method: str) -> Tuple[str, Dict[str, str]]:
+    """(the table row's name, its limits) for `width` rows decoded together with speculative `method`."""
+    spec = method != "none"
+    row = f"width {bucket(width)}, {'speculative' if spec else 'plain'}"
+    return row, dict(TABLE.get((bucket(width), spec), {}))
+
+
+def apply(limits: Dict[str, str], environ: Optional[MutableMapping[str, str]] = None,
+          platform: Optional[str] = None) -> Dict[str, str]:
+    """Set the `limits` that `environ` (os.environ) does not have; returns what was set ({} once mlx.core
     is loaded, off Linux, or with nothing to set)."""
     environ = os.environ if environ is None else environ
     if not (platform or sys.platform).startswith("linux") or "mlx.core" in sys.modules:
         return {}
-    done = {k: v for k, v in LIMITS.items() if k not in environ}
+    done = {k: v for k, v in limits.items() if k not in environ}
     environ.update(done)
     applied.update(done)
     return done
+
+
+def apply_for(width: Union[int, str], method: str, environ: Optional[MutableMapping[str, str]] = None,
+              platform: Optional[str] = None) -> Dict[str, str]:
+    """The table's limits for this job, set where the user did not set them (see `apply`)."""
+    global chosen
+    if not (platform or sys.platform).startswith("linux"):
+        chosen = "not Linux: no CUDA backend"
+        return {}
+    if "mlx.core" in sys.modules:
+        chosen = chosen or "mlx.core loaded before the job was read"
+        return {}
+    if not ENABLED:
+        chosen = "off (cuda_graphs.ENABLED)"
+        return {}
+    chosen, limits = limits_for(width, method)
+    return apply(limits, environ, platform)
+
+
+def describe(environ: Optional[MutableMapping[str, str]] = None) -> Dict[str, object]:
+    """What MLX reads in this process: {"table": the row apply_for chose (or why none; None before it ran),
+    VARIABLE: "VALUE (table|yours)" for each one set, "line": all that in words (None off Linux)}."""
+    environ = os.environ if environ is None else environ
+    out: Dict[str, object] = {"table": chosen}
+    for k in VARIABLES:
+        if k in environ:
+            out[k] = f"{environ[k]} ({'table' if applied.get(k) == environ[k] else 'yours'})"
+    values = ", ".join(f"{k}={out[k]}" for k in VARIABLES if k in out) or "MLX's defaults"
+    row = f"; table row: {chosen}" if chosen else ""
+    out["line"] = f"MLX CUDA graphs: {values}{row}" if sys.platform.startswith("linux") else None
+    return out
