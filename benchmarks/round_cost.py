@@ -124,7 +124,7 @@ def _time_full(eng, total: int):
     """Tokens as they come out (decode and first tokens) and when the last of `total` requests was
     admitted: the `full` columns are the rate until then, while finished rows are still replaced
     (a long job's steady state), without the last rows' part-empty rounds."""
-    seen = {"events": [], "drained": None, "taken": set(), "admissions": 0, "calls": 0}
+    seen = {"events": [], "drained": None, "taken": set(), "admissions": 0, "calls": 0, "widths": {}}
     eng.on_progress = lambda kind, k: seen["events"].append((time.perf_counter(), k)) if kind == "decode" else None
     inner = eng._admit
 
@@ -148,8 +148,11 @@ def _time_full(eng, total: int):
     eng._admit = admit
     for name in ("_round", "_plain_rounds"):  # calls that return with the pipeline read empty (not carried)
         def calls(*args, _inner=getattr(eng, name), **kwargs):
+            before = eng.counters["rounds"]
             out = yield from _inner(*args, **kwargs)
             seen["calls"] += getattr(eng, "_carried", None) is None
+            width = len(args[0])  # the slots: a drained batch moved to a tail width runs narrower calls
+            seen["widths"][width] = seen["widths"].get(width, 0) + eng.counters["rounds"] - before
             return out
         setattr(eng, name, calls)
     return seen
@@ -193,7 +196,7 @@ def prepare(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tok
 
 def measure(eng, reqs, profile=None, graph=False) -> dict:
     """One timed run of `reqs` through a prepared engine: its columns (and `texts`, each row's tokens)."""
-    rounds0, built0 = eng.counters["rounds"], eng._programs_built() if eng.drafter is not None else 0
+    rounds0, built0 = eng.counters["rounds"], eng._programs_built()  # (plain's: the verify bank's)
     gc.collect()  # not inside the timed run
     prefill = _time_prefill(eng)
     full = _time_full(eng, len(reqs))
@@ -209,7 +212,7 @@ def measure(eng, reqs, profile=None, graph=False) -> dict:
         if profile is not None:
             profile.disable()
     rounds = eng.counters["rounds"] - rounds0
-    built = eng._programs_built() - built0 if eng.drafter is not None else "-"
+    built = eng._programs_built() - built0
     eng.on_progress = None
     for name in ("_admit", "_round", "_plain_rounds", "_read"):  # _time_full's and _time_reads' wrappers
         eng.__dict__.pop(name, None)
@@ -243,6 +246,8 @@ def measure(eng, reqs, profile=None, graph=False) -> dict:
             "mean depth": sum(r.stats.draft_depth for r in res) / len(res),
             # compiled programs (verify + drafter) first built inside the measured run: 0 once warmed
             "new programs": built, **counted,
+            # rounds at each batch width (a drained batch moved to tail widths: Engine.tail_narrowest)
+            "rounds by width": " ".join(f"{w}:{n}" for w, n in sorted(full["widths"].items(), reverse=True) if n),
             "texts": {r.key: list(r.tokens) for r in res}}
 
 
@@ -327,7 +332,8 @@ def interleaved(bundle, prompts, settings: List[Setting], width: int, rows: int,
             runs[i].append(r)
             tail = r["tail s"]
             print(f"  round {rep}: {s.label:44s} {r['tok/s']:9.1f} tok/s {r['ms/round']:6.2f} ms/round {r['rounds']:4d} rounds"
-                  f"  prefill {r['prefill s']:.3f} s  tail {tail if isinstance(tail, str) else f'{tail:.3f}'} s", flush=True)
+                  f"  prefill {r['prefill s']:.3f} s  tail {tail if isinstance(tail, str) else f'{tail:.3f}'} s"
+                  f"  widths {r['rounds by width']}", flush=True)
         out = summarize([p[0] for p in prepared], runs, [p[3] for p in prepared])
         if report is not None:
             report(out, rep + 1)
@@ -366,6 +372,7 @@ def summarize(settings: List[Setting], runs: List[List[dict]], warm: List[float]
                     "drains": _med([r["drains"] for r in rs]), "prefill s": _med([r["prefill s"] for r in rs]),
                     "tail s": _med([r["tail s"] for r in rs]), "tokens/verify": _med([r["tokens/verify"] for r in rs]),
                     "new programs": sum(r["new programs"] for r in rs) if s is not settings[0] else "-",
+                    "rounds by width": rs[0].get("rounds by width", "-") if rs else "-",
                     "warm-up s": w, "runs = plain": f"{same}/{len(rs)}"})
     return out
 
@@ -411,7 +418,8 @@ def main():
                     "rounds were carried across admissions; 'n': a drained batch narrows down to 1 row (Engine.TAIL_KEEPS_WIDTH 1; "
                     "by default a GPU keeps 32); a trailing 'lN': with speculative.mtp_lookup N, e.g. 3l2, 3dl2, 3nl2; then "
                     "'@NAME=VALUE' sets an engine attribute for that setting, e.g. 3@refill_at=32, "
-                    "3@prefiller.padding_waste=1e9; 'plain@NAME=VALUE': plain decoding so)")
+                    "3@prefiller.padding_waste=1e9, 3@tail_narrowest=8 (a drained batch moves to widths 16, 8 built "
+                    "ahead: mtplx/tail_widths.py); 'plain@NAME=VALUE': plain decoding so)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of every setting, interleaved: all warmed up "
                     "first, then rounds of one run each (plain included) in an order rotated every round; the table gives "
                     "medians, x plain as the median of ratios to plain's run of the same round, their spread (min..max) "

@@ -36,7 +36,7 @@ from .graphbank import CompiledVerifyBank
 from .models.loading import ModelBundle, cache_dir, context_length, load
 from .models.mtp import has_trunk_split, project_logits, trunk_hidden
 from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
-from . import stops
+from . import stops, tail_widths
 from .request import Request, Result, RowStats
 from .spec_rounds import SpeculativeRounds
 from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
@@ -172,12 +172,15 @@ class Engine(SpeculativeRounds):
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
         # one-row plain decoding eagerly (the same logits) where the calibration measured it faster
         self.one_stream_eager = self.bank is not None and one_stream_eager(profile)
+        # a drained batch's tail at narrower widths, their programs built ahead (tail_widths.py; 0: off)
+        self.tail_narrowest = tail_widths.TAIL_NARROWEST
 
     # A drained batch (no request waits) narrows to a power of two once half its slots are idle, so a
     # round computes fewer rows; only while it is wider than this. On a GPU a round of up to 32 rows costs
     # about what one row's does (SmolLM2 on the H200: a plain round 4.5 ms at 1 row, 6.1 ms at 32), and
     # every narrower width compiles verify and draft programs of its own for a job's last few rounds.
-    # None: by device (32 on a GPU, else 1: a CPU round's cost follows its width).
+    # None: by device (32 on a GPU, else 1: a CPU round's cost follows its width). A GPU batch may still
+    # move to tail widths whose programs were built ahead (`tail_narrowest`, tail_widths.py).
     TAIL_KEEPS_WIDTH = None
 
     @property
@@ -310,6 +313,10 @@ class Engine(SpeculativeRounds):
         if self.drafter is not None:
             self.drafter.reset()
         self._carried = self._joining = None
+        twins = tail_widths.twin_widths(int(self.tail_narrowest or 0), self.max_batch)
+        for bank in (self.bank, getattr(self.drafter, "bank", None)):
+            if bank is not None:
+                bank.twin_widths = twins
         batch = _Batch(iter(requests))
         while True:
             # Fill free slots, then widen up to max_batch; repeat while rows finish at prefill.
@@ -325,7 +332,7 @@ class Engine(SpeculativeRounds):
                 active = np.array([s is not None for s in batch.slots], dtype=bool)
                 if not active.any():
                     continue
-                keep = self._compact_keep(active)
+                keep = self._compact_keep(active, self._tail_target(int(active.sum()), len(batch.slots)))
                 batch.cache.take_rows(keep)
                 if self.drafter is not None:
                     self.drafter.take(keep)
@@ -447,9 +454,9 @@ class Engine(SpeculativeRounds):
         mx.async_eval(arrays)
 
     @staticmethod
-    def _compact_keep(active: np.ndarray) -> List[int]:
+    def _compact_keep(active: np.ndarray, width: int) -> List[int]:
+        """The slots a batch narrowed to `width` keeps: its live rows, then idle ones up to the width."""
         live = [int(i) for i in np.nonzero(active)[0]]
-        width = 1 << (len(live) - 1).bit_length()  # widths in powers of two: few compiled programs
         spare = [int(i) for i in np.nonzero(~active)[0]][: width - len(live)]
         return sorted(live + spare)
 

@@ -37,6 +37,7 @@ from .cache import BatchCache, RowKVCache
 from .row_lengths import RowLengths
 from .config import verify_max_len_env
 from .sampling import SamplerBatch, accept_greedy, accept_sampled, shaped_probs
+from .tail_widths import sliced
 
 UNSUPPORTED_BITS = (6,)
 
@@ -136,6 +137,7 @@ class CompiledVerifyBank:
             "parity_failures": 0,
             "programs": 0,
             "warmed": 0,  # programs built ahead by `_warm`
+            "twins": 0,  # programs built ahead at narrower tail widths (`_twins`)
             "fallback_reasons": {} if reason is None else {reason: 0},
             "capture_backend": capture_backend,
             "request_max_tokens": self.request_max_tokens,
@@ -144,6 +146,7 @@ class CompiledVerifyBank:
         self._eager_reason = reason
         self._programs: Dict[Tuple, Callable] = {}
         self._broken: Dict[Tuple, str] = {}
+        self.twin_widths: Tuple[int, ...] = ()  # tail widths (tail_widths.py): each program's twins built with it
 
     # -- the program ------------------------------------------------------------------------------
     def _run_shadow(self, kinds, tokens, lengths, *arrays):
@@ -251,6 +254,8 @@ class CompiledVerifyBank:
             return logits, hidden, False, None
         if fresh and self.warm_lengths:
             self._warm(key, cache.kinds, tokens.dtype, lengths, arrays)
+        if self.twin_widths:
+            self._twins(key, cache.kinds, [tokens, lengths, *arrays])
         failures = None
         if self.mode != "on":
             ref = self._run_shadow(cache.kinds, tokens, lengths, *arrays)
@@ -303,6 +308,8 @@ class CompiledVerifyBank:
             return None
         if fresh and self.warm_lengths:
             self._warm(key, cache.kinds, pending.dtype, lengths, arrays, extra)
+        if self.twin_widths:
+            self._twins(key, cache.kinds, args)
         self._mirror(cache, out[7:])
         self.stats["compiled_calls"] += 1
         return tuple(out[:6]) + ((out[6] if out[6].size else None),)
@@ -342,6 +349,21 @@ class CompiledVerifyBank:
             except Exception as e:  # its first real call then verifies eagerly, saying why
                 self._broken[other] = f"compile failed: {type(e).__name__}: {e}"
             self.stats["warmed"] += 1
+
+    def _twins(self, key, kinds, args) -> None:
+        """The program of `key` at each narrower tail width (`twin_widths`), built now and run once
+        over the first rows of this call's inputs, the outputs dropped (the real cache is never
+        written): a drained batch moved to that width (tail_widths.py) finds it built."""
+        W = key[0]
+        for w in self.twin_widths:
+            other = (w,) + key[1:]
+            if w >= W or other in self._programs or other in self._broken:
+                continue
+            try:
+                mx.eval(self._program(other, kinds)(*sliced(args, W, w)))
+            except Exception as e:  # its first real call then verifies eagerly, saying why
+                self._broken[other] = f"compile failed: {type(e).__name__}: {e}"
+            self.stats["twins"] += 1
 
     def eager(self, tokens, cache: BatchCache):
         cache.set_capturing(True)

@@ -30,6 +30,7 @@ from .graphbank import _shadow_cache, _shadow_outputs
 from .models.mtp import MTPHead
 from .rows_attention import padded
 from .sampling import SamplerBatch, sample_from, shaped_probs
+from .tail_widths import sliced
 
 DRAFT_VOCAB_FILE = "mtp_draft_vocab.npy"
 
@@ -220,7 +221,8 @@ class CompiledDraftBank:
         self._programs: Dict[Tuple, Callable] = {}
         self._broken: Dict[Tuple, str] = {}
         self.warm_depths: Tuple[int, ...] = ()  # draft depths built together when a width and capacity is first met
-        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "programs": 0, "warmed": 0,
+        self.twin_widths: Tuple[int, ...] = ()  # tail widths (tail_widths.py): each program's twins built with it
+        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "programs": 0, "warmed": 0, "twins": 0,
                                          "fallback_reasons": {}}
 
     def _ready(self, cache: BatchCache, L: int) -> Optional[list]:
@@ -257,7 +259,18 @@ class CompiledDraftBank:
             self._eager(self._broken[key])
             return None
         self.stats["compiled_calls"] += 1
+        if self.twin_widths:
+            self._twins(key, build, args)
         return out
+
+    def _twins(self, key, build, args) -> None:
+        """The program of `key` at each narrower tail width (`twin_widths`), built now and run once
+        over the first rows of this call's inputs (`_warm`): a drained batch moved to that width
+        (tail_widths.py) finds it built."""
+        W = key[1]
+        for w in self.twin_widths:
+            if w < W:
+                self._warm(key[:1] + (w,) + key[2:], build, sliced(args, W, w), count="twins")
 
     def propose(self, cache: BatchCache, first_logits, h, sampler: SamplerBatch, u, K: int, lookup=None):
         """Drafts [W, K], q ([W, K, V] or None) and the rows that drafted from their context (or
@@ -326,6 +339,12 @@ class CompiledDraftBank:
             return None
         if fresh and self.warm_depths:
             self._warm_commits(cache, arrays, args, sampler, lookup)
+        if following is not None and self.twin_widths and W > min(self.twin_widths):
+            # a batch moved to a tail width drops the drafts made ahead: its first round proposes
+            u = following[3]
+            pkey, pbuild = self._proposer(cache, arrays, sampler, K, lookup)
+            self._twins(pkey, pbuild, [out[0], out[1], u, sampler.temps, sampler.top_p, sampler.top_k,
+                                       self._room(cache, arrays, K), *arrays] + ([] if lookup is None else [lookup[1]]))
         n_arrays = len(arrays)
         for i, layer in enumerate(cache.layers):
             layer.keys, layer.values = out[2 + 2 * i], out[3 + 2 * i]
@@ -389,7 +408,7 @@ class CompiledDraftBank:
                     warm += [mx.ones_like(counts), self._u(u, K), sampler.temps, sampler.top_p, sampler.top_k]
                 self._warm(key, build, warm)
 
-    def _warm(self, key, build, args) -> None:
+    def _warm(self, key, build, args, count: str = "warmed") -> None:
         """Build one program and run it once, evaluated (the device builds its kernels too); the
         outputs are dropped (the head's cache is an input, never written)."""
         if key in self._programs or key in self._broken:
@@ -398,7 +417,7 @@ class CompiledDraftBank:
             mx.eval(self._get(key, build)(*args))
         except Exception as e:  # its first real call then drafts eagerly, saying why
             self._broken[key] = f"compile failed: {type(e).__name__}: {e}"
-        self.stats["warmed"] += 1
+        self.stats[count] += 1
 
     def _room(self, cache: BatchCache, arrays, L: int) -> mx.array:
         """Row lengths that leave room for L more entries in this capacity (warm-up inputs)."""

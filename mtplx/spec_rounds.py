@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import small_ops
+from . import small_ops, tail_widths
 from .cache import BatchCache
 from .depth import position_counts
 from .request import Result
@@ -180,7 +180,12 @@ class SpeculativeRounds:
 
     def _narrows(self, live: int, width: int) -> bool:
         """A drained batch of `width` slots with `live` rows is narrowed (generation.py: Engine.generate)."""
-        return live <= width // 2 and width > self.tail_keeps_width
+        return self._tail_target(live, width) is not None
+
+    def _tail_target(self, live: int, width: int):
+        """The width it moves to (tail_widths.target: powers of two where a round's cost follows its
+        width, else the tail widths whose programs were built ahead), or None."""
+        return tail_widths.target(live, width, self.tail_keeps_width, int(self.tail_narrowest or 0))
 
     def _settle(self, cache: BatchCache) -> None:
         cache.rows.settle()  # exact host lengths again for admission and compaction
