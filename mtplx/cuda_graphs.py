@@ -5,12 +5,14 @@ than MLX_MAX_OPS_PER_BUFFER kernels or its inputs more than MLX_MAX_MB_PER_BUFFE
 (mlx/backend/cuda/device.cpp; 100 ops / 1000 MB on an sm_90 GPU such as the H200). MLX reads both once
 per process, when its first GPU stream is made, i.e. when mlx.core loads, so one process gets one value.
 
-Which value pays depends on the job (BENCHMARKS.md, session 9 and h10b): a one-stream MTP round is ~640
-kernels, 6-7 graphs at 100 ops (h9d's trace), and every graph costs the host a launch, an update and a
-destroy (25-200 us); at 400 ops, 7 repeats gave MTP depth 3 1.85x plain (1.68x at the default), but plain
-decoding at width 32 ran slower (5.3k against 6.3k tok/s, another process). So `TABLE` is keyed by (width bucket, plain or speculative): the CLI (through
-pipelines' `run_job`), the Ray executor's actors and the benchmarks that run a job call `apply_for` with
-the job's width and method before anything imports mlx.core. A variable the user set wins; once mlx.core
+Which value pays depends on the job (BENCHMARKS.md, session 9 and h10b), and must be read in tok/s, not as
+a ratio to plain: a larger graph made plain decoding slower at every width measured (width 1: 269-303 tok/s
+at 400 ops against 323 at 100; width 8: 1.33k against 2.03k; width 32: 5.2-5.3k against 5.8-6.3k), so "x plain"
+rose while the job did not get faster; at widths 8 and 32 MTP ran slower at 400 too. A one-stream MTP round
+is ~640 kernels, 6-7 graphs at 100 ops (h9d's trace), each graph a launch, an update and a destroy for the
+host (25-200 us), which is the case for larger graphs there. So `TABLE` is keyed by (width bucket, plain
+or speculative): the CLI (through pipelines' `run_job`), the Ray executor's actors and the benchmarks that
+run a job call `apply_for` with the job's width and method before anything imports mlx.core. A variable the user set wins; once mlx.core
 is loaded, or off Linux (MLX_MAX_OPS_PER_BUFFER is also a Metal setting), nothing is set.
 `describe()` says what applied, for the run's log and summary.
 """
@@ -31,8 +33,12 @@ BUCKETS = ((1, "1"), (16, "2-16"), (None, "17+"))
 # (bucket, speculative) -> MLX's variable -> value; a key not here: MLX's defaults. H200, SmolLM2-135M,
 # held-out HumanEval, fresh processes (raw logs benchmarks/results/h200-s9-final-ops400.log, h200-s10-*):
 TABLE: Dict[Tuple[str, bool], Dict[str, str]] = {
-    # one stream, MTP depth 3: 1.85x plain at 400 ops against 1.68x at 100 (7 repeats each, session 9)
+    # one stream, MTP depth 3 at 400 ops: 464 / 562 tok/s (7 / 3 repeats, two processes) against 502 at 100
+    # (session 9's final window): provisional, under test in session 10's window 2 (h10b)
     ("1", True): {"MLX_MAX_OPS_PER_BUFFER": "400"},
+    # width 8, 400 ops (session 10 window 1, 3 repeats): plain 1.32-1.33k tok/s against 1.88-2.03k, MTP 3
+    # 1.83-2.03k against 2.28-2.67k; width 32 (session 9, 64 / 128 rows): plain 5.3k / 5.2k against 6.3k / 5.8k,
+    # MTP 3 5.9k / 6.8k against 6.9k / 7.7k: MLX's defaults there
 }
 
 applied: Dict[str, str] = {}  # what this process set
