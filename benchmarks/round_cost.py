@@ -155,6 +155,13 @@ def _time_full(eng, total: int):
             seen["widths"][width] = seen["widths"].get(width, 0) + eng.counters["rounds"] - before
             return out
         setattr(eng, name, calls)
+
+    def landed(slots, cache, _inner=eng._land_carried):  # the round carried across the last admission, read
+        before = eng.counters["rounds"]  # before the batch narrows: a round of no call
+        out = _inner(slots, cache)
+        seen["widths"][len(slots)] = seen["widths"].get(len(slots), 0) + eng.counters["rounds"] - before
+        return out
+    eng._land_carried = landed
     return seen
 
 
@@ -214,7 +221,7 @@ def measure(eng, reqs, profile=None, graph=False) -> dict:
     rounds = eng.counters["rounds"] - rounds0
     built = eng._programs_built() - built0
     eng.on_progress = None
-    for name in ("_admit", "_round", "_plain_rounds", "_read"):  # _time_full's and _time_reads' wrappers
+    for name in ("_admit", "_round", "_plain_rounds", "_read", "_land_carried"):  # _time_full's and _time_reads' wrappers
         eng.__dict__.pop(name, None)
     eng.prefiller.__dict__.pop("run", None)  # _time_prefill's
     reads = eng.counters["host_reads"]

@@ -51,6 +51,15 @@ def schedule(bundle, prompts, spec, width, tokens, narrowest):
             calls.append((len(slots), eng.counters["rounds"] - rounds, live, now[0] - built, now[1] - twins, tail))
             return out
         setattr(eng, name, counted)
+
+    def landed(slots, cache, _inner=eng._land_carried):  # the round carried across the last admission (no call's)
+        rounds = eng.counters["rounds"]
+        out = _inner(slots, cache)
+        if eng.counters["rounds"] > rounds:
+            calls.append((len(slots), eng.counters["rounds"] - rounds, sum(s is not None for s in slots), 0, 0, True))
+        return out
+
+    eng._land_carried = landed
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=tokens)) for i, p in enumerate(prompts)]
     texts = {r.key: r.tokens for r in eng.generate(reqs)}
     return calls, texts

@@ -264,6 +264,7 @@ def test_round_cost_full_columns_stop_where_the_last_row_is_admitted(tiny_model)
     assert r["full tok/s"] > 0 and r["full tok/round"] > 0
     assert r["admissions"] == 3 and r["drains"] == 3  # a wave each; plain rounds empty the pipeline for each
     assert r["tail s"] > 0
+    assert r["rounds by width"] == f"2:{r['rounds']}"  # every round counted, at the batch's width
 
 
 def test_round_cost_full_columns_are_empty_for_one_wave(tiny_model):
