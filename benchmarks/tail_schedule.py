@@ -8,12 +8,15 @@ of the stream, the GPU's rule for the tail (Engine.TAIL_KEEPS_WIDTH 32) on any d
 rounds its width, rounds, live rows and the programs it built (verify + drafter banks; `twins`: those
 built ahead at tail widths), then rounds at each width and the programs built in the calls once the
 source was drained (no request waits: what the tail compiled, 0 wanted). Greedy text is compared with the first setting's.
-No timing: on a CPU a round's cost follows its width, so this counts, the GPU measures.
+Each run is one fresh engine's first (its programs built in it, as in a job): its seconds and those spent
+building the twins say what the tail widths cost a one-shot job; on a CPU a round's cost follows its width, so
+there the counts are the point and the GPU measures (`--narrowest 0,8,0,8`: the second pair after the kernels exist).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
@@ -29,7 +32,8 @@ def _built(eng):
 
 
 def schedule(bundle, prompts, spec, width, tokens, narrowest):
-    """(calls [(width, rounds, live at its start, programs built, twins built, drained?)], texts)."""
+    """(calls [(width, rounds, live at its start, programs built, twins built, drained?)], texts, run seconds,
+    seconds building the twins)."""
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
     eng.TAIL_KEEPS_WIDTH = 32
     eng.tail_narrowest = narrowest
@@ -60,9 +64,18 @@ def schedule(bundle, prompts, spec, width, tokens, narrowest):
         return out
 
     eng._land_carried = landed
+    spent = [0.0]  # seconds inside the banks' `_twins` (building and running the tail widths' programs)
+    for bank in (eng.bank, getattr(eng.drafter, "bank", None)):
+        if bank is not None and hasattr(bank, "_twins"):
+            def timed(*a, _inner=bank._twins, **k):
+                t0 = time.perf_counter()
+                _inner(*a, **k)
+                spent[0] += time.perf_counter() - t0
+            bank._twins = timed
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=tokens)) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
     texts = {r.key: r.tokens for r in eng.generate(reqs)}
-    return calls, texts
+    return calls, texts, time.perf_counter() - t0, spent[0]
 
 
 def main():
@@ -75,7 +88,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--methods", default="none,mtp")
-    ap.add_argument("--narrowest", default="0,8", help="Engine.tail_narrowest values, comma-separated (0: the tail keeps its width)")
+    ap.add_argument("--narrowest", default="0,8", help="Engine.tail_narrowest values, comma-separated, a fresh engine each (0: the tail keeps its width)")
     args = ap.parse_args()
     bundle = load(args.model)
     prompts = load_prompts(args.prompts, bundle.tokenizer, 256)
@@ -85,7 +98,7 @@ def main():
         spec = SpeculativeConfig(method=method, depth=args.depth, adaptive_depth=False,
                                  mtp_head=args.head if method == "mtp" else None)
         for narrowest in (int(n) for n in args.narrowest.split(",")):
-            calls, texts = schedule(bundle, prompts, spec, args.width, args.tokens, narrowest)
+            calls, texts, run_s, twins_s = schedule(bundle, prompts, spec, args.width, args.tokens, narrowest)
             first = first or texts
             by_width = {}
             for w, n, *_ in calls:
@@ -96,7 +109,8 @@ def main():
                   + f"; once the source was drained {sum(c[1] for c in tail)} rounds in {len(tail)} calls, "
                   f"programs built there {sum(c[3] for c in tail)}; programs {sum(c[3] for c in calls)} "
                   f"(twins {sum(c[4] for c in calls)}); text = the first setting's: "
-                  f"{sum(texts[k] == first[k] for k in first)}/{len(first)}", flush=True)
+                  f"{sum(texts[k] == first[k] for k in first)}/{len(first)}; one run {run_s:.3f} s (a fresh engine: its "
+                  f"programs built in it), {twins_s:.3f} s of it building the twins", flush=True)
             print("  calls (width rounds live built twins):", " | ".join(
                 f"{w} {n} {live} {b} {t}{' T' if tl else ''}" for w, n, live, b, t, tl in calls), flush=True)
 
