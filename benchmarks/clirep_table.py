@@ -23,26 +23,28 @@ def texts(run_dir: str):
 
 
 def drafting(run_dir: str) -> str:
-    """'tokens drafted per drafting round, verify programs built (of them warmed ahead)' of a run
-    directory: what adaptive depth chose and built ('-' where the run left none)."""
+    """'tokens drafted per drafting round, verify programs built (of them warmed ahead), head programs
+    (warmed)' of a run directory: what adaptive depth chose and built ('-' where the run left none)."""
     import json
 
     import pyarrow.dataset as ds
 
     try:
         t = ds.dataset(f"{run_dir}/shards").to_table(columns=["drafted_tokens", "verify_calls"]).to_pydict()
-        bank = json.load(open(f"{run_dir}/manifest.json")).get("compiled_verify") or {}
+        manifest = json.load(open(f"{run_dir}/manifest.json"))
     except Exception:
         return "-"
+    bank, drafts = manifest.get("compiled_verify") or {}, manifest.get("compiled_drafts") or {}
     calls = sum(v or 0 for v in t["verify_calls"])
     depth = f"{sum(d or 0 for d in t['drafted_tokens']) / calls:.2f}" if calls else "0"
-    return f"{depth}, {bank.get('programs', '-')} ({bank.get('warmed', '-')})"
+    return (f"{depth}, {bank.get('programs', '-')} ({bank.get('warmed', '-')}), "
+            f"{drafts.get('programs', '-')} ({drafts.get('warmed', '-')})")
 
 
 def table(tags, repeats: int, log: str, root: str = "/tmp/b") -> str:
     ref = texts(f"{root}/rep-{tags[0]}-1")
     out = [f"| setting | wall s, median | wall s, each run | run s (summary), median | same text as {tags[0]} "
-           "| per run: depth of drafting rounds, verify programs (warmed) |",
+           "| per run: depth of drafting rounds, verify programs (warmed), head programs (warmed) |",
            "|---|---|---|---|---|---|"]
     for tag in tags:
         walls, runs = [], []

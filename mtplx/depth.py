@@ -16,10 +16,10 @@ nearest measured width's costs; a batch's last rows (nothing left to admit)
 keep the best depth without tries (`explore` off).
 
 A round over which a compiled program was built (its own, or the next round's queued behind it)
-is not timed either (the engine passes None): its time is a compile's, not the depth's. While
-the controller explores, the engine builds every depth's programs at a new shape's first round
-(graphbank.CompiledVerifyBank.warm_lengths, mtp_draft.CompiledDraftBank.warm_depths), so a try
-finds them ready.
+is not timed either (the engine passes None): its time is a compile's, not the depth's. So a
+try builds its depth's programs at its first round, untimed (with spec_rounds.WARM_DEPTHS, off since
+session 10, the engine built every depth's programs at a new shape's first round instead:
+graphbank.CompiledVerifyBank.warm_lengths, mtp_draft.CompiledDraftBank.warm_depths).
 
 Rounds run one ahead (spec_rounds.py), so the time between two reads also holds the queueing
 of the round after: the engine passes a round's time only when that round drafted what it did

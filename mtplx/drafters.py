@@ -316,7 +316,8 @@ class MtpDrafter(_CachedDrafter):
         # head's programs are keyed by both, and a round where only one had crossed a bucket
         # would compile a program of its own.
         layers = [c for c in self.cache.layers if c.keys is not None]
-        self._history_room(max([self.lookup.lead + self.cache.rows.max + 1 + extra] + [c.keys.shape[2] for c in layers]))
+        most = max(self.cache.rows.max, self.bank.reserve if self.bank is not None else 0)  # (the bank grows to its reserve)
+        self._history_room(max([self.lookup.lead + most + 1 + extra] + [c.keys.shape[2] for c in layers]))
         for c in layers:
             c._ensure_capacity(self.cache.batch, c.keys, c.values, self.history.shape[1])
         return self.lookup, self.history

@@ -87,6 +87,20 @@ class _Row:
     u_next: Optional[np.ndarray] = None  # uniforms drawn for a round not yet queued (Engine._plan)
 
 
+# An admission that fills the batch asks the source for one more request, so a batch whose rows are the job's
+# last ones (the shipped 8-row eval-mtp job at max_batch 8) knows it is drained from its first round: adaptive
+# depth then keeps its best depth without tries and builds no other depth's programs, as it does for any batch's
+# last rows (spec_rounds._explore). Off: drained was known only when a slot freed (before session 10: that job
+# built 4 verify + 19 head programs at its first round and tried plain decoding for 3 rounds, ~40 rounds in all).
+PEEK_SOURCE = True
+# At admission the verify bank's and the MTP head's caches are grown, when they first grow, to hold the longest
+# context a row in flight can reach (prompt + max_tokens + the rounds ahead), so a batch runs at one capacity
+# and its programs (keyed by capacity) are built once. Off: a cache grew a bucket when its longest row got there:
+# the 8-row eval-mtp job crossed 256 entries in its last rounds and built 10 head programs there (CPU count, 56
+# rounds in all); plain decoding, one verify program
+RESERVE_CAPACITY = True
+
+
 class _Batch:
     """The rows in flight (slots), their cache, and the request stream feeding them."""
 
@@ -107,6 +121,13 @@ class _Batch:
         req = None if self.exhausted else next(self.source, None)
         self.exhausted = req is None
         return req
+
+    def peek(self) -> None:
+        """Learn whether a request waits (it is kept first in `waiting`), so `drained` is known."""
+        if not self.waiting and not self.exhausted:
+            req = self.next_request()
+            if req is not None:
+                self.waiting.insert(0, req)
 
 
 class Engine(SpeculativeRounds):
@@ -368,10 +389,16 @@ class Engine(SpeculativeRounds):
             admitted.append(row)
         if not admitted:
             return False
+        if PEEK_SOURCE and len(admitted) == len(free):  # the batch is full: whether a request waits is not known yet
+            batch.peek()
         if self.bank is not None:  # the growth budget: the longest context a row of this call can reach
             before = self.bank.request_max_tokens if batch.cache is not None else 0
             self.bank.set_budget(max([before] + [len(s.req.prompt_tokens) + s.max_tokens + self.ahead_tokens
                                                  for s in live + admitted]))
+            if RESERVE_CAPACITY:
+                for bank in (self.bank, getattr(self.drafter, "bank", None)):
+                    if hasattr(bank, "reserve"):
+                        bank.reserve = self.bank.request_max_tokens
         grow, finished_early = [], False
         # Behind a round in flight (a full batch: every free slot is a vacated one) the first tokens
         # are not read here: the round the rows join is queued from them on the device first, and

@@ -131,6 +131,7 @@ class CompiledVerifyBank:
         self.permanent_eager = reason is not None
         self.tolerance = tolerance
         self.warm_lengths = tuple(warm_lengths)
+        self.reserve = 0  # entries a row may reach that a cache grown here holds at once (the engine's RESERVE_CAPACITY)
         self.stats: Dict[str, object] = {
             "compiled_calls": 0,
             "fallback_calls": 0,
@@ -226,9 +227,10 @@ class CompiledVerifyBank:
         if reason is not None:
             return None, reason
         kv = [c for c in cache.leaves if isinstance(c, RowKVCache)]
-        if kv and longest + L > min(c.keys.shape[2] for c in kv):  # room for L more entries, in capacity buckets
+        need = max(longest, min(self.reserve, self.request_max_tokens)) + L
+        if kv and need > min(c.keys.shape[2] for c in kv):  # room for L more entries, in capacity buckets
             for c in kv:
-                c._ensure_capacity(W, c.keys, c.values, longest + L)
+                c._ensure_capacity(W, c.keys, c.values, need)
             arrays = [a for c in cache.leaves for a in c.state_arrays()]
         key = (W, L, max((c.keys.shape[2] for c in kv), default=0))
         if key in self._broken:

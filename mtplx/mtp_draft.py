@@ -41,7 +41,9 @@ class DraftVocab:
     use_table = True  # draft steps off `step_table`; benchmarks turn it off (round_trace `:drafter.vocab.use_table=0`)
 
     def __init__(self, head: MTPHead, ids: Sequence[int], vocab_size: int, chunk: int = 256):
-        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size > 1 and not (ids[1:] > ids[:-1]).all():  # (a head's file is sorted already: no sort to run)
+            ids = np.unique(ids)
         if ids.size == 0 or ids[0] < 0 or ids[-1] >= vocab_size:
             raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1}")
         self.vocab_size = vocab_size
@@ -65,7 +67,7 @@ class DraftVocab:
         mx.eval(self.weight_t, self.bias)
         # a projection of zeros is zero for every head without a bias (plain, tied, quantized):
         # then no add, which would be a kernel of its own in every draft step
-        self.has_bias = bool(mx.any(self.bias != 0).item())
+        self.has_bias = rows is None and bool(mx.any(self.bias != 0).item())
 
     @property
     def size(self) -> int:
@@ -104,10 +106,18 @@ class DraftVocab:
         return out.reshape(q.shape[:-1] + (self.vocab_size,))
 
 
+# A quantized output projection's rows for the drafting vocabulary dequantized as they are (the trunk's own
+# embedding lookup, kernels it loads anyway), not read off projections of basis vectors (quantized matmuls
+# of 256 rows, kernels of their own: H200, session 10 window 1, the DraftVocab 0.13 s of a fresh process's
+# engine setup under cProfile). The same values on this CPU (tests/test_mtp_draft.py); drafts only either way.
+QUANTIZED_ROWS = True
+
+
 def plain_rows(head: MTPHead, ids: mx.array) -> Optional[mx.array]:
-    """The rows for `ids` of the matrix W the head's logits are h @ W.T with, where W is a plain
-    (not quantized) weight without a bias: its own projection or the trunk's lm_head (nn.Linear), or
-    the trunk's tied embedding (nn.Embedding); None otherwise (quantized, biased, several depths)."""
+    """The rows for `ids` of the matrix W the head's logits are h @ W.T with, where W is a weight
+    without a bias: its own projection or the trunk's lm_head (nn.Linear), or the trunk's tied
+    embedding (nn.Embedding), or either quantized (dequantized rows, QUANTIZED_ROWS); None otherwise
+    (biased, several depths)."""
     from .models.mtp import text_model
 
     if type(head) is not MTPHead:
@@ -117,8 +127,15 @@ def plain_rows(head: MTPHead, ids: mx.array) -> Optional[mx.array]:
     else:
         lm = text_model(head._trunk[0])
         layer = lm.lm_head if hasattr(lm, "lm_head") else lm.model.embed_tokens
-    if type(layer) in (nn.Linear, nn.Embedding) and "bias" not in layer:
+    if "bias" in layer:
+        return None
+    if type(layer) in (nn.Linear, nn.Embedding):
         return layer.weight[ids]
+    if QUANTIZED_ROWS and type(layer) in (nn.QuantizedLinear, nn.QuantizedEmbedding):
+        biases = layer.get("biases")
+        return mx.dequantize(layer["weight"][ids], scales=layer["scales"][ids],
+                             biases=None if biases is None else biases[ids], group_size=layer.group_size,
+                             bits=layer.bits, mode=getattr(layer, "mode", "affine"))
     return None
 
 
@@ -222,6 +239,7 @@ class CompiledDraftBank:
         self._broken: Dict[Tuple, str] = {}
         self.warm_depths: Tuple[int, ...] = ()  # draft depths built together when a width and capacity is first met
         self.twin_widths: Tuple[int, ...] = ()  # tail widths (tail_widths.py): each program's twins built with it
+        self.reserve = 0  # entries a row may reach that a cache grown here holds at once (the engine's RESERVE_CAPACITY)
         self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "programs": 0, "warmed": 0, "twins": 0,
                                          "fallback_reasons": {}}
 
@@ -232,7 +250,7 @@ class CompiledDraftBank:
         if any(c.keys is None for c in cache.layers):
             return None
         for c in cache.layers:
-            c._ensure_capacity(cache.batch, c.keys, c.values, cache.rows.max + L)
+            c._ensure_capacity(cache.batch, c.keys, c.values, max(cache.rows.max, self.reserve) + L)
         return [a for c in cache.layers for a in c.state_arrays()]
 
     def _get(self, key, build):

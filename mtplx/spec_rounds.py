@@ -34,9 +34,12 @@ from .sampling import SamplerBatch, accept_greedy, accept_sampled, shaped_probs,
 # 64 / 128 rows at width 32, MTP 1.31x / 1.06x plain against 1.25x / 0.88x).
 REFILL_AT = 4
 # While adaptive depth explores, a (width, capacity)'s first round builds every depth's programs (h7a).
-# Off: each is built at its first use, and rounds over a build are not timed either way (a short job
-# then builds only the pairs of depths it meets: 4 + 19 programs a capacity at depth 3 when on)
-WARM_DEPTHS = True
+# Off (session 10): each is built at its first use, while the device runs the round before it, and rounds
+# over a build are not timed either way (since session 7), so a try prices no compile. On, the eval-mtp job
+# built 4 verify + 19 head programs at its width's first round, each run once over zeros and waited for (H200,
+# session 10 window 1, under cProfile: 1.06 s of a 6.7 s job), most for depths and pairs of depths it never ran
+# (it stays at depth 3, trying 2 and 0: 3 verify and ~8 head programs)
+WARM_DEPTHS = False
 # A round whose timed interval holds the caller's time with the results it was handed (a job writes rows,
 # commits a shard with fsyncs: 5-280 ms on a CPU, against a 5 ms round on the H200) feeds the depth
 # controller no time. Off: it is timed (before session 9; one such sample moved a depth's average by

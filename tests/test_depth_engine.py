@@ -101,12 +101,16 @@ def _programs(eng) -> set:
     return set(eng.bank._programs) | set(eng.drafter.bank._programs)
 
 
-def test_after_a_warm_up_run_other_depths_compile_nothing_new(tiny_model, tmp_path):
-    """A warm-up run drafting depth 3 throughout, then the same rows at every depth in turn (as
+def test_after_a_warm_up_run_other_depths_compile_nothing_new(tiny_model, tmp_path, monkeypatch):
+    """With every depth's programs built at a shape's first round (spec_rounds.WARM_DEPTHS, off since
+    session 10): a warm-up run drafting depth 3 throughout, then the same rows at every depth in turn (as
     adaptive depth's tries would): the second run builds no program, verify or head (before: each
     depth, and each pair of consecutive depths of the head's commit-and-draft program, compiled
     inside it), and both runs give plain decoding's text."""
+    from mtplx import spec_rounds
     from test_mtp_draft import _sidecar
+
+    monkeypatch.setattr(spec_rounds, "WARM_DEPTHS", True)
 
     bundle = load(tiny_model("llama"))
     eos = set(bundle.tokenizer.eos_token_ids)
@@ -176,11 +180,15 @@ def test_a_round_that_compiled_never_prices_its_depth(tiny_model, tmp_path):
         assert out[i] == reference_tokens(bundle.model, p, m, eos), i
 
 
-def test_a_batchs_last_rows_build_only_what_their_depth_needs(tiny_model, tmp_path):
-    """Width 2, three rows: while a row waits, the first round at a shape builds every depth's
-    programs; once nothing is left to admit the batch compacts to width 1 and keeps the best
-    depth: nothing is built ahead at width 1 (before: ~20 programs for the tail's few rounds)."""
+def test_a_batchs_last_rows_build_only_what_their_depth_needs(tiny_model, tmp_path, monkeypatch):
+    """Width 2, three rows, every depth's programs built ahead (spec_rounds.WARM_DEPTHS): while a row
+    waits, the first round at a shape builds every depth's programs; once nothing is left to admit the
+    batch compacts to width 1 and keeps the best depth: nothing is built ahead at width 1 (before: ~20
+    programs for the tail's few rounds)."""
+    from mtplx import spec_rounds
     from test_mtp_draft import _sidecar
+
+    monkeypatch.setattr(spec_rounds, "WARM_DEPTHS", True)
 
     bundle = load(tiny_model("llama"))
     eos = set(bundle.tokenizer.eos_token_ids)
@@ -283,15 +291,19 @@ def _eager_head_calls(eng) -> list:
     return calls
 
 
-def test_after_a_warm_up_an_adaptive_run_builds_nothing_and_runs_the_head_compiled(tiny_model, tmp_path):
+def test_after_a_warm_up_an_adaptive_run_builds_nothing_and_runs_the_head_compiled(tiny_model, tmp_path, monkeypatch):
     """Session 8 on the H200: an adaptive run built a program mid-run. The head's catch-up after
     rounds at depth 0 was one eager forward over all of them (a new query length each time: on a GPU
     attention plans and kernels no warm-up had built, and past 8 queries MLX's masked attention), and
     the next round's drafts were then proposed eagerly too. Now it commits them through the compiled
     commit programs adaptive depth builds at a shape's first round, depth + 1 rounds a call. After a
-    warm-up run, the same rows with stretches at depth 0 (up to 11 rounds) build no program, run the
-    head eagerly nowhere, and give plain decoding's text."""
+    warm-up run (every depth's programs built ahead: spec_rounds.WARM_DEPTHS), the same rows with
+    stretches at depth 0 (up to 11 rounds) build no program, run the head eagerly nowhere, and give
+    plain decoding's text."""
+    from mtplx import spec_rounds
     from test_mtp_draft import _sidecar
+
+    monkeypatch.setattr(spec_rounds, "WARM_DEPTHS", True)
 
     bundle = load(tiny_model("llama"))
     eos = set(bundle.tokenizer.eos_token_ids)

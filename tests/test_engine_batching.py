@@ -6,8 +6,9 @@ finish at different times and new rows take their slots. Widths (`schedule.max_b
 attention KV per row) and on llama. The reference is mlx-lm's `generate_step`, one row alone.
 
 The engine is observed through a subclass that records, before every decode round, how many
-rows are in flight and how many requests it has pulled: while requests remain, every slot
-must be busy (a finished row's slot is refilled before the next round).
+rows are in flight and whether a request waits (the round's `drained`, known since the engine
+reads a request ahead when an admission fills the batch: generation.PEEK_SOURCE): while requests
+remain, every slot must be busy (a finished row's slot is refilled before the next round).
 """
 
 from __future__ import annotations
@@ -31,25 +32,18 @@ NARROW_ROWS = 8  # rows used at widths 1 and 2 (each round is one or two rows: k
 
 
 class RecordingEngine(Engine):
-    """Logs (rows in flight, batch width, requests pulled so far) before every decode round."""
+    """Logs (rows in flight, batch width, whether a request waits) before every decode round."""
 
     def generate(self, requests):
         self.log = []
-        self.pulled = 0
-
-        def counted():
-            for r in requests:
-                self.pulled += 1
-                yield r
-
-        return super().generate(counted())
+        return super().generate(requests)
 
     def _round(self, slots, active, cache, **kw):
-        self.log.append((int(active.sum()), len(slots), self.pulled))
+        self.log.append((int(active.sum()), len(slots), not kw.get("drained")))
         return super()._round(slots, active, cache, **kw)
 
     def _plain_rounds(self, slots, active, cache, **kw):  # no drafter: rounds run one ahead until rows end
-        self.log.append((int(active.sum()), len(slots), self.pulled))
+        self.log.append((int(active.sum()), len(slots), not kw.get("drained")))
         return super()._plain_rounds(slots, active, cache, **kw)
 
 
@@ -162,7 +156,7 @@ def test_batched_rows_equal_single_row_output(families, family, method, width):
 
     # While requests remain, every slot is busy: finished rows free their slot for the next row.
     assert eng.log, "no decode round ran"
-    waiting_rounds = [(n, w) for n, w, pulled in eng.log if pulled < n_rows]
+    waiting_rounds = [(n, w) for n, w, waits in eng.log if waits]
     assert waiting_rounds, "the queue never outlasted the batch: nothing to check"
     assert all(n == width for n, w in waiting_rounds), f"idle slots while rows waited: {waiting_rounds}"
     assert max(n for n, _, _ in eng.log) == min(width, n_rows)

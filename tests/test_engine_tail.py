@@ -77,10 +77,15 @@ def test_the_last_rounds_keep_the_rounds_shape(setup, method):
     assert lengths == {4}, lengths  # depth 3: [pending, d1, d2, d3]
 
 
-def test_the_mtp_lookup_history_and_the_head_cache_cross_a_capacity_bucket_together(setup):
+@pytest.mark.parametrize("reserve", [False, True])
+def test_the_mtp_lookup_history_and_the_head_cache_cross_a_capacity_bucket_together(setup, monkeypatch, reserve):
     """With `mtp_lookup` the head's programs are keyed by the head cache's capacity and the row
     history's: they grow in one step, so no program is compiled for the one round where only one
-    of the two had crossed a bucket."""
+    of the two had crossed a bucket. Both grown at once to what the rows can reach
+    (generation.RESERVE_CAPACITY): one capacity, both."""
+    from mtplx import generation
+
+    monkeypatch.setattr(generation, "RESERVE_CAPACITY", reserve)
     bundle, head, _, _ = setup
     rng = np.random.default_rng(4)
     rows = [(rng.integers(3, 400, n).tolist(), m) for n, m in [(220, 40), (226, 36), (231, 30), (240, 24)]]
@@ -91,5 +96,5 @@ def test_the_mtp_lookup_history_and_the_head_cache_cross_a_capacity_bucket_toget
     out = {r.key: r.tokens for r in eng.generate(reqs)}
     assert [out[i] for i in range(len(rows))] == [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
     keys = list(eng.drafter.bank._programs)
-    assert {k[3] for k in keys} == {256, 512}, keys  # the rows crossed a bucket
+    assert {k[3] for k in keys} == ({512} if reserve else {256, 512}), keys  # the rows crossed a bucket
     assert all(k[3] == k[-1] for k in keys), keys  # head cache capacity == history capacity in every program

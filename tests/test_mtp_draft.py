@@ -236,13 +236,40 @@ def test_draft_vocab_reads_plain_rows_bit_for_bit(tiny_model, monkeypatch, kind)
     assert mx.array_equal(direct.logits(h), basis.logits(h)).item()
 
 
-def test_a_quantized_heads_draft_projection_has_no_bias_add(tiny_model, tmp_path):
-    """A quantized tied head's projection is read off by projecting basis vectors; the projection of
-    zeros (the bias) is exactly zero, so each draft step's logits are one product, no add kernel,
-    with the values the product plus that zero bias give."""
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_a_quantized_heads_draft_vocab_dequantizes_its_rows_with_the_basis_projections_bits(tiny_model, monkeypatch, kind):
+    """A quantized trunk (the GGUF trunk on a GPU): the drafting vocabulary dequantizes the quantized
+    projection's rows for its ids (mtp_draft.QUANTIZED_ROWS; off, or before session 10: quantized matmuls of
+    basis vectors), and gets the bits the basis projections give (on this CPU)."""
+    import mlx.nn as nn
+
+    from mtplx import mtp_draft
+
+    bundle = load(tiny_model(kind))
+    nn.quantize(bundle.model, group_size=32, bits=4)
+    head = _init_head(bundle.model, TrainConfig(seed=3))
+    ids = [0, 7, 9, 100, 511]
+    assert mtp_draft.plain_rows(head, mx.array(ids)) is not None
+    direct = DraftVocab(head, ids, 512)
+    monkeypatch.setattr(mtp_draft, "QUANTIZED_ROWS", False)
+    assert mtp_draft.plain_rows(head, mx.array(ids)) is None
+    basis = DraftVocab(head, ids, 512)
+    assert mx.array_equal(direct.weight_t, basis.weight_t).item()
+    assert not direct.has_bias and not basis.has_bias
+    h = mx.random.normal((4, head.fc.weight.shape[0])).astype(head.norm.weight.dtype)
+    assert mx.array_equal(direct.logits(h), basis.logits(h)).item()
+
+
+def test_a_quantized_heads_draft_projection_has_no_bias_add(tiny_model, tmp_path, monkeypatch):
+    """A quantized tied head's projection read off by projecting basis vectors (QUANTIZED_ROWS off): the
+    projection of zeros (the bias) is exactly zero, so each draft step's logits are one product, no add
+    kernel, with the values the product plus that zero bias give."""
     import mlx.nn as nn
 
     from benchmarks.round_graph import graph_primitives
+    from mtplx import mtp_draft
+
+    monkeypatch.setattr(mtp_draft, "QUANTIZED_ROWS", False)
 
     bundle = load(tiny_model("qwen3"))
     nn.quantize(bundle.model, group_size=32, bits=4)

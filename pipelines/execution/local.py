@@ -34,6 +34,10 @@ def local_rows(session, engine=None) -> Iterator[Tuple[Dict[str, Any], bool]]:
         bank = getattr(engine, "bank", None)
         if bank is not None:  # this session's compiled-verify figures (capture backend, budget, restored tokens)
             session.run.manifest.update(compiled_verify={k: v for k, v in bank.stats.items() if k != "fallback_reasons"})
+        drafts = getattr(getattr(engine, "drafter", None), "bank", None)
+        if drafts is not None:  # the drafter's compiled programs (an MTP head's, a draft model's)
+            session.run.manifest.update(compiled_drafts={k: v for k, v in drafts.stats.items()
+                                                         if isinstance(v, (int, float))})
     finally:
         if hook:
             engine.on_progress = None
