@@ -252,8 +252,8 @@ stream)  # issue 18 (h7b): width-32 refilled streams, plain vs MTP depth 3 (+ lo
   # goes besides its rounds (admissions, drains = calls that returned with the pipeline read empty, prefill s, tail s =
   # the part-empty rounds after the last admission). DEPTHS takes round_cost's suffixes (3d: each admission empties the
   # pipeline first, the path before; 3n: the drained tail narrows to 1 row; @NAME=VALUE: an engine attribute, e.g.
-  # 3@refill_at=32). REPEATS > 1: interleaved (all settings warmed, then REPEATS rounds of one run each, the order
-  # rotated; medians, x plain paired with plain's run of the same round, spread). Sizes are env vars (CPU dry runs).
+  # 3@refill_at=32, or a module's switch for that setting, e.g. 3@mtplx.qmm_rows.ONE_MATRIX=1). REPEATS > 1:
+  # interleaved (all settings warmed, then REPEATS rounds of one run each, the order rotated; medians, x plain paired with plain's run of the same round, spread). Sizes are env vars (CPU dry runs).
   SHIPPED=heads/smollm2-135m-instruct
   heldout $SHIPPED
   timeout ${LIMIT:-170} python3 -m benchmarks.round_cost --model $MODEL --head $SHIPPED --prompts /tmp/humaneval-heldout.jsonl \

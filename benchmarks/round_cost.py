@@ -20,8 +20,10 @@ the last row was admitted; `--cycle` repeats the prompts for longer streams, whe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
+import importlib
 import pstats
 import re
 import statistics
@@ -169,9 +171,39 @@ def prepare(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tok
             sync_rounds=False, carry=True, tail_width=None, attrs=()):
     """An engine for one setting and its requests, after one untimed run of them (the warm-up: every
     program and kernel shape exists): (engine, requests, warm-up seconds). `attrs`: (dotted name,
-    value) pairs set on the engine first (`refill_at`, `prefiller.padding_waste`: the engine's knobs)."""
+    value) pairs set on the engine first (`refill_at`, `prefiller.padding_waste`: the engine's knobs), or
+    on a module (`mtplx.qmm_rows.ONE_MATRIX`) while the engine is made and warmed (module_attrs)."""
+    with module_attrs(attrs):
+        return _prepare(bundle, prompts, spec, width, rows, tokens, phases, sync_rounds, carry, tail_width, attrs)
+
+
+@contextlib.contextmanager
+def module_attrs(attrs):
+    """The `mtplx.MODULE.NAME` entries of `attrs` set on their modules while the block runs (a module switch
+    is read when an engine is made, a product is called or a program traced: a setting's engine is made,
+    warmed and timed under them), then put back."""
+    restore = []
+    try:
+        for name, value in attrs:
+            if name.startswith("mtplx."):
+                module, attr = name.rsplit(".", 1)
+                mod = importlib.import_module(module)
+                if not hasattr(mod, attr):
+                    raise SystemExit(f"--depths: @{name}: {module} has no such attribute")
+                old = getattr(mod, attr)
+                restore.append((mod, attr, old))
+                setattr(mod, attr, type(old)(value) if isinstance(old, (bool, int)) else value)
+        yield
+    finally:
+        for mod, attr, old in reversed(restore):
+            setattr(mod, attr, old)
+
+
+def _prepare(bundle, prompts, spec, width, rows, tokens, phases, sync_rounds, carry, tail_width, attrs):
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width))
     for name, value in attrs:
+        if name.startswith("mtplx."):
+            continue  # a module's (module_attrs)
         *path, last = name.split(".")
         target = eng
         for part in path:
@@ -262,7 +294,8 @@ def run(bundle, prompts, spec: SpeculativeConfig, width: int, rows: int, tokens:
         sync_rounds=False, graph=False, carry=True, tail_width=None, attrs=()):
     """One setting: its warm-up run, then one timed run (`measure`'s columns and the warm-up's seconds)."""
     eng, reqs, warm_s = prepare(bundle, prompts, spec, width, rows, tokens, phases, sync_rounds, carry, tail_width, attrs)
-    return {**measure(eng, reqs, profile, graph), "warm-up s": warm_s}
+    with module_attrs(attrs):
+        return {**measure(eng, reqs, profile, graph), "warm-up s": warm_s}
 
 
 @dataclass
@@ -335,7 +368,8 @@ def interleaved(bundle, prompts, settings: List[Setting], width: int, rows: int,
         order = order[rep % len(order):] + order[: rep % len(order)]
         for i in order:
             s, eng, reqs, _ = prepared[i]
-            r = measure(eng, reqs)
+            with module_attrs(s.attrs):
+                r = measure(eng, reqs)
             runs[i].append(r)
             tail = r["tail s"]
             print(f"  round {rep}: {s.label:44s} {r['tok/s']:9.1f} tok/s {r['ms/round']:6.2f} ms/round {r['rounds']:4d} rounds"
@@ -355,6 +389,10 @@ def _med(values):
 def _spread(values):
     values = [v for v in values if isinstance(v, (int, float))]
     return f"{min(values):.3g}..{max(values):.3g}" if len(values) > 1 else "-"
+
+
+def _total(values):
+    return sum(values) if all(isinstance(v, int) for v in values) else "-"  # (plain decoding: "-")
 
 
 def summarize(settings: List[Setting], runs: List[List[dict]], warm: List[float]) -> List[dict]:
@@ -378,7 +416,7 @@ def summarize(settings: List[Setting], runs: List[List[dict]], warm: List[float]
                     "tok/round": _med([r["tok/round"] for r in rs]), "admissions": _med([r["admissions"] for r in rs]),
                     "drains": _med([r["drains"] for r in rs]), "prefill s": _med([r["prefill s"] for r in rs]),
                     "tail s": _med([r["tail s"] for r in rs]), "tokens/verify": _med([r["tokens/verify"] for r in rs]),
-                    "new programs": sum(r["new programs"] for r in rs) if s is not settings[0] else "-",
+                    "new programs": _total([r["new programs"] for r in rs]) if s is not settings[0] else "-",
                     "rounds by width": rs[0].get("rounds by width", "-") if rs else "-",
                     "warm-up s": w, "runs = plain": f"{same}/{len(rs)}"})
     return out
@@ -426,7 +464,8 @@ def main():
                     "by default a GPU keeps 32); a trailing 'lN': with speculative.mtp_lookup N, e.g. 3l2, 3dl2, 3nl2; then "
                     "'@NAME=VALUE' sets an engine attribute for that setting, e.g. 3@refill_at=32, "
                     "3@prefiller.padding_waste=1e9, 3@tail_narrowest=8 (a drained batch moves to widths 16, 8 built "
-                    "ahead: mtplx/tail_widths.py); 'plain@NAME=VALUE': plain decoding so)")
+                    "ahead: mtplx/tail_widths.py), or a module's switch while that setting's engine is made, warmed "
+                    "and timed, e.g. 3@mtplx.qmm_rows.ONE_MATRIX=1; 'plain@NAME=VALUE': plain decoding so)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of every setting, interleaved: all warmed up "
                     "first, then rounds of one run each (plain included) in an order rotated every round; the table gives "
                     "medians, x plain as the median of ratios to plain's run of the same round, their spread (min..max) "

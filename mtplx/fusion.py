@@ -26,7 +26,8 @@ from typing import List, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import layer_kernels, rows_attention, skinny_matmul
+from . import layer_kernels, qmm_rows, rows_attention, skinny_matmul
+from .qmm_rows import QMV_ROWS
 
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -57,6 +58,7 @@ class _Stacked:
         self.views = [_like(layers[0], {k: self.layer[k][a:b] for k in keys}) for a, b in self.spans]
         # rows whose stacked product gives each sibling the bits of its own: see `few_rows`
         self.few_rows = few_rows(self.layer)
+        self.whole = False  # the stacked product taken past QMV_ROWS rows too (qmm_rows: quantized, on CUDA)
         self._x = None
         self._parts: List[mx.array] = []
         self._left = 0
@@ -86,12 +88,12 @@ class StackedPart(nn.Module):
 
     def __call__(self, x):
         st = self._stacked[0]
-        if x.size // x.shape[-1] > (st.few_rows if STACK_FEW_ROWS else 1):  # many rows: each sibling's own product
-            return st.views[self._index](x)
+        rows = x.size // x.shape[-1]
+        if rows > (st.few_rows if STACK_FEW_ROWS else 1) and not qmm_rows.whole(st, x):
+            return st.views[self._index](x)  # more rows: each sibling's own product
         return st.part(x, self._index)
 
 
-QMV_ROWS = 7  # MLX CUDA's quantized matmul runs its vector kernel (qmv) below 8 rows (quantized.cpp)
 # few-row products stacked where `few_rows` allows (read when a program is traced); benchmarks turn it off
 # for one engine's warm-up (round_trace `:mtplx.fusion.STACK_FEW_ROWS=0`) to measure the path before
 STACK_FEW_ROWS = True
@@ -234,7 +236,8 @@ def decode_paths(model, compiled: bool, stack: bool = True, rows: bool = True, s
                  layer: bool = False, mlp: bool = False, o_norm: bool = False) -> dict:
     """The engine's CUDA decode paths: per-row attention for masked attention (rows_attention.py)
     and, when decode steps are compiled, stacked projections and (`skinny`) the few-row matmul kernel
-    (skinny_matmul.py); (`layer`) a layer's small ops as fewer kernels (layer_kernels.py); (`mlp`) the
+    (skinny_matmul.py); quantized products of many rows as one matrix, stacked siblings' whole (qmm_rows.py,
+    on CUDA whether compiled or not); (`layer`) a layer's small ops as fewer kernels (layer_kernels.py); (`mlp`) the
     stacked gate/up product and its SwiGLU as one kernel at one row (mlp_kernel.py); (`o_norm`, with
     `layer`) o_proj, the residual add and the norm as one kernel at one row (o_norm_kernel.py). All but the
     skinny kernel keep the values exactly, the kernel keeps each row's value whatever the row
@@ -243,6 +246,8 @@ def decode_paths(model, compiled: bool, stack: bool = True, rows: bool = True, s
 
     return {"rows_attention": rows_attention.install(model) if rows else 0,
             "stacked_projections": fuse_projections(model, DECODE_GROUPS) if stack and compiled and stacking_pays() else 0,
+            # quantized products of many rows as one matrix, stacked ones whole (qmm_rows; after the stacking)
+            "quantized_rows": qmm_rows.install(model) if qmm_rows.pays() else 0,
             "skinny_matmul": skinny_matmul.install(model) if skinny and compiled else 0,
             "layer_kernels": layer_kernels.install(model, o_norm=o_norm) if layer else 0,
             "o_norm_kernel": int(o_norm and layer and layer_kernels._State.o_norm),

@@ -319,6 +319,27 @@ def test_round_cost_interleaved_pairs_each_run_with_plains_of_its_round(tmp_path
     assert out[1]["new programs"] == 0  # warmed up before the first round
 
 
+def test_round_cost_sets_a_module_switch_for_its_setting_alone():
+    """`@mtplx.MODULE.NAME=V` holds while that setting's engine is made, warmed and timed, then is put back;
+    a plain setting with one sums no programs (plain decoding has none)."""
+    from benchmarks.round_cost import PLAIN, module_attrs, setting, summarize
+    from mtplx import qmm_rows
+
+    s = setting("plain@mtplx.qmm_rows.ONE_MATRIX=1", "h")
+    assert s.attrs == (("mtplx.qmm_rows.ONE_MATRIX", 1),) and s.spec.method == "none"
+    before = qmm_rows.ONE_MATRIX
+    with module_attrs(s.attrs + (("refill_at", 3),)):  # engine attributes are the engine's (prepare)
+        assert qmm_rows.ONE_MATRIX is True
+    assert qmm_rows.ONE_MATRIX is before
+    with pytest.raises(SystemExit, match="no such attribute"):
+        with module_attrs((("mtplx.qmm_rows.NO_SUCH", 1),)):
+            pass
+    fake = {"tok/s": 1.0, "full tok/s": "-", "ms/round": 1.0, "wait ms/round": "-", "rounds": 3, "tok/round": 2.0,
+            "admissions": 1, "drains": 1, "prefill s": 0.1, "tail s": "-", "tokens/verify": 1.0, "new programs": "-",
+            "texts": {0: [1]}}
+    assert summarize([PLAIN, s], [[fake], [fake]], [0.0, 0.0])[1]["new programs"] == "-"
+
+
 def test_write_destinations_tell_a_copy_from_an_in_place_write():
     """A scatter into an array another node of the graph reads is counted as a copy (MLX copies the whole
     destination first), one into an evaluated array nothing else reads as `evaluated`, one into a fresh
