@@ -131,7 +131,8 @@ def plain_rows(head: MTPHead, ids: mx.array) -> Optional[mx.array]:
         return None
     if type(layer) in (nn.Linear, nn.Embedding):
         return layer.weight[ids]
-    if QUANTIZED_ROWS and type(layer) in (nn.QuantizedLinear, nn.QuantizedEmbedding):
+    # (isinstance: qmm_rows' subclasses run the same product)
+    if QUANTIZED_ROWS and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         biases = layer.get("biases")
         return mx.dequantize(layer["weight"][ids], scales=layer["scales"][ids],
                              biases=None if biases is None else biases[ids], group_size=layer.group_size,
