@@ -13,6 +13,29 @@ import sys
 import yaml
 
 
+def job_graph_limits(cli_args) -> None:
+    """For `run JOB [--set K=V ...] [--limit N]`: the job's CUDA-graph limits, set as the CLI sets them
+    (mtplx/cuda_graphs.py), before an --attr imports an engine module and with it mlx.core."""
+    if not cli_args or cli_args[0] != "run":
+        return
+    from pipelines.cli.commands import run
+    from pipelines.errors import JobError
+    from pipelines.execution.opening import apply_graph_limits
+    from pipelines.job.config import load_job
+
+    params = run.make_context("run", list(cli_args[1:]), resilient_parsing=True).params
+    try:
+        job = load_job(params["job_file"], params["overrides"])
+    except JobError:
+        return  # the CLI refuses it itself
+    apply_graph_limits(job, params["limit"])
+
+
+def _set(target: str, value: str) -> None:
+    module, name = target.rsplit(".", 1)
+    setattr(importlib.import_module(module), name, yaml.safe_load(value))
+
+
 def set_attrs(argv, doc=__doc__) -> list:
     """Parse `[--attr MODULE.NAME=V ...] -- CLI ARGS`, set each attribute, return the CLI's args."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -20,10 +43,14 @@ def set_attrs(argv, doc=__doc__) -> list:
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attr", action="append", default=[], help="MODULE.NAME=V, set before the command runs")
     args = ap.parse_args(argv[:cut])
-    for a in args.attr:
-        target, value = a.split("=", 1)
-        module, name = target.rsplit(".", 1)
-        setattr(importlib.import_module(module), name, yaml.safe_load(value))
+    attrs = [a.split("=", 1) for a in args.attr]
+    graphs = [a for a in attrs if a[0].startswith("mtplx.cuda_graphs.")]  # they decide the job's limits
+    for target, value in graphs:
+        _set(target, value)
+    job_graph_limits(argv[cut + 1:])  # before the other attributes' modules import mlx.core
+    for target, value in attrs:
+        if [target, value] not in graphs:
+            _set(target, value)
     return argv[cut + 1:]
 
 
