@@ -115,3 +115,27 @@ def test_the_widths():
     assert tail_widths.target(3, 32, keeps=32, narrowest=0) is None
     assert tail_widths.target(3, 32, keeps=1, narrowest=0) == 4  # the CPU rule, as before
     assert tail_widths.TAIL_NARROWEST == 0
+
+
+def test_a_batch_narrowed_at_a_larger_capacity_finds_its_first_proposal_built(setup, monkeypatch):
+    """Without capacity reserved at admission (generation.RESERVE_CAPACITY off) the rows cross a
+    capacity bucket (256 -> 512) while the batch is wide, then narrow: the narrowed batch's first
+    round proposes at the new capacity, where the wide batch never proposed (its drafts were made
+    ahead in each commit), so that proposal's twins come with the wide commit's."""
+    import mtplx.generation
+
+    monkeypatch.setattr(mtplx.generation, "RESERVE_CAPACITY", False)
+    bundle, paths, _, _ = setup
+    rng = np.random.default_rng(9)
+    rows = [(rng.integers(3, 400, 220 + i).tolist(), m) for i, m in enumerate([40, 64, 44, 70, 48, 58, 52, 66])]
+    eos = set(bundle.tokenizer.eos_token_ids)
+    eng, widths = _engine(setup, "mtp", narrowest=2)
+    reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
+    out = {r.key: r.tokens for r in eng.generate(reqs)}
+    assert [out[i] for i in range(len(rows))] == [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
+    assert min(w for w, n in widths if n) < WIDTH, widths
+    bank = eng.drafter.bank
+    assert ("propose", WIDTH) not in {k[:2] for k in bank._programs if k[3] == 512}  # never proposed wide there
+    narrow = [k for k in bank._programs if k[1] < WIDTH]
+    assert any(k[0] == "propose" and k[3] == 512 for k in narrow), narrow
+    assert bank.stats["twins"] == len(narrow), list(bank._programs)
