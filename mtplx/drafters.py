@@ -190,6 +190,12 @@ HEAD_BEHIND = 64  # rounds without drafts the MTP head may fall behind by before
 # first round). Off: one eager forward over all of them (the path before session 9: on a GPU each new
 # length met attention plans and kernels no program had built, and its drafts were proposed eagerly).
 CATCH_UP_COMPILED = True
+# Commits of rounds that drafted nothing (a catch-up's pieces, the round that drafts again after them: each
+# round one verified token) run padded to `catch_up_len` verified tokens, in the program of a round at the
+# deepest depth: the padding sits past each row's kept tokens, where a rejected draft's entries sit (written,
+# never attended, overwritten by the next commit). Off: a program per length (a fresh eval-mtp run built
+# commit programs of 1-3 tokens and the resuming commit-and-draft of 1 for its tries of plain decoding)
+PAD_PLAIN_COMMITS = True
 
 
 class MtpDrafter(_CachedDrafter):
@@ -392,8 +398,8 @@ class MtpDrafter(_CachedDrafter):
         (and warms) anyway, so a catch-up meets no new shape, whatever its length."""
         for at in range(0, len(behind), self.catch_up_len):
             part = behind[at : at + self.catch_up_len]
-            verify_in = mx.concatenate([b[0] for b in part], axis=1)
-            hidden = mx.concatenate([b[1] for b in part], axis=1)
+            verify_in, hidden = self._padded(mx.concatenate([b[0] for b in part], axis=1),
+                                             mx.concatenate([b[1] for b in part], axis=1))
             n, nxt = part[-1][2] + (len(part) - 1), part[-1][3]
             counts = sum((b[4] for b in part[1:]), part[0][4])
             most = sum((b[5] for b in part[1:]), part[0][5])
@@ -406,6 +412,13 @@ class MtpDrafter(_CachedDrafter):
             self.extra = list(out[:2])
             if self.lookup is not None:
                 self.history = out[2]
+
+    def _padded(self, verify_in, hidden):
+        """A commit's verified tokens and hidden states padded to `catch_up_len` (PAD_PLAIN_COMMITS)."""
+        pad = self.catch_up_len - verify_in.shape[1]
+        if not PAD_PLAIN_COMMITS or pad <= 0 or self.bank is None:
+            return verify_in, hidden
+        return mx.pad(verify_in, [(0, 0), (0, pad)]), mx.pad(hidden, [(0, 0), (0, pad), (0, 0)])
 
     def _commit(self, n, nxt, counts, most, verify_in, hidden, exact=False, following=None):
         out, self.ready = None, None
@@ -421,6 +434,8 @@ class MtpDrafter(_CachedDrafter):
             counts = sum((b[4] for b in behind), counts)
             most = sum((b[5] for b in behind), np.asarray(most))
         plan = None if following is None else (counts,) + tuple(following)
+        if verify_in.shape[1] == 1 and not behind:  # a round that drafted nothing (its catch-up is committed)
+            verify_in, hidden = self._padded(verify_in, hidden)
         K1 = verify_in.shape[1]
         lookup = self._lookup_arg(K1 + (following[0] if following else 0))
         if self.bank is not None and not behind:  # (a catch-up's length varies: eager, not a program per length)

@@ -5,7 +5,8 @@ a trace, a graph and, on a GPU, kernel loads, paid again in every process.
   drained, and adaptive depth tries no other depth there (generation.PEEK_SOURCE);
 - adaptive depth builds a depth's programs when a round first runs it, none ahead (spec_rounds.WARM_DEPTHS off);
 - a batch's caches are grown once, to what its rows can reach, so its programs have one capacity
-  (generation.RESERVE_CAPACITY).
+  (generation.RESERVE_CAPACITY);
+- the head's commits of rounds without drafts run in the deepest round's commit program (drafters.PAD_PLAIN_COMMITS).
 Every run gives plain decoding's text.
 """
 
@@ -90,3 +91,31 @@ def test_a_batch_runs_at_one_capacity_when_its_rows_cross_a_bucket(tiny_model, t
     monkeypatch.setattr(generation, "RESERVE_CAPACITY", False)
     before, _ = _mtp_run(tiny_model, tmp_path, rows, width=2, adaptive=False)
     assert _capacities(before) == {256, 512}, _keys(before)
+
+
+def test_commits_of_rounds_without_drafts_run_in_the_deepest_rounds_program(tiny_model, tmp_path, monkeypatch):
+    """Depth 3 with stretches at depth 0 (adaptive depth's tries of plain decoding): the head's catch-ups
+    and the rounds that draft again after them commit through the programs of a depth-3 round's commit
+    (4 verified tokens), padded (drafters.PAD_PLAIN_COMMITS; off: programs of 1, 2 and 3 tokens too), and
+    the text is plain decoding's."""
+    from mtplx import drafters
+    from test_mtp_draft import _sidecar
+
+    bundle = load(tiny_model("llama"))
+    eos = set(bundle.tokenizer.eos_token_ids)
+    head = _sidecar(bundle, tmp_path / "head")
+    rows = _rows(2, prompt=9, tokens=60, seed=9)
+
+    def run():
+        spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=True, mtp_head=head)
+        eng = Engine(bundle, spec, ScheduleConfig(max_batch=2, order="input"))
+        cycle = iter(([3, 3, 0, 0, 0, 3, 0, 3, 3, 0, 0] + [3] * 5) * 40)
+        eng.depth_control.choose = lambda w, **k: next(cycle)
+        out = {r.key: r.tokens for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
+        for i, (p, m) in enumerate(rows):
+            assert out[i] == reference_tokens(bundle.model, p, m, eos), i
+        return {k[2] for k in eng.drafter.bank._programs if k[0] != "propose"}
+
+    assert run() == {4}
+    monkeypatch.setattr(drafters, "PAD_PLAIN_COMMITS", False)
+    assert run() > {4}
