@@ -37,8 +37,10 @@ def setup(tiny_model, tmp_path_factory):
 
 def _engine(setup, method, narrowest, params=None):
     bundle, paths, _, _ = setup
+    lookup = method == "mtp-lookup"  # MTP with prompt lookup on the device (speculative.mtp_lookup)
+    method = "mtp" if lookup else method
     spec = SpeculativeConfig(method=method, depth=3, adaptive_depth=False, mtp_head=paths["mtp"] if method == "mtp" else None,
-                             draft_model=paths["draft"] if method == "draft" else None)
+                             draft_model=paths["draft"] if method == "draft" else None, mtp_lookup=2 if lookup else 0)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=WIDTH, order="input"))
     eng.TAIL_KEEPS_WIDTH = WIDTH  # as on a GPU: the tail keeps the batch's width unless it may move to a tail width
     eng.tail_narrowest = narrowest
@@ -61,7 +63,7 @@ def _width_of(bank, key):
     return key[1] if isinstance(key[0], str) else key[0]
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "mtp", "draft"])
+@pytest.mark.parametrize("method", ["none", "ngram", "mtp", "mtp-lookup", "draft"])
 def test_the_tail_moves_to_tail_widths_built_ahead(setup, method):
     _, _, rows, refs = setup
     eng, widths = _engine(setup, method, narrowest=2)
@@ -90,7 +92,7 @@ def test_without_twins_the_narrowed_tail_builds_its_own_programs(setup, method):
         assert bank.stats["twins"] == 0 and any(_width_of(bank, k) < WIDTH for k in bank._programs)
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "mtp", "draft"])
+@pytest.mark.parametrize("method", ["none", "ngram", "mtp", "mtp-lookup", "draft"])
 def test_a_sampled_row_keeps_its_text_in_a_narrowed_tail(setup, method):
     """A sampled row's text depends on its seed alone: the same with the tail kept at its width
     (whose sampled output is distribution-tested, test_engine_sampling.py) and moved to tail widths."""
