@@ -32,8 +32,15 @@ def job_graph_limits(cli_args) -> None:
 
 
 def _set(target: str, value: str) -> None:
-    module, name = target.rsplit(".", 1)
-    setattr(importlib.import_module(module), name, yaml.safe_load(value))
+    """MODULE.NAME=V, or MODULE.CLASS.NAME=V: a class attribute (`mtplx.generation.Engine.TAIL_KEEPS_WIDTH=32`,
+    a GPU's tail on a CPU)."""
+    owner, name = target.rsplit(".", 1)
+    try:
+        obj = importlib.import_module(owner)
+    except ImportError:
+        module, cls = owner.rsplit(".", 1)
+        obj = getattr(importlib.import_module(module), cls)
+    setattr(obj, name, yaml.safe_load(value))
 
 
 def set_attrs(argv, doc=__doc__) -> list:
