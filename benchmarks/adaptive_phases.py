@@ -6,8 +6,8 @@
 Watches, with the rounds landed so far: every new compiled program (the verify bank's and the MTP
 head's; built by a real call or ahead by a warm-up), every eager forward of the MTP head outside a
 program (the head's catch-up after rounds at depth 0, an eager proposal, an eager commit) with its
-query length, every eager verify; and the depths the rounds drafted. Prints one line per event and a
-summary: what was built or run eagerly at a shape that no program or earlier eager call had met
+query length, every eager verify; the depths the rounds drafted; and the admissions (rows each prefill
+took). Prints one line per event and a summary: what was built or run eagerly at a shape that no program or earlier eager call had met
 ("new shapes after round 1": on a GPU each is a trace, a graph and possibly kernel builds).
 """
 
@@ -23,6 +23,7 @@ class Watch:
         self.rounds, self.events, self.depths = 0, [], Counter()
         self.eager_shapes = set()
         self.consumer = []  # seconds the caller took per result yielded
+        self.admitted = []  # rows of each admission's prefill
 
     def event(self, kind: str, what) -> None:
         self.events.append((self.rounds, kind, what))
@@ -91,6 +92,15 @@ class Watch:
                 watch.consumer.append(time.perf_counter() - t)
 
         spec_rounds.SpeculativeRounds._round = _round
+        from mtplx import prefill
+
+        run = prefill.Prefiller.run
+
+        def admission(self, rows, *a, **k):  # each admission's prefill (an eager launch and graph build on a GPU)
+            watch.admitted.append(len(rows))
+            return run(self, rows, *a, **k)
+
+        prefill.Prefiller.run = admission
 
     def eager_head(self, shape) -> None:
         new = shape not in self.eager_shapes
@@ -107,7 +117,8 @@ class Watch:
                 f"eager head commit shapes (W, L): {sorted(self.eager_shapes)}\n"
                 f"caller's time per result yielded: {len(self.consumer)} results, "
                 f"max {1000 * max(self.consumer, default=0):.1f} ms, sum {sum(self.consumer):.3f} s, "
-                f"over 5 ms: {sum(c > 0.005 for c in self.consumer)}")
+                f"over 5 ms: {sum(c > 0.005 for c in self.consumer)}\n"
+                f"admissions: {len(self.admitted)} (rows {self.admitted})")
 
 
 def main(argv=None):
