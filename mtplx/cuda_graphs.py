@@ -33,12 +33,11 @@ BUCKETS = ((1, "1"), (16, "2-16"), (None, "17+"))
 # (bucket, speculative) -> MLX's variable -> value; a key not here: MLX's defaults. H200, SmolLM2-135M,
 # held-out HumanEval, fresh processes (raw logs benchmarks/results/h200-s9-final-ops400.log, h200-s10-*):
 TABLE: Dict[Tuple[str, bool], Dict[str, str]] = {
-    # one stream, MTP depth 3 at 400 ops: 464 / 562 tok/s (7 / 3 repeats, two processes) against 502 at 100
-    # (session 9's final window): provisional, under test in session 10's window 2 (h10b)
-    ("1", True): {"MLX_MAX_OPS_PER_BUFFER": "400"},
-    # width 8, 400 ops (session 10 window 1, 3 repeats): plain 1.32-1.33k tok/s against 1.88-2.03k, MTP 3
-    # 1.83-2.03k against 2.28-2.67k; width 32 (session 9, 64 / 128 rows): plain 5.3k / 5.2k against 6.3k / 5.8k,
-    # MTP 3 5.9k / 6.8k against 6.9k / 7.7k: MLX's defaults there
+    # No row pays yet, so every job gets MLX's defaults. One stream, MTP depth 3 at 400 ops: 464 / 562 tok/s
+    # (7 / 3 repeats, two processes) against 502 at 100 (session 9's final window): inside the noise, and
+    # never re-measured. Width 8 at 400 ops (session 10 window 1, 3 repeats): plain 1.32-1.33k tok/s against
+    # 1.88-2.03k, MTP 3 1.83-2.03k against 2.28-2.67k. Width 32 (session 9, 64 / 128 rows): plain 5.3k / 5.2k
+    # against 6.3k / 5.8k, MTP 3 5.9k / 6.8k against 6.9k / 7.7k.
 }
 
 applied: Dict[str, str] = {}  # what this process set

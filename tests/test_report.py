@@ -4,6 +4,7 @@ import io
 import json
 import re
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -219,8 +220,12 @@ class SlowEngine:
             yield result
 
 
-def test_log_json_events(tmp_path, model, capsys):
+def test_log_json_events(tmp_path, model, capsys, monkeypatch):
+    from mtplx import cuda_graphs
     from mtplx.generation import Engine
+
+    # as after an earlier job in this process chose a CUDA-graph row: the note rides in the start line
+    monkeypatch.setattr(cuda_graphs, "chosen", "width 2-16, speculative")
 
     data = write_jsonl(tmp_path / "in.jsonl", lines_with_errors())
     job = build_job(job_dict(model, data, tmp_path / "run", fmt="jsonl", input={"chat_template": "off"},
@@ -232,6 +237,9 @@ def test_log_json_events(tmp_path, model, capsys):
     events = [json.loads(line) for line in err.splitlines()]  # every line is one JSON object
     kinds = [e["event"] for e in events]
     assert kinds[0] == "start" and kinds[-1] == "summary"
+    assert "log" not in kinds
+    if sys.platform.startswith("linux"):
+        assert "table row: width 2-16, speculative" in events[0]["cuda_graphs"]
     assert kinds.count("shard") == summary.shards == 3
     assert "progress" in kinds
     prog = [e for e in events if e["event"] == "progress"][-1]
