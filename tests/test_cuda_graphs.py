@@ -117,7 +117,7 @@ def test_the_cli_sets_them_from_the_job_before_mlx_core_loads(tmp_path, job_file
     if LINUX:
         assert summary["cuda_graphs"]["table"] == "width 1, speculative"
         assert summary["cuda_graphs"]["MLX_MAX_OPS_PER_BUFFER"] == "123 (table)"
-        assert any(e["event"] == "log" and "MLX_MAX_OPS_PER_BUFFER=123 (table)" in e["message"] for e in events)
+        assert "MLX_MAX_OPS_PER_BUFFER=123 (table)" in next(e for e in events if e["event"] == "start")["cuda_graphs"]
     # plain at width 4 (the job's max_batch) takes its own row; a user's own value wins over the table
     ops, code, events = _spy("cli", "run", job_file, "--set", "speculative.method=none", "--restart", "--log-json",
                              env={"MLX_MAX_OPS_PER_BUFFER": "77"})
