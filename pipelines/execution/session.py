@@ -76,6 +76,13 @@ def cuda_graph_note() -> Dict[str, Any]:
     return cuda_graphs.describe()
 
 
+def graphs_set(note: Dict[str, Any]) -> bool:
+    """Whether a CUDA-graph limit is in effect (the table's or the user's), not MLX's defaults."""
+    from mtplx import cuda_graphs
+
+    return any(k in note for k in cuda_graphs.VARIABLES)
+
+
 def peak_rss_bytes() -> int:
     import resource
 
@@ -199,7 +206,8 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
                     "json" if log_json else "off" if quiet else "bars", log_every, startup=startup, cuda_graphs=graphs)
         startup.lap("config")
         summary = RunSummary(run_dir=run.path, skipped=len(committed), cuda_graphs=graphs)
-        if graphs["table"] and graphs["line"] and not log_json:  # --log-json: in the start line (Session.begin)
+        # a line when a value is set (the table's or the user's); --log-json: always in the start line (Session.begin)
+        if graphs["line"] and not log_json and graphs_set(graphs):
             log(graphs["line"])
         if s.finished:  # checked before any model loads
             log(f"finished: all {s.wanted} output rows are committed in {run.path}; nothing to do "
