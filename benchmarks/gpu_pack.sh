@@ -2,7 +2,7 @@
 # Packs what an H200 call needs into ignored folders of < 60 MiB each (../shared/GPU.md): the half of the
 # kit that runs here, on a machine with PyPI; `gpu_session.sh setup` is the half that runs there.
 #
-#   bash benchmarks/gpu_pack.sh          # .gpu-a .. .gpu-d from PyPI and `mtplx-batch fetch` (~1 min)
+#   bash benchmarks/gpu_pack.sh          # .gpu-a .. .gpu-d from PyPI and `mtplx-batch fetch` (~20 s)
 #
 # Then one device call a folder, back to back (the host keeps files ~30 s after a call):
 #   carry .gpu-a: mkdir -p ~/keep && cp .gpu-a/* ~/keep/      (mlx, mlx-lm, the CUDA wheel's first part)

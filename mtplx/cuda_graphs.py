@@ -89,12 +89,14 @@ def apply_for(width: Union[int, str], method: str, environ: Optional[MutableMapp
 
 def describe(environ: Optional[MutableMapping[str, str]] = None) -> Dict[str, object]:
     """What MLX reads in this process: {"table": the row apply_for chose (or why none; None before it ran),
-    VARIABLE: "VALUE (table|yours)" for each one set, "line": all that in words (None off Linux)}."""
+    VARIABLE: "VALUE (table|yours)" for each one set, "set": whether any is, "line": all that in words
+    (None off Linux)}."""
     environ = os.environ if environ is None else environ
     out: Dict[str, object] = {"table": chosen}
     for k in VARIABLES:
         if k in environ:
             out[k] = f"{environ[k]} ({'table' if applied.get(k) == environ[k] else 'yours'})"
+    out["set"] = any(k in out for k in VARIABLES)  # a limit in effect, not MLX's defaults
     values = ", ".join(f"{k}={out[k]}" for k in VARIABLES if k in out) or "MLX's defaults"
     row = f"; table row: {chosen}" if chosen else ""
     out["line"] = f"MLX CUDA graphs: {values}{row}" if sys.platform.startswith("linux") else None

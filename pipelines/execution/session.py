@@ -76,13 +76,6 @@ def cuda_graph_note() -> Dict[str, Any]:
     return cuda_graphs.describe()
 
 
-def graphs_set(note: Dict[str, Any]) -> bool:
-    """Whether a CUDA-graph limit is in effect (the table's or the user's), not MLX's defaults."""
-    from mtplx import cuda_graphs
-
-    return any(k in note for k in cuda_graphs.VARIABLES)
-
-
 def peak_rss_bytes() -> int:
     import resource
 
@@ -108,7 +101,6 @@ class Session:
     progress: Optional[Progress] = None
     started: float = field(default_factory=time.monotonic)
     startup: Startup = field(default_factory=Startup)
-    cuda_graphs: Dict[str, Any] = field(default_factory=dict)  # cuda_graph_note(): in --log-json's start line
 
     def report_startup(self) -> None:
         """With --log-json: the `startup` line, once the first token is out."""
@@ -147,9 +139,8 @@ class Session:
         """Generation starts now (the engine or the cluster is up): the clock and the progress."""
         self.started = time.monotonic()
         self.progress = self._new_progress()
-        if self.progress_mode == "json" and self.cuda_graphs.get("table"):
-            fields.setdefault("cuda_graphs", self.cuda_graphs.get("line"))
-        self.progress.start(run_dir=self.run.path, job=self.job.name, **fields)
+        graphs = self.run.manifest.get("cuda_graphs") or {}  # (run_job's cuda_graph_note)
+        self.progress.start(run_dir=self.run.path, job=self.job.name, cuda_graphs=graphs.get("line"), **fields)
 
 
 def executor_rows(job: JobConfig, engine=None) -> Callable[[Session], Rows]:
@@ -203,11 +194,10 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
         run.update(input_rows=total_rows, samples=job.generation.n, planned_rows=planned, limit=job_limit,
                    cuda_graphs=graphs)
         s = Session(job, prep, run, committed, limit, total_rows, log, quiet,
-                    "json" if log_json else "off" if quiet else "bars", log_every, startup=startup, cuda_graphs=graphs)
+                    "json" if log_json else "off" if quiet else "bars", log_every, startup=startup)
         startup.lap("config")
         summary = RunSummary(run_dir=run.path, skipped=len(committed), cuda_graphs=graphs)
-        # a line when a value is set (the table's or the user's); --log-json: always in the start line (Session.begin)
-        if graphs["line"] and not log_json and graphs_set(graphs):
+        if graphs["set"] and graphs["line"] and not log_json:  # --log-json: in the start line (Session.begin)
             log(graphs["line"])
         if s.finished:  # checked before any model loads
             log(f"finished: all {s.wanted} output rows are committed in {run.path}; nothing to do "
