@@ -26,9 +26,9 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import pyarrow.parquet as pq
 
 from ..errors import JobError, RunError
-from .columns import SUMMED_COLUMNS
-from ..job.fingerprint import diff_fingerprint_parts, fingerprint, refusal_note
-from .fsutil import atomic_write, make_dirs, sha256_file
+from ..job.columns import SUMMED_COLUMNS
+from ..job.fingerprint import diff_fingerprint_parts, fingerprint, refusal_note, sha256_file
+from .fsutil import atomic_write, make_dirs
 
 MANIFEST = "manifest.json"
 JOB_FILE = "job.yaml"
