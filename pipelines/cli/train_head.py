@@ -77,8 +77,8 @@ def _terminate_as_interrupt(signum, frame):
                    "--general-samples sampled continuations: stdlib-code:N (N stdlib functions cut to signature + docstring, the trunk "
                    "writes the body) or stdlib-chat:N (N docstrings asked about in words).")
 @click.option("--general-samples", type=click.IntRange(min=0), default=1, show_default=True,
-              help="Sampled continuations per --prompts prompt besides its greedy one (session 8's recipe ran out of "
-                   "stdlib prompts 17 s before its generation limit: more per prompt is more data).")
+              help="Sampled continuations per --prompts prompt besides its greedy one (more per prompt is more "
+                   "data when the prompts run out before --data-seconds).")
 @click.option("--gen-batch", type=click.IntRange(min=1), default=32, show_default=True,
               help="Self-distillation: rows generated together (wider is faster on a GPU).")
 @click.option("--data-seconds", type=click.FloatRange(min=0, min_open=True), default=None,
