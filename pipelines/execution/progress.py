@@ -71,8 +71,9 @@ def json_logger(stream: Optional[TextIO] = None) -> Callable[[str], None]:
 class Progress:
     """Counts what one session of a run does, and reports it.
 
-    mode: "json" (JSON lines, see the module doc) or "off". `view`, given, makes the object that
-    draws it (pipelines/cli/progress.py: `Bars`), told of every change. The runner calls `start`,
+    mode: "json" (JSON lines, see the module doc) or "off". `view(progress)`, given, makes what
+    draws it (pipelines/cli/progress.py: `Bars`), called on each change: `submitted()`,
+    `finished(via_engine)`, `engine_event(now, first_round)`, `close()`. The runner calls `start`,
     `submitted` for every request the engine takes, `finished` for every output row, `committed`
     for every shard, and `close` once.
     """
