@@ -105,7 +105,7 @@ def instrument(engine):
 
 def same_tokens(job, tokenizer) -> bool:
     """The job's prompts tokenized together (a shared prefix once) against each encoded whole."""
-    from pipelines.execution.opening import open_job
+    from pipelines.io.job_input import open_job
 
     prep = open_job(job, tokenizer)
     rows = [r.data for r in prep.source.rows() if r.error is None][: job.input.limit]

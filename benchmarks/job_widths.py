@@ -27,7 +27,8 @@ from mtplx import layer_kernels
 from mtplx.fusion import DECODE_GROUPS, fuse_projections, stacking_pays, unstack
 from mtplx.generation import Engine
 from mtplx.prefill import PrefixStore
-from pipelines.execution.opening import load_engine, open_job
+from pipelines.execution.opening import load_engine
+from pipelines.io.job_input import open_job
 from pipelines.execution.session import run_job
 from pipelines.io.rows import prepare
 from pipelines.job.config import load_job

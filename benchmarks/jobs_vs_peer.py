@@ -38,7 +38,7 @@ from mtplx.prefill import PrefixStore
 from pipelines.execution.startup import process_age
 from pipelines.job.config import load_job
 from pipelines.io.rows import prepare
-from pipelines.execution.opening import open_job
+from pipelines.io.job_input import open_job
 from pipelines.execution.session import run_job
 
 from .common import device_name, save_json, speed_ratio, sync, table, versions

@@ -10,7 +10,8 @@ from mtplx.config import ScheduleConfig, SpeculativeConfig
 from pipelines.job.config import InputConfig, build_job
 from pipelines.errors import JobError, RunError
 from pipelines.execution.ordering import common_prefix, length_order, ordered, prefix_groups
-from pipelines.io.prompts import Field, PromptRenderer, RowError, parse_template
+from pipelines.io.prompts import PromptRenderer, RowError
+from pipelines.job.template import Field, parse_template
 from pipelines.execution.session import run_job
 
 try:

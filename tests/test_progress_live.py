@@ -10,11 +10,12 @@ import pytest
 
 from jobkit import job_dict, read_output, sample_rows, write_jsonl
 from pipelines.job.config import build_job
-from pipelines.cli.progress import Progress
-from pipelines.io.checkpoint import PROGRESS_FILE
-from pipelines.cli.report import collect, read_progress
+from pipelines.cli.progress import Bars
 from pipelines.cli.report_plots import throughput_intervals
+from pipelines.execution.progress import Progress
 from pipelines.execution.session import run_job
+from pipelines.io.checkpoint import PROGRESS_FILE
+from pipelines.io.run_stats import collect, read_progress
 
 
 class Clock:
@@ -32,7 +33,7 @@ def model(tiny_model):
 
 def test_tokens_rate_and_eta_before_any_row_finishes():
     stream, clock = io.StringIO(), Clock()
-    p = Progress(total=4, mode="bars", stream=stream, force_bars=True, clock=clock, max_tokens=10)
+    p = Progress(total=4, stream=stream, clock=clock, max_tokens=10, view=Bars)
     for _ in range(4):
         p.submitted(30)
     p.engine_event("prefill", 120)
@@ -44,7 +45,7 @@ def test_tokens_rate_and_eta_before_any_row_finishes():
     assert p.recent_rate() == pytest.approx(4.0)  # 4 tokens over the last second
     # 4 rows x at most 10 tokens - 8 generated = 32 tokens at 4 tok/s
     assert p.eta_seconds() == pytest.approx(8.0)
-    assert "8 tok" in p.postfix() and "ETA 8s" in p.postfix()
+    assert "8 tok" in p.view.postfix() and "ETA 8s" in p.view.postfix()
     text = stream.getvalue()
     assert "8 tok, 4.0 tok/s" in text and "120 prompt tokens" in text  # drawn, though no row is done
     # a finished row: its tokens are already counted; the mean of finished rows takes over
@@ -53,7 +54,7 @@ def test_tokens_rate_and_eta_before_any_row_finishes():
     p.finished({"finish_reason": "length", "completion_tokens": 3})
     assert p.generated_tokens == 12 and p.completion_tokens == 3
     # 3 rows left x 3 tokens - (12 - 3) in flight = 0: the rows in flight outran the estimate
-    assert p.eta_seconds() is None and "ETA ?" in p.postfix()
+    assert p.eta_seconds() is None and "ETA ?" in p.view.postfix()
     clock.t = 4.0
     p.finished({"finish_reason": "length", "completion_tokens": 10})
     # 2 rows left x 6.5 tokens - (12 - 13 -> 0) in flight = 13 tokens at 8 tokens / 3 s

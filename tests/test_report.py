@@ -13,9 +13,11 @@ from click.testing import CliRunner
 from jobkit import job_dict, read_output, sample_rows, write_job, write_jsonl
 from pipelines.cli.commands import main
 from pipelines.job.config import build_job
-from pipelines.cli.progress import Progress
-from pipelines.cli.report import error_kind, write_report
+from pipelines.cli.progress import Bars, terminal_bars
+from pipelines.cli.report import write_report
+from pipelines.execution.progress import Progress
 from pipelines.execution.session import run_job
+from pipelines.io.run_stats import collect, error_kind
 
 pytest.importorskip("matplotlib")
 
@@ -63,7 +65,6 @@ def test_tokens_per_verify_is_one_figure_everywhere(spec_run):
     """The column, `status` and `report` all show tokens committed per drafting verify,
     (accepted + verifies) / verifies: not completion tokens (the prefill token and rounds that
     drafted nothing are no verify of a draft) over verifies."""
-    from pipelines.cli.report import collect
     from pipelines.cli.status import run_status
 
     out = [r for r in read_output(spec_run.output.dir) if r["finish_reason"] != "error"]
@@ -180,7 +181,7 @@ class Clock:
 
 def test_progress_bars_show_tokens_acceptance_and_token_eta():
     stream, clock = io.StringIO(), Clock()
-    p = Progress(total=10, initial=2, mode="bars", stream=stream, force_bars=True, clock=clock)
+    p = Progress(total=10, initial=2, stream=stream, clock=clock, view=Bars)
     for i in range(4):
         p.submitted(50)
         clock.t += 1.0
@@ -190,7 +191,7 @@ def test_progress_bars_show_tokens_acceptance_and_token_eta():
     assert p.acceptance_rate == 0.5 and p.tokens_per_verify == 1.5
     # 3 rows left x 16 tokens per finished row (80 / 5) at 20 tok/s (recent) = 2.4 s
     assert p.eta_seconds() == pytest.approx(3 * 16 / 20)
-    assert re.search(r"\d+\.\d tok/s, acc 50%, 1\.50 tok/verify, 1 err, ETA 2s", p.postfix()), p.postfix()
+    assert re.search(r"\d+\.\d tok/s, acc 50%, 1\.50 tok/verify, 1 err, ETA 2s", p.view.postfix()), p.view.postfix()
     p.close()
     text = stream.getvalue()
     assert "prefill" in text and "decode" in text and "prompt tok/s" in text and "acc 50%" in text
@@ -198,8 +199,8 @@ def test_progress_bars_show_tokens_acceptance_and_token_eta():
 
 def test_quiet_and_non_terminal_show_no_bars():
     stream = io.StringIO()
-    for mode in ("off", "bars"):  # "bars" on a stream that is not a terminal: nothing either
-        p = Progress(total=3, mode=mode, stream=stream)
+    for view in (None, terminal_bars):  # bars on a stream that is not a terminal: nothing either
+        p = Progress(total=3, stream=stream, view=view)
         p.finished({"finish_reason": "stop", "completion_tokens": 3})
         p.close()
     assert stream.getvalue() == ""

@@ -10,8 +10,7 @@ import pytest
 
 from pipelines.io.checkpoint import RunDir, read_manifest, totals
 from pipelines.errors import JobError
-from pipelines.job.fingerprint import fingerprint
-from pipelines.io.fsutil import sha256_file
+from pipelines.job.fingerprint import fingerprint, sha256_file
 from pipelines.io.columns import OUTPUT_COLUMNS, output_schema
 from pipelines.io.sink import ShardWriter, empty_row
 
@@ -164,6 +163,6 @@ def test_foreign_directory_and_concurrent_runs_refused(tmp_path):
 
 
 def test_config_knows_the_output_column_names():
-    from pipelines.job.config import OUTPUT_COLUMN_NAMES
+    from pipelines.job.columns import OUTPUT_COLUMN_NAMES
 
     assert tuple(n for n, _ in OUTPUT_COLUMNS) == OUTPUT_COLUMN_NAMES

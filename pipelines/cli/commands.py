@@ -68,7 +68,7 @@ Exit codes: 0 success, 1 the run failed, 2 invalid job or refused resume.
 def _fail(err: Exception, as_json: bool = False) -> None:
     code = getattr(err, "exit_code", 1)
     if as_json:
-        from .progress import json_line
+        from ..execution.progress import json_line
 
         json_line("error", message=str(err), exit_code=code)
     else:
@@ -84,7 +84,7 @@ def _blas_notice(log_json: bool, quiet: bool) -> None:
     if note is None or quiet:
         return
     if log_json:
-        from .progress import json_line
+        from ..execution.progress import json_line
 
         json_line("log", message=note)
     else:
@@ -99,6 +99,7 @@ def _terminate_as_interrupt(signum, frame):
 def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool = False,
          log_every: float = 30.0) -> None:
     from ..execution.session import run_job
+    from .progress import terminal_bars
 
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     if log_json:
@@ -108,14 +109,14 @@ def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool =
     _blas_notice(log_json, quiet)
     try:
         summary = run_job(job, restart=restart, limit=limit, quiet=quiet or log_json, log=log,
-                          log_json=log_json, log_every=log_every)
+                          log_json=log_json, log_every=log_every, bars=terminal_bars)
     except (JobError, RunError) as e:
         _fail(e, log_json)
     except KeyboardInterrupt:
         msg = (f"interrupted: finished rows are committed to {job.output.dir}; run the same command again, "
                f"or `mtplx-batch resume {job.output.dir}`, to continue")
         if log_json:
-            from .progress import json_line
+            from ..execution.progress import json_line
 
             json_line("error", message=msg, exit_code=1)
         else:
@@ -132,7 +133,7 @@ def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool =
         msg = (f"the run failed: {type(e).__name__}: {e}. Committed shards are kept; "
                "run the same command again to continue")
         if log_json:
-            from .progress import json_line
+            from ..execution.progress import json_line
 
             json_line("error", message=msg, exit_code=1, traceback=traceback.format_exc())
         else:

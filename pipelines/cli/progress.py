@@ -1,74 +1,20 @@
-"""Live progress of a run: tqdm bars on a terminal, JSON lines for cron (`--log-json`), or nothing.
+"""The progress bars of `run` on a terminal, drawn from the run's Progress (pipelines/execution/progress.py).
 
 Two bars, both counted in rows (one row = one (input row, sample) generation):
     prefill   rows handed to the engine; the engine prefills a row as it takes it, so this bar
               runs ahead of decode by about one batch. Postfix: prompt tokens prefilled and
               their rate, live while a long prompt is still being prefilled span by span.
-    decode    rows finished. Postfix, live from the first decode round (the engine reports
-              every round through `Engine.on_progress`, wired to `engine_event`): generated
-              tokens, tokens/s (recent), acceptance, tokens per verify, and a token-based ETA:
-                  (rows left x expected tokens per row - tokens of rows in flight) / recent tok/s
-              Expected tokens per row: the mean of finished rows, generation.max_tokens before
-              any row has finished. The rate is taken over the last RATE_WINDOW seconds, so a
-              slow start (compiling, the first wide prefill) fades out of the estimate.
-
-Progress over time is also recorded in RUN_DIR/progress.jsonl (one line per RECORD_EVERY
-seconds: session start, elapsed, cumulative generated / prefilled tokens, rows done), from which
-`report` draws throughput over time.
-
-With `log_json`, every line written to stderr is one JSON object with an `event` key:
-    start     run_dir, job, rows_total, rows_done_before
-    startup   once, at the first token: seconds per startup phase (pipelines/execution/startup.py)
-    log       message (what the runner would otherwise print)
-    shard     a shard committed: file, rows, errors, completion_tokens, rows_committed
-    progress  after the first decode round, then every `log_every` seconds (from a timer
-              thread, so it also marks liveness while long rows decode): rows_done, rows_total,
-              rows_errored, prompt_tokens, prefill_tokens, completion_tokens (generated so far,
-              rows in flight included), tokens_per_second, acceptance_rate, tokens_per_verify,
-              eta_seconds, elapsed_seconds
-    summary   once at the end: status (done | interrupted | failed), outputs, errors, skipped,
-              completion_tokens, seconds, tokens_per_second, shards, run_dir, peak_rss_bytes,
-              peak_mlx_bytes (+ error)
-    error     written by the CLI when the command fails: message, exit_code
-Every object also has `time` (ISO 8601, UTC) and `ts` (Unix seconds).
+    decode    rows finished. Postfix, live from the first decode round: generated tokens,
+              tokens/s (recent), acceptance, tokens per verify, and the token-based ETA.
 """
 
 from __future__ import annotations
 
-import collections
-import datetime
-import json
-import sys
-import threading
-import time
-from typing import Any, Callable, Deque, Dict, Optional, TextIO, Tuple
+from typing import Optional
 
-from mtplx.request import tokens_per_verify
+from ..execution.progress import Progress
 
-RATE_WINDOW = 30.0  # seconds of history behind the tokens/s used by the ETA
-DEFAULT_LOG_EVERY = 30.0
-RECORD_EVERY = 2.0  # seconds between lines of RUN_DIR/progress.jsonl
 REFRESH_EVERY = 0.5  # seconds between bar redraws on engine events
-
-_write_lock = threading.Lock()
-
-
-def json_line(event: str, stream: Optional[TextIO] = None, **fields: Any) -> None:
-    """Write one `{"event": ..., "time": ..., ...}` line to `stream` (stderr by default)."""
-    now = time.time()
-    obj = {"event": event, "time": datetime.datetime.fromtimestamp(now, datetime.timezone.utc)
-           .isoformat(timespec="seconds").replace("+00:00", "Z"), "ts": round(now, 3)}
-    obj.update(fields)
-    text = json.dumps(obj, default=str, ensure_ascii=False, allow_nan=False)
-    stream = stream or sys.stderr
-    with _write_lock:
-        stream.write(text + "\n")
-        stream.flush()
-
-
-def json_logger(stream: Optional[TextIO] = None) -> Callable[[str], None]:
-    """A `log(message)` callback that writes `{"event": "log", "message": ...}` lines."""
-    return lambda msg: json_line("log", stream, message=msg)
 
 
 def format_duration(seconds: Optional[float]) -> str:
@@ -80,259 +26,65 @@ def format_duration(seconds: Optional[float]) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-class Progress:
-    """Counts what one session of a run does and shows it.
+def terminal_bars(progress: Progress) -> Optional["Bars"]:
+    """Bars on the progress's stream when it is a terminal, else None (nothing is drawn)."""
+    return Bars(progress) if getattr(progress.stream, "isatty", lambda: False)() else None
 
-    mode: "bars" (tqdm, only when `stream` is a terminal unless `force_bars`), "json"
-    (JSON lines, see the module doc) or "off". The runner calls `start`, `submitted` for every
-    request the engine takes, `finished` for every output row, `committed` for every shard,
-    and `close` once.
-    """
 
-    def __init__(self, total: Optional[int], initial: int = 0, mode: str = "bars",
-                 log_every: float = DEFAULT_LOG_EVERY, stream: Optional[TextIO] = None,
-                 force_bars: bool = False, clock: Callable[[], float] = time.monotonic,
-                 max_tokens: Optional[int] = None, record_path: Optional[str] = None):
-        if mode not in ("bars", "json", "off"):
-            raise ValueError(f"progress mode must be bars, json or off, got {mode!r}")
-        self.total = total
-        self.initial = initial
-        self.mode = mode
-        self.stream = stream or sys.stderr
-        self.clock = clock
-        self.log_every = log_every
-        self.started = clock()
-        # counters for this session
-        self.submitted_rows = 0
-        self.prompt_tokens_in = 0
-        self.cached_tokens_in = 0
-        self.rows = 0
-        self.errors = 0
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.drafted = 0
-        self.accepted = 0
-        self.verify_calls = 0
-        self.rows_committed = initial
-        self.max_tokens = max_tokens
-        self.live = False  # the engine reports tokens as they are generated (engine_event)
-        self.generated = 0  # generated tokens reported by the engine, rows in flight included
-        self.prefilled = 0  # prompt tokens prefilled, reported by the engine
-        self.finished_generated = 0  # of `generated`, the share of rows that finished
-        self._first_round_logged = False
+class Bars:
+    """The prefill and decode bars (tqdm) of one session; `Progress` tells them of every change."""
+
+    def __init__(self, progress: Progress):
+        from tqdm import tqdm
+
+        self.progress = progress
+        total, initial = progress.total, progress.initial
+        common = dict(total=total, initial=initial, unit="row", dynamic_ncols=True,
+                      file=progress.stream, smoothing=0.05, mininterval=0.5)
+        # bar_format without tqdm's own row-based remaining time: the postfix carries the ETA
+        fmt = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+        if total is None:
+            fmt = "{desc}: {n_fmt} rows [{elapsed}{postfix}]"
+        self.prefill = tqdm(desc="prefill", position=0, bar_format=fmt, **common)
+        self.decode = tqdm(desc="decode ", position=1, bar_format=fmt, **common)
         self._last_refresh = 0.0
-        self.record_path = record_path
-        self._last_record: Optional[float] = None
-        self._session_ts = time.time()
-        self._recent: Deque[Tuple[float, int]] = collections.deque()  # (time, cumulative tokens)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self.prefill_bar = self.decode_bar = None
-        if mode == "bars":
-            isatty = getattr(self.stream, "isatty", lambda: False)()
-            if force_bars or isatty:
-                from tqdm import tqdm
-
-                common = dict(total=total, initial=initial, unit="row", dynamic_ncols=True, file=self.stream,
-                              smoothing=0.05, mininterval=0.5)
-                # bar_format without tqdm's own row-based remaining time: the postfix carries the ETA
-                fmt = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
-                if total is None:
-                    fmt = "{desc}: {n_fmt} rows [{elapsed}{postfix}]"
-                self.prefill_bar = tqdm(desc="prefill", position=0, bar_format=fmt, **common)
-                self.decode_bar = tqdm(desc="decode ", position=1, bar_format=fmt, **common)
-
-    # ------------------------------------------------------------------ events from the runner
-    def start(self, **fields: Any) -> None:
-        self._maybe_record(self.clock(), force=True)
-        if self.mode == "json":
-            json_line("start", self.stream, rows_total=self.total, rows_done_before=self.initial, **fields)
-            if self.log_every and self.log_every > 0:
-                self._thread = threading.Thread(target=self._heartbeat, name="mtplx-progress", daemon=True)
-                self._thread.start()
-
-    def engine_event(self, kind: str, tokens: int) -> None:
-        """From `Engine.on_progress` (the engine thread): `tokens` prefilled or generated."""
-        now = self.clock()
-        first_round = False
-        with self._lock:
-            if kind == "prefill":
-                self.prefilled += tokens
-            elif kind == "decode":
-                self.live = True
-                self.generated += tokens
-                self._add_recent(now, self.generated)
-                first_round = not self._first_round_logged
-                self._first_round_logged = True
-        if first_round and self.mode == "json" and self.log_every and self.log_every > 0:
-            json_line("progress", self.stream, **self.snapshot())
-        self._maybe_record(now)
-        if self.decode_bar is not None and (first_round or now - self._last_refresh >= REFRESH_EVERY):
-            self._last_refresh = now
-            self.prefill_bar.set_postfix_str(self.prefill_postfix(), refresh=False)
-            self.prefill_bar.refresh()
-            self.decode_bar.set_postfix_str(self.postfix(), refresh=False)
-            self.decode_bar.refresh()
-
-    def _add_recent(self, now: float, cumulative: int) -> None:
-        self._recent.append((now, cumulative))
-        while len(self._recent) > 2 and now - self._recent[1][0] > RATE_WINDOW:
-            self._recent.popleft()
 
     def prefill_postfix(self) -> str:
-        el = self.clock() - self.started
-        tokens = self.prefilled if self.prefilled else self.prompt_tokens_in
+        p = self.progress
+        el = p.clock() - p.started
+        tokens = p.prefilled if p.prefilled else p.prompt_tokens_in
         return f"{tokens} prompt tokens, {tokens / el if el > 0 else 0:.0f} prompt tok/s"
 
-    def submitted(self, prompt_tokens: int) -> None:
-        """A request was handed to the engine (which prefills it next)."""
-        with self._lock:
-            self.submitted_rows += 1
-            self.prompt_tokens_in += prompt_tokens
-        if self.prefill_bar is not None:
-            self.prefill_bar.set_postfix_str(self.prefill_postfix(), refresh=False)
-            self.prefill_bar.update(1)
-
-    def finished(self, row: Dict[str, Any], via_engine: bool = True) -> None:
-        """An output row is done: generated, or an error row (`via_engine=False`: the row never
-        reached the engine, e.g. an unreadable input row)."""
-        now = self.clock()
-        with self._lock:
-            self.rows += 1
-            if row.get("finish_reason") == "error":
-                self.errors += 1
-            self.prompt_tokens += row.get("prompt_tokens") or 0
-            self.completion_tokens += row.get("completion_tokens") or 0
-            self.drafted += row.get("drafted_tokens") or 0
-            self.accepted += row.get("accepted_tokens") or 0
-            self.verify_calls += row.get("verify_calls") or 0
-            if self.live:
-                self.finished_generated += row.get("completion_tokens") or 0
-            else:
-                self._add_recent(now, self.completion_tokens)
-        self._maybe_record(now)
-        if self.decode_bar is not None:
-            if not via_engine:  # keep the prefill bar in step
-                self.prefill_bar.update(1)
-            self.decode_bar.set_postfix_str(self.postfix(), refresh=False)
-            self.decode_bar.update(1)
-
-    def committed(self, entry: Dict[str, Any]) -> None:
-        self.rows_committed += entry.get("rows", 0)
-        if self.mode == "json":
-            json_line("shard", self.stream, file=entry.get("file"), rows=entry.get("rows"),
-                      errors=entry.get("errors"), completion_tokens=entry.get("completion_tokens"),
-                      seconds=round(entry.get("elapsed", 0.0), 3), rows_committed=self.rows_committed,
-                      rows_total=self.total)
-
-    def close(self, summary: Any = None, status: str = "done", error: Optional[str] = None) -> None:
-        self._maybe_record(self.clock(), force=True)
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-        for bar in (self.prefill_bar, self.decode_bar):
-            if bar is not None:
-                bar.close()
-        self.prefill_bar = self.decode_bar = None
-        if self.mode == "json" and summary is not None:
-            fields = dict(status=status, run_dir=summary.run_dir, outputs=summary.outputs,
-                          errors=summary.errors, skipped=summary.skipped,
-                          completion_tokens=summary.completion_tokens, seconds=round(summary.seconds, 3),
-                          tokens_per_second=round(summary.tokens_per_second, 3), shards=summary.shards,
-                          acceptance_rate=self.acceptance_rate,
-                          peak_rss_bytes=getattr(summary, "peak_rss_bytes", None),
-                          peak_mlx_bytes=getattr(summary, "peak_mlx_bytes", None),
-                          cuda_graphs=getattr(summary, "cuda_graphs", None))
-            if error:
-                fields["error"] = error
-            json_line("summary", self.stream, **fields)
-
-    # ------------------------------------------------------------------ numbers
-    @property
-    def acceptance_rate(self) -> Optional[float]:
-        return round(self.accepted / self.drafted, 4) if self.drafted else None
-
-    @property
-    def tokens_per_verify(self) -> Optional[float]:
-        tpv = tokens_per_verify(self.accepted, self.verify_calls)
-        return None if tpv is None else round(tpv, 3)
-
-    @property
-    def generated_tokens(self) -> int:
-        """Tokens generated in this session: live from the engine, else those of finished rows."""
-        return self.generated if self.live else self.completion_tokens
-
-    def recent_rate(self) -> float:
-        """Generated tokens per second over about the last RATE_WINDOW seconds."""
-        now = self.clock()
-        with self._lock:
-            if len(self._recent) >= 2 and now - self._recent[0][0] > 0:
-                t0, k0 = self._recent[0]
-                return (self.generated_tokens - k0) / (now - t0)
-        el = now - self.started
-        return self.generated_tokens / el if el > 0 else 0.0
-
-    def eta_seconds(self) -> Optional[float]:
-        """(Rows left x expected tokens per row - tokens of rows in flight) / recent tokens/s."""
-        if self.total is None:
-            return None
-        left = max(self.total - self.initial - self.rows, 0)
-        if left == 0:
-            return 0.0
-        if self.rows:
-            per_row = self.completion_tokens / self.rows
-        elif self.live and self.max_tokens:
-            per_row = float(self.max_tokens)  # no row finished yet: at most max_tokens each
-        else:
-            return None
-        in_flight = max(self.generated - self.finished_generated, 0) if self.live else 0
-        rate = self.recent_rate()
-        if rate <= 0:
-            return None
-        tokens_left = left * per_row - in_flight
-        if tokens_left <= 0:
-            return None  # rows in flight already ran past the estimate: unknown, not "0s"
-        return tokens_left / rate
-
     def postfix(self) -> str:
-        parts = [f"{self.generated_tokens} tok", f"{self.recent_rate():.1f} tok/s"]
-        if self.drafted:
-            parts.append(f"acc {self.accepted / self.drafted:.0%}")
-            parts.append(f"{self.tokens_per_verify:.2f} tok/verify")
-        if self.errors:
-            parts.append(f"{self.errors} err")
-        parts.append(f"ETA {format_duration(self.eta_seconds())}")
+        p = self.progress
+        parts = [f"{p.generated_tokens} tok", f"{p.recent_rate():.1f} tok/s"]
+        if p.drafted:
+            parts.append(f"acc {p.accepted / p.drafted:.0%}")
+            parts.append(f"{p.tokens_per_verify:.2f} tok/verify")
+        if p.errors:
+            parts.append(f"{p.errors} err")
+        parts.append(f"ETA {format_duration(p.eta_seconds())}")
         return ", ".join(parts)
 
-    def snapshot(self) -> Dict[str, Any]:
-        eta = self.eta_seconds()
-        return dict(rows_done=self.initial + self.rows, rows_total=self.total, rows_errored=self.errors,
-                    rows_submitted=self.submitted_rows, prompt_tokens=self.prompt_tokens,
-                    prefill_tokens=self.prefilled, completion_tokens=self.generated_tokens,
-                    tokens_per_second=round(self.recent_rate(), 3), acceptance_rate=self.acceptance_rate,
-                    tokens_per_verify=self.tokens_per_verify,
-                    eta_seconds=None if eta is None else round(eta, 1),
-                    elapsed_seconds=round(self.clock() - self.started, 3))
+    def submitted(self) -> None:
+        self.prefill.set_postfix_str(self.prefill_postfix(), refresh=False)
+        self.prefill.update(1)
 
-    def _maybe_record(self, now: float, force: bool = False) -> None:
-        """Append a line to RUN_DIR/progress.jsonl every RECORD_EVERY seconds (and at close)."""
-        if self.record_path is None:
-            return
-        with self._lock:
-            if not force and self._last_record is not None and now - self._last_record < RECORD_EVERY:
-                return
-            self._last_record = now
-            line = json.dumps({"ts": round(time.time(), 3), "session": round(self._session_ts, 3),
-                               "elapsed": round(now - self.started, 3), "generated": self.generated_tokens,
-                               "prefilled": self.prefilled, "rows": self.rows, "errors": self.errors})
-        try:
-            with open(self.record_path, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
-        except OSError:
-            self.record_path = None  # telemetry only: a full disk must not stop the run here
+    def finished(self, via_engine: bool) -> None:
+        if not via_engine:  # keep the prefill bar in step
+            self.prefill.update(1)
+        self.decode.set_postfix_str(self.postfix(), refresh=False)
+        self.decode.update(1)
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.log_every):
-            json_line("progress", self.stream, **self.snapshot())
+    def engine_event(self, now: float, first_round: bool) -> None:
+        """Tokens prefilled or generated: redraw both postfixes, at most every REFRESH_EVERY seconds."""
+        if first_round or now - self._last_refresh >= REFRESH_EVERY:
+            self._last_refresh = now
+            self.prefill.set_postfix_str(self.prefill_postfix(), refresh=False)
+            self.prefill.refresh()
+            self.decode.set_postfix_str(self.postfix(), refresh=False)
+            self.decode.refresh()
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()

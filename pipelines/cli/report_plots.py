@@ -1,14 +1,13 @@
-"""The report's plots (pipelines/cli/report.py renders them into the page): one function per PNG."""
+"""The report's plots (pipelines/cli/report.py renders them into the page): one function per PNG,
+drawn from a run's `RunStats` (pipelines/io/run_stats.py)."""
 
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import JobError
-
-if TYPE_CHECKING:
-    from .report import RunStats
+from ..io.run_stats import RunStats
 
 
 def throughput_intervals(progress: List[Dict[str, Any]]) -> List[Tuple[float, float, float]]:
@@ -64,7 +63,7 @@ def plot_throughput(st: RunStats, plt) -> Optional[bytes]:
             ax1.plot([(a - t0) / scale, (b - t0) / scale], [r, r], color="#1f77b4")
         ax1.set_ylabel("generated tok/s")
         how = f"{len(intervals)} intervals of recorded progress"
-    else:  # a run recorded before progress.jsonl existed: one point per shard
+    else:  # a run without progress.jsonl: one point per shard
         rate = [p["completion_tokens"] / p["elapsed"] if p["elapsed"] else 0.0 for p in points]
         ax1.plot(xs, rate, marker="o", color="#1f77b4")
         ax1.set_ylabel("generated tok/s\n(per shard)")

@@ -15,8 +15,9 @@ from ..io.checkpoint import MANIFEST, OWN_FILES, _shard_files, read_manifest, to
 from ..job.config import JobConfig
 from ..errors import JobError
 from ..job.fingerprint import diff_fingerprint_parts, fingerprint, fingerprint_parts, refusal_note
+from ..io.job_input import open_job
 from ..io.rows import prepare
-from ..execution.opening import load_tokenizer, model_max_context, open_job, resolve_model_dir
+from ..execution.opening import load_tokenizer, model_max_context, resolve_model_dir
 
 MAX_EXAMPLES = 10
 

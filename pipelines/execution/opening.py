@@ -1,18 +1,15 @@
-"""Opening a job before any weights load: the model's files, its tokenizer, the input and prompt
-rendering. Every problem found here is a JobError (exit 2), so `run` and `validate` refuse the
-same jobs with the same messages. `load_engine` is the one place weights load."""
+"""Opening a job's model before any weights load: its files, its tokenizer, its context length
+(the input opens in pipelines/io/job_input.py). Every problem found here is a JobError (exit 2), so
+`run` and `validate` refuse the same jobs with the same messages. `load_engine` is the one place
+weights load."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 from ..errors import JobError, RunError
-from ..io.prompts import PromptRenderer
-from ..io.rows import keep_checker
-from ..io.sources import Source, open_source
 from ..job.config import JobConfig
 
 
@@ -109,40 +106,3 @@ def model_max_context(job: JobConfig) -> Optional[int]:
         return context_length(model_config(job.model.path, job.model.gguf_mode))
     except Exception as e:
         raise JobError(f"model.path: cannot read config.json of {job.model.path!r}: {e}")
-
-
-@dataclass
-class Prepared:
-    """Everything checked and opened before any weights load."""
-
-    source: Source
-    renderer: PromptRenderer
-    keep_types: list
-    check_keep: Optional[Callable]
-    tokenizer: object = None  # the model's, as the renderer uses it (the engine reuses it)
-
-
-def open_job(job: JobConfig, tokenizer) -> Prepared:
-    """Open the input and prompt rendering; any problem here is a JobError (exit 2)."""
-    if job.input.format == "openai-batch":
-        from ..io.openai_batch import OpenAIBatchRenderer  # refuses rows with unsupported body fields
-
-        renderer = OpenAIBatchRenderer(job.input, tokenizer, job.generation.n)
-    else:
-        renderer = PromptRenderer(job.input, tokenizer)
-    keep = job.output.keep_columns
-    # The row id hashes the whole row when there is no id column, so then every column is read.
-    if job.input.id_column is None:
-        columns = None
-    else:
-        columns = list(dict.fromkeys(renderer.columns + [job.input.id_column] + list(keep)))
-    source = open_source(job.input, columns)
-    schema = source.schema()
-    if schema is not None:
-        missing = [c for c in keep if c not in schema.names]
-        if missing:
-            raise JobError(f"output.keep_columns: the input has no column {missing[0]!r} "
-                           f"(has: {', '.join(schema.names)})")
-    keep_types = [(c, source.column_type(c)) for c in keep]
-    check_keep = keep_checker(keep_types) if schema is None and keep_types else None
-    return Prepared(source, renderer, keep_types, check_keep, tokenizer)

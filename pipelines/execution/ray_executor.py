@@ -39,8 +39,9 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import JobError, RunError
+from ..io.job_input import open_job
 from ..job.config import ExecutorConfig, JobConfig
-from .opening import load_tokenizer, model_max_context, open_job
+from .opening import load_tokenizer, model_max_context
 from .ray_engine import PARAMS_COL, PREFIX_COL, SAMPLES_COL, SEED_COL, TOKENS_COL, JobPredictor, params_to_json
 from .work import plan
 

@@ -5,7 +5,7 @@
     executor       the stream of output rows still to do: `local_rows` (one engine here) or
                    `ray_rows` (Ray Data actors); each reads the job through `work.plan`
     ShardWriter    every output row, committed shard by shard through the manifest
-    Progress       bars or JSON lines; RunSummary: what this session did
+    Progress       counts, JSON lines, the caller's bars; RunSummary: what this session did
 
 The pipeline is a chain of generators, so rows stream through and only one ordering window
 plus the engine's in-flight requests are held in memory.
@@ -25,14 +25,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
-from ..cli.progress import DEFAULT_LOG_EVERY, Progress, json_line, json_logger
 from ..errors import RunError
 from ..io.checkpoint import PROGRESS_FILE, RunDir
 from ..io.columns import output_schema
+from ..io.job_input import Prepared, open_job
 from ..io.sink import ShardWriter
 from ..job.config import JobConfig
 from ..job.fingerprint import fingerprint_parts
-from .opening import Prepared, apply_graph_limits, load_tokenizer, open_job, resolve_model_dir
+from .opening import apply_graph_limits, load_tokenizer, resolve_model_dir
+from .progress import DEFAULT_LOG_EVERY, Progress, json_line, json_logger
 from .startup import Startup
 
 Rows = Iterator[Tuple[Dict[str, Any], bool]]  # (output row, reached the engine)
@@ -101,6 +102,7 @@ class Session:
     progress: Optional[Progress] = None
     started: float = field(default_factory=time.monotonic)
     startup: Startup = field(default_factory=Startup)
+    bars: Optional[Callable[[Progress], Any]] = None  # draws the progress (run_job's `bars`)
 
     def report_startup(self) -> None:
         """With --log-json: the `startup` line, once the first token is out."""
@@ -124,7 +126,7 @@ class Session:
         wanted, done = self.wanted, self.done_before
         return Progress(wanted, min(done, wanted or done), mode=self.progress_mode, log_every=self.log_every,
                         max_tokens=self.job.generation.max_tokens,
-                        record_path=os.path.join(self.run.path, PROGRESS_FILE))
+                        record_path=os.path.join(self.run.path, PROGRESS_FILE), view=self.bars)
 
     @property
     def finished(self) -> bool:
@@ -157,15 +159,16 @@ def executor_rows(job: JobConfig, engine=None) -> Callable[[Session], Rows]:
 
 def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, engine=None,
             quiet: bool = True, log: Optional[Callable[[str], None]] = None, log_json: bool = False,
-            log_every: float = DEFAULT_LOG_EVERY) -> RunSummary:
+            log_every: float = DEFAULT_LOG_EVERY, bars: Optional[Callable[[Progress], Any]] = None) -> RunSummary:
     """Run (or resume) `job`; returns what this session did.
 
     Raises JobError (nothing ran, no weights loaded) when the job, its input or its run
     directory is refused, and RunError when the run breaks; committed shards stay valid either
     way. `engine` (anything with `tokenizer`, `max_context` and `generate(requests)`) replaces
     the one `job.model`/`speculative`/`schedule` would load; `limit` takes the first N rows.
-    Progress (pipelines/cli/progress.py): tqdm bars on a terminal unless `quiet`; with `log_json`
-    JSON lines on stderr instead (start, shard commits, progress every `log_every` s, summary).
+    Progress (pipelines/execution/progress.py): `bars(progress)` draws it unless `quiet` (the CLI
+    passes its tqdm bars); with `log_json` JSON lines on stderr instead (start, shard commits,
+    progress every `log_every` s, summary).
     """
     startup = Startup()
     if limit is None:
@@ -193,8 +196,8 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
         graphs = cuda_graph_note()
         run.update(input_rows=total_rows, samples=job.generation.n, planned_rows=planned, limit=job_limit,
                    cuda_graphs=graphs)
-        s = Session(job, prep, run, committed, limit, total_rows, log, quiet,
-                    "json" if log_json else "off" if quiet else "bars", log_every, startup=startup)
+        s = Session(job, prep, run, committed, limit, total_rows, log, quiet, "json" if log_json else "off",
+                    log_every, startup=startup, bars=None if quiet or log_json else bars)
         startup.lap("config")
         summary = RunSummary(run_dir=run.path, skipped=len(committed), cuda_graphs=graphs)
         if graphs["set"] and graphs["line"] and not log_json:  # --log-json: in the start line (Session.begin)

@@ -17,9 +17,9 @@ from mtplx.request import Request, SamplingParams, derive_seed
 
 from ..errors import RunError
 from ..io.columns import output_row
+from ..io.job_input import Prepared
 from ..io.rows import Item, prepare
 from ..job.config import JobConfig
-from .opening import Prepared
 from .ordering import ordered
 
 

@@ -26,15 +26,15 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import pyarrow.parquet as pq
 
 from ..errors import JobError, RunError
-from .columns import SUMMED_COLUMNS
-from ..job.fingerprint import diff_fingerprint_parts, fingerprint, refusal_note
-from .fsutil import atomic_write, make_dirs, sha256_file
+from ..job.columns import SUMMED_COLUMNS
+from ..job.fingerprint import diff_fingerprint_parts, fingerprint, refusal_note, sha256_file
+from .fsutil import atomic_write, make_dirs
 
 MANIFEST = "manifest.json"
 JOB_FILE = "job.yaml"
 SHARDS = "shards"
 LOCK = ".lock"
-PROGRESS_FILE = "progress.jsonl"  # throughput over time, written by the session (cli/progress.py)
+PROGRESS_FILE = "progress.jsonl"  # throughput over time, written by the session (execution/progress.py)
 MANIFEST_FORMAT = 1
 OWN_FILES = {MANIFEST, JOB_FILE, SHARDS, LOCK, PROGRESS_FILE, MANIFEST + ".tmp", JOB_FILE + ".tmp"}
 SHARD_FILE = re.compile(r"shards/part-\d{5,}\.parquet")  # the only names a manifest may record

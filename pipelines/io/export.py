@@ -32,8 +32,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .checkpoint import planned_outputs, read_manifest
 from ..errors import JobError
+from .checkpoint import planned_outputs, read_manifest
+from .run_stats import collect, error_kind, read_job
 
 FORMATS = ("openai-batch", "jsonl", "hf")
 CHUNK_ROWS = 50_000  # rows gathered at once while re-ordering
@@ -180,7 +181,6 @@ def default_errors_path(out: str) -> str:
 
 def export_openai(run: OrderedRun, out: str, errors_out: Optional[str] = None) -> ExportResult:
     from .openai_batch import model_name, write_lines
-    from ..cli.report import error_kind, read_job
 
     errors_out = errors_out or default_errors_path(out)
     if os.path.abspath(errors_out) == os.path.abspath(out):
@@ -209,8 +209,6 @@ def export_openai(run: OrderedRun, out: str, errors_out: Optional[str] = None) -
 
 
 def export_hf(run: OrderedRun, out: str, file_rows: int = HF_FILE_ROWS) -> ExportResult:
-    from ..cli.report import collect
-
     res = ExportResult("hf", expected=run.expected)
     parent = os.path.dirname(os.path.abspath(out))
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(os.path.abspath(out)) + ".", dir=parent)

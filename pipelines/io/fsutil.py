@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Optional
 
@@ -68,11 +67,3 @@ def atomic_write(path: str, data: bytes, fault: Optional[str] = None) -> None:
     if fault:
         faults.hit(fault + ".renamed")
     fsync_path(os.path.dirname(os.path.abspath(path)))
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -1,6 +1,6 @@
 """OpenAI Batch API files: `input.format: openai-batch` in, `export --format openai-batch` out.
 
-Input: JSONL, one request per line, as uploaded to the OpenAI Batch API:
+Input: JSONL, one request per line, as uploaded to the OpenAI Batch API (sources.py: OpenAIBatchSource):
 
     {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Hi"}],
@@ -58,7 +58,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, TextIO, Tuple
 from mtplx.request import SamplingParams
 
 from .prompts import PromptRenderer, RowError
-from .sources import JsonlSource
 
 ID_COLUMN = "custom_id"
 MESSAGES_COLUMN = "messages"
@@ -100,28 +99,6 @@ class RowParams:
         changes = {k: getattr(self, k) for k in ("max_tokens", "temperature", "top_p", "stop")
                    if getattr(self, k) is not None}
         return dataclasses.replace(base, **changes) if changes else base
-
-
-# --------------------------------------------------------------------------------------- reading
-class OpenAIBatchSource(JsonlSource):
-    """JSONL lines flattened to {custom_id, method, url, model, messages, body}: the checks are
-    the renderer's, so a bad request still keeps its custom_id as the row id."""
-
-    def _shape(self, data: Dict[str, Any]) -> Dict[str, Any]:
-        return flatten(data)
-
-
-def flatten(line: Dict[str, Any]) -> Dict[str, Any]:
-    body = line.get("body")
-    out = {
-        "custom_id": line.get("custom_id"),
-        "method": line.get("method"),
-        "url": line.get("url"),
-        "model": body.get("model") if isinstance(body, dict) else None,
-        "messages": body.get("messages") if isinstance(body, dict) else None,
-        "body": body,
-    }
-    return out
 
 
 def _int(body: Dict[str, Any], key: str, lo: int) -> Optional[int]:

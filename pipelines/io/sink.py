@@ -17,10 +17,11 @@ from typing import Any, Dict, List
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..job.columns import SUMMED_COLUMNS
+from ..job.fingerprint import sha256_file
 from . import faults
 from .checkpoint import RunDir, io_failure
-from .columns import SUMMED_COLUMNS
-from .fsutil import publish, remove_quietly, sha256_file
+from .fsutil import publish, remove_quietly
 
 def empty_row(schema: pa.Schema) -> Dict[str, Any]:
     return {name: None for name in schema.names}

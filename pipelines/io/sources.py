@@ -298,6 +298,27 @@ class JsonlSource(Source):
                 yield data, None
 
 
+class OpenAIBatchSource(JsonlSource):
+    """JSONL lines flattened to {custom_id, method, url, model, messages, body}: the checks are
+    the renderer's, so a bad request still keeps its custom_id as the row id."""
+
+    def _shape(self, data: Dict[str, Any]) -> Dict[str, Any]:
+        return flatten(data)
+
+
+def flatten(line: Dict[str, Any]) -> Dict[str, Any]:
+    body = line.get("body")
+    out = {
+        "custom_id": line.get("custom_id"),
+        "method": line.get("method"),
+        "url": line.get("url"),
+        "model": body.get("model") if isinstance(body, dict) else None,
+        "messages": body.get("messages") if isinstance(body, dict) else None,
+        "body": body,
+    }
+    return out
+
+
 class CsvSource(Source):
     """Read with the csv module: every value stays the exact text of the file (no type guessing
     that would turn "007" into 7), and a bad record is one error row."""
@@ -453,13 +474,10 @@ _HF_BUILDERS = {
     "csv": (".csv",),
 }
 
-READERS = {"parquet": ParquetSource, "arrow": ArrowSource, "jsonl": JsonlSource, "csv": CsvSource, "hf": HfSource}
+READERS = {"parquet": ParquetSource, "arrow": ArrowSource, "jsonl": JsonlSource, "csv": CsvSource, "hf": HfSource,
+           "openai-batch": OpenAIBatchSource}
 
 
 def open_source(inp: InputConfig, columns: Optional[Sequence[str]]) -> Source:
     """The reader for `input.format`; `columns=None` reads every column."""
-    if inp.format == "openai-batch":
-        from .openai_batch import OpenAIBatchSource  # JSONL of OpenAI Batch API requests
-
-        return OpenAIBatchSource(inp, columns)
     return READERS[inp.format](inp, columns)

@@ -10,6 +10,7 @@ from mtplx.training.head_data import TABLE_FORMATS, ReadData, TrainHeadError, sa
 
 from ..errors import JobError
 from ..job.config import InputConfig, load_job
+from .job_input import open_job
 from .prompts import PromptRenderer
 from .rows import prepare
 from .sources import open_source
@@ -30,8 +31,6 @@ def read_train_data(path: str, tokenizer, cfg) -> ReadData:
 
 
 def _job(path: str, tokenizer, cfg) -> ReadData:
-    from ..execution.opening import open_job
-
     job = load_job(path)
     prep = open_job(job, tokenizer)
     rows = sample_rows(prep.source.rows(), cfg.sample, cfg.seed) if cfg.sample else prep.source.rows()

@@ -20,8 +20,9 @@ from mtplx.config import GGUF_MODES, ScheduleConfig, SpeculativeConfig
 from mtplx.request import SamplingParams
 
 from ..errors import JobError
-from ..io.columns import OUTPUT_COLUMN_NAMES
+from .columns import OUTPUT_COLUMN_NAMES
 from .schema import INPUT_FORMATS, SHORTHAND, check_job_dict
+from .template import parse_template
 
 
 def pinned(check, default: Any = MISSING, *, default_factory: Any = MISSING):
@@ -180,8 +181,6 @@ def build_job(raw: Any, default_name: str = "job") -> JobConfig:
         problems.append("input.template: give only one of template and prompt_column "
                         "(a template reads any columns by name: '{question}')")
     if inp.template is not None:
-        from ..io.prompts import parse_template  # the template's own checks, refused as invalid job
-
         try:
             parse_template(inp.template)
         except ValueError as e:

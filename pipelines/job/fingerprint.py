@@ -25,7 +25,6 @@ from dataclasses import fields
 from typing import Dict, List, Sequence
 
 from .config import JobConfig
-from ..io.fsutil import sha256_file
 
 SCHEMA_VERSION = "1"  # bump when the output columns change
 TOKENIZER_FILES = (
@@ -36,6 +35,15 @@ TOKENIZER_FILES = (
 
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def sha256_file(path: str) -> str:
+    """A file's content hash: the fingerprint pins input and tokenizer files with it, the manifest shards."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def model_parts(model_dir: str) -> Dict[str, str]:
