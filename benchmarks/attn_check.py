@@ -33,7 +33,7 @@ import time
 
 import mlx.core as mx
 
-from mtplx import rows_attention as ra
+from mtplx.kernels import rows_attention as ra
 from mtplx.cache import capacity_bucket
 
 from .common import table

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -16,12 +15,7 @@ import mlx.core as mx
 def device_name() -> str:
     dev = mx.default_device()
     info = mx.device_info() if hasattr(mx, "device_info") else {}
-    name = f"{dev} {info.get('device_name', platform.processor() or platform.machine())}"
-    if dev.type == mx.DeviceType.gpu and sys.platform.startswith("linux"):  # what MLX's CUDA backend read
-        from mtplx.cuda_graphs import describe
-
-        name += f" ({describe()['line']})"
-    return name
+    return f"{dev} {info.get('device_name', platform.processor() or platform.machine())}"
 
 
 def versions() -> Dict[str, str]:

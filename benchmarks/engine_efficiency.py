@@ -21,8 +21,8 @@ from mtplx.cache import BatchCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine, _Runtime
 from mtplx.architectures import capture_backend
-from mtplx import layer_kernels
-from mtplx.fusion import unstack
+from mtplx.kernels import layer_kernels
+from mtplx.kernels.fusion import unstack
 from mtplx.graphbank import CompiledVerifyBank
 from mtplx.models.loading import ModelBundle
 from mtplx.request import Request, SamplingParams

@@ -1,7 +1,7 @@
 """`mtplx-batch ARGS` in this (fresh) process, with module attributes set first: a user's run with
 one engine setting changed, for benchmarks that compare fresh processes (benchmarks/gpu_mtp.sh clirep).
 
-    python -m benchmarks.fresh_cli --attr mtplx.kernel_cache.ENABLED=false -- run jobs/eval-mtp.yaml --limit 8
+    python -m benchmarks.fresh_cli --attr mtplx.generation.Engine.TAIL_KEEPS_WIDTH=32 -- run jobs/eval-mtp.yaml --limit 8
 """
 
 from __future__ import annotations
@@ -11,24 +11,6 @@ import importlib
 import sys
 
 import yaml
-
-
-def job_graph_limits(cli_args) -> None:
-    """For `run JOB [--set K=V ...] [--limit N]`: the job's CUDA-graph limits, set as the CLI sets them
-    (mtplx/cuda_graphs.py), before an --attr imports an engine module and with it mlx.core."""
-    if not cli_args or cli_args[0] != "run":
-        return
-    from pipelines.cli.commands import run
-    from pipelines.errors import JobError
-    from pipelines.execution.opening import apply_graph_limits
-    from pipelines.job.config import load_job
-
-    params = run.make_context("run", list(cli_args[1:]), resilient_parsing=True).params
-    try:
-        job = load_job(params["job_file"], params["overrides"])
-    except JobError:
-        return  # the CLI refuses it itself
-    apply_graph_limits(job, params["limit"])
 
 
 def _set(target: str, value: str) -> None:
@@ -50,14 +32,8 @@ def set_attrs(argv, doc=__doc__) -> list:
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attr", action="append", default=[], help="MODULE.NAME=V, set before the command runs")
     args = ap.parse_args(argv[:cut])
-    attrs = [a.split("=", 1) for a in args.attr]
-    graphs = [a for a in attrs if a[0].startswith("mtplx.cuda_graphs.")]  # they decide the job's limits
-    for target, value in graphs:
+    for target, value in (a.split("=", 1) for a in args.attr):
         _set(target, value)
-    job_graph_limits(argv[cut + 1:])  # before the other attributes' modules import mlx.core
-    for target, value in attrs:
-        if [target, value] not in graphs:
-            _set(target, value)
     return argv[cut + 1:]
 
 

@@ -23,8 +23,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from mtplx import layer_kernels
-from mtplx.fusion import DECODE_GROUPS, fuse_projections, stacking_pays, unstack
+from mtplx.kernels import layer_kernels
+from mtplx.kernels.fusion import fuse_projections, stacking_pays, unstack
 from mtplx.generation import Engine
 from mtplx.prefill import PrefixStore
 from pipelines.execution.opening import load_engine
@@ -52,10 +52,9 @@ def peer(bundle, prompts, tokens, width):
 
 def ours(job, engine, rows, width):
     """The whole job over its first `rows` rows at `width`: (completion tokens, seconds)."""
-    if engine.spec.compiled_verify != "off" and Engine.stack_projections and stacking_pays():
-        fuse_projections(engine.model, DECODE_GROUPS)  # as fusion.decode_paths set it up (the peer unstacks)
-    if Engine.use_layer_kernels:
-        layer_kernels.install(engine.model)  # likewise (the peer uninstalls)
+    if engine.spec.compiled_verify != "off" and stacking_pays():
+        fuse_projections(engine.model)  # as kernels.install set it up (the peer unstacks)
+    layer_kernels.install(engine.model)  # likewise (the peer uninstalls)
     engine.max_batch = width
     job.schedule.max_batch = width
     job.input.limit = rows

@@ -120,7 +120,7 @@ class FirstCalls:
 
 def _kernel_counts() -> tuple:
     """(built, seconds building, found) of mtplx/kernel_cache.py in this process so far."""
-    from mtplx import kernel_cache
+    from mtplx.kernels import kernel_cache
 
     return kernel_cache.stats["built"], kernel_cache.stats["build_s"], kernel_cache.stats["found"]
 

@@ -1,4 +1,4 @@
-"""On the GPU host: does mtplx/kernel_cache.py write the cache entries MLX's CUDA backend reads?
+"""On the GPU host: does mtplx/kernels/kernel_cache.py write the cache entries MLX's CUDA backend reads?
 
     python -m benchmarks.kernel_cache_check [--job jobs/eval-mtp.yaml] [--rows 8] [--attr M.N=V]
 
@@ -22,7 +22,7 @@ import time
 import mlx.core as mx
 import yaml
 
-from mtplx import kernel_cache as kc
+from mtplx.kernels import kernel_cache as kc
 
 
 def _instantiations():

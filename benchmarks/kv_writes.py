@@ -7,7 +7,7 @@ then both at their defaults): kernel primitives (round_graph.graph_primitives le
 write (scatter, slice update) by where it lands (round_graph.write_destinations: `copy` = MLX copies the
 whole destination first, a copy_v of the whole cache on CUDA; `evaluated` = an array an earlier eval made,
 in place once the round before has finished; `in place`). Each twice: as the CPU runs, and with
-rows_attention.pads forced on (CUDA pads one row's lengths out of MLX's small-array pool).
+kernels.device.pads forced on (CUDA pads one row's lengths out of MLX's small-array pool).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from collections import Counter
 
 import mlx.core as mx
 
-from mtplx import mtp_draft, rows_attention
+from mtplx import mtp_draft
+from mtplx.kernels import device
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.request import Request, SamplingParams
@@ -58,10 +59,10 @@ def main():
     prompts = load_prompts("humaneval", bundle.tokenizer, 256)[: 2 * args.width]
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=args.tokens)) for i, p in enumerate(prompts)]
     print("| width | pads | setting | primitives/round | casts/round | writes/round |\n|---|---|---|---|---|---|")
-    real_pads, before = rows_attention.pads, (mtp_draft.CAST_PICKS, mtp_draft.STEP_ROWS_ONCE)
+    real_pads, before = device.pads, (mtp_draft.CAST_PICKS, mtp_draft.STEP_ROWS_ONCE)
     try:
         for force in (False, True):
-            rows_attention.pads = (lambda: True) if force else real_pads
+            device.pads = (lambda: True) if force else real_pads
             for label, on in (("plain", None), ("mtp 3, both off", False), ("mtp 3, defaults", True)):
                 if on is not None:
                     mtp_draft.CAST_PICKS, mtp_draft.STEP_ROWS_ONCE = (before if on else (True, False))
@@ -73,7 +74,7 @@ def main():
                 print(f"| {args.width} | {'on' if force else 'off'} | {label} | {kernels / R:.2f} | {prims['AsType'] / R:.2f} | {where} |",
                       flush=True)
     finally:
-        rows_attention.pads = real_pads
+        device.pads = real_pads
         mtp_draft.CAST_PICKS, mtp_draft.STEP_ROWS_ONCE = before
 
 

@@ -480,7 +480,7 @@ def main():
                          "limit, so a depth-3 verify (4 queries) runs on masked matmul + softmax as before session 5")
     args = ap.parse_args()
     if args.attention_queries is not None:
-        from mtplx import rows_attention
+        from mtplx.kernels import rows_attention
 
         rows_attention.MAX_QUERIES = args.attention_queries
     with tempfile.TemporaryDirectory() as tmp:

@@ -293,8 +293,6 @@ def main():
     ap.add_argument("--trace", action="store_true", help="CUDA: a kernel trace of one run of each of the first two settings")
     ap.add_argument("--trace-rows", type=int, default=1, help="rows in each traced run (the first ones)")
     ap.add_argument("--trace-settings", default="0,1", help="which settings --trace traces (indices into --settings)")
-    ap.add_argument("--graph-table", action="store_true", help="MLX's CUDA-graph limits from mtplx/cuda_graphs.py's "
-                    "table for --width and MTP (every setting runs under them), not MLX's defaults (a user's MLX_* wins)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--compare", nargs="+", metavar="TRACE", help="no run: saved traces (trace-N.json.gz) side by side, per round")
     args = ap.parse_args()
@@ -306,10 +304,6 @@ def main():
         except ImportError:
             print("--trace: torch is not installed; no trace", flush=True)
             args.trace = False
-    if args.graph_table:
-        from mtplx import cuda_graphs
-
-        cuda_graphs.apply_for(args.width, "mtp")  # one process, one value: the MTP job's (plain runs under it too)
     import mlx.core as mx
 
     from mtplx.request import Request, SamplingParams

@@ -225,7 +225,8 @@ def load_drafter(spec: SpeculativeConfig, bundle: ModelBundle) -> DraftModelDraf
     from .architectures import prepare
 
     prepare(draft.model, draft.model_type, bundle.vocab_size)  # batching adapters; refuses what it cannot batch
-    from .fusion import decode_paths
+    from .kernels import install
 
-    decode_paths(draft.model, spec.compiled_verify != "off")  # the target's CUDA decode paths (off CUDA: none)
+    # the target's CUDA decode paths but the layer kernels, which the engine installs on the target alone
+    install(draft.model, spec.compiled_verify != "off", layers=False)
     return DraftModelDrafter(draft.model, bundle.vocab_size, compiled=spec.compiled_verify != "off", measure=True)

@@ -29,8 +29,7 @@ from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profil
 from .config import ScheduleConfig, SpeculativeConfig, prefill_chunk_env, sustained_prefill_env
 from .depth import DepthController
 from .drafters import make_drafter
-from . import fusion
-from .fusion import DECODE_GROUPS, decode_paths, fuse_projections, quantize_head
+from . import kernels
 from .architectures import PASSED_FILE, capture_backend, prepare, probe_key
 from .graphbank import CompiledVerifyBank
 from .models.loading import ModelBundle, cache_dir, context_length, load
@@ -146,18 +145,11 @@ class Engine(SpeculativeRounds):
         self.eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         self.hybrid = prepare(self.model, bundle.model_type, self.vocab_size,  # refuses what it cannot batch exactly
                               remember=self._probe_memory(bundle))
-        self.decode_paths = decode_paths(self.model, self.spec.compiled_verify != "off",  # CUDA only
-                                         self.stack_projections, self.use_rows_attention, self.use_skinny_matmul,
-                                         self.use_layer_kernels, self.use_mlp_kernel, self.use_o_norm_kernel)
+        compiled = self.spec.compiled_verify != "off"
+        self.decode_paths = kernels.install(self.model, compiled)  # CUDA only
         self.drafter = make_drafter(self.spec, bundle)
-        if (self.stack_projections and self.spec.compiled_verify != "off" and fusion.stacking_pays()  # as decode_paths stacks
-                and isinstance(getattr(self.drafter, "head", None), nn.Module)):
-            # the MTP head's blocks take the trunk's kernels: quantized where the trunk is, and the stacked
-            # one-row products (its draft steps are one row)
-            self.decode_paths["head_quantized"] = quantize_head(self.drafter.head, self.model)
-            # its float products of a few rows as matrix-vector products (fusion.HEAD_GEMV)
-            self.decode_paths["head_gemv"] = fusion.head_gemv(self.drafter.head, getattr(self.drafter, "vocab", None))
-            self.decode_paths["head_stacked_projections"] = fuse_projections(self.drafter.head, DECODE_GROUPS)
+        if isinstance(getattr(self.drafter, "head", None), nn.Module):  # the MTP head takes the trunk's paths
+            self.decode_paths.update(kernels.install_head(self.drafter.head, getattr(self.drafter, "vocab", None), compiled))
         self.runtime = _Runtime(self.model, want_hidden=self.drafter is not None and self.drafter.needs_hidden)
         self.weight_bytes = _tree_bytes(self.model.parameters())
         budget = self.schedule.memory_budget
@@ -209,20 +201,6 @@ class Engine(SpeculativeRounds):
         if self.TAIL_KEEPS_WIDTH is not None:
             return self.TAIL_KEEPS_WIDTH
         return 32 if mx.default_device().type == mx.DeviceType.gpu else 1
-
-    # fusion.decode_paths; benchmarks/decode_anatomy turns them off to measure without.
-    stack_projections = True
-    use_rows_attention = True
-    use_skinny_matmul = False  # skinny_matmul.py: exact on the H200, but no faster than MLX's gemv at one row
-    # layer_kernels.py for Qwen3 models (its DEFAULT_FAMILIES): bit-identical on the H200 and at or above
-    # the unfused ops at the 8B shape (session 6: 177 vs 166, 180 vs 178 tok/s); CUDA only
-    use_layer_kernels = True
-    # mlp_kernel.py (gate/up product + SwiGLU, one kernel at one row): off until the H200 check passes
-    use_mlp_kernel = False
-    # o_norm_kernel.py with layer_kernels (a one-row product + residual add + RMSNorm as one kernel: o_proj with the
-    # post-attention norm, down_proj with the next input norm): bit-identical on the H200, but slower than the
-    # separate kernels once their small arrays are in device memory (session 7 final window: 187 vs 191 tok/s)
-    use_o_norm_kernel = False
 
     @staticmethod
     def _probe_memory(bundle: ModelBundle):

@@ -28,7 +28,7 @@ from . import small_ops
 from .cache import BatchCache
 from .graphbank import _shadow_cache, _shadow_outputs
 from .models.mtp import MTPHead
-from .rows_attention import padded
+from .kernels.device import padded
 from .sampling import SamplerBatch, sample_from, shaped_probs
 from .tail_widths import sliced
 
@@ -131,7 +131,6 @@ def plain_rows(head: MTPHead, ids: mx.array) -> Optional[mx.array]:
         return None
     if type(layer) in (nn.Linear, nn.Embedding):
         return layer.weight[ids]
-    # (isinstance: qmm_rows' subclasses run the same product)
     if QUANTIZED_ROWS and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         biases = layer.get("biases")
         return mx.dequantize(layer["weight"][ids], scales=layer["scales"][ids],
@@ -217,11 +216,8 @@ def commit_inputs(verify_in: mx.array, n: mx.array, next_tokens: mx.array) -> mx
     """The head's tokens for a commit: position i of [pending, d1..dK] is followed by d_{i+1}, and
     the last accepted position by the verify's own next token."""
     K1 = verify_in.shape[1]
-    if small_ops.FEWER:  # the columns rolled by one as selects, fused with the one below: one kernel
-        cols = small_ops.rows_of(verify_in)
-        following = small_ops.columns(cols[1:] + cols[:1])
-    else:
-        following = mx.concatenate([verify_in[:, 1:], verify_in[:, :1]], axis=1)
+    cols = small_ops.rows_of(verify_in)  # the columns rolled by one as selects, fused with the one below: one kernel
+    following = small_ops.columns(cols[1:] + cols[:1])
     return mx.where(small_ops.arange(K1)[None] == n[:, None], next_tokens[:, None], following)
 
 
@@ -466,7 +462,7 @@ def draft_chain(head: MTPHead, vocab: Optional[DraftVocab], kinds, first, h, s: 
 
 def _step_rows(lengths: mx.array, K: int) -> list:
     """The K-1 draft steps' (row lengths, resident lengths or None): `lengths` + 0, 1, ... On CUDA at one
-    or two rows (rows_attention.padded) one padded copy of `lengths`, each step's lengths a view of that
+    or two rows (kernels.device.padded) one padded copy of `lengths`, each step's lengths a view of that
     copy plus its offset (a pad a step was a fill and a concatenation of two copies); the first step
     `lengths` itself, with no addition of 0."""
     base = padded(lengths)

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import small_ops
+from .kernels.device import padded
 
 
 class RowLengths:
@@ -59,10 +60,8 @@ class RowLengths:
 
     def resident(self) -> mx.array:
         """The device lengths as the kernels of a forward read them (rows_attention, RoPE offsets, the
-        write positions): at one row a view of a padded copy in device memory (rows_attention.padded),
+        write positions): at one row a view of a padded copy in device memory (kernels.device.padded),
         built once per forward."""
-        from .rows_attention import padded
-
         c = self._resident
         if c is None or c[0] is not self.device:
             p = padded(self.device)

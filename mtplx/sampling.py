@@ -97,11 +97,8 @@ def _within(limit: Optional[mx.array], B: int, K: int) -> mx.array:
 
 
 def _kept(ok: mx.array) -> mx.array:
-    """[B, K] bool -> [B] int32: how many leading entries of each row are True. With small_ops.FEWER the
-    first False's index (K where none) as one reduction, the select fused into the comparison before it
-    (a cumulative product and a sum otherwise: two kernels)."""
-    if not small_ops.FEWER:
-        return mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+    """[B, K] bool -> [B] int32: how many leading entries of each row are True, as the first False's index
+    (K where none): one reduction, the select fused into the comparison before it."""
     K = ok.shape[1]
     return mx.where(ok, K, small_ops.arange(K)[None]).min(axis=1).astype(mx.int32)
 
@@ -110,9 +107,7 @@ def accept_greedy(target_logits: mx.array, drafts: mx.array, limit: Optional[mx.
     """Greedy verify: [B, K+1, V] logits, [B, K] drafts -> (accepted count [B], next token [B]).
 
     `limit[b]` (default K) is how many of the K drafts row b really drafted."""
-    best = mx.argmax(target_logits, axis=-1)  # [B, K+1]
-    if not small_ops.FEWER:  # (with FEWER only the next token is cast: a cast kernel of [B, K+1] fewer)
-        best = best.astype(mx.int32)
+    best = mx.argmax(target_logits, axis=-1)  # [B, K+1] (only the next token is cast: no cast kernel of these)
     K = drafts.shape[1]
     if K == 0:
         return mx.zeros((best.shape[0],), mx.int32), best[:, 0].astype(mx.int32)

@@ -164,7 +164,7 @@ def test_job_widths_runs_every_width_and_method_on_the_same_rows(tiny_model, tmp
 
     data = write_parquet(tmp_path / "in.parquet", sample_rows(8))
     job = write_job(tmp_path / "job.yaml", job_dict(tiny_model("llama"), data, tmp_path / "run", generation={"max_tokens": 6}))
-    import mtplx.fusion as fusion
+    import mtplx.kernels.fusion as fusion
 
     # as on CUDA: the engine stacks projections, the peer unstacks them, our next run stacks again
     monkeypatch.setattr(fusion, "stacking_pays", lambda: True)
@@ -323,16 +323,16 @@ def test_round_cost_sets_a_module_switch_for_its_setting_alone():
     """`@mtplx.MODULE.NAME=V` holds while that setting's engine is made, warmed and timed, then is put back;
     a plain setting with one sums no programs (plain decoding has none)."""
     from benchmarks.round_cost import PLAIN, module_attrs, setting, summarize
-    from mtplx import qmm_rows
+    from mtplx.kernels import rows_attention
 
-    s = setting("plain@mtplx.qmm_rows.ONE_MATRIX=1", "h")
-    assert s.attrs == (("mtplx.qmm_rows.ONE_MATRIX", 1),) and s.spec.method == "none"
-    before = qmm_rows.ONE_MATRIX
+    s = setting("plain@mtplx.kernels.rows_attention.MAX_QUERIES=3", "h")
+    assert s.attrs == (("mtplx.kernels.rows_attention.MAX_QUERIES", 3),) and s.spec.method == "none"
+    before = rows_attention.MAX_QUERIES
     with module_attrs(s.attrs + (("refill_at", 3),)):  # engine attributes are the engine's (prepare)
-        assert qmm_rows.ONE_MATRIX is True
-    assert qmm_rows.ONE_MATRIX is before
+        assert rows_attention.MAX_QUERIES == 3
+    assert rows_attention.MAX_QUERIES == before
     with pytest.raises(SystemExit, match="no such attribute"):
-        with module_attrs((("mtplx.qmm_rows.NO_SUCH", 1),)):
+        with module_attrs((("mtplx.kernels.rows_attention.NO_SUCH", 1),)):
             pass
     fake = {"tok/s": 1.0, "full tok/s": "-", "ms/round": 1.0, "wait ms/round": "-", "rounds": 3, "tok/round": 2.0,
             "admissions": 1, "drains": 1, "prefill s": 0.1, "tail s": "-", "tokens/verify": 1.0, "new programs": "-",

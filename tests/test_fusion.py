@@ -1,7 +1,7 @@
-"""mtplx/fusion.py: stacked q/k/v and gate/up give the model's own logits bit for bit (one-row
+"""mtplx/kernels/fusion.py: stacked q/k/v and gate/up give the model's own logits bit for bit (one-row
 steps take the stacked product, a prompt takes each original layer), and unstack restores the model.
-mtplx/rows_attention.py is CUDA-only: elsewhere nothing is swapped. The engine with stacked projections
-(forced on here) gives mlx-lm's text."""
+mtplx/kernels/rows_attention.py is CUDA-only: elsewhere nothing is swapped. The engine with stacked
+projections (forced on here) gives mlx-lm's text."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mtplx.fusion import StackedPart, fuse_projections, unstack
+from mtplx.kernels.fusion import StackedPart, fuse_projections, unstack
 from mtplx.models.loading import load
 
 
@@ -44,10 +44,10 @@ def test_fused_projections_keep_the_logits_and_unstack_restores(qwen3):
 
 
 def test_rows_attention_is_mlx_lm_attention_off_cuda(qwen3):
-    from mtplx import rows_attention
+    from mtplx.kernels import rows_attention
 
     if rows_attention.cuda_ready():
-        pytest.skip("on CUDA the kernel runs (benchmarks/decode_anatomy compares it with MLX's)")
+        pytest.skip("on CUDA the kernel runs")
     assert rows_attention.install(qwen3) == 0
     q = mx.ones((1, 2, 1, 64))
     assert not rows_attention.usable(q, q, q)
@@ -57,10 +57,9 @@ def test_rows_attention_is_mlx_lm_attention_off_cuda(qwen3):
 def test_engine_with_stacked_projections_is_token_identical(tiny_model, monkeypatch, family, method):
     """Where the engine stacks projections (compiled decode on CUDA; forced here on the CPU) its
     greedy text is mlx-lm's plain decoding, through the bank, prefill, MTP drafting and batching."""
-    import mtplx.fusion as fusion
     import mtplx.generation as generation
+    import mtplx.kernels.fusion as fusion
     from mtplx.config import ScheduleConfig, SpeculativeConfig
-    from mtplx.fusion import unstack
     from mtplx.request import Request, SamplingParams
 
     from tiny_models import reference_tokens
@@ -92,14 +91,15 @@ def test_quantized_projections_stack_exactly(tiny_model):
 
 @pytest.mark.parametrize("group, per_layer", [("qkv", 3), ("mlp", 2)])
 def test_one_group_stacks_alone_and_keeps_the_logits(qwen3, group, per_layer):
-    from mtplx.fusion import NAMED
+    from mtplx.kernels.fusion import GROUPS
 
+    names = GROUPS[0] if group == "qkv" else GROUPS[1]
     ref = _logits(qwen3)
-    assert fuse_projections(qwen3, [NAMED[group]]) == per_layer * len(qwen3.model.layers)
+    assert fuse_projections(qwen3, [names]) == per_layer * len(qwen3.model.layers)
     layer = qwen3.model.layers[0]
     stacked = {k for k in ("q_proj", "k_proj", "v_proj") if isinstance(layer.self_attn[k], StackedPart)}
     stacked |= {k for k in ("gate_proj", "up_proj") if isinstance(layer.mlp[k], StackedPart)}
-    assert stacked == set(NAMED[group])
+    assert stacked == set(names)
     got = _logits(qwen3)
     assert unstack(qwen3) == per_layer * len(qwen3.model.layers)
     for a, b in zip(got, ref):
@@ -109,10 +109,9 @@ def test_one_group_stacks_alone_and_keeps_the_logits(qwen3, group, per_layer):
 def test_the_mtp_heads_blocks_stack_as_the_trunks_and_draft_the_same(tiny_model, tmp_path, monkeypatch):
     """Where the trunk's projections are stacked, the MTP head's block is too (its draft steps are
     one-row products, as a plain step is): the same drafts and acceptance, plain decoding's text."""
-    import mtplx.fusion as fusion
     import mtplx.generation as generation
+    import mtplx.kernels.fusion as fusion
     from mtplx.config import ScheduleConfig, SpeculativeConfig
-    from mtplx.fusion import unstack
     from mtplx.request import Request, SamplingParams
     from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
 
@@ -146,8 +145,8 @@ def test_a_few_row_product_of_quantized_layers_stacks_with_the_same_bits(tiny_mo
     here on the CPU, whose quantized product is row-independent too); elsewhere, and past that, each
     sibling's own product. Logits bit for bit; one product a group instead of three (two)."""
     from benchmarks.round_graph import graph_primitives
-    from mtplx import fusion
-    from mtplx.fusion import QMV_ROWS, few_rows
+    from mtplx.kernels.device import cuda_ready
+    from mtplx.kernels.fusion import QMV_ROWS, few_rows
 
     model = load(tiny_model("llama")).model
     nn.quantize(model, group_size=32, bits=4)
@@ -155,7 +154,7 @@ def test_a_few_row_product_of_quantized_layers_stacks_with_the_same_bits(tiny_mo
     ref = model(tokens)
     mx.eval(ref)
     plain_count = graph_primitives([model(tokens)])["QuantizedMatmul"]
-    assert few_rows(model.model.layers[0].self_attn.q_proj) == (QMV_ROWS if fusion.rows_attention.cuda_ready() else 1)
+    assert few_rows(model.model.layers[0].self_attn.q_proj) == (QMV_ROWS if cuda_ready() else 1)
     fuse_projections(model)
     parts = {id(m._stacked[0]): m._stacked[0] for _, m in model.named_modules() if isinstance(m, StackedPart)}
     for st in parts.values():
@@ -167,41 +166,6 @@ def test_a_few_row_product_of_quantized_layers_stacks_with_the_same_bits(tiny_mo
     assert stacked_count == plain_count - 3 * len(model.model.layers)  # q/k/v 3 -> 1, gate/up 2 -> 1
     long = mx.array([list(range(5, 5 + QMV_ROWS + 1))], dtype=mx.int32)  # past QMV_ROWS: own products
     assert graph_primitives([model(long)])["QuantizedMatmul"] == plain_count
-
-
-def test_the_mtp_heads_blocks_are_quantized_where_the_trunk_is(tiny_model, tmp_path, monkeypatch):
-    """Where the engine stacks (compiled CUDA decode; forced here) and the trunk is quantized, the head's
-    block products are quantized too (fusion.quantize_head: the trunk's qmv kernel, not a captured
-    GEMM, for the commit's few rows), fc left float (DraftVocab.step_table reads its halves); the text
-    is plain decoding's. QUANTIZE_HEAD off (the default) keeps them float."""
-    import mtplx.fusion as fusion
-    import mtplx.generation as generation
-    from mtplx.config import ScheduleConfig, SpeculativeConfig
-    from mtplx.request import Request, SamplingParams
-    from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
-
-    from tiny_models import reference_tokens
-
-    bundle = load(tiny_model("llama"))
-    head = save_sidecar(bundle, _init_head(bundle.model, TrainConfig(seed=3)), tmp_path / "head", {})
-    nn.quantize(bundle.model, group_size=32, bits=4)
-    prompts = [[5, 9, 13, 5, 9, 13, 5], [7, 3, 7, 3, 7, 3, 7, 3], [11, 12]]
-    refs = [reference_tokens(bundle.model, p, 12, set(bundle.tokenizer.eos_token_ids)) for p in prompts]
-    monkeypatch.setattr(fusion, "stacking_pays", lambda: True)
-    monkeypatch.setattr(fusion, "QUANTIZE_HEAD", True)  # (off by default: fusion.py says why)
-
-    def engine():
-        return generation.Engine(bundle, SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, compiled_verify="on",
-                                                           mtp_head=str(head)), ScheduleConfig(max_batch=1))
-
-    eng = engine()
-    layers = eng.drafter.head.layers
-    assert eng.decode_paths["head_quantized"] == 7 * len(layers)
-    assert isinstance(layers[0].mlp.down_proj, nn.QuantizedLinear) and isinstance(eng.drafter.head.fc, nn.Linear)
-    out = {r.key: r.tokens for r in eng.generate([Request(i, list(p), SamplingParams(max_tokens=12)) for i, p in enumerate(prompts)])}
-    assert [out[i] for i in range(len(prompts))] == refs
-    monkeypatch.setattr(fusion, "QUANTIZE_HEAD", False)
-    assert engine().decode_paths["head_quantized"] == 0
 
 
 def _head_matmuls(head, bundle, L):
@@ -216,12 +180,13 @@ def _head_matmuls(head, bundle, L):
 
 def test_the_mtp_heads_float_products_of_a_few_rows_are_vector_products(tiny_model, tmp_path, monkeypatch):
     """Where the engine stacks (compiled CUDA decode; forced here) the float head's blocks and fc are
-    RowsLinear (fusion.HEAD_GEMV): its commit over a few verified tokens takes MLX's matrix-vector product
+    RowsLinear (fusion.head_gemv): its commit over a few verified tokens takes MLX's matrix-vector product
     (on CUDA one graph node, not a captured cuBLAS GEMM), a row's values those of its one-row product, so
     the stacked q/k/v and gate/up take a few rows too: 5 products a commit of 4 tokens instead of 8. Past
-    GEMV_ROWS each sibling takes its own. The text is plain decoding's at widths 1-4, as with it off."""
-    import mtplx.fusion as fusion
+    GEMV_ROWS each sibling takes its own. The text is plain decoding's at widths 1-4, as where nothing is
+    stacked."""
     import mtplx.generation as generation
+    import mtplx.kernels.fusion as fusion
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.request import Request, SamplingParams
 
@@ -233,10 +198,9 @@ def test_the_mtp_heads_float_products_of_a_few_rows_are_vector_products(tiny_mod
     rows = [(rng.integers(3, 400, int(n)).tolist(), int(m)) for n, m in zip([6, 21, 9, 30], [10, 7, 12, 8])]
     eos = set(bundle.tokenizer.eos_token_ids)
     refs = [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
-    monkeypatch.setattr(fusion, "stacking_pays", lambda: True)
 
     def engine(width, on):
-        monkeypatch.setattr(fusion, "HEAD_GEMV", on)
+        monkeypatch.setattr(fusion, "stacking_pays", lambda: on)
         return generation.Engine(bundle, SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, compiled_verify="on",
                                                            mtp_head=str(head)), ScheduleConfig(max_batch=width, order="input"))
 
@@ -246,13 +210,12 @@ def test_the_mtp_heads_float_products_of_a_few_rows_are_vector_products(tiny_mod
     assert type(h.fc) is fusion.RowsLinear and fusion.few_rows(h.layers[0].mlp.gate_proj.stacked) == fusion.GEMV_ROWS
     assert eng.drafter.vocab is None or eng.drafter.vocab.step_table(h) is not None  # fc still splits in halves
     off = engine(1, False)
-    assert off.decode_paths["head_gemv"] == 0 and type(off.drafter.head.fc) is nn.Linear
-    off.drafter.head.update(h.parameters())
+    assert "head_gemv" not in off.decode_paths and type(off.drafter.head.fc) is nn.Linear
     many, ref = _head_matmuls(off.drafter.head, bundle, 4)
     few, out = _head_matmuls(h, bundle, 4)
     assert few == many - 3 * len(h.layers)  # q/k/v 3 -> 1, gate/up 2 -> 1 (fc, o, down as they were)
     assert np.allclose(np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32)), atol=1e-5)
-    wide = fusion.GEMV_ROWS + 1  # past GEMV_ROWS: each sibling's own product, as with it off
+    wide = fusion.GEMV_ROWS + 1  # past GEMV_ROWS: each sibling's own product, as unstacked
     assert _head_matmuls(h, bundle, wide)[0] == _head_matmuls(off.drafter.head, bundle, wide)[0] == many
     for width in (1, 2, 3, 4):
         for on in (True, False):
@@ -262,10 +225,10 @@ def test_the_mtp_heads_float_products_of_a_few_rows_are_vector_products(tiny_mod
             assert [got[i] for i in range(len(rows))] == refs, (width, on)
 
 
-def test_the_drafting_vocabularys_projection_keeps_its_values_as_a_vector_product(tiny_model, tmp_path, monkeypatch):
+def test_the_drafting_vocabularys_projection_keeps_its_values_as_a_vector_product(tiny_model, tmp_path):
     """fusion.head_gemv lays the drafting vocabulary's weight_t out as the transpose of an [S, D] array (on
     CUDA a one-row projection is then MLX's gemv, not a cuBLAS GEMM): the same logits."""
-    import mtplx.fusion as fusion
+    import mtplx.kernels.fusion as fusion
     from mtplx.models.mtp import load_head
     from mtplx.mtp_draft import DraftVocab
 
@@ -277,7 +240,6 @@ def test_the_drafting_vocabularys_projection_keeps_its_values_as_a_vector_produc
     h = mx.random.normal((2, head.fc.weight.shape[0]), key=mx.random.key(3)).astype(head.norm.weight.dtype)
     ref = vocab.logits(h)
     before = vocab.weight_t
-    monkeypatch.setattr(fusion, "HEAD_GEMV", True)
     assert fusion.head_gemv(head, vocab) == 7 * len(head.layers) + 1
     assert vocab.weight_t is not before and vocab.weight_t.shape == before.shape
     assert np.allclose(np.array(vocab.logits(h).astype(mx.float32)), np.array(ref.astype(mx.float32)), atol=1e-5)

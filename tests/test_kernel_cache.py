@@ -1,11 +1,11 @@
-"""mtplx/kernel_cache.py: MLX's names for a custom kernel and its cache entry, and when an entry is
-built. The NVRTC compile itself needs MLX's CUDA library (benchmarks/kernel_cache_check.py runs it
-on the GPU host, against MLX's own generated source and first-call times)."""
+"""mtplx/kernels/kernel_cache.py: MLX's names for a custom kernel and its cache entry, and when an entry
+is built. The NVRTC compile itself needs MLX's CUDA library (checked on the GPU host, against MLX's own
+generated source and first-call times)."""
 
 import mlx.core as mx
 import pytest
 
-from mtplx import kernel_cache as kc
+from mtplx.kernels import kernel_cache as kc
 
 
 def test_std_hash_names_mlx_kernels_as_mlx_does(tmp_path, monkeypatch):
@@ -50,10 +50,9 @@ def _kernel():
 def test_an_instantiation_is_built_once_per_machine(tmp_path, monkeypatch):
     """The first process that meets an instantiation builds its entry (once, whatever the calls);
     a later process (a new kernel object, as after a restart) finds it; another template is
-    another entry; with ENABLED off nothing is built."""
+    another entry; a call builds its instantiation before MLX runs it."""
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(kc, "_on_cuda", lambda: True)
-    monkeypatch.setattr(kc, "ENABLED", True)
+    monkeypatch.setattr(kc, "cuda_ready", lambda: True)
     built = []
 
     def build(func, source, directory=None):  # what kc.build writes, without NVRTC
@@ -76,11 +75,10 @@ def test_an_instantiation_is_built_once_per_machine(tmp_path, monkeypatch):
     assert built == ["custom_kernel_demo_float16_t"] and kc.stats["found"] == 1
     _kernel().ensure([x.astype(mx.float32)], [mx.float32], [("T", mx.float32)])
     assert built[-1] == "custom_kernel_demo_float" and kc.stats["built"] == 2
-    monkeypatch.setattr(kc, "ENABLED", False)
     with pytest.raises(RuntimeError):  # the call goes on to MLX, which has no CUDA here
         _kernel()(inputs=[x], output_dtypes=[mx.float16], template=[("T", mx.bfloat16)], grid=(1, 1, 1),
                   threadgroup=(1, 1, 1), output_shapes=[(4,)])
-    assert kc.stats["built"] == 2
+    assert built[-1] == "custom_kernel_demo_bfloat16_t" and kc.stats["built"] == 3
 
 
 def test_what_cannot_be_built_is_left_to_mlx(tmp_path, monkeypatch):

@@ -1,8 +1,8 @@
-"""mtplx/layer_kernels.py's plumbing (the kernels themselves run only on CUDA: benchmarks/step_kernels.py
---check compares them with MLX's ops there). Here the patched Qwen3 / Llama blocks, attentions and final
-norm run with the unfused ops in the kernels' places (`reference=True`) or with counting stand-ins for the
-kernel calls: the logits are the model's bit for bit, eager and compiled, and the engine (compiled bank,
-speculative verifies) gives mlx-lm's text. Also: a forward's KV write positions are built once, not per layer."""
+"""mtplx/kernels/layer_kernels.py's plumbing (the kernels themselves run only on CUDA, where they are
+compared with MLX's ops). Here the patched Qwen3 blocks, attentions and final norm run with the unfused
+ops (counted) in the kernels' places: the logits are the model's bit for bit, eager and compiled, and the
+engine (compiled bank, speculative verifies) gives mlx-lm's text. Also: a forward's KV write positions
+are built once, not per layer."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtplx import layer_kernels as lk
+from mtplx.kernels import layer_kernels as lk
 from mtplx.models.loading import load
 from tiny_models import greedy_logits, same_logits as _same
 
@@ -40,13 +40,16 @@ def counting(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("family, dtype", [("qwen3", "bfloat16"), ("qwen3", "float32"), ("llama", "bfloat16")])
-def test_reference_plumbing_keeps_the_logits(tiny_model, family, dtype):
-    model = load(tiny_model(family, dtype=dtype)).model
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_plumbing_keeps_the_logits_and_uninstall_restores(tiny_model, monkeypatch, dtype):
+    model = load(tiny_model("qwen3", dtype=dtype)).model
     ref = _logits(model)
     n = len(model.model.layers)
     assert lk.install(model) == 0  # not CUDA: nothing is patched
-    assert lk.install(model, reference=True, families=lk.FAMILIES) == n
+    monkeypatch.setattr(lk, "cuda_ready", lambda: True)
+    monkeypatch.setattr(lk, "add_rms_norm", lk.add_rms_norm_reference)
+    monkeypatch.setattr(lk, "qk_norm_rope", lk.qk_norm_rope_reference)
+    assert lk.install(model) == n
     assert type(model.model.layers[0]).__name__ == "FusedTransformerBlock"
     assert _same(_logits(model), ref)
     assert lk.uninstall(model) == 2 * n + 1
@@ -54,29 +57,17 @@ def test_reference_plumbing_keeps_the_logits(tiny_model, family, dtype):
     assert _same(_logits(model), ref)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_kernel_path_calls_each_kernel_once_per_place(tiny_model, counting, family):
+def test_kernel_path_calls_each_kernel_once_per_place(tiny_model, counting):
     """Per forward: one q/k kernel a layer, and an add + norm kernel for every norm but the first
     (layer 0's input norm reads the embedding): 2 per layer. Same logits (the stand-ins are the ops)."""
-    model = load(tiny_model(family, dtype="bfloat16")).model
+    model = load(tiny_model("qwen3", dtype="bfloat16")).model
     ref = _logits(model, n=4)
     n = len(model.model.layers)
-    assert lk.install(model) == (n if family == "qwen3" else 0)  # the engine's default: Qwen3 only
-    lk.install(model, families=lk.FAMILIES)
+    assert lk.install(model) == n
     got = _logits(model, n=4)
     lk.uninstall(model)
     assert _same(got, ref)
     assert counting == {"qk_norm_rope": 4 * n, "add_rms_norm": 4 * 2 * n}
-
-
-def test_each_kernel_can_be_left_out(tiny_model, counting, monkeypatch):
-    model = load(tiny_model("qwen3", dtype="bfloat16")).model
-    ref = _logits(model, n=2)
-    lk.install(model)
-    monkeypatch.setattr(lk, "ENABLED", {"add_rms_norm"})
-    got = _logits(model, n=2)
-    lk.uninstall(model)
-    assert _same(got, ref) and counting["qk_norm_rope"] == 0 and counting["add_rms_norm"] > 0
 
 
 def test_compiled_forward_keeps_the_logits(tiny_model, counting):
@@ -119,13 +110,8 @@ def test_engine_with_layer_kernels_is_token_identical(tiny_model, counting, meth
     tok = bundle.tokenizer
     prompts = [tok.encode(p) for p in ("def add(a, b):\n    return", "the quick brown fox jumps over the lazy dog. the", "import os")]
     refs = [reference_tokens(bundle.model, p, 10, set(tok.eos_token_ids)) for p in prompts]
-    shipped = Engine.use_layer_kernels
-    try:
-        Engine.use_layer_kernels = True
-        eng = Engine(bundle, SpeculativeConfig(method=method, depth=2, adaptive_depth=False, compiled_verify="on"),
-                     ScheduleConfig(max_batch=2))
-    finally:
-        Engine.use_layer_kernels = shipped
+    eng = Engine(bundle, SpeculativeConfig(method=method, depth=2, adaptive_depth=False, compiled_verify="on"),
+                 ScheduleConfig(max_batch=2))
     assert eng.decode_paths["layer_kernels"] == len(bundle.model.model.layers)
     out = {r.key: r.tokens for r in eng.generate([Request(i, list(p), SamplingParams(max_tokens=10)) for i, p in enumerate(prompts)])}
     lk.uninstall(bundle.model)
@@ -133,25 +119,11 @@ def test_engine_with_layer_kernels_is_token_identical(tiny_model, counting, meth
     assert counting["qk_norm_rope"] > 0
 
 
-def test_qwen2_is_claimed_and_keeps_the_logits(counting):
-    """Qwen2 (biased q/k/v, no q/k norm): the Llama path."""
-    from mlx.utils import tree_map
-    from mlx_lm.models import qwen2
-
-    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=256)
-    model = qwen2.Model(args)
-    model.update(tree_map(lambda p: p.astype(mx.bfloat16), model.parameters()))
-    ref = _logits(model, n=3)
-    assert lk.install(model) == 0 and lk.install(model, families=lk.FAMILIES) == 2
-    got = _logits(model, n=3)
-    lk.uninstall(model)
-    assert _same(got, ref) and counting["qk_norm_rope"] == 3 * 2
-
-
-def test_models_it_does_not_claim_keep_their_code(tiny_model):
-    model = load(tiny_model("qwen3_next")).model
-    assert lk.install(model, reference=True) == 0
+@pytest.mark.parametrize("family", ["qwen3_next", "llama"])
+def test_models_it_does_not_claim_keep_their_code(tiny_model, monkeypatch, family):
+    monkeypatch.setattr(lk, "cuda_ready", lambda: True)
+    model = load(tiny_model(family)).model
+    assert lk.install(model) == 0
     assert not any(type(m).__name__.startswith("Fused") for _, m in model.named_modules())
 
 
@@ -166,7 +138,7 @@ def test_norm_layout_is_mlx_rms_norm_dispatch():
 
 
 def test_write_positions_are_built_once_per_forward(tiny_model, monkeypatch):
-    """The masked path's KV writes share one positions array per forward (was an arange + add per layer).
+    """The masked path's KV writes share one positions array per forward (not an arange + add per layer).
     (RoPE is stubbed out: on the CPU its fallback has aranges of its own.)"""
     from benchmarks.round_graph import graph_primitives
     from mtplx.cache import BatchCache, RowKVCache
@@ -181,23 +153,11 @@ def test_write_positions_are_built_once_per_forward(tiny_model, monkeypatch):
     logits = model(mx.array([[4], [5]], dtype=mx.int32), cache=cache.layers)
     arrays = [logits] + [a for c in cache.leaves for a in c.state_arrays()]
     assert len(model.model.layers) >= 2
-    from mtplx import small_ops
-    # the mask's query and key positions, and the write positions (with small_ops.FEWER a constant range: no Arange)
-    assert graph_primitives(arrays)["Arange"] == (2 if small_ops.FEWER else 3)
+    # the mask's query and key positions (the write positions take a constant range: no Arange)
+    assert graph_primitives(arrays)["Arange"] == 2
     pos = cache.rows.positions(1)
     assert pos is cache.rows.positions(1) and pos.shape == (2, 1, 1, 1)
     assert np.array(pos).ravel().tolist() == [17, 15]
     cache.commit(np.array([1, 1]))
     assert np.array(cache.rows.positions(1)).ravel().tolist() == [18, 16]
     assert isinstance(cache.leaves[0], RowKVCache)
-
-
-def test_gpu_check_harness_runs(counting):
-    """benchmarks/step_kernels.check (the H200's bit-identity check) over every case, here with the
-    kernel calls being the unfused ops: every case bit-identical, both ops called."""
-    from benchmarks.step_kernels import check
-
-    rows = check(("bfloat16", "float32")) + check(("bfloat16",), version=2)
-    assert rows and all(r["bit-identical"] for r in rows)
-    assert rows[-1]["check"].startswith("v2 ") and lk.VERSION == 1
-    assert counting["add_rms_norm"] > 0 and counting["qk_norm_rope"] > 0

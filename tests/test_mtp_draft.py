@@ -366,15 +366,16 @@ def test_greedy_picks_are_not_cast_before_their_gathers(tiny_model, monkeypatch)
 
 
 def test_draft_steps_take_their_lengths_from_one_padded_copy(tiny_model, monkeypatch, tmp_path):
-    """Where one row's lengths are padded out of MLX's small-array pool (CUDA, rows_attention.padded), the
+    """Where one row's lengths are padded out of MLX's small-array pool (CUDA, kernels.device.padded), the
     draft chain pads them once, not once a step, and its first step adds no 0: the same drafts, a kernel
     fewer a step (small_ops' pad is a gather; without it three: a fill and a concatenation of two copies);
     the compiled draft programs build over it (no eager fallback) and greedy text stays plain's."""
     from benchmarks.round_graph import VIEWS, graph_primitives
-    from mtplx import mtp_draft, rows_attention
+    from mtplx import mtp_draft
+    from mtplx.kernels import device
     from mtplx.sampling import SamplerBatch
 
-    monkeypatch.setattr(rows_attention, "pads", lambda: True)
+    monkeypatch.setattr(device, "pads", lambda: True)
     bundle, head, vocab, cache, arrays, h, first = _chain_inputs(tiny_model, rows=1)
     mx.eval(arrays, h, first)
     got = {}

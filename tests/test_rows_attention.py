@@ -1,6 +1,6 @@
-"""mtplx/rows_attention.py's host side (the kernel itself runs only on CUDA: benchmarks/attn_check
-checks its bits there): how a launch splits a KV head's queries into blocks, and that the chunk
-sizes it may pick fit a block's static shared memory."""
+"""mtplx/kernels/rows_attention.py's host side (the kernel itself runs only on CUDA, where its bits are
+checked): how a launch splits a KV head's queries into blocks, that the chunk sizes it may pick fit a
+block's static shared memory, and the layouts around the strided kernel through an engine."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtplx import rows_attention as ra
+from mtplx.kernels import fusion
+from mtplx.kernels import rows_attention as ra
 
 
 @pytest.mark.parametrize("D", ra.HEAD_DIMS)
@@ -27,7 +28,7 @@ def test_split_covers_every_query_once_within_the_chunk_limit(B, Hk, queries, D)
 
 
 def test_split_shapes_of_the_measured_cases():
-    """The fastest chunk of each cell where the H200's table (session 6, window 2) is clear."""
+    """The fastest chunk of each cell where the H200's table is clear."""
     # SmolLM2-135M (9 heads over 3, D 64): a width-32 depth-3 verify, 12 queries a KV head in 6 blocks
     # of 2 (53.1 us; a block per query 58.8); its plain step and one stream: a block per query
     assert ra.split(32, 3, 3 * 4, 64) == (2, 6)
@@ -99,19 +100,19 @@ class _StandIn:
 @pytest.fixture
 def stand_in(monkeypatch):
     calls = []
-    monkeypatch.setattr(ra, "_kernels", lambda strided: _StandIn(calls, strided))
+    monkeypatch.setattr(ra, "_KERNELS", {strided: _StandIn(calls, strided) for strided in (False, True)})
     monkeypatch.setattr(ra, "usable", lambda q, k, v: q.shape[2] <= ra.MAX_QUERIES)
     monkeypatch.setattr(ra, "cuda_ready", lambda: True)
-    monkeypatch.setattr(ra, "pads", lambda: False)
+    monkeypatch.setattr(fusion, "stacking_pays", lambda: True)  # the engine's paths as on CUDA
     yield calls
     ra.uninstall()
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 4])
-def test_the_strided_layout_decodes_as_plain_through_the_engine(tiny_model, stand_in, monkeypatch, tmp_path, width):
-    """Greedy MTP text through rows_attention's path with STRIDED on equals plain decoding and the
-    row-contiguous path's (the kernel replaced by its contract in MLX ops: the layouts and views around
-    it are what this checks; benchmarks/attn_check checks the kernel's bits on CUDA)."""
+def test_the_strided_layout_decodes_as_plain_through_the_engine(tiny_model, stand_in, tmp_path, width):
+    """Greedy MTP text through rows_attention's path equals plain decoding; a verify of several queries
+    takes the strided kernel, a one-query step the row-contiguous one (the kernel replaced by its contract
+    in MLX ops: the layouts and views around it are what this checks)."""
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine
     from mtplx.models.loading import load
@@ -124,16 +125,9 @@ def test_the_strided_layout_decodes_as_plain_through_the_engine(tiny_model, stan
     rows = [(rng.integers(3, 400, int(n)).tolist(), int(m)) for n, m in zip([5, 19, 8, 33], [9, 6, 11, 7])]
     eos = set(bundle.tokenizer.eos_token_ids)
     refs = [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
-    outs = {}
-    for strided in (True, False):
-        monkeypatch.setattr(ra, "STRIDED", strided)
-        stand_in.clear()
-        spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, compiled_verify="on", mtp_head=str(head))
-        eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
-        assert eng.decode_paths["rows_attention"] > 0
-        reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
-        outs[strided] = [list(r.tokens) for r in sorted(eng.generate(reqs), key=lambda r: r.key)]
-        several = {s for s, L in stand_in if L > 1}
-        assert several == {strided}, stand_in  # verifies of several queries took the strided kernel iff STRIDED
-        ra.uninstall()
-    assert outs[True] == outs[False] == refs
+    spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, compiled_verify="on", mtp_head=str(head))
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
+    assert eng.decode_paths["rows_attention"] > 0
+    reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
+    assert [list(r.tokens) for r in sorted(eng.generate(reqs), key=lambda r: r.key)] == refs
+    assert {s for s, L in stand_in if L > 1} == {True} and {s for s, L in stand_in if L == 1} <= {False}, stand_in

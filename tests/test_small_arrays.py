@@ -1,5 +1,5 @@
 """Arrays of <= 8 bytes that the CUDA kernels read each step are kept out of MLX's managed small-array pool
-(rows_attention.SMALL_POOL_BYTES): the kernels' constants are padded, and the device lengths of one row are
+(kernels.device.SMALL_POOL_BYTES): the kernels' constants are padded, and the device lengths of one row are
 read through a view of a padded copy made once per forward. On the CPU nothing is padded (no such pool); here
 the CUDA behaviour is forced (`pads`) and the values, the logits and the engine's tokens must not move."""
 
@@ -8,27 +8,27 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mtplx import layer_kernels as lk
-from mtplx import rows_attention as ra
+from mtplx.kernels import device
+from mtplx.kernels import layer_kernels as lk
 from mtplx.row_lengths import RowLengths
 from mtplx.models.loading import load
 
 
 def test_constants_are_padded_past_the_pool_only_on_cuda(monkeypatch):
-    assert ra.resident_constant([0.5]).nbytes == 4  # the CPU: as it was
-    monkeypatch.setattr(ra, "pads", lambda: True)
-    c = ra.resident_constant([0.5])
-    assert c.nbytes > ra.SMALL_POOL_BYTES and c[0].item() == 0.5 and c[1:].sum().item() == 0
-    i = ra.resident_constant([7], mx.int32)
-    assert i.nbytes > ra.SMALL_POOL_BYTES and i[0].item() == 7
-    assert ra.resident_constant([1.0, 2.0, 3.0]).size == 3  # 12 bytes: out of the pool already
-    assert lk._const(1e-6).nbytes > ra.SMALL_POOL_BYTES  # what the add + norm kernel reads as eps
+    assert device.resident_constant([0.5]).nbytes == 4  # the CPU: as it is
+    monkeypatch.setattr(device, "pads", lambda: True)
+    c = device.resident_constant([0.5])
+    assert c.nbytes > device.SMALL_POOL_BYTES and c[0].item() == 0.5 and c[1:].sum().item() == 0
+    i = device.resident_constant([7], mx.int32)
+    assert i.nbytes > device.SMALL_POOL_BYTES and i[0].item() == 7
+    assert device.resident_constant([1.0, 2.0, 3.0]).size == 3  # 12 bytes: out of the pool already
+    assert lk._const(1e-6).nbytes > device.SMALL_POOL_BYTES  # what the add + norm kernel reads as eps
 
 
 def test_one_row_lengths_are_read_through_a_padded_copy(monkeypatch):
     rows = RowLengths([37])
     assert rows.resident() is rows.device  # the CPU: no copy
-    monkeypatch.setattr(ra, "pads", lambda: True)
+    monkeypatch.setattr(device, "pads", lambda: True)
     rows = RowLengths([37])
     view = rows.resident()
     assert view is not rows.device and view.shape == (1,) and view.item() == 37
@@ -71,7 +71,7 @@ def test_logits_and_engine_tokens_do_not_move(tiny_model, monkeypatch):
     tok = bundle.tokenizer
     prompt = tok.encode("def add(a, b):\n    return")
     want = reference_tokens(model, prompt, 10, set(tok.eos_token_ids))
-    monkeypatch.setattr(ra, "pads", lambda: True)
+    monkeypatch.setattr(device, "pads", lambda: True)
     got = bank_logits()
     assert all(np.array_equal(a, b) for a, b in zip(got, ref))
     eng = Engine(bundle, SpeculativeConfig(method="ngram", depth=2, adaptive_depth=False, compiled_verify="on"),

@@ -32,9 +32,9 @@ Speed settings (speculative, schedule, executor) may change between resumes.
 Progress: on a terminal, two bars: "prefill" (rows handed to the engine, prompt tok/s) and
 "decode" (rows finished, generated tok/s, draft acceptance, tokens per verify, and an ETA from
 rows left x mean tokens per row / recent tok/s). --quiet shows nothing but errors.
---log-json writes one JSON object per line to stderr instead: start (with MLX's CUDA-graph limits), log,
-startup (seconds by phase, once the first token is out), shard (each commit), progress (every --log-every
-seconds), summary (status done|interrupted|failed), error.
+--log-json writes one JSON object per line to stderr instead: start, log, startup (seconds by phase, once
+the first token is out), shard (each commit), progress (every --log-every seconds), summary (status
+done|interrupted|failed), error.
 """
 
 EPILOG_GROUP = """\b

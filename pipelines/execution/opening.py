@@ -13,27 +13,8 @@ from ..errors import JobError, RunError
 from ..job.config import JobConfig
 
 
-def job_width(job: JobConfig, limit: Optional[int] = None):
-    """Rows the job decodes together: schedule.max_batch (an int or "auto"), at most the rows it can have
-    (`limit` or input.limit, times generation.n)."""
-    rows = limit if limit is not None else job.input.limit
-    if rows is None:
-        return job.schedule.max_batch
-    rows *= job.generation.n
-    return rows if job.schedule.max_batch == "auto" else min(job.schedule.max_batch, rows)
-
-
-def apply_graph_limits(job: JobConfig, limit: Optional[int] = None) -> None:
-    """MLX's CUDA-graph limits for this job's width and method (mtplx/cuda_graphs.py): before anything
-    imports mlx.core (`run_job` calls it first, a Ray actor in `load_engine`); a no-op once it has."""
-    from mtplx import cuda_graphs
-
-    cuda_graphs.apply_for(job_width(job, limit), job.speculative.method)
-
-
 def load_engine(job: JobConfig, tokenizer=None):
     """The job's engine; `tokenizer`: the model's, already loaded by `load_tokenizer` (not loaded again)."""
-    apply_graph_limits(job)  # in a Ray actor, the first code of the job's to run
     try:
         from mtplx.generation import Engine
     except ImportError as e:

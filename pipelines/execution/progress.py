@@ -204,8 +204,7 @@ class Progress:
                           tokens_per_second=round(summary.tokens_per_second, 3), shards=summary.shards,
                           acceptance_rate=self.acceptance_rate,
                           peak_rss_bytes=getattr(summary, "peak_rss_bytes", None),
-                          peak_mlx_bytes=getattr(summary, "peak_mlx_bytes", None),
-                          cuda_graphs=getattr(summary, "cuda_graphs", None))
+                          peak_mlx_bytes=getattr(summary, "peak_mlx_bytes", None))
             if error:
                 fields["error"] = error
             json_line("summary", self.stream, **fields)

@@ -119,9 +119,6 @@ class MTPLXPredictor:
         self.generation = _as(GenerationConfig, generation)
         self.schedule = _as(ScheduleConfig, schedule)
         if engine is None:
-            from mtplx import cuda_graphs
-
-            cuda_graphs.apply_for(self.schedule.max_batch, self.speculative.method)  # before mlx.core loads
             from mtplx.generation import Engine
 
             engine = Engine.load(model_path, self.speculative, self.schedule, trust_remote_code=trust_remote_code,

@@ -32,7 +32,7 @@ from ..io.job_input import Prepared, open_job
 from ..io.sink import ShardWriter
 from ..job.config import JobConfig
 from ..job.fingerprint import fingerprint_parts
-from .opening import apply_graph_limits, load_tokenizer, resolve_model_dir
+from .opening import load_tokenizer, resolve_model_dir
 from .progress import DEFAULT_LOG_EVERY, Progress, json_line, json_logger
 from .startup import Startup
 
@@ -50,7 +50,6 @@ class RunSummary:
     shards: int = 0  # shards committed by this session
     peak_rss_bytes: int = 0  # the process's peak resident memory (what the OS counts)
     peak_mlx_bytes: int = 0  # MLX's own peak: weights, caches, activations (0 before MLX loads)
-    cuda_graphs: Dict[str, Any] = field(default_factory=dict)  # MLX's CUDA-graph limits this run had (cuda_graphs.describe)
 
     @property
     def tokens_per_second(self) -> float:
@@ -68,13 +67,6 @@ class RunSummary:
         self.outputs += entry["rows"]
         self.errors += entry["errors"]
         self.completion_tokens += entry["completion_tokens"]
-
-
-def cuda_graph_note() -> Dict[str, Any]:
-    """MLX's CUDA-graph limits in this process, for the manifest, the log and the summary."""
-    from mtplx import cuda_graphs
-
-    return cuda_graphs.describe()
 
 
 def peak_rss_bytes() -> int:
@@ -141,8 +133,7 @@ class Session:
         """Generation starts now (the engine or the cluster is up): the clock and the progress."""
         self.started = time.monotonic()
         self.progress = self._new_progress()
-        graphs = self.run.manifest.get("cuda_graphs") or {}  # (run_job's cuda_graph_note)
-        self.progress.start(run_dir=self.run.path, job=self.job.name, cuda_graphs=graphs.get("line"), **fields)
+        self.progress.start(run_dir=self.run.path, job=self.job.name, **fields)
 
 
 def executor_rows(job: JobConfig, engine=None) -> Callable[[Session], Rows]:
@@ -173,8 +164,6 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
     startup = Startup()
     if limit is None:
         limit = job.input.limit
-    if engine is None:
-        apply_graph_limits(job, limit)  # first: MLX reads them once, when mlx.core loads (the tokenizer's load may)
     if log_json and log is None:
         log = json_logger()
     log = log or ((lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr)))
@@ -193,15 +182,11 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
         # bounds this session. status / report / export read planned_rows.
         job_limit = job.input.limit
         planned = None if total_rows is None else min(total_rows, total_rows if job_limit is None else job_limit)
-        graphs = cuda_graph_note()
-        run.update(input_rows=total_rows, samples=job.generation.n, planned_rows=planned, limit=job_limit,
-                   cuda_graphs=graphs)
+        run.update(input_rows=total_rows, samples=job.generation.n, planned_rows=planned, limit=job_limit)
         s = Session(job, prep, run, committed, limit, total_rows, log, quiet, "json" if log_json else "off",
                     log_every, startup=startup, bars=None if quiet or log_json else bars)
         startup.lap("config")
-        summary = RunSummary(run_dir=run.path, skipped=len(committed), cuda_graphs=graphs)
-        if graphs["set"] and graphs["line"] and not log_json:  # --log-json: in the start line (Session.begin)
-            log(graphs["line"])
+        summary = RunSummary(run_dir=run.path, skipped=len(committed))
         if s.finished:  # checked before any model loads
             log(f"finished: all {s.wanted} output rows are committed in {run.path}; nothing to do "
                 "(--restart starts over)")

@@ -1,34 +1,18 @@
 """Attention for a few new tokens per row over a capacity-bucket KV cache, each row to its own length.
 
-The batch cache (cache.py) writes every row at its own offset and, for rows of different
-lengths and inside compiled verify programs, attends over the whole capacity bucket under a
-[B, 1, N, cap] boolean mask. On CUDA, MLX has no fused kernel for a boolean mask (its vector
-kernel takes none), so each layer falls back to matmul, select, softmax, matmul. This kernel
-computes every query with the arithmetic of MLX's one-pass vector attention kernel
-(scaled_dot_product_attention.cu, `kernel_sdpav_1pass`, causal), with the key count read per row
-from the lengths array: query i of row b reads keys 0..lengths[b] + i, and its result is bit for
-bit what MLX's kernel computes over that row's exact slice (up to 1024 keys, where MLX keeps the
-one-pass kernel; past that MLX splits the keys in two passes and this kernel stays one pass: the
-same softmax, summed in another order, and still the same for every query count here).
-
-Layout: a block of 32 warps x 32 lanes per (row, KV head, chunk of that KV head's G x L queries;
-G = H_q / H_kv). Warp w reads keys w, w + 32, ... once (lane l holds elements l * D/32 ..) and
-applies each key to every query of the chunk: per query, the lane's products summed in element
-order, the warp's butterfly sum, the warp's running max / sum / output update, and at the end the
-same cross-warp reductions as MLX's kernel. A key past a query's limit is skipped for that query.
-So a query's result does not depend on how many queries share its block, nor on L or G: the plain
-step (one query) and a verify (several) compute it alike, which keeps greedy speculation
-token-identical to plain decoding. A block per query (chunks of one) is MLX's own layout; larger
-chunks read each key once for several queries (a width-32 verify of 4 queries with 9 heads over 3
-KV heads was 1,152 blocks each re-reading its KV head, 12 reads of every key). `split` picks the
-chunk from what the H200 measured (see CHUNK): a block per query for launches that fill the GPU
-in about two waves anyway, chunks of CHUNK[D] past that (at most CHUNK_MOST, a lane's registers).
-Measured there (benchmarks/attn_check, us a layer): SmolLM2's width-32 verify of 4 queries 58.8
--> 53.1, Qwen3-8B's 265 -> 170; MLX's masked fallback still takes 42 / 97 (it is not exact against
-the plain step, this is).
-
-`install(model)` points the model's attention modules at `attention`, which takes this kernel
-for a RowKVCache's own mask on CUDA and otherwise calls mlx-lm's function unchanged.
+The batch cache (cache.py) attends over the whole bucket under a [B, 1, N, cap] boolean mask, for which
+MLX's CUDA backend has no fused kernel (each layer falls back to matmul, select, softmax, matmul). This
+kernel computes every query with the arithmetic of MLX's one-pass vector kernel
+(scaled_dot_product_attention.cu, `kernel_sdpav_1pass`, causal) over keys 0..lengths[b] + i for query i
+of row b: bit for bit what MLX computes over that row's exact slice (up to 1024 keys, where MLX stays
+one pass). A block of 32 warps per (row, KV head, chunk of its G x L queries) reads each key once and
+applies it to every query of the chunk in MLX's per-query order, so a query's result does not depend on
+what shares its block: the plain step and a verify compute it alike (greedy speculation stays
+token-identical). On the H200 (us a layer): SmolLM2's width-32 verify of 4 queries 58.8 (a block per
+query, MLX's layout) -> 53.1, Qwen3-8B's 265 -> 170; the masked fallback 42 / 97, and not exact.
+At several queries it reads q, k, v through their strides and writes [B, L, H_q, D]: no copy of the
+transposed q before it, none of the result after it (a one-stream MTP round on the H200 5.79 ms
+against 7.75).
 """
 
 from __future__ import annotations
@@ -37,25 +21,22 @@ import sys
 
 import mlx.core as mx
 
-from . import kernel_cache, small_ops
+from ..cache import RowKVCache
+from . import device, kernel_cache
+from .device import cuda_ready
 
 
 HEAD_DIMS = (64, 96, 128)
-# MLX's vector kernel takes query lengths < 4; here the limit is only where a verify stops being
-# "a few tokens": 8 covers speculative depths up to 7 (an MTP / draft verify of depth 3 is 4
-# queries, which otherwise fall back to matmul + select + softmax + matmul under the boolean mask
-# in every layer)
+# MLX's vector kernel takes fewer than 4 queries; 8 covers speculative verifies up to depth 7
 MAX_QUERIES = 8
-# Queries one block carries, by head dim: a lane keeps D/32 outputs plus a running max and sum per
-# query in registers (the queries themselves sit in shared memory), and a 1024-thread block has 64
-# registers a lane: at most ~32 of them for the queries' state.
+# Queries one block carries, by head dim: a lane keeps D/32 outputs and a running max and sum per query
+# in registers, at most ~32 of the 64 a lane has in a 1024-thread block.
 CHUNK_MOST = {64: 8, 96: 5, 128: 4}
-# Queries a block where a launch takes chunks of several, by head dim (H200, session 6, benchmarks/
-# attn_check's table): at D 64 two queries keep a lane at 32 registers, so two 1024-thread blocks
-# share an SM; at D 96 / 128 any chunk of several holds an SM alone, and four did best.
+# Queries a block where a launch takes chunks, by head dim (the H200's fastest): at D 64 two keep a lane at
+# 32 registers (two blocks share an SM); at D 96 / 128 any chunk holds an SM alone, and four did best.
 CHUNK = {64: 2, 96: 4, 128: 4}
-# A launch of at most this many blocks keeps a block per query (MLX's layout): about two waves of two
-# blocks an SM on an H100 / H200 (132 SMs), where chunks only lengthen each block.
+# A launch of at most this many blocks keeps a block per query: about two waves of two blocks an SM on an
+# H100 / H200 (132 SMs), where chunks only lengthen each block.
 SPREAD_BLOCKS = 528
 
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
@@ -203,13 +184,6 @@ _SOURCE = """
   }
 """
 
-# The kernel reading q, k, v through their strides and writing [B, L, H_q, D] (`rows_attention`). At several
-# queries a row q is a transposed view ([B, L, H, D] data: a slice of the projection, through RoPE), which the
-# row-contiguous kernel had MLX copy first, and its [B, H, L, D] result the model copied back to [B, L, H * D]:
-# two copies a layer (H200, session 8: ~66 copy_g_nd a one-stream MTP round). The same arithmetic: the same bits.
-# On: H200, session 9 window 1 (with fusion.HEAD_GEMV, one-stream MTP depth 3, 5 interleaved repeats): 1.65x plain
-# against 1.47x, 5.79 ms a round against 7.75; the trace 66 copy_g_nd a round fewer (round_trace `:...STRIDED=0`)
-STRIDED = True
 _REPLACE = (  # (row-contiguous indexing, strided indexing): each occurs once in _SOURCE
     ("q[(((size_t)batch_idx * Hq + kv_head_idx * G + t / L) * L + t % L) * D + e % D]",
      "q[batch_idx * q_strides[0] + (kv_head_idx * G + t / L) * q_strides[1] + (t % L) * q_strides[2]\n"
@@ -236,54 +210,12 @@ def _strided_source() -> str:
 
 
 _STRIDED_SOURCE = _strided_source()
-_kernel = None
-_strided_kernel = None
+# the row-contiguous kernel at one query, the strided one at several (by `strided`)
+_KERNELS = {strided: kernel_cache.cuda_kernel(
+    name="mtplx_rows_attention" + ("_strided" if strided else ""), input_names=["q", "k", "v", "lengths", "scale"],
+    output_names=["out"], source=_STRIDED_SOURCE if strided else _SOURCE, header=_HEADER,
+    ensure_row_contiguous=not strided) for strided in (False, True)}
 _scales = {}
-_on_cuda = None
-
-# MLX's CUDA allocator gives arrays of at most 8 bytes (a scalar, the lengths of one row) managed memory from
-# a small shared pool (mlx/backend/cuda/allocator.cpp, small_block_size), which the host also touches (it
-# reads each step's token from there): a kernel that reads such an array then waits on a page that is
-# not on the GPU (H200, session 7 window 1: the add + norm kernel 8.1 us against 3.1 for MLX's rms_norm,
-# which takes eps as a parameter; a kernel doing atomics on a 4-byte array ~1 ms). Constants and per-step
-# small arrays the kernels read are made larger than that (`resident_constant`, `padded`, and
-# row_lengths.RowLengths.resident), so they live in device memory.
-SMALL_POOL_BYTES = 8
-PAD_SMALL = True  # benchmarks/decode_anatomy turns it off to measure without
-
-
-def pads() -> bool:
-    """Whether small arrays are padded: on CUDA (the CPU backend has no such pool), unless PAD_SMALL is off."""
-    return PAD_SMALL and cuda_ready()
-
-
-def resident_constant(values, dtype=mx.float32) -> mx.array:
-    """`values` (a sequence) as a device array, on CUDA padded with zeros past SMALL_POOL_BYTES (kernels read
-    the first len(values) elements)."""
-    n = len(values)
-    pad = max(0, -(-(SMALL_POOL_BYTES + 1) // dtype.size) - n) if pads() else 0
-    return mx.array(list(values) + [0] * pad, dtype=dtype)
-
-
-def padded(a: mx.array):
-    """A padded copy of `a` (1-D) large enough to stay out of MLX's managed pool, or None where `a` is out
-    of it already (or `pads()` is false). Its first a.size elements are `a`; past them zeros, or with
-    small_ops.FEWER copies of a[0]: one gather by a constant index (a fill and two copies otherwise, three
-    kernels: at one stream a round pads the lengths of each of its forwards and draft steps)."""
-    if not pads() or a.nbytes > SMALL_POOL_BYTES or a.ndim != 1:
-        return None
-    n = -(-(SMALL_POOL_BYTES + 1) // a.dtype.size)
-    if small_ops.FEWER:
-        return mx.take(a, small_ops.pad_index(a.size, n))
-    return mx.concatenate([a, mx.zeros((n - a.size,), dtype=a.dtype)])
-
-
-def cuda_ready() -> bool:
-    """Whether arrays run on MLX's CUDA backend (the kernel's only home)."""
-    global _on_cuda
-    if _on_cuda is None:
-        _on_cuda = bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and mx.default_device() == mx.gpu)
-    return _on_cuda
 
 
 def usable(q: mx.array, k: mx.array, v: mx.array) -> bool:
@@ -301,36 +233,22 @@ def split(B: int, Hk: int, queries: int, D: int) -> tuple[int, int]:
     return per, -(-queries // per)
 
 
-def _kernels(strided: bool):
-    global _kernel, _strided_kernel
-    if _kernel is None:
-        _kernel = kernel_cache.cuda_kernel(name="mtplx_rows_attention", input_names=["q", "k", "v", "lengths", "scale"],
-                                           output_names=["out"], source=_SOURCE, header=_HEADER)
-        _strided_kernel = kernel_cache.cuda_kernel(
-            name="mtplx_rows_attention_strided", input_names=["q", "k", "v", "lengths", "scale"], output_names=["out"],
-            source=_STRIDED_SOURCE, header=_HEADER, ensure_row_contiguous=False)
-    return _strided_kernel if strided else _kernel
-
-
 def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths: mx.array,
                    per_block: int | None = None) -> mx.array:
-    """softmax(q k^T * scale) v where query i of row b reads keys 0..lengths[b] + i of k/v
-    [B, H_kv, cap, D] (the rest of the bucket is never read). q: [B, H_q, L, D], L <= MAX_QUERIES.
-    `per_block`: queries a block (default `split`'s; benchmarks/attn_check times others; 1 is
-    MLX's layout). Every choice gives every query the same bits. With STRIDED (and L > 1) the kernel
-    reads q, k, v where they lie and the result [B, H_q, L, D] is a view of a [B, L, H_q, D] array:
-    the model's transpose back to [B, L, H_q * D] is then no copy."""
+    """softmax(q k^T * scale) v where query i of row b reads keys 0..lengths[b] + i of k/v [B, H_kv, cap, D].
+    q: [B, H_q, L, D], L <= MAX_QUERIES; at several queries the result is a view of a [B, L, H_q, D] array.
+    `per_block`: queries a block (default `split`'s; 1 is MLX's layout), each choice the same bits."""
     B, Hq, L, D = q.shape
     Hk = k.shape[1]
     per, blocks = split(B, Hk, Hq // Hk * L, D)
     if per_block is not None:
         per, blocks = per_block, -(-(Hq // Hk * L) // per_block)
-    key = (scale, pads())
+    key = (scale, device.pads())
     if key not in _scales:
-        _scales[key] = resident_constant([scale])
-    strided = STRIDED and L > 1  # (at one query the layouts are one: MLX copies nothing either way)
+        _scales[key] = device.resident_constant([scale])
+    strided = L > 1  # (at one query the layouts are one: MLX copies nothing either way)
     shape = (B, L, Hq, D) if strided else q.shape
-    (out,) = _kernels(strided)(inputs=[q, k, v, lengths.astype(mx.int32), _scales[key]],
+    (out,) = _KERNELS[strided](inputs=[q, k, v, lengths.astype(mx.int32), _scales[key]],
                                template=[("T", q.dtype), ("D", D), ("QB", per)], grid=(blocks * 1024, Hk, B),
                                threadgroup=(1024, 1, 1), output_shapes=[shape], output_dtypes=[q.dtype])
     return out.transpose(0, 2, 1, 3) if strided else out
@@ -342,8 +260,6 @@ _original = None
 
 def attention(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention`, with `rows_attention` for a RowKVCache's own mask."""
-    from .cache import RowKVCache
-
     if (sinks is None and isinstance(cache, RowKVCache) and mask is not None and mask is cache.rows.mask
             and usable(queries, keys, values)):
         return rows_attention(queries, keys, values, scale, cache.rows.resident())
@@ -351,8 +267,8 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
 
 
 def install(model) -> int:
-    """Point the model's attention modules' `scaled_dot_product_attention` at `attention` (their
-    module's global; everything else keeps mlx-lm's). Returns how many modules; 0 off CUDA."""
+    """Point the `scaled_dot_product_attention` global of the model's attention modules at `attention`.
+    Returns how many modules; 0 off CUDA."""
     global _original
     from mlx_lm.models import base
 

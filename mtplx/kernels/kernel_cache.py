@@ -1,30 +1,22 @@
 """Our custom CUDA kernels built once per machine, not once per process.
 
-MLX keeps the CUDA kernels it builds for its own ops (fused elementwise, gathers, quantized matmuls)
-in an on-disk cache, its "PTX cache" (`$TMPDIR/mlx/<version>/ptx`, or MLX's own MLX_PTX_CACHE_DIR),
-so a later process loads them instead of compiling them again with NVRTC. A custom kernel
-(`mx.fast.cuda_kernel`: rows_attention, layer_kernels, ...) is looked up in that cache too, but MLX
-never writes one there: every fresh process compiles every custom kernel instantiation it meets
-(each `template=` combination is its own program, a fraction of a second of NVRTC each), at the
-first call of whichever compiled program first uses it. That was the seconds a fresh
-`mtplx-batch run` paid at its first MTP proposal, whatever the kernel cache held (session 7).
-
-`cuda_kernel(...)` is `mx.fast.cuda_kernel(...)` with one step before each new instantiation's
-first call in a process: if MLX's cache has no entry for it, compile it here (NVRTC through
-ctypes, the library MLX itself links) and write the entry MLX would look for. MLX then loads it
-from disk, in this process and every later one. The entry is found by MLX's own name for it
-(the kernel's name and template, and the std::hash of the source MLX generates for it:
-`generated_source` writes that source as MLX does, so the name matches), and holds the cubin and
-the kernel's mangled name. Our compile replaces MLX's device-utility header (embedded in MLX's
-library, not shipped as a file) with the CUDA headers it includes; our kernels use nothing else
-of it. Anything that does not work out (no NVRTC, no CUDA headers, a compile error, a kernel
-whose source asks for shapes) leaves the instantiation to MLX, as before: the values are MLX's
-own program's either way, only where it was compiled changes.
+MLX keeps the kernels it builds in an on-disk "PTX cache" (`$TMPDIR/mlx/<version>/ptx`, or its own
+MLX_PTX_CACHE_DIR) and looks custom kernels (`mx.fast.cuda_kernel`) up there too, but never writes one:
+every fresh process compiles each instantiation (each `template=` combination, a fraction of a second
+of NVRTC) at its first call, seconds at a fresh run's first MTP proposal (2.08 s on the H200; ~0 here).
+`cuda_kernel(...)` is `mx.fast.cuda_kernel(...)` that, before an instantiation's first call in a process,
+compiles it with NVRTC (through ctypes, the library MLX links) if MLX's cache lacks it, and writes the
+entry under MLX's own name for it (`generated_source` writes the source MLX would generate, whose
+std::hash names the entry): the cubin and the kernel's mangled name. MLX then loads it, here and in
+every later process. Anything that does not work out (no NVRTC or CUDA headers, a compile error, a
+kernel whose source asks for shapes) leaves the instantiation to MLX: the values are the same program's
+either way, only where it was compiled changes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import re
@@ -35,9 +27,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-# on: MLX loads the entries (H200, session 8 window 1: a fresh process's first MTP proposal 2.08 s -> ~0);
-# benchmarks turn it off to measure a process without it
-ENABLED = True
+from .device import cuda_ready
+
 _CTYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
            mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
            mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double"}
@@ -255,17 +246,12 @@ def arch_option() -> str:
     return f"--gpu-architecture=sm_{major}{minor}{'a' if int(major) >= 9 else ''}"
 
 
-_compiler: Optional[Tuple[_Nvrtc, List[str], Dict[str, bytes]]] = None
-
-
+@functools.cache
 def compiler() -> Tuple[_Nvrtc, List[str], Dict[str, bytes]]:
     """NVRTC, MLX's options for this device and MLX's device headers (found once a process)."""
-    global _compiler
-    if _compiler is None:
-        nvrtc = _Nvrtc()
-        _compiler = (nvrtc, ["--device-as-default-execution-space", arch_option()]
-                     + [f"--include-path={d}" for d in include_dirs()], mlx_device_headers())
-    return _compiler
+    nvrtc = _Nvrtc()
+    return (nvrtc, ["--device-as-default-execution-space", arch_option()]
+            + [f"--include-path={d}" for d in include_dirs()], mlx_device_headers())
 
 
 def build(func: str, source: str, directory: Optional[Path] = None) -> Path:
@@ -279,12 +265,6 @@ def build(func: str, source: str, directory: Optional[Path] = None) -> Path:
 
 
 # -- the kernel object --------------------------------------------------------------------------
-def _on_cuda() -> bool:
-    from .rows_attention import cuda_ready
-
-    return cuda_ready()
-
-
 class CachedKernel:
     """An mx.fast.cuda_kernel whose instantiations are in MLX's cache before their first call."""
 
@@ -297,8 +277,7 @@ class CachedKernel:
         self._seen = set()
 
     def __call__(self, *, inputs, output_dtypes, template=(), **kwargs):
-        if ENABLED:
-            self.ensure(inputs, output_dtypes, template)
+        self.ensure(inputs, output_dtypes, template)
         if self._mlx is None:
             self._mlx = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names, output_names=self.output_names,
                                             source=self.source, header=self.header, **self._options)
@@ -319,20 +298,17 @@ class CachedKernel:
             if entry_path(ptx_dir(), entry_name(func, source)).exists():
                 stats["found"] += 1
                 return
-            if not _on_cuda():
+            if not cuda_ready():
                 raise RuntimeError("not on CUDA")
             t0 = time.perf_counter()
             build(func, source)
             stats["built"] += 1
             stats["build_s"] += time.perf_counter() - t0
-        except Exception as e:  # MLX compiles it at its first call, as it always did
+        except Exception as e:  # MLX compiles it at its first call
             stats["left_to_mlx"] += 1
             reasons = stats["reasons"]
             reason = f"{type(e).__name__}: {e}"[:300]
             reasons[reason] = reasons.get(reason, 0) + 1
 
 
-def cuda_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str, header: str = "",
-                ensure_row_contiguous: bool = True, shared_memory: int = 0) -> CachedKernel:
-    """`mx.fast.cuda_kernel` with the same arguments; its instantiations are built once per machine."""
-    return CachedKernel(name, input_names, output_names, source, header, ensure_row_contiguous, shared_memory)
+cuda_kernel = CachedKernel  # `mx.fast.cuda_kernel` with the same arguments, built once per machine
