@@ -138,16 +138,3 @@ def test_an_engine_loaded_for_a_job_gets_its_row(job_file):
     """What a Ray actor runs (JobPredictor -> load_engine): the job's row, before the engine imports mlx.core."""
     ops, code, _ = _spy("engine", job_file, "speculative.method=none")
     assert code == 0 and ops == ("45" if LINUX else None)  # plain at width 4
-
-
-def test_fresh_cli_sets_the_jobs_limits_before_an_attr_loads_mlx(tmp_path, job_file):
-    """benchmarks/fresh_cli (clirep's runs): an --attr of an engine module imports mlx.core, so the job's row is
-    looked up first, and a cuda_graphs switch given there still counts."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_MAX_")} | {"PYTHONPATH": str(REPO)}
-    for extra, row in (([], "width 1, speculative"), (["--attr", "mtplx.cuda_graphs.ENABLED=false"], "off (cuda_graphs.ENABLED)")):
-        cmd = [sys.executable, "-m", "benchmarks.fresh_cli", "--attr", "mtplx.small_ops.FEWER=true", *extra, "--", "run",
-               str(job_file), "--set", "schedule.max_batch=1", "--restart", "--log-json"]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        summary = [json.loads(line) for line in proc.stderr.splitlines() if '"event": "summary"' in line]
-        assert proc.returncode == 0 and summary, proc.stderr[-3000:]
-        assert summary[0]["cuda_graphs"]["table"] == (row if LINUX else "not Linux: no CUDA backend")

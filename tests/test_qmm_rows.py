@@ -16,7 +16,7 @@ from mtplx.models.loading import load
 
 
 def _primitives(y):
-    from benchmarks.round_graph import graph_primitives
+    from graphkit import graph_primitives
 
     return graph_primitives([y])
 
