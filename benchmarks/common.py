@@ -267,19 +267,6 @@ def same_rows(a: List[list], b: List[list]) -> str:
     return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
 
 
-def speed_ratio(ours_tokens: int, ours_s: float, peer_tokens: int, peer_s: float, peer: str = "peer") -> Dict[str, object]:
-    """Ours against a peer as tokens/s: the two sides may generate different token counts (sampled rows,
-    different EOS timing), and then a ratio of wall times compares different work. The wall-time ratio
-    is given only when both generated the same number of tokens."""
-    ours_rate, peer_rate = ours_tokens / ours_s, peer_tokens / peer_s
-    return {
-        f"{peer} tokens": peer_tokens, "ours tokens": ours_tokens,
-        f"{peer} tok/s": peer_rate, "ours tok/s": ours_rate,
-        f"ours / {peer} (tok/s)": ours_rate / peer_rate,
-        f"ours / {peer} (wall)": peer_s / ours_s if ours_tokens == peer_tokens else "n/a: token counts differ",
-    }
-
-
 # -- prompts ------------------------------------------------------------------------------------------
 def load_prompts(source: str, tokenizer, rows: int, skip=()) -> List[List[int]]:
     """`rows` prompts of a dataset (a known name or a JSONL file with a `prompt` field), through the

@@ -46,7 +46,7 @@ def run(opts, report: Report):
                 for k in NUM_DRAFT}
 
     for source in opts.data.split(","):
-        prompts = load_prompts(source, bundle.tokenizer, max(rows_at(int(w), opts.rows) for w in opts.widths.split(",")))
+        prompts = load_prompts(source, bundle.tokenizer, max(rows_at(int(w), opts) for w in opts.widths.split(",")))
         table = f"{Path(opts.target).name} + {Path(opts.draft).name}, {Path(source).stem}"
         done = compare(report, table, bundle, peer_model, prompts, ["none", "ngram", "draft"], opts, speculative_peers)
         if 1 in done:

@@ -3,9 +3,8 @@ each other, and against mlx-lm's `batch_generate` in a fresh process on the same
 
 Settings (`--jobs`, comma-separated `JOB[:key=value...]`): by default jobs/eval.yaml (prompt
 lookup), jobs/eval-mtp.yaml (the MTP head) and jobs/eval-mtp.yaml with method none (plain
-decoding), on the same HumanEval rows. Every run drops the job's stop strings, so every side
-stops only at EOS or max_tokens as the peer does; `--rows` sets `input.limit` where a setting
-does not, and `--tokens`, given on the command line, sets `generation.max_tokens`.
+decoding), on the same HumanEval rows, each as written (`--rows` sets `input.limit` where a
+setting does not; `--tokens`, given on the command line, sets `generation.max_tokens`).
 
 The peer, once for each distinct set of rows: a fresh process that binds the same BLAS, imports
 mlx-lm, loads the same converted model directory and runs `batch_generate` over the prompt
@@ -14,8 +13,10 @@ sampler with the job's temperature, top-p and top-k). Every setting and peer run
 (the page cache, MLX's kernel caches on disk), then `--repeats` rounds in rotating order.
 Columns: `wall s` the whole process (median), `run s` the run's own summary, `tok/s` tokens over
 the wall, `x plain` the median per-round wall ratio to the first setting with method none,
-`x mlx-lm` the median per-round tok/s ratio to the peer's process, `tokens/verify` from the
-output rows.
+`x mlx-lm` the median per-round tok/s ratio to the peer's process (mlx-lm has no stop strings,
+so where a job has some the two sides generate different tokens: `x mlx-lm (wall)` is given
+only where the token counts are equal; `generation.stop=[]` in a setting makes them equal),
+`tokens/verify` from the output rows.
 
     python -m benchmarks.run --suite gpu --parts jobs
     python -m benchmarks.run --suite cpu --parts jobs --rows 2 --tokens 16
@@ -60,7 +61,7 @@ def settings(opts):
     out = []
     for entry in opts.jobs.split(","):
         job, *sets = entry.split(":")
-        overrides = ["generation.stop=[]"] + sets
+        overrides = list(sets)
         if opts.rows and not any(s.startswith("input.limit=") for s in sets):
             overrides.append(f"input.limit={opts.rows}")
         if "tokens" in opts.explicit:

@@ -36,7 +36,7 @@ PARTS = {"decode": "decode", "speculative": "speculative", "jobs": "jobs", "star
 COMMON = dict(model="smollm2-135m-instruct", head="heads/smollm2-135m-instruct", methods="none,ngram,mtp", depth=3,
               data="humaneval,gsm8k-100", target="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
               jobs="jobs/eval.yaml,jobs/eval-mtp.yaml,jobs/eval-mtp.yaml:speculative.method=none",
-              ray_job="jobs/eval.yaml", streams=32, widths="1,8,32")
+              ray_job="jobs/eval.yaml", streams=32, widths="1,8,32", waves=2, adaptive=1)
 SUITES = {
     "cpu": dict(COMMON, parts="decode,speculative,jobs,startup,round_cost,ray", shapes="tiny", tokens=32, rows=4,
                 repeats=3, context=256),
@@ -47,14 +47,16 @@ OPTIONS = {  # name: (type, help)
     "parts": (str, "comma-separated parts (default: the suite's)"),
     "shapes": (str, "decode, round_cost: random-weight Qwen3 shapes (0.6b, 8b, tiny)"),
     "tokens": (int, "new tokens a row; jobs and ray: generation.max_tokens when given here"),
-    "rows": (int, "speculative, draft_pair: rows at width 1 (width W: max(rows, 2W)); jobs, ray: input.limit"),
+    "rows": (int, "speculative, draft_pair: rows at width 1 (width W: max(rows, waves x W)); jobs, ray: input.limit"),
     "widths": (str, "speculative, draft_pair: rows in flight"),
+    "waves": (int, "speculative, draft_pair: a width W runs at least waves x W rows"),
     "streams": (int, "decode, round_cost: the batched width"),
     "repeats": (int, "timed runs of every setting, interleaved"),
     "model": (str, "speculative, round_cost, startup: the real model"),
     "head": (str, "speculative: the MTP head ('' for none)"),
     "methods": (str, "speculative: our methods"),
     "depth": (int, "speculative, draft_pair: drafted tokens per verify (adaptive depth lowers it)"),
+    "adaptive": (int, "speculative, draft_pair: 1: adaptive depth, as a job runs it; 0: fixed at --depth"),
     "data": (str, "speculative, draft_pair: datasets (known names or JSONL files with a prompt field)"),
     "target": (str, "draft_pair: the target model"),
     "draft": (str, "draft_pair: the draft model"),

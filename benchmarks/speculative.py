@@ -1,10 +1,11 @@
 """Speculative decoding on a real model, warm: our methods at each width against mlx-lm in the same run.
 
 SmolLM2-135M-Instruct with its shipped MTP head (`heads/smollm2-135m-instruct`): methods none,
-ngram (prompt lookup) and mtp, each at `--depth` with adaptive depth as a job runs them, at
-widths 1, 8 and 32. The peer at width 1 is mlx-lm's `generate_step` row after row, at a wider
-width its `batch_generate` with that many rows in flight. Width 1 runs `--rows` rows; a width W
-runs max(`--rows`, 2W) rows, a stream refilled as rows finish, as a job runs. Every setting is
+ngram (prompt lookup) and mtp, each at `--depth` with adaptive depth as a job runs them (`--adaptive
+0`: fixed depth), at widths 1, 8 and 32. The peer at width 1 is mlx-lm's `generate_step` row after
+row, at a wider width its `batch_generate` with that many rows in flight. Width 1 runs `--rows`
+rows; a width W runs max(`--rows`, `--waves` x W) rows, a stream refilled as rows finish, as a job
+runs. Every setting is
 made and warmed first, then all run `--repeats` times in rotating order; `x plain` and
 `x mlx-lm` are medians of the per-repeat ratios. Greedy output of every method is checked
 against our plain decoding (`= plain`) and our plain against mlx-lm's (`= mlx-lm`).
@@ -33,7 +34,8 @@ from .common import (BatchGenerate, Ours, Report, generate_step, interleaved, lo
 def method_spec(method: str, opts) -> SpeculativeConfig:
     if method == "none":
         return SpeculativeConfig(method="none")
-    return SpeculativeConfig(method=method, depth=opts.depth, mtp_head=opts.head if method == "mtp" else None,
+    return SpeculativeConfig(method=method, depth=opts.depth, adaptive_depth=bool(opts.adaptive),
+                             mtp_head=opts.head if method == "mtp" else None,
                              draft_model=opts.draft if method == "draft" else None)
 
 
@@ -43,8 +45,8 @@ def trained_rows(head) -> set:
     return set(json.loads(meta.read_text()).get("sample_rows", [])) if head and meta.exists() else set()
 
 
-def rows_at(width: int, rows: int) -> int:
-    return rows if width == 1 else max(rows, 2 * width)
+def rows_at(width: int, opts) -> int:
+    return opts.rows if width == 1 else max(opts.rows, opts.waves * width)
 
 
 def compare(report: Report, table: str, bundle, peer_model, prompts: List[List[int]], methods: List[str], opts,
@@ -55,7 +57,7 @@ def compare(report: Report, table: str, bundle, peer_model, prompts: List[List[i
     eos = list(bundle.tokenizer.eos_token_ids)
     out = {}
     for width in (int(w) for w in opts.widths.split(",")):
-        rows = prompts[: rows_at(width, opts.rows)]
+        rows = [prompts[i % len(prompts)] for i in range(rows_at(width, opts))]  # a short dataset repeats
         peer = "mlx-lm generate_step" if width == 1 else "mlx-lm batch_generate"
         runs = {peer: generate_step(peer_model, rows, opts.tokens, eos) if width == 1
                 else BatchGenerate(peer_model, bundle.tokenizer, rows, opts.tokens, width)}
@@ -87,7 +89,7 @@ def run(opts, report: Report):
     skip = trained_rows(opts.head)
     for source in opts.data.split(","):
         held_out = skip if source == "humaneval" else set()
-        prompts = load_prompts(source, bundle.tokenizer, max(rows_at(int(w), opts.rows) for w in opts.widths.split(",")),
+        prompts = load_prompts(source, bundle.tokenizer, max(rows_at(int(w), opts) for w in opts.widths.split(",")),
                                held_out)
         name = f"{Path(source).stem}" + (" (rows outside the head's training sample)" if held_out else "")
         compare(report, name, bundle, peer_model, prompts, methods, opts)
