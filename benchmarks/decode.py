@@ -3,12 +3,11 @@ streams against its `batch_generate`, and both against the batch-1 roofline of t
 
 Random weights say nothing about acceptance, so this part measures the machinery alone: 128-token
 prompts, `--tokens` new tokens each, greedy, no EOS. Tokens per second cover the whole call (the
-short prompt's prefill included) on both sides; each side runs on its own copy of the same weights,
-`--repeats` times interleaved after one untimed run, and `x mlx-lm` is the median of the per-repeat
-ratios. The roofline is the device's memory bandwidth
-(H100 3.35 TB/s, H200 4.8 TB/s; anything else: unknown) over the model's weight bytes.
-With PyTorch and transformers on a CUDA host, transformers' `generate` on the same weights is a
-third column (benchmarks/torch_peer.py).
+short prompt's prefill included) on both sides; each side runs its own model object over the
+same weights, `--repeats` times interleaved after one untimed run, and `x mlx-lm` is the median of the
+per-repeat ratios. The roofline is the device's memory bandwidth (H100 3.35 TB/s, H200 4.8 TB/s;
+anything else: unknown) over the model's weight bytes. With PyTorch and transformers on a CUDA
+host, transformers' `generate` on the same weights is a third column (benchmarks/torch_peer.py).
 
     python -m benchmarks.run --suite gpu --parts decode      # shapes 0.6b,8b in bfloat16
     python -m benchmarks.run --suite cpu --parts decode      # the tiny shape in float32
@@ -68,6 +67,16 @@ def random_qwen3(shape: str) -> ModelBundle:
     return ModelBundle(model=model, tokenizer=IdTokenizer(), config=cfg, path=Path(f"random-qwen3-{shape}"))
 
 
+def twin(bundle: ModelBundle):
+    """A second model object over the same weight arrays: an engine installs its decode paths into
+    the model it runs, and the peers run the model as built."""
+    from mlx_lm.models import qwen3
+
+    model = qwen3.Model(qwen3.ModelArgs(**bundle.config))
+    model.update(bundle.model.parameters())  # before anything evaluates the new model's own random init
+    return model
+
+
 def weight_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
@@ -81,8 +90,8 @@ def run(opts, report: Report):
     bw = bandwidth()
     report.note(f"roofline: {f'{bw / 1e12:.2f} TB/s' if bw else 'unknown for this device'}")
     for shape in opts.shapes.split(","):
-        # two copies of the same weights: an engine installs its decode paths into the model it runs
-        bundle, peer_model = random_qwen3(shape), random_qwen3(shape).model
+        bundle = random_qwen3(shape)
+        peer_model = twin(bundle)
         roof = bw / weight_bytes(peer_model) if bw else None
         prompts = random_prompts(opts.streams, bundle.config["vocab_size"])
         widths = (1, opts.streams)

@@ -1,14 +1,14 @@
 """Speculative decoding on a real model, warm: our methods at each width against mlx-lm in the same run.
 
 SmolLM2-135M-Instruct with its shipped MTP head (`heads/smollm2-135m-instruct`): methods none,
-ngram (prompt lookup) and mtp, each at `--depth` with adaptive depth as a job runs them (`--adaptive
-0`: fixed depth), at widths 1, 8 and 32. The peer at width 1 is mlx-lm's `generate_step` row after
-row, at a wider width its `batch_generate` with that many rows in flight. Width 1 runs `--rows`
-rows; a width W runs max(`--rows`, `--waves` x W) rows, a stream refilled as rows finish, as a job
-runs. Every setting is
-made and warmed first, then all run `--repeats` times in rotating order; `x plain` and
-`x mlx-lm` are medians of the per-repeat ratios. Greedy output of every method is checked
-against our plain decoding (`= plain`) and our plain against mlx-lm's (`= mlx-lm`).
+ngram (prompt lookup) and mtp, each at `--depth` with adaptive depth as a job runs them
+(`--adaptive 0`: fixed depth), at widths 1, 8 and 32. The peer at width 1 is mlx-lm's
+`generate_step` row after row, at a wider width its `batch_generate` with that many rows in
+flight. Width 1 runs `--rows` rows; a width W runs max(`--rows`, `--waves` x W) rows, a stream
+refilled as rows finish, as a job runs. Every setting is made and warmed first, then all run
+`--repeats` times in rotating order; `x plain` and `x mlx-lm` are medians of the per-repeat
+ratios. `= plain` counts the rows whose greedy text equals our plain decoding's (on mlx-lm's
+row: its text against ours); `new programs` counts compiled programs built inside timed runs.
 
 Data (`--data`, comma-separated): HumanEval (code, the head's domain: rows in the head's
 training sample, `sample_rows` in its mtp_head.json, are left out) and GSM8K (math word
