@@ -63,8 +63,10 @@ def compare(report: Report, table: str, bundle, peer_model, prompts: List[List[i
                 else BatchGenerate(peer_model, bundle.tokenizer, rows, opts.tokens, width)}
         runs.update(extra_peers(width, rows))
         for m in methods:
-            runs[f"ours {m}"] = Ours(bundle, method_spec(m, opts), width, rows, opts.tokens)
-            report.say(f"width {width}: ours {m} warmed in {runs[f'ours {m}'].warmup_s:.2f} s")
+            ours = runs[f"ours {m}"] = Ours(bundle, method_spec(m, opts), width, rows, opts.tokens)
+            c = ours.warm_counters
+            report.say(f"width {width}: ours {m} warmed in {ours.warmup_s:.2f} s ({c['programs_built']} programs built, "
+                       f"their first calls {c['first_call_seconds']:.2f} s)")
         done = interleaved(runs, opts.repeats, report.say)
         plain = done.get("ours none")
         for label, rs in done.items():
