@@ -1,3 +1,5 @@
-"""Benchmarks: ours against peers in the same run (see run.py)."""
+"""Benchmarks: ours against peers in the same run (`python -m benchmarks.run`)."""
 
-import mtplx  # noqa: F401  (first: MLX binds to OpenBLAS before any benchmark imports mlx.core)
+from mtplx.blas import use_openblas
+
+use_openblas()  # before mlx.core loads: on a Linux CPU our engine and the mlx-lm peers run on the same OpenBLAS

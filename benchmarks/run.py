@@ -1,62 +1,116 @@
-"""The benchmark harness: each suite runs its benchmarks (peers in the same run) and collects tables.
+"""The benchmark suite: named parts, each against a peer in the same run, printing rows as it goes.
 
-    python -m benchmarks.run --suite cpu --out bench-out     # this machine's CPU
-    python -m benchmarks.run --suite gpu --out bench-out     # an MLX CUDA / Metal GPU
+    python -m benchmarks.run --suite cpu --out bench-cpu                    # this machine's CPU
+    python -m benchmarks.run --suite gpu --out bench-gpu                    # an MLX CUDA / Metal GPU
+    python -m benchmarks.run --suite gpu --parts decode,jobs --out bench-gpu
 
-Every benchmark writes `NAME.md` and `NAME.json` into --out; the harness prints the tables and
-writes `bench-out/SUMMARY.md`, which is what BENCHMARKS.md quotes together with this command.
-On a Linux CPU, `import benchmarks` imports mtplx first, which binds MLX to OpenBLAS (the `cpu`
-extra's wheel, mtplx/blas.py) for us and for mlx-lm alike: MLX's bundled BLAS is ~15x slower.
+Parts (each module's docstring says how it measures):
+  decode       plain decoding on random-weight Qwen3 shapes, 1 and 32 streams, vs generate_step /
+               batch_generate, and the batch-1 roofline of the device present
+  speculative  SmolLM2 + its MTP head: none / ngram / mtp at widths 1, 8, 32, warm, vs mlx-lm
+  jobs         whole `mtplx-batch run` jobs in fresh processes: the example jobs against each other
+               and against batch_generate in a fresh process
+  startup      a fresh process to its first token, ours vs mlx-lm
+  round_cost   one forward of K tokens a row against one of 1 token: is a verify nearly free?
+  draft_pair   Qwen2.5-Coder 1.5B + its 0.5B draft: method draft vs speculative_generate_step
+  ray          rows/s through the Ray executor with 2 actors vs the local executor
+
+Each part writes OUT/PART.md and OUT/PART.json as its rows come in; several parts run one
+after another, each in a fresh process (an engine installs its decode paths into the model it
+runs, and a part that fails costs only itself), then OUT/SUMMARY.md collects them. The options
+below apply to the parts that use them; where not given, the suite's defaults apply (SUITES).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
-MODEL = "smollm2-135m-instruct"
-CODE_PROMPTS = "benchmarks/data/head_train_prompts.jsonl"  # stdlib code prompts: not HumanEval
+PARTS = {"decode": "decode", "speculative": "speculative", "jobs": "jobs", "startup": "startup",
+         "round_cost": "round_cost", "draft_pair": "draft_pair", "ray": "ray_rows"}
 
+COMMON = dict(model="smollm2-135m-instruct", head="heads/smollm2-135m-instruct", methods="none,ngram,mtp", depth=3,
+              data="humaneval,gsm8k-100", target="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
+              jobs="jobs/eval.yaml,jobs/eval-mtp.yaml,jobs/eval-mtp.yaml:speculative.method=none",
+              ray_job="jobs/eval.yaml", streams=32, widths="1,8,32", waves=2, adaptive=1)
 SUITES = {
-    "cpu": [
-        ["benchmarks.jobs_vs_peer", "jobs/eval.yaml", "--set", "speculative.method=none"],
-        ["benchmarks.jobs_vs_peer", "jobs/eval.yaml", "--set", "speculative.method=ngram"],
-        ["benchmarks.jobs_vs_peer", "jobs/mmlu.yaml", "--set", "speculative.method=none"],
-        ["benchmarks.real_models", "--model", MODEL, "--prompts", CODE_PROMPTS, "--head", "heads/smollm2-135m-instruct",
-         "--rows", "8", "--tokens", "64", "--widths", "8", "--depths", "1,2,3", "--compiled", "off"],
-    ],
-    "gpu": [  # benchmarks/gpu_session.sh runs these in steps that fit one device call each
-        ["benchmarks.engine_efficiency", "--shapes", "0.6b,8b"],
-        ["benchmarks.real_models", "--model", MODEL, "--prompts", CODE_PROMPTS, "--head", "heads/smollm2-135m-instruct",
-         "--rows", "32", "--tokens", "128", "--widths", "1,8,32", "--depths", "1,2,3", "--repeats", "2"],
-        ["benchmarks.torch_peer", "--model", MODEL, "--prompts", CODE_PROMPTS, "--widths", "1,32"],
-        ["benchmarks.jobs_vs_peer", "jobs/mmlu.yaml", "--set", "speculative.method=none", "--set", "input.limit=256"],
-        ["benchmarks.jobs_vs_peer", "jobs/eval-mtp.yaml", "--set", "input.limit=64"],
-        ["benchmarks.phase_profile", "jobs/eval-mtp.yaml", "--set", "input.limit=16"],
-    ],
+    "cpu": dict(COMMON, parts="decode,speculative,jobs,startup,round_cost,ray", shapes="tiny", tokens=32, rows=4,
+                repeats=3, context=256),
+    "gpu": dict(COMMON, parts="decode,speculative,jobs,startup,round_cost,draft_pair", shapes="0.6b,8b", tokens=128,
+                rows=8, repeats=3, context=1024),
+}
+OPTIONS = {  # name: (type, help)
+    "parts": (str, "comma-separated parts (default: the suite's)"),
+    "shapes": (str, "decode, round_cost: random-weight Qwen3 shapes (0.6b, 8b, tiny)"),
+    "tokens": (int, "new tokens a row; jobs and ray: generation.max_tokens when given here"),
+    "rows": (int, "speculative, draft_pair: rows at width 1 (width W: max(rows, waves x W)); jobs, ray: input.limit"),
+    "widths": (str, "speculative, draft_pair: rows in flight"),
+    "waves": (int, "speculative, draft_pair: a width W runs at least waves x W rows"),
+    "streams": (int, "decode, round_cost: the batched width"),
+    "repeats": (int, "timed runs of every setting, interleaved"),
+    "model": (str, "speculative, round_cost, startup: the real model"),
+    "head": (str, "speculative: the MTP head ('' for none)"),
+    "methods": (str, "speculative: our methods"),
+    "depth": (int, "speculative, draft_pair: drafted tokens per verify (adaptive depth lowers it)"),
+    "adaptive": (int, "speculative, draft_pair: 1: adaptive depth, as a job runs it; 0: fixed at --depth"),
+    "data": (str, "speculative, draft_pair: datasets (known names or JSONL files with a prompt field)"),
+    "target": (str, "draft_pair: the target model"),
+    "draft": (str, "draft_pair: the draft model"),
+    "jobs": (str, "jobs: comma-separated JOB[:key=value...] settings"),
+    "ray_job": (str, "ray: the job file"),
+    "context": (int, "round_cost: cached tokens before the forward"),
 }
 
 
-def main():
+def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["cpu", "gpu", "all"], default="cpu")
+    ap.add_argument("--suite", choices=sorted(SUITES), default="cpu")
     ap.add_argument("--out", default="bench-out")
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    commands = SUITES["cpu"] + SUITES["gpu"] if args.suite == "all" else SUITES[args.suite]
+    for name, (kind, text) in OPTIONS.items():
+        ap.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+    opts = ap.parse_args(argv)
+    opts.explicit = {name for name in OPTIONS if getattr(opts, name) is not None}
+    for name, value in SUITES[opts.suite].items():
+        if getattr(opts, name) is None:
+            setattr(opts, name, value)
+    unknown = set(opts.parts.split(",")) - set(PARTS)
+    if unknown:
+        ap.error(f"unknown parts {sorted(unknown)}: choose from {', '.join(PARTS)}")
+    return opts
+
+
+def run_part(name: str, opts) -> None:
+    from .common import Report
+
+    report = Report(Path(opts.out), name)
+    try:
+        importlib.import_module(f"benchmarks.{PARTS[name]}").run(opts, report)
+    except Exception:  # the rows measured so far stay in the report
+        report.note("failed:\n```\n" + traceback.format_exc() + "```")
+        raise
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts = parse(argv)
+    parts = opts.parts.split(",")
+    if len(parts) == 1:
+        return run_part(parts[0], opts)
     failed = []
-    for cmd in commands:
-        print("$ python -m " + " ".join(cmd), flush=True)
-        if subprocess.call([sys.executable, "-m", *cmd, "--out", str(out)]) != 0:
-            failed.append(" ".join(cmd))
-    parts = [f"## {p.stem}\n\n{p.read_text()}" for p in sorted(out.glob("*.md")) if p.name != "SUMMARY.md"]
-    (out / "SUMMARY.md").write_text(f"# python -m benchmarks.run --suite {args.suite}\n\n" + "\n".join(parts))
-    print((out / "SUMMARY.md").read_text())
+    for part in parts:  # each in a fresh process
+        print(f"$ python -m benchmarks.run ... --parts {part}", flush=True)
+        if subprocess.call([sys.executable, "-m", "benchmarks.run", *argv, "--parts", part]) != 0:
+            failed.append(part)
+    out = Path(opts.out)
+    summary = "\n".join(f"## {p}\n\n{(out / f'{p}.md').read_text()}" for p in parts if (out / f"{p}.md").exists())
+    (out / "SUMMARY.md").write_text(f"# python -m benchmarks.run {' '.join(argv)}\n\n{summary}")
+    print(summary)
     if failed:
-        sys.exit(f"failed: {failed}")
+        sys.exit(f"failed parts: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

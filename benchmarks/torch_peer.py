@@ -1,4 +1,4 @@
-"""PyTorch + transformers as a peer on the same weights (GPU only).
+"""PyTorch + transformers as a peer on the same weights (CUDA only): the decode part's third column.
 
 The MLX model's weights (dequantized where they are packed) are copied into the transformers
 model of the same architecture; mlx-lm's llama / qwen2 / qwen3 parameter names are the Hugging
@@ -7,7 +7,7 @@ transformers picks by default (SDPA, `torch.nn.functional.scaled_dot_product_att
 torch has it; the result rows name it): what a user gets without tuning. Like our engine and the
 mlx-lm peers, it runs the whole timed run once untimed first.
 
-    rates = torch_generate(bundle, prompts, max_tokens=128, batch=32)
+    rates = tok_s(bundle, prompts, tokens=128, widths=(1, 32))     # {width: tokens per second}
 """
 
 from __future__ import annotations
@@ -107,64 +107,17 @@ def torch_generate(model, prompts: List[List[int]], max_tokens: int, batch: int,
     return {"tok_s": n / dt, "tokens": n, "seconds": dt, "texts": texts}
 
 
-def peer_rows(bundle, runs, max_tokens, eos) -> List[dict]:
-    """`runs`: (label, prompts, batch, reference texts or None). One table row per run, with the
-    share of rows token-identical to the reference (our greedy output) where one is given."""
+def tok_s(bundle, prompts: List[List[int]], tokens: int, widths) -> Dict[int, float]:
+    """transformers' greedy `generate` at each width (the first `width` prompts, one batch), tokens per
+    second; a peer that fails costs its column, not the run."""
     import torch
 
-    model = to_torch(bundle)
-    rows = []
-    for label, prompts, batch, reference in runs:
-        r = torch_generate(model, prompts, max_tokens, batch, eos)
-        row = {"setting": label, "torch tok/s": r["tok_s"], "torch tokens": r["tokens"], "torch s": r["seconds"],
-               "attention": attention(model)}
-        if reference is not None:
-            row["rows identical to ours"] = sum(a == b for a, b in zip(reference, r["texts"])) / len(prompts)
-        rows.append(row)
-    del model
-    torch.cuda.empty_cache()
-    return rows
-
-
-def main():
-    """SmolLM2 (or any llama / qwen2 / qwen3 model) in transformers vs our plain decoding."""
-    import argparse
-    from pathlib import Path
-
-    from mtplx.config import SpeculativeConfig
-    from mtplx.models.loading import load
-
-    from .common import device_name, save_json, table, versions
-    from .real_models import load_prompts, run_engine
-
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts", default="benchmarks/data/head_train_prompts.jsonl")
-    ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--widths", default="1,32")
-    ap.add_argument("--out", default="bench-out")
-    args = ap.parse_args()
-    bundle = load(args.model)
-    eos = sorted(bundle.tokenizer.eos_token_ids)
-    prompts = load_prompts(args.prompts, bundle.tokenizer, args.rows)
-    runs, ours = [], {}
-    for width in (int(w) for w in args.widths.split(",")):
-        rows = prompts[: max(4, args.rows // 4)] if width == 1 else prompts
-        r = run_engine(bundle, rows, args.tokens, SpeculativeConfig(method="none"), width)
-        ours[f"width {width}"] = r["tok_s"]
-        runs.append((f"width {width}", rows, width, r["texts"]))
-    table_rows = peer_rows(bundle, runs, args.tokens, eos)
-    for row in table_rows:
-        row["ours none tok/s"] = ours[row["setting"]]
-        row["ours / torch"] = ours[row["setting"]] / row["torch tok/s"]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_json(out / "torch_peer.json", {"device": device_name(), "versions": versions(), "model": args.model, "rows": table_rows})
-    md = f"device: {device_name()}; model {args.model}; {args.tokens} new tokens, greedy\n\n" + table(table_rows)
-    (out / "torch_peer.md").write_text(md)
-    print(md)
-
-
-if __name__ == "__main__":
-    main()
+    try:
+        model = to_torch(bundle)
+        eos = list(getattr(bundle.tokenizer, "eos_token_ids", None) or [])
+        return {w: torch_generate(model, prompts[:w], tokens, w, eos)["tok_s"] for w in widths}
+    except Exception as e:  # noqa: BLE001
+        print(f"torch peer failed: {e!r}", flush=True)
+        return {}
+    finally:
+        torch.cuda.empty_cache()

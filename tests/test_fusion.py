@@ -144,7 +144,7 @@ def test_a_few_row_product_of_quantized_layers_stacks_with_the_same_bits(tiny_mo
     values: quantized layers under MLX's CUDA vector kernel (fusion.few_rows: up to QMV_ROWS rows; set
     here on the CPU, whose quantized product is row-independent too); elsewhere, and past that, each
     sibling's own product. Logits bit for bit; one product a group instead of three (two)."""
-    from benchmarks.round_graph import graph_primitives
+    from graphkit import graph_primitives
     from mtplx.kernels.device import cuda_ready
     from mtplx.kernels.fusion import QMV_ROWS, few_rows
 
@@ -170,7 +170,7 @@ def test_a_few_row_product_of_quantized_layers_stacks_with_the_same_bits(tiny_mo
 
 def _head_matmuls(head, bundle, L):
     """Matmul primitives of the head's forward over L tokens of one row (no cache)."""
-    from benchmarks.round_graph import graph_primitives
+    from graphkit import graph_primitives
 
     hidden = mx.random.normal((1, L, head.fc.weight.shape[0]), key=mx.random.key(1)).astype(head.fc.weight.dtype)
     tokens = mx.array([list(range(5, 5 + L))], dtype=mx.int32)

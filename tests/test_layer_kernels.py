@@ -140,7 +140,7 @@ def test_norm_layout_is_mlx_rms_norm_dispatch():
 def test_write_positions_are_built_once_per_forward(tiny_model, monkeypatch):
     """The masked path's KV writes share one positions array per forward (not an arange + add per layer).
     (RoPE is stubbed out: on the CPU its fallback has aranges of its own.)"""
-    from benchmarks.round_graph import graph_primitives
+    from graphkit import graph_primitives
     from mtplx.cache import BatchCache, RowKVCache
 
     model = load(tiny_model("qwen3")).model

@@ -266,7 +266,7 @@ def test_a_quantized_heads_draft_projection_has_no_bias_add(tiny_model, tmp_path
     kernel, with the values the product plus that zero bias give."""
     import mlx.nn as nn
 
-    from benchmarks.round_graph import graph_primitives
+    from graphkit import graph_primitives
     from mtplx import mtp_draft
 
     monkeypatch.setattr(mtp_draft, "QUANTIZED_ROWS", False)
@@ -287,7 +287,7 @@ def test_a_draft_step_off_the_vocabularys_table_is_the_heads_own_step(tiny_model
     """The table row (the token's normed embedding through its half of fc) plus the hidden state's half
     is the head's step over the token: the same hidden state (float32, to rounding), and the step's
     graph has no embedding, norm of it or concatenation left."""
-    from benchmarks.round_graph import graph_primitives
+    from graphkit import graph_primitives
     from mtplx.cache import BatchCache
     from mtplx.mtp_draft import draft_step
 
@@ -330,7 +330,7 @@ def test_a_rounds_drafts_map_to_token_ids_and_the_whole_vocabulary_once(tiny_mod
     """The draft chain picks in the drafting vocabulary's index space; the round's K picks become
     token ids with one gather and (sampled) their q over the whole vocabulary with one scatter,
     not one of each per step."""
-    from benchmarks.round_graph import graph_primitives
+    from graphkit import graph_primitives
     from mtplx.mtp_draft import draft_chain
     from mtplx.sampling import SamplerBatch
 
@@ -348,7 +348,7 @@ def test_a_rounds_drafts_map_to_token_ids_and_the_whole_vocabulary_once(tiny_mod
 def test_greedy_picks_are_not_cast_before_their_gathers(tiny_model, monkeypatch):
     """A greedy draft chain's picks stay argmax's index into the step table and the drafting vocabulary:
     no cast a draft step (a kernel of its own each on CUDA), the same drafts as with the casts."""
-    from benchmarks.round_graph import graph_primitives
+    from graphkit import graph_primitives
     from mtplx import mtp_draft
     from mtplx.sampling import SamplerBatch
 
@@ -370,7 +370,7 @@ def test_draft_steps_take_their_lengths_from_one_padded_copy(tiny_model, monkeyp
     draft chain pads them once, not once a step, and its first step adds no 0: the same drafts, a kernel
     fewer a step (small_ops' pad is a gather; without it three: a fill and a concatenation of two copies);
     the compiled draft programs build over it (no eager fallback) and greedy text stays plain's."""
-    from benchmarks.round_graph import VIEWS, graph_primitives
+    from graphkit import VIEWS, graph_primitives
     from mtplx import mtp_draft
     from mtplx.kernels import device
     from mtplx.sampling import SamplerBatch

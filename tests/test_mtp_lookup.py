@@ -128,7 +128,7 @@ def test_the_compact_lookup_hands_the_device_fewer_kernels():
     """A round's lookup (history append, match, mix) inside a compiled program: the compact match is
     fewer than half the loop's kernels (11 against 27 on MLX's CPU graph, two of them the adds of the
     lengths this test makes), the same drafts."""
-    from benchmarks.round_graph import VIEWS, graph_primitives
+    from graphkit import VIEWS, graph_primitives
 
     def kernels(arrays):
         return sum(v for k, v in graph_primitives(list(arrays)).items() if k not in VIEWS)

@@ -51,7 +51,7 @@ def setup(tiny_model, tmp_path_factory):
 
 
 def _run(setup, method, width, count=False):
-    from benchmarks.round_graph import GraphCounter
+    from graphkit import GraphCounter
 
     bundle, head, path, rows, _ = setup
     spec = SpeculativeConfig(method=method, depth=3, adaptive_depth=False, compiled_verify="on",
@@ -62,7 +62,7 @@ def _run(setup, method, width, count=False):
     if not count:
         return out, None
     r0 = eng.counters["rounds"]
-    with GraphCounter(eng) as g:
+    with GraphCounter() as g:
         list(eng.generate(reqs))
     rounds = eng.counters["rounds"] - r0
     return out, {k: g.primitives[k] / rounds for k in ("Arange", "Concatenate", "Gather")}
@@ -86,7 +86,7 @@ def test_rounds_decode_as_plain_with_fewer_kernels(setup, monkeypatch, method, w
 def test_one_rows_lengths_are_padded_by_one_gather(monkeypatch):
     """kernels.device.padded (a row's lengths kept out of MLX's managed pool, forced here as on CUDA): one
     gather by a constant index, not a fill and a concatenation; the first elements are the array."""
-    from benchmarks.round_graph import graph_primitives
+    from graphkit import graph_primitives
     from mtplx.kernels import device
 
     monkeypatch.setattr(device, "pads", lambda: True)
