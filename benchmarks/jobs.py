@@ -74,7 +74,8 @@ def peer_input(job_file: str, overrides) -> dict:
     """What the peer runs: our run's rows as prompt tokens (rendered as the run renders them), its
     model directory, max_tokens, width and sampling."""
     from mtplx.models.loading import resolve_model_path
-    from pipelines.execution.opening import load_tokenizer, open_job
+    from pipelines.execution.opening import load_tokenizer
+    from pipelines.io.job_input import open_job
     from pipelines.io.rows import prepare
     from pipelines.job.config import load_job
 
