@@ -7,7 +7,9 @@ meets: rows_attention, layer_kernels, ... at the job's shapes), timed, then for 
 prints whether MLX's own generated source (its `verbose` print) equals `generated_source`'s (so the
 entry's name is the one MLX looks up), whether the entry is in MLX's cache, and the kernel cache's
 counts for the process (found / built here, with seconds / left to MLX, and why). Run it twice in
-fresh processes: the second should find every entry and its run should not pay the builds.
+fresh processes: the second should find every entry and its run should not pay the builds. Then change
+an entry's bytes (`truncate -s 100` one .ptx in the cache directory it prints): the next process builds
+that one again.
 """
 
 from __future__ import annotations
@@ -76,9 +78,10 @@ def main():
     from pipelines.execution.session import run_job
     from pipelines.job.config import load_job
 
+    off = kc.prepare_cache_dir()  # before MLX builds a kernel
     seen = _instantiations()
-    print(f"device {mx.default_device()}, MLX {mx.__version__}, kernel cache ENABLED={kc.ENABLED}, MLX's cache {kc.ptx_dir()}",
-          flush=True)
+    print(f"device {mx.default_device()}, MLX {mx.__version__}, MLX's cache {os.environ['MLX_PTX_CACHE_DIR']}, "
+          f"our entries {off or 'on'}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         job = load_job(args.job, [f"input.limit={args.rows}", f"output.dir={tmp}/run", "output.keep_columns=[]"])
         t0 = time.perf_counter()
@@ -89,9 +92,10 @@ def main():
         func, ours = kc.generated_source(kernel.name, kernel.input_names, kernel.output_names, kernel.source,
                                          kernel.header, arrays, dtypes, template)
         theirs = mlx_source(kernel, arrays, dtypes, template)
-        entry = kc.entry_path(kc.ptx_dir(), kc.entry_name(func, ours))
+        entry = kc.entry_path(kc.private_dir, kc.entry_name(func, ours)) if kc.private_dir else None
         same += ours == theirs
-        print(f"  {func}: source as MLX's {ours == theirs}, entry in MLX's cache {entry.exists()}", flush=True)
+        trusted = bool(entry) and kc.trusted(kc.private_dir, kc.record_key(ours), entry)
+        print(f"  {func}: source as MLX's {ours == theirs}, our entry in MLX's cache {trusted}", flush=True)
         if ours != theirs:
             print("".join(list(difflib.unified_diff(theirs.splitlines(True), ours.splitlines(True), "mlx", "ours"))[:30]))
     print(f"instantiations {len(seen)}, sources as MLX's {same}; kernel cache: {kc.stats}", flush=True)
