@@ -1,25 +1,31 @@
-"""Our custom CUDA kernels built once per machine, not once per process.
+"""Our custom CUDA kernels built once per machine, not once per process, in a cache only this user can write.
 
-MLX keeps the kernels it builds in an on-disk "PTX cache" (`$TMPDIR/mlx/<version>/ptx`, or its own
-MLX_PTX_CACHE_DIR) and looks custom kernels (`mx.fast.cuda_kernel`) up there too, but never writes one:
-every fresh process compiles each instantiation (each `template=` combination, a fraction of a second
-of NVRTC) at its first call, seconds at a fresh run's first MTP proposal (2.08 s on the H200; ~0 here).
+MLX keeps the kernels it builds in an on-disk "PTX cache" and looks custom kernels (`mx.fast.cuda_kernel`)
+up there too, loading whatever file has the expected name, but never writes one: every fresh process
+compiles each instantiation (each `template=` combination, a fraction of a second of NVRTC) at its first
+call, seconds at a fresh run's first MTP proposal (2.08 s on the H200; ~0 here). `prepare_cache_dir()`,
+at process start, gives that cache a private directory (the user's MLX_PTX_CACHE_DIR, else
+`<mtplx cache>/mlx-ptx/<MLX version>`, made 0700; one that someone else could write is refused).
 `cuda_kernel(...)` is `mx.fast.cuda_kernel(...)` that, before an instantiation's first call in a process,
-compiles it with NVRTC (through ctypes, the library MLX links) if MLX's cache lacks it, and writes the
-entry under MLX's own name for it (`generated_source` writes the source MLX would generate, whose
-std::hash names the entry): the cubin and the kernel's mangled name. MLX then loads it, here and in
-every later process. Anything that does not work out (no NVRTC or CUDA headers, a compile error, a
-kernel whose source asks for shapes) leaves the instantiation to MLX: the values are the same program's
-either way, only where it was compiled changes.
+makes sure MLX's cache holds our build of it: an entry counts when the record we wrote for it (the sha256
+of its files, under the sha256 of its source and compile options) matches its bytes; otherwise it is
+compiled with NVRTC (through ctypes, the library MLX links) and written under MLX's own name for it
+(`generated_source` writes the source MLX would generate, whose std::hash names the entry): the cubin and
+the kernel's mangled name, then the record. MLX then loads it, here and in every later process. Anything
+that does not work out (no private directory, no NVRTC or CUDA headers, a compile error, a kernel whose
+source asks for shapes) leaves the instantiation to MLX: the values are the same program's either way,
+only where it was compiled changes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import mmap
 import os
 import re
+import stat
 import sys
 import time
 from pathlib import Path
@@ -27,6 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from ..paths import cache_dir
 from .device import cuda_ready
 
 _CTYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
@@ -41,8 +48,11 @@ _UTILS = "mlx/backend/cuda/device/utils.cuh"
 _COMPLEX = "mlx/backend/cuda/device/complex.cuh"
 _SHAPE_INFO = (("Shape", "shape"), ("Strides", "strides"), ("int", "ndim"))
 _MAX_FILE_NAME = 245  # MLX splits longer entry names into directories of this many characters
-# what this process did: instantiations found in MLX's cache, built here (and seconds), left to MLX
+# what this process did: instantiations found in MLX's cache as we built them, built here (and seconds), left to MLX
 stats: Dict[str, object] = {"found": 0, "built": 0, "build_s": 0.0, "left_to_mlx": 0, "reasons": {}}
+_NO_DISK_CACHE = "/dev/null/mlx-ptx"  # a directory MLX cannot create: it then keeps no kernels on disk
+private_dir: Optional[Path] = None  # where our entries are written and trusted, once prepare_cache_dir() says so
+off = "the kernel cache is not prepared (kernel_cache.prepare_cache_dir() runs at process start)"
 
 
 # -- MLX's names for a custom kernel and its cache entry ------------------------------------------
@@ -101,14 +111,41 @@ def entry_name(func: str, source: str) -> str:
     return f"{func}_{std_hash(source.encode()):x}"
 
 
-def ptx_dir() -> Path:
-    """Where MLX's CUDA backend keeps its built kernels (its own rule: MLX_PTX_CACHE_DIR, else the C++
-    temporary directory, then mlx/<version>/ptx)."""
+def check_private(path: Path) -> None:
+    """Raise, saying why in a line, unless `path` is a directory (not a symlink) of this user that group and
+    others cannot write, under directories of this user or root that others cannot change (or sticky, as /tmp)."""
+    st, me = os.lstat(path), os.geteuid()
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"{path} is not a directory{' but a symlink' if stat.S_ISLNK(st.st_mode) else ''}")
+    if st.st_uid != me or st.st_mode & 0o022:
+        raise RuntimeError(f"{path} is not private (uid {st.st_uid}, mode {st.st_mode & 0o777:o}; this user is "
+                           f"uid {me}): make it 0700 and yours, or set MLX_PTX_CACHE_DIR to a directory that is")
+    for parent in Path(os.path.abspath(path)).parents:
+        st = os.stat(parent)
+        if st.st_uid not in (0, me) or (st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX):
+            raise RuntimeError(f"{parent}, above {path}, can be changed by another user")
+
+
+def prepare_cache_dir() -> Optional[str]:
+    """Give MLX's kernel cache a private directory; once a process, before MLX builds its first CUDA kernel:
+    MLX reads MLX_PTX_CACHE_DIR once, at its first JIT build (a static in ptx_cache_dir(),
+    mlx/backend/cuda/jit_module.cpp). The user's MLX_PTX_CACHE_DIR stays; else it becomes
+    <mtplx cache>/mlx-ptx/<MLX version>, created 0700. Returns None, or why our entries are off (one line)."""
+    global private_dir, off
     own = os.environ.get("MLX_PTX_CACHE_DIR")
-    if own:
-        return Path(own)
-    tmp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(v)), "/tmp")
-    return Path(tmp) / "mlx" / mx.__version__ / "ptx"
+    own = None if own == _NO_DISK_CACHE else own  # a parent process's refusal: check again
+    path = Path(own) if own else cache_dir() / "mlx-ptx" / mx.__version__
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private(path)
+    except (OSError, RuntimeError) as e:
+        private_dir, off = None, f"kernel cache off: {e}"
+        if not own:  # not MLX's shared default under /tmp either
+            os.environ["MLX_PTX_CACHE_DIR"] = _NO_DISK_CACHE
+        return off
+    private_dir = path
+    os.environ["MLX_PTX_CACHE_DIR"] = own or str(path)
+    return None
 
 
 def entry_path(directory: Path, module: str) -> Path:
@@ -117,14 +154,42 @@ def entry_path(directory: Path, module: str) -> Path:
     return directory.joinpath(*parts[:-1], parts[-1] + ".ptx")
 
 
-def write_entry(path: Path, kernel: str, mangled: str, binary: bytes) -> None:
-    """The kernel-name file first, then the binary, each renamed into place: MLX takes the entry as
-    present once the .ptx exists, so it never reads half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for target, data in ((path.with_suffix(".txt"), f"{kernel}\t{mangled}\n".encode()), (path, binary)):
+def write_entry(path: Path, kernel: str, mangled: str, binary: bytes, root: Path, key: str) -> None:
+    """The kernel-name file, the binary, then the record (for `key`, record_key of the source), each renamed
+    into place: MLX takes the entry as present once the .ptx exists, so it never reads half of one."""
+    files = {path.with_suffix(".txt"): f"{kernel}\t{mangled}\n".encode(), path: binary}
+    files[_record(root, key)] = _sums(files, root).encode()
+    for target, data in files.items():
+        target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, target)
+
+
+def record_key(source: str) -> str:
+    """sha256 of what an entry is built from: the source, NVRTC's version, its options (architecture,
+    include paths) and MLX's device headers."""
+    nvrtc, options, headers = compiler()
+    texts = [source, repr(nvrtc.version), *options, *headers]
+    return hashlib.sha256(b"\0".join([t.encode() for t in texts] + list(headers.values()))).hexdigest()
+
+
+def _record(root: Path, key: str) -> Path:
+    return root / "mtplx-records" / f"{key}.sha256"
+
+
+def _sums(files: Dict[Path, bytes], root: Path) -> str:
+    """sha256sum's lines for `files`, paths relative to `root`: an entry's record."""
+    return "".join(sorted(f"{hashlib.sha256(data).hexdigest()}  {p.relative_to(root)}\n" for p, data in files.items()))
+
+
+def trusted(root: Path, key: str, path: Path) -> bool:
+    """Whether the entry at `path` is byte for byte what we built for `key` (its record says so)."""
+    try:
+        files = {p: p.read_bytes() for p in (path, path.with_suffix(".txt"))}
+        return _record(root, key).read_text() == _sums(files, root)
+    except OSError:  # no entry, or no record: an entry we did not write
+        return False
 
 
 # -- NVRTC --------------------------------------------------------------------------------------
@@ -254,13 +319,14 @@ def compiler() -> Tuple[_Nvrtc, List[str], Dict[str, bytes]]:
             + [f"--include-path={d}" for d in include_dirs()], mlx_device_headers())
 
 
-def build(func: str, source: str, directory: Optional[Path] = None) -> Path:
-    """Compile MLX's source of one instantiation and write MLX's cache entry for it; returns its path."""
+def build(func: str, source: str, root: Path, key: str) -> Path:
+    """Compile MLX's source of one instantiation and write MLX's cache entry for it under `root`, with its
+    record for `key`; returns the entry's path."""
     nvrtc, options, headers = compiler()
     kernel = "mlx::core::cu::" + func
     binary, mangled = nvrtc.compile(source, kernel, options, headers)
-    path = entry_path(directory or ptx_dir(), entry_name(func, source))
-    write_entry(path, kernel, mangled, binary)
+    path = entry_path(root, entry_name(func, source))
+    write_entry(path, kernel, mangled, binary, root, key)
     return path
 
 
@@ -284,7 +350,7 @@ class CachedKernel:
         return self._mlx(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
 
     def ensure(self, inputs, output_dtypes, template) -> None:
-        """Make sure MLX's cache holds this instantiation (once per process per instantiation)."""
+        """Make sure MLX's cache holds our build of this instantiation (once per process per instantiation)."""
         arrays = [(a.dtype, a.ndim) if isinstance(a, mx.array) else None for a in inputs]
         key = (tuple(arrays), tuple(output_dtypes), tuple((n, v) for n, v in template))
         if key in self._seen:
@@ -293,15 +359,18 @@ class CachedKernel:
         try:
             if None in arrays:
                 raise KeyError("an input that is not an array")
-            func, source = generated_source(self.name, self.input_names, self.output_names, self.source, self.header,
-                                            arrays, output_dtypes, list(template))
-            if entry_path(ptx_dir(), entry_name(func, source)).exists():
-                stats["found"] += 1
-                return
+            if private_dir is None:
+                raise RuntimeError(off)
             if not cuda_ready():
                 raise RuntimeError("not on CUDA")
+            func, source = generated_source(self.name, self.input_names, self.output_names, self.source, self.header,
+                                            arrays, output_dtypes, list(template))
+            record = record_key(source)
+            if trusted(private_dir, record, entry_path(private_dir, entry_name(func, source))):
+                stats["found"] += 1
+                return
             t0 = time.perf_counter()
-            build(func, source)
+            build(func, source, private_dir, record)
             stats["built"] += 1
             stats["build_s"] += time.perf_counter() - t0
         except Exception as e:  # MLX compiles it at its first call
