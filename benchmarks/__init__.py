@@ -1,3 +1,5 @@
 """Benchmarks: ours against peers in the same run (see run.py)."""
 
-import mtplx  # noqa: F401  (first: MLX binds to OpenBLAS before any benchmark imports mlx.core)
+from mtplx.process import prepare_process
+
+prepare_process()  # first: MLX binds to OpenBLAS before any benchmark imports mlx.core

@@ -5,8 +5,8 @@
 
 Every benchmark writes `NAME.md` and `NAME.json` into --out; the harness prints the tables and
 writes `bench-out/SUMMARY.md`, which is what BENCHMARKS.md quotes together with this command.
-On a Linux CPU, `import benchmarks` imports mtplx first, which binds MLX to OpenBLAS (the `cpu`
-extra's wheel, mtplx/blas.py) for us and for mlx-lm alike: MLX's bundled BLAS is ~15x slower.
+On a Linux CPU, `import benchmarks` binds MLX to OpenBLAS first (mtplx.process.prepare_process, the
+`cpu` extra's wheel) for us and for mlx-lm alike: MLX's bundled BLAS is ~15x slower.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
 
 from .cache import RowStateCache
 
@@ -32,6 +31,9 @@ def _mixed_qkv_z_b_a(self, inputs):
 def _capturing_call(self, inputs, mask=None, cache=None):
     if not (isinstance(cache, RowStateCache) and cache.capturing):
         return type(self).__mro__[1].__call__(self, inputs, mask, cache)
+    # imported on use: at module level it would run mlx-lm's package __init__ before load() defers it (process.py)
+    from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
+
     B, S, _ = inputs.shape
     mixed_qkv, z, b, a = _mixed_qkv_z_b_a(self, inputs)
     conv_state = cache[0]

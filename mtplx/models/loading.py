@@ -27,6 +27,7 @@ import mlx.nn as nn
 
 from ..config import GGUF_MODES
 from ..paths import cache_dir  # noqa: F401  (mtplx.models.loading.cache_dir is the public name)
+from ..process import prepare_process
 from .mtp_layouts import is_mtp_key
 
 
@@ -256,6 +257,7 @@ def load_mtp_weights(model_path: Path, config: dict, index: Optional[Dict[str, T
 def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = False,
          gguf_mode: str = "auto", tokenizer=None) -> ModelBundle:
     """`tokenizer`: one already loaded from this model (`load_tokenizer_only`), used as it is."""
+    prepare_process()
     phases = {}
     t = time.perf_counter()
     model_path = resolve_model_path(path, gguf_mode)

@@ -13,7 +13,6 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import create_causal_mask
 
 from ..models.mtp import MTPHead
 from .head_data import Features, padded_length
@@ -60,7 +59,11 @@ def _causal(head: MTPHead, L: int):
             head._array_mask = True
     if L == 1:
         return None
-    return create_causal_mask(L) if head._array_mask else "causal"
+    if not head._array_mask:
+        return "causal"
+    from mlx_lm.models.base import create_causal_mask
+
+    return create_causal_mask(L)
 
 
 def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int, project=None):

@@ -48,6 +48,7 @@ from .head_prompts import parse_spec
 from .precision import step_dtypes as _dtypes, value_and_grad as _value_and_grad
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
+from ..process import prepare_process
 from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint, checkpoint_step,  # noqa: F401
                          nextn_weights, resumable_state, save_sidecar, sidecar_meta)  # nextn_weights: exported here too
 from ..mtp_draft import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
@@ -349,6 +350,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     command passes `pipelines.io.train_data.read_train_data`); without it they are refused.
     `gguf_mode`: how a GGUF `model` is converted (mtplx.config.GGUF_MODES).
     """
+    prepare_process()
     cfg = config or TrainConfig()
     cfg.check()
     log = log or ((lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr)))

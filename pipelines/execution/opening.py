@@ -36,7 +36,10 @@ def apply_graph_limits(job: JobConfig, limit: Optional[int] = None) -> None:
 
 def load_engine(job: JobConfig, tokenizer=None):
     """The job's engine; `tokenizer`: the model's, already loaded by `load_tokenizer` (not loaded again)."""
-    apply_graph_limits(job)  # in a Ray actor, the first code of the job's to run
+    from mtplx.process import prepare_process
+
+    prepare_process()  # in a Ray actor, the first code of the job's to run (the CLI has run it already)
+    apply_graph_limits(job)
     try:
         from mtplx.generation import Engine
     except ImportError as e:

@@ -120,6 +120,9 @@ class MTPLXPredictor:
         self.schedule = _as(ScheduleConfig, schedule)
         if engine is None:
             from mtplx import cuda_graphs
+            from mtplx.process import prepare_process
+
+            prepare_process()  # here, not at import: the process is Ray's worker (mtplx/process.py)
 
             cuda_graphs.apply_for(self.schedule.max_batch, self.speculative.method)  # before mlx.core loads
             from mtplx.generation import Engine
