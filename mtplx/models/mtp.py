@@ -1,9 +1,9 @@
 """Multi-token-prediction heads: the model's own (or a trained sidecar), rebuilt from checkpoints.
 
 Where each family keeps its head, and what its names mean, is in mtp_layouts.py (Qwen3-Next /
-Qwen3.5 `mtp.*`, DeepSeek-V3 / V3.2 / GLM-4.5 NextN layers, MiMo `model.mtp_layers.*`); a head
-`mtplx-batch convert` wrote already built is read by convert.py. Sidecar heads from
-`mtplx-batch train-head` use the NextN layout with the trunk's own block.
+Qwen3.5 `mtp.*`, DeepSeek-V3 / V3.2 / GLM-4.5 NextN layers, MiMo `model.mtp_layers.*`);
+`load_built_head` reads a head `mtplx-batch convert` wrote already built (convert.py). Sidecar heads
+from `mtplx-batch train-head` use the NextN layout with the trunk's own block.
 
 A module computes x = fc([norm_e(embed(t+1)), norm_h(h_t)]); x = block(x); h' = norm(x);
 logits = head(h'). Drafting depth k feeds (h', draft) back: into the same module (MTPHead), or
@@ -20,12 +20,14 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .loading import ModelBundle
-from .mtp_layouts import (ZERO_CENTRED_BLOCK_NORMS, ZERO_CENTRED_HEAD_NORMS, ModuleWeights, split_modules,
+from .loading import ModelBundle, load_config, tensor_index
+from .mtp_layouts import (ZERO_CENTRED_BLOCK_NORMS, ZERO_CENTRED_HEAD_NORMS, ModuleWeights, is_mtp_key, split_modules,
                           text_config)
 
-SIDECAR_META = "mtp_head.json"
+SIDECAR_META = "mtp_head.json"  # a sidecar from `mtplx-batch train-head`
 SIDECAR_WEIGHTS = "mtp_head.safetensors"
+HEAD_META = "mtplx_head.json"  # a head `mtplx-batch convert` wrote already built
+HEAD_WEIGHTS = "mtplx_head.safetensors"
 
 
 def text_model(model) -> nn.Module:
@@ -327,9 +329,15 @@ def _build_module(bundle: ModelBundle, mod: ModuleWeights, shift: Tuple[bool, bo
     for i, block in sorted(mod.blocks.items()):
         params.update({f"layers.{i}.{k}": v for k, v in _block_params(model, block, shift[1]).items()})
     head.load_weights(list(params.items()), strict=True)
+    return _ready(head, model)
+
+
+def _ready(head, model):
+    """The loaded head, evaluated, its float parameters in the trunk's float type (a bfloat16
+    sidecar on a float32 trunk runs in float32, and back)."""
     norm = getattr(text_model(model).model, "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None:
-        head.set_dtype(norm.weight.dtype)  # a bf16 sidecar on an fp32 trunk runs in fp32 (and back)
+        head.set_dtype(norm.weight.dtype)
     head.eval()
     mx.eval(head.parameters())
     return head
@@ -346,6 +354,29 @@ def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Option
     return built[0] if len(built) == 1 else MTPHeadStack(built)
 
 
+def has_built_head(path) -> bool:
+    return (Path(path) / HEAD_META).exists()
+
+
+def load_built_head(bundle: ModelBundle):
+    """The head `mtplx-batch convert` wrote beside the trunk of `bundle` (convert.save_head)."""
+    meta = json.loads((bundle.path / HEAD_META).read_text())
+    if meta.get("format") != 1:
+        raise ValueError(f"{bundle.path / HEAD_META}: unknown head format {meta.get('format')!r}; "
+                         "convert the checkpoint again with this version of `mtplx-batch convert`")
+    weights = mx.load(str(bundle.path / HEAD_WEIGHTS))
+    modules = [MTPHead(bundle.model, n_layers=m["layers"], own_head=m["own_head"], hidden_first=m["hidden_first"],
+                       zero_first=m.get("zero_first", False)) for m in meta["modules"]]
+    head = MTPHeadStack(modules) if meta["stack"] else modules[0]
+    quant = meta.get("quantization")
+    if quant:
+        overrides = quant.get("overrides", {})
+        nn.quantize(head, quant["group_size"], quant["bits"],
+                    class_predicate=lambda p, m: f"{p}.scales" in weights and overrides.get(p, True))
+    head.load_weights(list(weights.items()), strict=True)
+    return _ready(head, bundle.model)
+
+
 def no_head_message(path) -> str:
     return (f"model {path} ships no multi-token-prediction weights (none of the layouts in docs/models.md: "
             "mtp.*, model.mtp_layers.*, NextN layers after the trunk, or a head from `mtplx-batch convert`): "
@@ -355,10 +386,6 @@ def no_head_message(path) -> str:
 
 def check_native_head(model_dir) -> None:
     """Refuse, from the file headers alone (no weights load), a model directory without an MTP head."""
-    from .convert import has_built_head
-    from .loading import load_config, tensor_index
-    from .mtp_layouts import is_mtp_key
-
     path = Path(model_dir)
     if has_built_head(path):
         return
@@ -371,8 +398,6 @@ def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
     """The model's own MTP head (raw checkpoint weights, or the built head `mtplx-batch convert`
     wrote), or the sidecar at `sidecar` (refusing a mismatched trunk)."""
     if sidecar is None:
-        from .convert import has_built_head, load_built_head
-
         if has_built_head(bundle.path):
             return load_built_head(bundle)
         if not bundle.mtp_weights:

@@ -14,26 +14,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
 
 from ..models.loading import ModelBundle
-from ..models.mtp import trunk_hidden
+from ..models.mtp import project_logits, trunk_hidden
+from .config import TrainConfig, TrainHeadError  # noqa: F401  (pipelines.io.train_data imports the error from here)
+from .head_prompts import general_prompts, text_files
 
-if TYPE_CHECKING:
-    from .train_head import TrainConfig
-
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
 TABLE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv",
                  ".arrow": "arrow", ".jsonl.gz": "jsonl"}
-
-
-class TrainHeadError(Exception):
-    """The request cannot be carried out as given (bad data, mismatched checkpoint). Exit 2."""
-
-    exit_code = 2
 
 
 def _bar(total, desc, enabled):
@@ -233,23 +225,6 @@ def sample_rows(rows, n: Optional[int], seed: int):
     return [row for _, row in sorted(keep, key=lambda t: t[0])]
 
 
-def text_files(path: str) -> List[Path]:
-    """The text files of `path`: itself, every text file under a directory, or for `stdlib` the
-    running Python's standard library source (on every machine)."""
-    if path == "stdlib":
-        import sysconfig
-
-        path = sysconfig.get_paths()["stdlib"]
-    p = Path(path)
-    if p.is_file():
-        return [p]
-    if not p.is_dir():
-        raise TrainHeadError(f"--text {path!r} does not exist: give a text file, a directory of them, or stdlib")
-    skip = ("test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3")
-    return sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES
-                  and not any(part in skip for part in f.relative_to(p).parts))
-
-
 def text_data(bundle: ModelBundle, paths: Sequence[str], max_tokens: int, seq_len: int, seed: int) -> TrainData:
     """Windows of general text (a seeded shuffle of the files, up to `max_tokens` tokens): every
     position scored against the trunk's own next-token distribution."""
@@ -347,8 +322,6 @@ def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: boo
 def _general(bundle: ModelBundle, cfg: TrainConfig):
     if not cfg.prompts:
         return [], []
-    from .head_prompts import general_prompts
-
     return general_prompts(bundle.tokenizer, cfg.prompts, cfg.seed)
 
 
@@ -420,8 +393,6 @@ def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[i
         hs = h.astype(store_dtype)
         g = None
         if want_greedy:
-            from ..models.mtp import project_logits
-
             g = mx.argmax(project_logits(model, h), axis=-1).astype(mx.int32)
         mx.eval(hs, g) if g is not None else mx.eval(hs)
         gn = np.array(g) if g is not None else None

@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 
 from ..models.loading import ModelBundle
 from ..models.mtp import SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, trunk_probe, trunk_signature
-from .head_data import TrainHeadError
+from .config import TrainHeadError
 
 CHECKPOINT_DIR = "checkpoint"
 DATA_FILE = "data.npz"

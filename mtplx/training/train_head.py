@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,9 +42,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .head_data import (TrainData, TrainHeadError, _bar, build_data, general_data, is_job_or_table, padded_length,
-                        text_data, trunk_features)
-from .head_prompts import parse_spec
+from .config import TrainConfig, TrainHeadError
+from .head_data import (TrainData, _bar, build_data, general_data, is_job_or_table, padded_length, text_data,
+                        trunk_features)
 from .precision import step_dtypes as _dtypes, value_and_grad as _value_and_grad
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
@@ -55,104 +55,6 @@ from ..mtp_draft import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draf
 from ..models.mtp import MTPHead, has_trunk_split, project_logits, trunk_probe, trunk_signature
 
 OTHER_FILE = "heldout_other.npz"
-
-LOSSES = ("kl", "argmax", "tokens")
-
-
-@dataclass
-class TrainConfig:
-    depth_layers: int = 1  # decoder blocks in the head
-    draft_depths: int = 3  # draft depths trained (depth k feeds the head its own depth k-1 output)
-    steps: int = 1000  # optimizer steps (the cosine schedule spans exactly these)
-    batch_size: int = 8  # sequences per step
-    seq_len: int = 512  # longest training sequence (tokens); text is cut into windows of this
-    lr: float = 1e-3  # peak learning rate
-    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
-    warmup_steps: int = -1  # -1: 5% of steps (at most 100)
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    heldout: float = 0.1  # fraction of sequences held out (at least one, at most 64)
-    max_rows: Optional[int] = None  # prompts (job / table) or windows (text) used at most
-    max_new_tokens: Optional[int] = None  # self-distillation: tokens generated per prompt (None: the job's max_tokens, or 256)
-    gen_batch: int = 32  # self-distillation: rows decoded together
-    init: str = "random"  # random (MLX default init) | trunk: blocks start as copies of the trunk's last layer
-    loss: str = "kl"  # kl: to the trunk's next-token distribution | argmax: CE to the trunk's argmax | tokens: CE to the data
-    hidden_weight: float = 0.0  # weight of a regression of the head's hidden state onto the trunk's (EAGLE)
-    draft_vocab: int = 8192  # drafting vocabulary: the N most frequent training tokens (0: the whole vocabulary)
-    sample: Optional[int] = None  # job / table data: a seeded sample of N rows (None: all, up to max_rows)
-    samples_per_prompt: int = 0  # self-distillation: sampled continuations per prompt besides the greedy one
-    temperature: float = 0.8  # self-distillation: temperature of the sampled continuations
-    prompts: Tuple[str, ...] = ()  # general prompts self-distilled for training only: "stdlib-code:N", "stdlib-chat:N"
-    general_samples: int = 1  # sampled continuations per general prompt besides the greedy one
-    data_seconds: Optional[float] = None  # self-distillation stops at this wall time, keeping what finished
-    text: Tuple[str, ...] = ()  # general text mixed into training: files, directories, or "stdlib"
-    text_tokens: int = 200_000  # tokens of general text at most
-    heldout_data: Optional[str] = None  # a second, different dataset evaluated (never trained on)
-    heldout_rows: int = 32  # rows of heldout_data
-    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
-    train_dtype: str = "auto"  # the training step's matmuls: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
-    seed: int = 0
-    eval_every: int = 100  # steps between held-out evaluations (progress bar, log)
-    checkpoint_every: int = 100  # steps between checkpoints
-    max_seconds: Optional[float] = None  # stop training after this much wall time (the head is evaluated and saved)
-    fit_steps: bool = False  # with max_seconds: shorten the schedule (at most `steps`) to what the measured step time fits
-
-    # Keys that change what is trained: a resume with different values is refused.
-    RESUME_KEYS = ("depth_layers", "draft_depths", "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
-                   "weight_decay", "grad_clip", "init", "dtype", "train_dtype", "seed", "loss", "hidden_weight", "draft_vocab",
-                   "fit_steps")
-
-    def check(self):
-        problems = []
-        if self.depth_layers < 1:
-            problems.append(f"depth_layers must be >= 1, got {self.depth_layers}")
-        if not 1 <= self.draft_depths <= 8:
-            problems.append(f"draft_depths must be in 1..8, got {self.draft_depths}")
-        if self.steps < 0:
-            problems.append(f"steps must be >= 0, got {self.steps}")
-        if self.batch_size < 1:
-            problems.append(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.seq_len < 3:
-            problems.append(f"seq_len must be >= 3 (h_t, x_t+1, x_t+2), got {self.seq_len}")
-        if not 0.0 < self.heldout < 1.0:
-            problems.append(f"heldout must be a fraction in (0, 1), got {self.heldout}")
-        if self.init not in ("trunk", "random"):
-            problems.append(f"init must be trunk or random, got {self.init!r}")
-        if self.loss not in LOSSES:
-            problems.append(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        if self.hidden_weight < 0:
-            problems.append(f"hidden_weight must be >= 0, got {self.hidden_weight}")
-        if self.draft_vocab < 0:
-            problems.append(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
-        if self.sample is not None and self.sample < 1:
-            problems.append(f"sample must be >= 1 rows, got {self.sample}")
-        if self.general_samples < 0:
-            problems.append(f"general_samples must be >= 0, got {self.general_samples}")
-        if self.gen_batch < 1:
-            problems.append(f"gen_batch must be >= 1 rows, got {self.gen_batch}")
-        if self.data_seconds is not None and self.data_seconds <= 0:
-            problems.append(f"data_seconds must be > 0, got {self.data_seconds}")
-        for spec in self.prompts:
-            try:
-                parse_spec(spec)
-            except TrainHeadError as e:
-                problems.append(str(e))
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            problems.append(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.train_dtype not in ("auto", "float32", "bfloat16"):
-            problems.append(f"train_dtype must be auto, float32 or bfloat16, got {self.train_dtype!r}")
-        if problems:
-            raise TrainHeadError("invalid training settings: " + "; ".join(problems))
-
-    @property
-    def warmup(self) -> int:
-        if self.warmup_steps >= 0:
-            return min(self.warmup_steps, self.steps)
-        return min(100, self.steps // 20)
-
-    def resume_view(self) -> dict:
-        return {k: getattr(self, k) for k in self.RESUME_KEYS}
-
 
 @dataclass
 class TrainResult:
