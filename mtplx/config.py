@@ -1,6 +1,6 @@
 """Engine settings. The job file's `speculative:` and `schedule:` sections load into these.
 
-The design note's three environment variables are read here and nowhere else in the engine:
+MTPLX's three environment variables (the seed's names) are read here and nowhere else in the engine:
 `MTPLX_PREFILL_CHUNK_SIZE` (prefill span size, over `schedule.prefill_chunk`; 0 turns chunking
 off), `MTPLX_SUSTAINED_PREFILL_LAYOUT` (off: one span for the whole prompt) and
 `MTPLX_COMPILED_VERIFY_MAX_LEN` (the longest verify the compiled bank grows to, where

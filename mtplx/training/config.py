@@ -71,52 +71,34 @@ class TrainConfig:
                    "fit_steps")
 
     def check(self):
-        problems = []
-        if self.depth_layers < 1:
-            problems.append(f"depth_layers must be >= 1, got {self.depth_layers}")
-        if not 1 <= self.draft_depths <= 8:
-            problems.append(f"draft_depths must be in 1..8, got {self.draft_depths}")
-        if self.steps < 0:
-            problems.append(f"steps must be >= 0, got {self.steps}")
-        if self.batch_size < 1:
-            problems.append(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.seq_len < 3:
-            problems.append(f"seq_len must be >= 3 (h_t, x_t+1, x_t+2), got {self.seq_len}")
-        if not 0.0 < self.heldout < 1.0:
-            problems.append(f"heldout must be a fraction in (0, 1), got {self.heldout}")
-        if self.init not in ("trunk", "random"):
-            problems.append(f"init must be trunk or random, got {self.init!r}")
-        if self.loss not in LOSSES:
-            problems.append(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        if self.hidden_weight < 0:
-            problems.append(f"hidden_weight must be >= 0, got {self.hidden_weight}")
-        if self.draft_vocab < 0:
-            problems.append(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
-        if self.sample is not None and self.sample < 1:
-            problems.append(f"sample must be >= 1 rows, got {self.sample}")
-        if self.general_samples < 0:
-            problems.append(f"general_samples must be >= 0, got {self.general_samples}")
-        if self.gen_batch < 1:
-            problems.append(f"gen_batch must be >= 1 rows, got {self.gen_batch}")
-        if self.data_seconds is not None and self.data_seconds <= 0:
-            problems.append(f"data_seconds must be > 0, got {self.data_seconds}")
+        rules = [("depth_layers", self.depth_layers >= 1, ">= 1"),
+                 ("draft_depths", 1 <= self.draft_depths <= 8, "in 1..8"),
+                 ("steps", self.steps >= 0, ">= 0"),
+                 ("batch_size", self.batch_size >= 1, ">= 1"),
+                 ("seq_len", self.seq_len >= 3, ">= 3 (h_t, x_t+1, x_t+2)"),
+                 ("heldout", 0.0 < self.heldout < 1.0, "a fraction in (0, 1)"),
+                 ("init", self.init in ("trunk", "random"), "trunk or random"),
+                 ("loss", self.loss in LOSSES, f"one of {', '.join(LOSSES)}"),
+                 ("hidden_weight", self.hidden_weight >= 0, ">= 0"),
+                 ("draft_vocab", self.draft_vocab >= 0, ">= 0 (0: the whole vocabulary)"),
+                 ("sample", self.sample is None or self.sample >= 1, ">= 1 rows"),
+                 ("general_samples", self.general_samples >= 0, ">= 0"),
+                 ("gen_batch", self.gen_batch >= 1, ">= 1 rows"),
+                 ("data_seconds", self.data_seconds is None or self.data_seconds > 0, "> 0"),
+                 ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "auto, float32, bfloat16 or float16"),
+                 ("train_dtype", self.train_dtype in ("auto", "float32", "bfloat16"), "auto, float32 or bfloat16")]
+        problems = [f"{name} must be {want}, got {getattr(self, name)!r}" for name, ok, want in rules if not ok]
         for spec in self.prompts:
             try:
                 parse_spec(spec)
             except TrainHeadError as e:
                 problems.append(str(e))
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            problems.append(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.train_dtype not in ("auto", "float32", "bfloat16"):
-            problems.append(f"train_dtype must be auto, float32 or bfloat16, got {self.train_dtype!r}")
         if problems:
             raise TrainHeadError("invalid training settings: " + "; ".join(problems))
 
     @property
     def warmup(self) -> int:
-        if self.warmup_steps >= 0:
-            return min(self.warmup_steps, self.steps)
-        return min(100, self.steps // 20)
+        return min(self.warmup_steps, self.steps) if self.warmup_steps >= 0 else min(100, self.steps // 20)
 
     def resume_view(self) -> dict:
         return {k: getattr(self, k) for k in self.RESUME_KEYS}

@@ -16,7 +16,7 @@ Recipe:
      and cosine decay; causal attention over the whole sequence, as at inference where the head
      keeps its own KV cache. Drafting deeper feeds the head its own output: depth k sees
      (h'_{t} from depth k-1, emb(x_{t+k})) -> x_{t+k+1}. A head trained on depth 1 alone accepts
-     almost nothing at depth 2, so `draft_depths` (default 2) unrolls that recursion in training
+     almost nothing at depth 2, so `draft_depths` (default 3) unrolls that recursion in training
      (teacher-forced tokens, gradients through the whole chain) and averages the depths' losses.
   4. Held-out loss and acceptance (argmax of the head == the trunk's greedy token after x_{t+1},
      i.e. what greedy verification accepts at depth 1) are measured before and after.
@@ -161,8 +161,7 @@ def _schedule(cfg: TrainConfig):
     return decay
 
 
-FIT_PROBE = (25, 125)  # --fit-steps times steps 25..125 of a run (the first ones build kernels on a GPU; session 8:
-# steps 5-25 timed 0.056 s a step on the H200 where the run then went at ~0.04, so training ended 51 s early)
+FIT_PROBE = (25, 125)  # --fit-steps times steps 25..125 of a run: on a GPU the first steps build kernels, slower
 
 
 def _fit(cfg: TrainConfig, step: int, per_step: float, eval_seconds: float, left: float) -> int:
@@ -188,7 +187,7 @@ def data_key(data, cfg: TrainConfig) -> Optional[dict]:
             "sample": cfg.sample, "samples_per_prompt": cfg.samples_per_prompt, "temperature": cfg.temperature,
             "text": list(cfg.text), "text_tokens": cfg.text_tokens, "prompts": list(cfg.prompts),
             "gen_batch": cfg.gen_batch, "data_seconds": cfg.data_seconds}
-    if cfg.general_samples != 1:  # only when set: checkpoints made before the option resume as they did
+    if cfg.general_samples != 1:  # only when not the default, so a key without it still matches
         key["general_samples"] = cfg.general_samples
     return key
 
@@ -199,12 +198,6 @@ def _read(read, data, bundle: ModelBundle, cfg: TrainConfig):
             and os.path.exists(data):
         return read(str(data), bundle.tokenizer, cfg)
     return data
-
-
-def _resolve_bundle(model, gguf_mode: str = "auto") -> ModelBundle:
-    if isinstance(model, ModelBundle):
-        return model
-    return load(model, gguf_mode=gguf_mode)
 
 
 def _training_data(bundle: ModelBundle, data, cfg: TrainConfig, ck: Path, state: Optional[dict], dkey, started: float,
@@ -257,7 +250,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     cfg.check()
     log = log or ((lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr)))
     started = time.monotonic()
-    bundle = _resolve_bundle(model, gguf_mode)
+    bundle = model if isinstance(model, ModelBundle) else load(model, gguf_mode=gguf_mode)
     mdl = bundle.model
     if not has_trunk_split(mdl):
         raise TrainHeadError(f"model {bundle.path}: no separable trunk and output head (model.model.embed_tokens "
@@ -266,9 +259,9 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     ck = out / CHECKPOINT_DIR
     if restart and ck.exists():
         shutil.rmtree(ck)
-    sig = trunk_signature(bundle)
     dkey = data_key(data, cfg)
-    header = {"trunk": sig, "trunk_probe": trunk_probe(bundle), "config": cfg.resume_view(), "data_key": dkey}
+    header = {"trunk": trunk_signature(bundle), "trunk_probe": trunk_probe(bundle), "config": cfg.resume_view(),
+              "data_key": dkey}
     state_dir = _ckpt_state_dir(out)
     state = resumable_state(state_dir, ck, cfg, header)
 
@@ -280,8 +273,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         raise TrainHeadError("no training sequences left after holding some out: give more data")
 
     # 2. trunk features (frozen trunk, once)
-    store_dtype, step_dtype = _dtypes(cfg, mdl)
-    compute_dtype = mx.float32  # evaluations
+    store_dtype, step_dtype = _dtypes(cfg, mdl)  # evaluations compute in float32
     train_f = trunk_features(mdl, [tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
                              store_dtype, False, desc="trunk (train)", quiet=quiet)
     held_f = trunk_features(mdl, [tdata.sequences[i] for i in tdata.heldout], [tdata.starts[i] for i in tdata.heldout],
@@ -299,15 +291,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
 
     # 3. head + optimizer (fresh, or from the checkpoint)
     head = _init_head(mdl, cfg)
-    # the drafting vocabulary, fixed before training: the head is trained over it, as it drafts
-    vocab = _draft_vocab(bundle, head, tdata, train_idx, cfg)
-    draft = index = None
-    if vocab is not None:
-        V = int(head.logits(mx.zeros((1, head.fc.weight.shape[0]))).shape[-1])
-        draft = DraftVocab(head, vocab, V)
-        table = np.full(V, -1, dtype=np.int32)
-        table[np.array(draft.ids)] = np.arange(draft.size, dtype=np.int32)
-        index = mx.array(table)
+    vocab, draft, index = _draft_vocab(bundle, head, tdata, train_idx, cfg)
     _causal(head, 2)  # settle the mask kind outside any gradient transform
     # the schedule spans `total` steps: cfg.steps, or what --fit-steps planned (kept in the checkpoint)
     total = int((state or {}).get("planned_steps") or cfg.steps)
@@ -326,19 +310,21 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         rng.bit_generator.state = state["rng"]
         step, history, train_loss = int(state["step"]), list(state["history"]), state.get("train_loss")
         mx.eval(head.parameters(), opt.state)
-        initial = next((h for h in history if h["step"] == 0), None)
-    else:
-        initial = None
     resumed_from = step
+
+    def held_out(step: int) -> dict:
+        hl, ha = evaluate(head, held_f, vocab=vocab)
+        history.append({"step": step, "train_loss": train_loss, "heldout_loss": hl, "heldout_acceptance": ha})
+        return history[-1]
+
+    initial = next((h for h in history if h["step"] == 0), None)
     eval_seconds = 0.0
     if initial is None:
         t0 = time.monotonic()
-        l0, a0 = evaluate(head, held_f, compute_dtype, vocab=vocab)
+        initial = held_out(0)
         eval_seconds = time.monotonic() - t0
-        initial = {"step": 0, "heldout_loss": l0, "heldout_acceptance": a0}
-        history.append(initial)
-        log(f"untrained head: held-out loss {l0:.4f}, acceptance {a0:.3f} ({time.monotonic() - started:.0f}s; "
-            f"training steps compute in {str(step_dtype).split('.')[-1]})")
+        log(f"untrained head: held-out loss {initial['heldout_loss']:.4f}, acceptance {initial['heldout_acceptance']:.3f} "
+            f"({time.monotonic() - started:.0f}s; training steps compute in {str(step_dtype).split('.')[-1]})")
 
     # on a GPU every step gets the one shape (each new shape builds kernels); on a CPU the padding costs more
     fixed = padded_length(cfg.seq_len) if mx.default_device() == mx.gpu else None
@@ -370,7 +356,6 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     last_eval = history[-1]
     bar = _bar(total, "train-head", not quiet)
     bar.update(step)
-    ema = train_loss
     interrupted = None
     fitting = (cfg.fit_steps and cfg.max_seconds is not None and "planned_steps" not in (state or {})
                and cfg.steps > step + FIT_PROBE[1])
@@ -395,17 +380,15 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                 log(f"--fit-steps: {(time.monotonic() - probe[2]) / (probe[1] - probe[0]):.3f} s a step; the schedule "
                     f"now spans {total} steps (of at most {cfg.steps})")
             lv = loss.item()
-            ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-            train_loss = ema
+            train_loss = lv if train_loss is None else 0.95 * train_loss + 0.05 * lv  # a moving average
             metrics = {"loss": lv, "lr": float(opt.learning_rate.item()) if isinstance(opt.learning_rate, mx.array) else float(opt.learning_rate)}
             if step % cfg.eval_every == 0 or step == total:
-                hl, ha = evaluate(head, held_f, compute_dtype, vocab=vocab)
-                last_eval = {"step": step, "train_loss": ema, "heldout_loss": hl, "heldout_acceptance": ha}
-                history.append(last_eval)
+                last_eval = held_out(step)
+                hl, ha = last_eval["heldout_loss"], last_eval["heldout_acceptance"]
                 metrics.update(heldout_loss=hl, heldout_acceptance=ha)
-                log(f"step {step}/{total}: train loss {ema:.3f}, held-out loss {hl:.3f}, acceptance {ha:.3f} "
+                log(f"step {step}/{total}: train loss {train_loss:.3f}, held-out loss {hl:.3f}, acceptance {ha:.3f} "
                     f"({time.monotonic() - started:.0f}s)")
-            bar.set_postfix_str(f"loss {ema:.3f} held-out acc {last_eval['heldout_acceptance']:.3f}", refresh=False)
+            bar.set_postfix_str(f"loss {train_loss:.3f} held-out acc {last_eval['heldout_acceptance']:.3f}", refresh=False)
             bar.update(1)
             if step % cfg.checkpoint_every == 0 or step == total:
                 _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
@@ -421,18 +404,15 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         raise interrupted
 
     if last_eval["step"] != step:
-        hl, ha = evaluate(head, held_f, compute_dtype, vocab=vocab)
-        last_eval = {"step": step, "train_loss": train_loss, "heldout_loss": hl, "heldout_acceptance": ha}
-        history.append(last_eval)
+        last_eval = held_out(step)
     if checkpoint_step(out) != step:
         _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
     depths = max(cfg.draft_depths, 4)
-    held_report = depth_report(head, held_f, depths, compute_dtype, vocab)
-    by_depth = held_report["acceptance_by_depth"]
+    held_report = depth_report(head, held_f, depths, vocab=vocab)
     other_meta = None
     if other is not None:
         other_meta = {"data": other.source, "sequences": len(other.sequences), "positions": other_f.positions,
-                      **depth_report(head, other_f, depths, compute_dtype, vocab)}
+                      **depth_report(head, other_f, depths, vocab=vocab)}
     meta = sidecar_meta(cfg, tdata, step, header, train_loss, initial, last_eval, held_report, other_meta,
                          mixed["dtype"], vocab, train_f, held_f, started)
     save_sidecar(bundle, head, out, meta)
@@ -448,19 +428,25 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         heldout_acceptance=last_eval["heldout_acceptance"], initial_heldout_loss=initial["heldout_loss"],
         initial_heldout_acceptance=initial["heldout_acceptance"], sequences=len(tdata.sequences),
         train_tokens=train_f.positions, heldout_tokens=held_f.positions, resumed_from=resumed_from,
-        seconds=time.monotonic() - started, history=history, acceptance_by_depth=by_depth,
+        seconds=time.monotonic() - started, history=history, acceptance_by_depth=held_report["acceptance_by_depth"],
         heldout_other=other_meta,
     )
 
 
 def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx, cfg: TrainConfig):
-    """The drafting vocabulary: the most frequent tokens the head is trained to predict (plus eos)."""
+    """(token ids, DraftVocab, index: token id -> its place, -1 outside) of the drafting vocabulary,
+    the most frequent tokens the head is trained to predict (plus eos), fixed before training: the
+    head trains over it, as it drafts. (None, None, None) for the whole vocabulary."""
     V = int(head.logits(mx.zeros((1, head.fc.weight.shape[0]))).shape[-1])
     if not 0 < cfg.draft_vocab < V:
-        return None
+        return None, None, None
     eos = list(getattr(bundle.tokenizer, "eos_token_ids", None) or [])
-    return frequent_tokens([tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
-                           cfg.draft_vocab, V, eos)
+    vocab = frequent_tokens([tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
+                            cfg.draft_vocab, V, eos)
+    draft = DraftVocab(head, vocab, V)
+    index = np.full(V, -1, dtype=np.int32)
+    index[np.array(draft.ids)] = np.arange(draft.size, dtype=np.int32)
+    return vocab, draft, mx.array(index)
 
 
 def _other_heldout(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read=None, log=None):
