@@ -12,13 +12,10 @@ fits the memory budget, and returns a profile:
                         compiled program and of the eager forward, and the `faster` of the two
 
 The profile is JSON, stored beside the converted model by default (`profile_path`), with the
-device and model config it was measured on. An engine started with `schedule.max_batch: auto`
-takes `best_width` from it, capped so that `auto_rows` rows of `AUTO_ROW_TOKENS` tokens fit the
-memory budget; the depth controller (depth.py) takes the shape of its verify cost curves from it;
-plain decoding of one row runs the `one_stream` path that was faster here (the two give the same
-logits: which is faster depends on whether the host or the device bounds a step, i.e. on the
-machine and the model's size).
-`mtplx-batch calibrate MODEL [--out PROFILE]` writes one.
+device and model config it was measured on; `mtplx-batch calibrate MODEL [--out PROFILE]` writes
+one. The engine reads it for `schedule.max_batch: auto` (`auto_max_batch`), the depth controller's
+cost curves (`cost_shapes`) and one row's plain decoding (`one_stream_eager`: both paths give the
+same logits; which is faster depends on whether the host or the device bounds a step).
 """
 
 from __future__ import annotations

@@ -118,15 +118,11 @@ def load_config(model_path: Path) -> dict:
 
 def _plain_checkpoint(model_path: Path, config: dict) -> bool:
     """True when `_load_weights` loads this checkpoint exactly as mlx-lm's load_model would."""
-    text = config.get("text_config") or {}
     quant = config.get("quantization")
-    return (
-        config.get("model_file") is None
-        and not config.get("quantize_activations")
-        and (quant is not None or ("quantization_config" not in config and "quantization_config" not in text))
-        and not (model_path / "hf_quant_config.json").exists()
-        and (quant is None or quant.get("mode", "affine") == "affine")
-    )
+    hf_quant = "quantization_config" in config or "quantization_config" in (config.get("text_config") or {})
+    return (config.get("model_file") is None and not config.get("quantize_activations")
+            and (quant is not None or not hf_quant) and not (model_path / "hf_quant_config.json").exists()
+            and (quant is None or quant.get("mode", "affine") == "affine"))
 
 
 class _NotPlain(Exception):
@@ -137,9 +133,7 @@ def _load_weights(model_path: Path, config: dict, lazy: bool) -> nn.Module:
     """mlx-lm's model class, its sanitize, affine quantization as config.json's `quantization`
     names it (per layer, else the packing read off the saved scales), then the weights."""
     model_class, args_class = _classes_without_mtp(config)
-    weights = {}
-    for wf in sorted(model_path.glob("model*.safetensors")):
-        weights.update(mx.load(str(wf)))
+    weights = {k: v for wf in sorted(model_path.glob("model*.safetensors")) for k, v in mx.load(str(wf)).items()}
     if not weights:
         raise FileNotFoundError(f"No safetensors found in {model_path}")
     model = model_class(args_class.from_dict(config))
@@ -211,20 +205,16 @@ def resolve_model_path(path: str | os.PathLike, gguf_mode: str = "auto") -> Path
             gguf_file = found[0]
     if gguf_file is None:
         if not p.exists():
-            raise FileNotFoundError(
-                f"model path {str(path)!r} does not exist: give an mlx-lm model directory, "
-                "a .gguf file, or a known name (see `mtplx-batch fetch --list`)"
-            )
+            raise FileNotFoundError(f"model path {str(path)!r} does not exist: give an mlx-lm model directory, "
+                                    "a .gguf file, or a known name (see `mtplx-batch fetch --list`)")
         return p
     from .gguf import convert_gguf, default_dequantize, default_dtype
 
     dequantize = default_dequantize() if gguf_mode == "auto" else gguf_mode == "dequantize"
     dtype = default_dtype()
     st = gguf_file.stat()
-    key = f"{gguf_file.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
-    flavour = f"{dtype}" if dequantize else f"q-{dtype}"
-    out = cache_dir() / "converted" / f"{gguf_file.stem}-{flavour}-{tag}"
+    tag = hashlib.sha256(f"{gguf_file.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "converted" / f"{gguf_file.stem}-{'' if dequantize else 'q-'}{dtype}-{tag}"
     if not (out / "config.json").exists():
         convert_gguf(gguf_file, out, dequantize=dequantize, dtype=dtype)
     return out
@@ -248,10 +238,7 @@ def load_mtp_weights(model_path: Path, config: dict, index: Optional[Dict[str, T
     """The checkpoint's raw MTP weights (only the files that hold some are read)."""
     index = tensor_index(model_path) if index is None else index
     files = sorted({f for k, (f, _) in index.items() if is_mtp_key(k, config)})
-    weights = {}
-    for name in files:
-        weights.update({k: v for k, v in mx.load(str(Path(model_path) / name)).items() if is_mtp_key(k, config)})
-    return weights
+    return {k: v for name in files for k, v in mx.load(str(Path(model_path) / name)).items() if is_mtp_key(k, config)}
 
 
 def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = False,
@@ -272,7 +259,7 @@ def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = 
         try:
             model = _load_weights(model_path, config, lazy)
         except _NotPlain:
-            model = None
+            pass
     if model is None:
         from mlx_lm.utils import load_model
 

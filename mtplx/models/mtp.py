@@ -74,22 +74,17 @@ def _leaves(cache) -> list:
     return list(getattr(cache, "caches", [cache]))
 
 
-def make_block(model, index: Optional[int] = None) -> nn.Module:
-    """A fresh decoder block of the trunk's own kind, built as its last full-attention layer
-    (`index`, where given, for trunks whose layer class takes one and has no linear layers)."""
+def make_block(model) -> nn.Module:
+    """A fresh decoder block of the trunk's own kind, built as its last full-attention layer."""
     full = _attention_layer_index(model)
     cls = type(model.layers[full])
-    params = inspect.signature(cls.__init__).parameters
     args = text_model(model).args
-    if "layer_idx" in params:
-        hybrid = any(getattr(l, "is_linear", False) for l in model.layers)
-        return cls(args, full if hybrid or index is None else index)
-    return cls(args)
+    return cls(args, full) if "layer_idx" in inspect.signature(cls.__init__).parameters else cls(args)
 
 
 class MTPHead(nn.Module):
-    def __init__(self, model, n_layers: int = 1, own_head: bool = False, block_index: Optional[int] = None,
-                 hidden_first: bool = False, zero_first: bool = False):
+    def __init__(self, model, n_layers: int = 1, own_head: bool = False, hidden_first: bool = False,
+                 zero_first: bool = False):
         super().__init__()
         args = text_model(model).args
         dim = args.hidden_size
@@ -97,8 +92,7 @@ class MTPHead(nn.Module):
         self.norm_embedding = nn.RMSNorm(dim, eps=eps)
         self.norm_hidden = nn.RMSNorm(dim, eps=eps)
         self.fc = nn.Linear(2 * dim, dim, bias=False)
-        idx = len(model.layers) - 1 if block_index is None else block_index
-        self.layers = [make_block(model, idx) for _ in range(n_layers)]
+        self.layers = [make_block(model) for _ in range(n_layers)]
         # each block's cache is of the kind its trunk twin has (a pair of KV caches for DeepSeek-V3.2)
         self._cache_kinds = [_block_cache_kind(model)] * n_layers
         self.norm = nn.RMSNorm(dim, eps=eps)
@@ -202,9 +196,7 @@ class _ShiftedRows:
 
 def _run_shifted(module, hidden, tokens, caches, shift: int):
     """Run `module` on KV caches whose rows look `shift` entries shorter (it writes there)."""
-    from ..cache import RowKVCache
-
-    from ..cache import RowCacheList
+    from ..cache import RowCacheList, RowKVCache
 
     pairs = []
 

@@ -88,18 +88,12 @@ def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.flo
     teacher-forced tokens), argmax among `vocab` when given, is the trunk's own greedy token,
     0 where it is not, -1 where the position is not scored."""
     out: List[Optional[np.ndarray]] = [None] * len(feats.tokens)
-    idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
-    outside = None
-    for s in range(0, len(idx), batch_size):
-        batch = idx[s : s + batch_size]
+    for batch in _batches(feats, batch_size):
         hidden, tok, tgt, m, g, _ = _batch(feats, batch, compute_dtype)
         ref = g if g is not None else tgt
         grid = np.full((len(batch), depths, tok.shape[1]), -1, dtype=np.int8)
         for k, (logits, _, mk, _) in enumerate(_unrolled(head, hidden, tok, tgt, m, depths)):
-            if vocab is not None:
-                outside = _outside(vocab, logits.shape[-1]) if outside is None else outside
-                logits = mx.where(outside, -mx.inf, logits)
-            hit = np.array(mx.argmax(logits, axis=-1) == ref[:, k:])
+            hit = np.array(mx.argmax(_among(logits, vocab), axis=-1) == ref[:, k:])
             scored = np.array(mk) > 0
             grid[:, k, : hit.shape[1]] = np.where(scored, hit, -1)
         for r, i in enumerate(batch):
@@ -107,10 +101,19 @@ def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.flo
     return out
 
 
-def _outside(vocab: Sequence[int], size: int) -> mx.array:
-    keep = np.zeros(size, dtype=bool)
+def _batches(feats: Features, batch_size: int):
+    """Sequence indices in batches of similar length."""
+    idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
+    return [idx[s : s + batch_size] for s in range(0, len(idx), batch_size)]
+
+
+def _among(logits: mx.array, vocab: Optional[Sequence[int]]) -> mx.array:
+    """`logits` with every token outside `vocab` (when given) at -inf."""
+    if vocab is None:
+        return logits
+    keep = np.zeros(logits.shape[-1], dtype=bool)
     keep[np.asarray(vocab)] = True
-    return mx.array(~keep)
+    return mx.where(mx.array(keep), logits, -mx.inf)
 
 
 def acceptance_by_depth(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
@@ -176,17 +179,12 @@ def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_siz
     """(mean cross-entropy against x_{t+2}, acceptance against the trunk's greedy token, the argmax
     taken among `vocab` when given) over all held-out positions."""
     total_loss = total_hit = total_n = 0.0
-    idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
-    outside = None
-    for s in range(0, len(idx), batch_size):
-        hidden, tok, tgt, m, g, _ = _batch(feats, idx[s : s + batch_size], compute_dtype)
+    for batch in _batches(feats, batch_size):
+        hidden, tok, tgt, m, g, _ = _batch(feats, batch, compute_dtype)
         _, logits = head(hidden, tok, mask=_causal(head, tok.shape[1]))
         ce = nn.losses.cross_entropy(logits.astype(mx.float32), tgt, reduction="none")
         ref = g if g is not None else tgt
-        if vocab is not None:
-            outside = _outside(vocab, logits.shape[-1]) if outside is None else outside
-            logits = mx.where(outside, -mx.inf, logits)
-        hit = (mx.argmax(logits, axis=-1) == ref).astype(mx.float32)
+        hit = (mx.argmax(_among(logits, vocab), axis=-1) == ref).astype(mx.float32)
         l, h, n = (ce * m).sum(), (hit * m).sum(), m.sum()
         mx.eval(l, h, n)
         total_loss += l.item()

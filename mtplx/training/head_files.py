@@ -34,8 +34,7 @@ def nextn_weights(head: MTPHead, num_hidden_layers: int, dtype=None) -> Dict[str
     """The head's parameters under DeepSeek NextN names: model.layers.{N}.enorm/hnorm/eh_proj/
     shared_head.norm and the block's own keys; block i > 0 of a deeper head at model.layers.{N+i}.
     No shared_head.head / embed_tokens: those are the trunk's."""
-    N = num_hidden_layers
-    out = {}
+    N, out = num_hidden_layers, {}
     for k, v in tree_flatten(head.parameters()):
         if k.startswith("layers."):
             _, i, rest = k.split(".", 2)
@@ -54,7 +53,8 @@ def save_sidecar(bundle: ModelBundle, head: MTPHead, out_dir: Union[str, os.Path
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     N = int(bundle.config["num_hidden_layers"])
-    weights = nextn_weights(head, N, _trunk_dtype(bundle.model))
+    trunk_float = bundle.model.model.embed_tokens(mx.array([0])).dtype  # (a quantized embedding stores uint32)
+    weights = nextn_weights(head, N, trunk_float)
     tmp = out / (SIDECAR_WEIGHTS + ".tmp.safetensors")
     mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "layout": "nextn"})
     os.replace(tmp, out / SIDECAR_WEIGHTS)
@@ -64,16 +64,10 @@ def save_sidecar(bundle: ModelBundle, head: MTPHead, out_dir: Union[str, os.Path
     return out
 
 
-# -- helpers ---------------------------------------------------------------------------------------
 def _write_json(path: Path, obj):
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False))
+    tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
-
-
-def _trunk_dtype(model):
-    """The trunk's activation dtype (a quantized embedding stores uint32 but yields float)."""
-    return model.model.embed_tokens(mx.array([0])).dtype
 
 
 # -- checkpoint ------------------------------------------------------------------------------------
@@ -140,26 +134,17 @@ def sidecar_meta(cfg, tdata, step: int, header: dict, train_loss, initial: dict,
                   started: float) -> dict:
     """What `mtp_head.json` records of a training run."""
     return {
-        "steps": step,
-        "planned_steps": header.get("planned_steps"),
-        "train_loss": train_loss,
-        "heldout_loss": last_eval["heldout_loss"],
-        "heldout_acceptance": last_eval["heldout_acceptance"],
-        "initial_heldout_loss": initial["heldout_loss"],
-        "initial_heldout_acceptance": initial["heldout_acceptance"],
+        "steps": step, "planned_steps": header.get("planned_steps"), "train_loss": train_loss,
+        "heldout_loss": last_eval["heldout_loss"], "heldout_acceptance": last_eval["heldout_acceptance"],
+        "initial_heldout_loss": initial["heldout_loss"], "initial_heldout_acceptance": initial["heldout_acceptance"],
         "heldout_acceptance_by_depth": held_report["acceptance_by_depth"],
         "heldout_tokens_per_verify": held_report["tokens_per_verify"],
         "heldout_replayed_tokens_per_verify": held_report["replayed_tokens_per_verify"],
         "heldout_other": other_meta,
         "train_dtype": str(train_dtype).split(".")[-1],  # what the training steps computed in
         "draft_vocab": None if vocab is None else len(vocab),
-        "data": tdata.source,
-        "data_digest": tdata.digest(),
-        "sample_rows": tdata.rows,
-        "sequences": len(tdata.sequences),
-        "heldout_sequences": len(tdata.heldout),
-        "train_positions": train_f.positions,
-        "heldout_positions": held_f.positions,
-        "seconds": round(time.monotonic() - started, 1),
-        "config": asdict(cfg),
+        "data": tdata.source, "data_digest": tdata.digest(), "sample_rows": tdata.rows,
+        "sequences": len(tdata.sequences), "heldout_sequences": len(tdata.heldout),
+        "train_positions": train_f.positions, "heldout_positions": held_f.positions,
+        "seconds": round(time.monotonic() - started, 1), "config": asdict(cfg),
     }

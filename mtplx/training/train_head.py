@@ -273,7 +273,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         raise TrainHeadError("no training sequences left after holding some out: give more data")
 
     # 2. trunk features (frozen trunk, once)
-    store_dtype, step_dtype = _dtypes(cfg, mdl)  # evaluations compute in float32
+    store_dtype, step_dtype = _dtypes(cfg)  # evaluations compute in float32
     train_f = trunk_features(mdl, [tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
                              store_dtype, False, desc="trunk (train)", quiet=quiet)
     held_f = trunk_features(mdl, [tdata.sequences[i] for i in tdata.heldout], [tdata.starts[i] for i in tdata.heldout],
