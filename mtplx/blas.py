@@ -1,13 +1,12 @@
 """OpenBLAS for MLX on a Linux CPU, loaded into the process before mlx.core.
 
-MLX's Linux CPU wheel (mlx-cpu) links a reference BLAS: a matmul runs at ~6 GFLOP/s on one core,
-so prefill and batched decode are 10-20x slower than they need to be. OpenBLAS defines the same
-symbols (cblas_sgemm, sgetrf_, ...). Opened with RTLD_GLOBAL before mlx.core is imported, it comes
-first in the process's global symbol scope, so libmlx's BLAS calls bind to it; the results are
-the same float32 matmuls, rounded by a different kernel. After that import it is too late:
-Python opens extension modules with RTLD_NOW, which binds libmlx's BLAS symbols then (a 1024 x
-1024 matmul stays at the reference BLAS's ~370 ms against ~22 ms). `use_openblas()` does this
-once; `mtplx.process.prepare_process()` calls it.
+MLX's Linux CPU wheel (mlx-cpu) links a reference BLAS (~6 GFLOP/s on one core: prefill and batched
+decode 10-20x slower than they need to be). OpenBLAS defines the same symbols (cblas_sgemm, ...).
+Opened with RTLD_GLOBAL before mlx.core is imported, it comes first in the process's global symbol
+scope, so libmlx's BLAS calls bind to it (the same float32 matmuls, rounded by another kernel).
+After that import it is too late: Python opens extension modules with RTLD_NOW, which binds
+libmlx's symbols then (a 1024 x 1024 matmul stays at ~370 ms against ~22 ms). `use_openblas()`
+does this once; `mtplx.process.prepare_process()` calls it.
 
 Where OpenBLAS comes from (the first that loads wins):
   1. an OpenBLAS already in the process (LD_PRELOAD, or a library that loaded one);

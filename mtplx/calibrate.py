@@ -65,18 +65,24 @@ def _verify(engine, tokens: mx.array, cache) -> mx.array:
         cache.set_capturing(False)
 
 
-def _time_width(engine, width: int, max_len: int, context: int, repeats: int, rng) -> list:
+def _prefilled(engine, width: int, context: int, rng):
+    """(a cache of `width` rows holding `context` random tokens each, the prefill's logits)."""
     from .cache import BatchCache
 
-    vocab = engine.vocab_size
     cache = BatchCache.for_model(engine.model, width)
-    prompt = mx.array(rng.integers(0, vocab, (width, context)).astype(np.int32))
-    mx.eval(engine.runtime.forward(prompt, cache)[0])
+    prompt = mx.array(rng.integers(0, engine.vocab_size, (width, context)).astype(np.int32))
+    logits = engine.runtime.forward(prompt, cache)[0]
+    mx.eval(logits)
     cache.commit(np.full(width, context))
     cache.eval()
+    return cache, logits
+
+
+def _time_width(engine, width: int, max_len: int, context: int, repeats: int, rng) -> list:
+    cache, _ = _prefilled(engine, width, context, rng)
     out = []
     for length in range(1, max_len + 1):
-        tokens = mx.array(rng.integers(0, vocab, (width, length)).astype(np.int32))
+        tokens = mx.array(rng.integers(0, engine.vocab_size, (width, length)).astype(np.int32))
         times = []
         for i in range(repeats + 2):  # the first two compile and allocate: untimed
             t = time.perf_counter()
@@ -92,12 +98,8 @@ def _time_width(engine, width: int, max_len: int, context: int, repeats: int, rn
 def _one_stream_seconds(engine, compiled: bool, context: int, steps: int, rng) -> float:
     """Seconds per token of one row's plain decoding, pipelined as the engine runs it (step i+1
     queued before step i is read): through the compiled bank, or the eager forward."""
-    from .cache import BatchCache
-
-    cache = BatchCache.for_model(engine.model, 1)
-    prompt = mx.array(rng.integers(0, engine.vocab_size, (1, context)).astype(np.int32))
-    y = mx.argmax(engine.runtime.forward(prompt, cache)[0][:, -1], axis=-1).astype(mx.int32)
-    cache.commit(np.array([context]))
+    cache, logits = _prefilled(engine, 1, context, rng)
+    y = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
     ones = np.ones(1, dtype=np.int64)
     mx.eval(y)
     start = None
@@ -138,8 +140,9 @@ def calibrate(engine, widths: Sequence[int] = DEFAULT_WIDTHS, depth: Optional[in
     depth = engine.spec.depth if depth is None else depth
     rng = np.random.default_rng(seed)
     per_row = engine.row_bytes(context, depth + 1)
-    fits = [w for w in sorted(set(int(w) for w in widths)) if w * per_row <= engine.memory_budget]
-    skipped = sorted(set(int(w) for w in widths) - set(fits))
+    widths = sorted(set(int(w) for w in widths))
+    fits = [w for w in widths if w * per_row <= engine.memory_budget]
+    skipped = [w for w in widths if w not in fits]
     verify: Dict[str, list] = {}
     for w in fits:
         verify[str(w)] = _time_width(engine, w, depth + 1, context, repeats, rng)

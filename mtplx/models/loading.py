@@ -182,17 +182,12 @@ def _load_tokenizer(model_path: Path, config: dict):
     return _TOKENIZERS[key]
 
 
-def check_gguf_mode(gguf_mode: str) -> str:
-    if gguf_mode not in GGUF_MODES:
-        raise ValueError(f"model.gguf_mode must be one of {', '.join(GGUF_MODES)}, not {gguf_mode!r}")
-    return gguf_mode
-
-
 def resolve_model_path(path: str | os.PathLike, gguf_mode: str = "auto") -> Path:
     """An mlx-lm directory for `path`: itself, or the converted copy of a GGUF file. `gguf_mode`
     (GGUF_MODES): auto (the faster here: CPU -> floats, GPU -> keep Q4_0/Q4_1/Q8_0 packed),
     dequantize, or quantized; each mode has its own converted copy."""
-    check_gguf_mode(gguf_mode)
+    if gguf_mode not in GGUF_MODES:
+        raise ValueError(f"model.gguf_mode must be one of {', '.join(GGUF_MODES)}, not {gguf_mode!r}")
     from .assets import resolve_asset  # known names such as smollm2-135m-instruct
 
     p = Path(resolve_asset(str(path), kind="model"))

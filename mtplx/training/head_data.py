@@ -146,15 +146,11 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
                  samples: Union[int, Sequence[int]] = 0, temperature: float = 0.8, seed: int = 0,
                  seconds: Optional[float] = None, log: Optional[Callable[[str], None]] = None,
                  deadline: Optional[float] = None) -> TrainData:
-    """prompt + the model's own greedy continuation for every prompt, plus `samples` sampled ones
-    (one count for all prompts or one per prompt; at `temperature`, seeded) that show the head
-    other paths the trunk takes; `max_batch` rows decoded together (plain decoding, continuous
-    batching); scored from the first generated token on. With `seconds`, generation stops that
-    long after the first continuation finished (on a fresh GPU host the first rows wait minutes
-    for kernel builds: that time does not count) and keeps the continuations finished by then
-    (the requests run in prompt order, so the first prompts are complete). `deadline` (a
-    time.monotonic() value) ends it by then whatever `seconds` says (training's share of a time
-    limit stays, however long the warm-up took). `log` gets a progress line every ~15 s."""
+    """Each prompt with the model's own greedy continuation, plus `samples` sampled ones (one count,
+    or one per prompt; seeded) that show the head other paths the trunk takes; scored from the first
+    generated token on. `seconds`: generation stops that long after the first continuation (a fresh
+    GPU host's kernel builds do not count), keeping what finished (prompts run in order);
+    `deadline` (time.monotonic()) stops it regardless. `log` gets a progress line every ~15 s."""
     from ..config import ScheduleConfig, SpeculativeConfig
     from ..generation import Engine
     from ..request import Request, SamplingParams

@@ -1,28 +1,16 @@
 """Train a multi-token-prediction sidecar head for a model that ships none (`mtplx-batch train-head`).
 
-The head is `mtplx.models.mtp.MTPHead`: RMSNorm on the embedding of token t+1 and on the trunk's final
-(normed) hidden state at t, a linear projection of their concatenation (embedding first), decoder
-block(s) of the trunk's own kind, a final norm, and the trunk's own embedding and lm_head (shared,
-frozen, never saved). It learns to predict token t+2, which is what the engine drafts with.
-
-Recipe:
-  1. Training sequences of token ids: a job's prompts plus the model's own greedy continuations
-     (self-distillation, so the head learns exactly what the verifier will accept), or plain text
-     cut into windows, or a JSONL/Parquet/CSV file with a `prompt` (self-distilled) or `text`
-     column. A few sequences are held out.
-  2. The frozen trunk runs once over every sequence (batched, no gradient): hidden states h_t for
-     training, plus the trunk's own greedy next token at every held-out position.
-  3. The head trains on (h_t, emb(x_{t+1})) -> x_{t+2} with cross-entropy, AdamW, linear warmup
-     and cosine decay; causal attention over the whole sequence, as at inference where the head
-     keeps its own KV cache. Drafting deeper feeds the head its own output: depth k sees
-     (h'_{t} from depth k-1, emb(x_{t+k})) -> x_{t+k+1}. A head trained on depth 1 alone accepts
-     almost nothing at depth 2, so `draft_depths` (default 3) unrolls that recursion in training
-     (teacher-forced tokens, gradients through the whole chain) and averages the depths' losses.
-  4. Held-out loss and acceptance (argmax of the head == the trunk's greedy token after x_{t+1},
-     i.e. what greedy verification accepts at depth 1) are measured before and after.
-  5. The sidecar (`mtp_head.safetensors` in the DeepSeek NextN key layout, `mtp_head.json`) is
-     written to HEAD_DIR; `HEAD_DIR/checkpoint/` holds the data and the latest training state
-     (step, head, optimizer, RNG) so an interrupted run continues its schedule exactly.
+The head is `mtplx.models.mtp.MTPHead` over the trunk's own (shared, frozen, never saved) embedding
+and lm_head; it learns to predict token t+2 from the trunk's hidden state h_t and token t+1.
+  1. Data (head_data.py): a job's prompts with the model's own continuations (self-distillation:
+     the head learns what the verifier accepts), or text cut into windows; a few sequences held out.
+  2. The frozen trunk runs once over every sequence: h_t, and its greedy token where held out.
+  3. The head trains with AdamW, linear warmup and cosine decay, causal attention over the whole
+     sequence as at inference. Depth k sees (the head's own depth k-1 output, emb(x_{t+k})): a head
+     trained on depth 1 alone accepts almost nothing at depth 2, so `draft_depths` unrolls that
+     recursion (teacher-forced tokens, gradients through the chain) and averages the depths' losses.
+  4. Held-out loss and acceptance (the head's argmax is the trunk's greedy token) before and after.
+  5. The sidecar and the checkpoint it resumes from are written to HEAD_DIR (head_files.py).
 """
 
 from __future__ import annotations
