@@ -134,10 +134,8 @@ def fetch(name: str, cache: Optional[os.PathLike] = None, progress: bool = True)
 
 
 def resolve_asset(name: str, kind: str) -> str:
-    """A known name of this kind -> its fetched local path; anything else unchanged.
-
-    An existing local file or directory of the same name wins over a known name.
-    """
+    """A known name of this kind -> its fetched local path; anything else (an existing local path of
+    the same name too) unchanged."""
     if name not in ASSETS or os.path.exists(name):
         return name
     asset = ASSETS[name]
@@ -157,11 +155,9 @@ def _root(cache: Optional[os.PathLike]) -> Path:
 
 
 # What pip logs (at -vv) when it cannot talk to an index at all.
-_NETWORK_HINTS = (
-    "connection error", "connection refused", "failed to establish a new connection",
-    "network is unreachable", "temporary failure in name resolution", "name or service not known",
-    "read timed out", "connecttimeout", "proxyerror", "sslerror", "no route to host",
-)
+_NETWORK_HINTS = ("connection error", "connection refused", "failed to establish a new connection",
+                  "network is unreachable", "temporary failure in name resolution", "name or service not known",
+                  "read timed out", "connecttimeout", "proxyerror", "sslerror", "no route to host")
 
 
 def _pip_download(requirement: str, dest: Path) -> Path:

@@ -50,10 +50,6 @@ def _quant_rules(model, group_size: int, bits: int):
     return predicate, overrides
 
 
-def _heads_of(head):
-    return list(head.depths) if hasattr(head, "depths") else [head]
-
-
 def save_head(head, out_dir: Path, trunk_model, quantize: Optional[int], group_size: int, keep_bf16: bool) -> dict:
     """Write a built head (quantized like the trunk, or in bfloat16) into `out_dir`."""
     quant = None
@@ -63,14 +59,10 @@ def save_head(head, out_dir: Path, trunk_model, quantize: Optional[int], group_s
         predicate, overrides = _quant_rules(trunk_model, group_size, quantize)
         nn.quantize(head, group_size, quantize, class_predicate=predicate)
         quant = {"group_size": group_size, "bits": quantize, "overrides": overrides}
-    meta = {
-        "format": 1,
-        "modules": [{"layers": len(m.layers), "own_head": "head" in m, "hidden_first": bool(m.hidden_first),
-                     "zero_first": bool(m.zero_first)} for m in _heads_of(head)],
-        "stack": hasattr(head, "depths"),
-        "quantization": quant,
-        "dtype": "bfloat16" if keep_bf16 else None,
-    }
+    modules = [{"layers": len(m.layers), "own_head": "head" in m, "hidden_first": bool(m.hidden_first),
+                "zero_first": bool(m.zero_first)} for m in getattr(head, "depths", [head])]
+    meta = {"format": 1, "modules": modules, "stack": hasattr(head, "depths"), "quantization": quant,
+            "dtype": "bfloat16" if keep_bf16 else None}
     mx.save_safetensors(str(out_dir / HEAD_WEIGHTS), dict(tree_flatten(head.parameters())))
     (out_dir / HEAD_META).write_text(json.dumps(meta, indent=2, sort_keys=True))
     return meta

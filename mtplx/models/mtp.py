@@ -257,9 +257,8 @@ class MTPHeadStack(nn.Module):
     def hidden(self, hidden, tokens, caches=None, mask=None, step=None):
         if caches is None:
             return self.depths[min(step or 0, len(self.depths) - 1)].hidden(hidden, tokens, None, mask)
-        if step is None:
-            outs = [m.hidden(hidden, tokens, self._caches(caches, k), mask) for k, m in enumerate(self.depths)]
-            return outs[0]
+        if step is None:  # every module writes its entries; module 0's output drafts depth 0
+            return [m.hidden(hidden, tokens, self._caches(caches, k), mask) for k, m in enumerate(self.depths)][0]
         k = min(step, len(self.depths) - 1)
         return _run_shifted(self.depths[k], hidden, tokens, self._caches(caches, k), max(k - 1, 0))
 
@@ -267,8 +266,7 @@ class MTPHeadStack(nn.Module):
 def _block_params(model, block: Dict[str, mx.array], zero_centred: bool) -> Dict[str, mx.array]:
     """One block's weights run through the trunk's own sanitize (expert stacking, MLA splits, the
     multimodal wrapper's renames, ...), as if they were its last full-attention layer's."""
-    idx = _attention_layer_index(model)
-    marker = f"layers.{idx}."
+    marker = f"layers.{_attention_layer_index(model)}."
     as_trunk = {f"model.{marker}{k}": v for k, v in block.items()}
     clean = model.sanitize(as_trunk) if hasattr(model, "sanitize") else as_trunk
     out = _stack_experts({k[k.index(marker) + len(marker):]: v for k, v in clean.items() if marker in k})
@@ -282,14 +280,10 @@ def _stack_experts(block: Dict[str, mx.array]) -> Dict[str, mx.array]:
     """Per-expert MoE weights a trunk's sanitize left alone (Qwen3.5-MoE's sanitize stacks only
     its fused `experts.gate_up_proj`; some checkpoints store the MTP layer's experts one by one)."""
     for n in ("gate_proj", "up_proj", "down_proj"):
-        first = f"mlp.experts.0.{n}.weight"
-        if first in block:
-            e = 0
-            parts = []
-            while f"mlp.experts.{e}.{n}.weight" in block:
-                parts.append(block.pop(f"mlp.experts.{e}.{n}.weight"))
-                e += 1
-            block[f"mlp.switch_mlp.{n}.weight"] = mx.stack(parts)
+        count = next(e for e in range(len(block) + 1) if f"mlp.experts.{e}.{n}.weight" not in block)
+        if count:
+            block[f"mlp.switch_mlp.{n}.weight"] = mx.stack([block.pop(f"mlp.experts.{e}.{n}.weight")
+                                                           for e in range(count)])
     return block
 
 

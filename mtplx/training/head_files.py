@@ -60,44 +60,34 @@ def save_sidecar(bundle: ModelBundle, head: MTPHead, out_dir: Union[str, os.Path
     os.replace(tmp, out / SIDECAR_WEIGHTS)
     full = {"trunk": trunk_signature(bundle), "num_hidden_layers": N, "layout": "nextn",
             "depth_layers": len(head.layers), **meta, "trunk_probe": trunk_probe(bundle)}
-    _write_json(out / SIDECAR_META, full)
+    tmp = out / (SIDECAR_META + ".tmp")
+    tmp.write_text(json.dumps(full, indent=1))
+    os.replace(tmp, out / SIDECAR_META)
     return out
-
-
-def _write_json(path: Path, obj):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 # -- checkpoint ------------------------------------------------------------------------------------
 def _ckpt_state_dir(out: Path) -> Optional[Path]:
     ck = out / CHECKPOINT_DIR
-    for name in (STATE_DIR, STATE_DIR + ".old"):
-        if (ck / name / "state.json").exists():
-            return ck / name
-    return None
+    return next((ck / n for n in (STATE_DIR, STATE_DIR + ".old") if (ck / n / "state.json").exists()), None)
 
 
 def _save_checkpoint(out: Path, head: MTPHead, opt: optim.Optimizer, step: int, rng: np.random.Generator,
                      header: dict, history: List[dict], train_loss: Optional[float]):
     ck = out / CHECKPOINT_DIR
     tmp = ck / (STATE_DIR + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     mx.save_safetensors(str(tmp / "head.safetensors"), dict(tree_flatten(head.parameters())))
     mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
     state = dict(header, step=step, rng=rng.bit_generator.state, history=history, train_loss=train_loss)
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     cur, old = ck / STATE_DIR, ck / (STATE_DIR + ".old")
-    if old.exists():
-        shutil.rmtree(old)
+    shutil.rmtree(old, ignore_errors=True)
     if cur.exists():
-        os.replace(cur, old)
+        os.replace(cur, old)  # until the new one is in place, the old one is what a resume finds
     os.replace(tmp, cur)
-    if old.exists():
-        shutil.rmtree(old)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def checkpoint_step(out_dir) -> Optional[int]:
