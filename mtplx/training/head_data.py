@@ -199,23 +199,6 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
                      groups=[groups[k] for k in keys])
 
 
-def sample_rows(rows, n: Optional[int], seed: int):
-    """A seeded uniform sample of n of `rows` (reservoir: one pass, n rows held), in input order;
-    all rows when n is None."""
-    if n is None:
-        return list(rows)
-    rng = np.random.default_rng(seed)
-    keep: list = []
-    for i, row in enumerate(rows):
-        if i < n:
-            keep.append((i, row))
-        else:
-            j = int(rng.integers(0, i + 1))
-            if j < n:
-                keep[j] = (i, row)
-    return [row for _, row in sorted(keep, key=lambda t: t[0])]
-
-
 def text_data(bundle: ModelBundle, paths: Sequence[str], max_tokens: int, seq_len: int, seed: int) -> TrainData:
     """Windows of general text (a seeded shuffle of the files, up to `max_tokens` tokens): every
     position scored against the trunk's own next-token distribution."""

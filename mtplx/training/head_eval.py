@@ -193,22 +193,3 @@ def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_siz
     if not total_n:
         return float("nan"), 0.0
     return total_loss / total_n, total_hit / total_n
-
-
-def acceptance_report(meta: dict) -> List[str]:
-    """Held-out acceptance by draft depth (the data's own split, and the other dataset's), as printed."""
-    def line(name, by_depth, replayed=None):
-        tpv = ", ".join(f"depth {k}: {tokens_per_verify(by_depth, k):.2f}" for k in (1, 2, 3))
-        rounds = f" (walked as the engine's rounds: {', '.join(f'{replayed[str(k)]:.2f}' for k in (1, 2, 3))})" \
-            if replayed and all(str(k) in replayed for k in (1, 2, 3)) else ""
-        return (f"{name}: acceptance by draft depth {' '.join(f'{a:.3f}' for a in by_depth)}; tokens per verify "
-                f"{tpv}{rounds}")
-
-    vocab = f" (drafting among {meta['draft_vocab']} tokens)" if meta.get("draft_vocab") else ""
-    out = [line(f"held-out rows of {meta['data']}{vocab}", meta["heldout_acceptance_by_depth"],
-                meta.get("heldout_replayed_tokens_per_verify"))]
-    other = meta.get("heldout_other")
-    if other:
-        out.append(line(f"held-out other dataset {other['data']}", other["acceptance_by_depth"],
-                        other.get("replayed_tokens_per_verify")))
-    return out

@@ -266,7 +266,6 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                              store_dtype, False, desc="trunk (train)", quiet=quiet)
     held_f = trunk_features(mdl, [tdata.sequences[i] for i in tdata.heldout], [tdata.starts[i] for i in tdata.heldout],
                             store_dtype, True, desc="trunk (held-out)", quiet=quiet)
-    log(f"trunk passes over the training data done ({time.monotonic() - started:.0f}s)")
     other, other_f = _other_heldout(bundle, cfg, ck, store_dtype, quiet, read, log)
     log(f"{len(train_idx)} training sequences ({train_f.positions} positions), {len(tdata.heldout)} held out "
         f"({held_f.positions} positions)" + (f", {other_f.positions} positions of {cfg.heldout_data} held out" if other else "")
