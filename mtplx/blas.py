@@ -25,6 +25,7 @@ ngsolve-openblas.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -52,15 +53,10 @@ class BlasInfo:
         return self.library is not None or not sys.platform.startswith("linux")
 
 
-_info: Optional[BlasInfo] = None
-
-
+@functools.cache
 def use_openblas() -> BlasInfo:
-    """Load OpenBLAS for MLX if it can still bind (see the module doc); what is in use."""
-    global _info
-    if _info is None:
-        _info = _load()
-    return _info
+    """Load OpenBLAS for MLX if it can still bind (see the module doc), once; what is in use."""
+    return _load()
 
 
 def slow_blas_notice() -> Optional[str]:

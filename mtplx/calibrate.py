@@ -156,21 +156,11 @@ def calibrate(engine, widths: Sequence[int] = DEFAULT_WIDTHS, depth: Optional[in
             f"{single['faster']} runs one-row plain decoding")
     tps = {w: int(w) / c[0] for w, c in verify.items()}
     pays = {w: max(range(len(c)), key=lambda k: rate(c, k)) for w, c in verify.items()}
-    return {
-        "device": device_tag(),
-        "model": str(engine.bundle.path),
-        "config": config_tag(engine.bundle.config),
-        "created": time.time(),
-        "context": context,
-        "depth": depth,
-        "acceptance": ACCEPTANCE,
-        "verify_seconds": verify,
-        "tokens_per_second": tps,
-        "depth_that_pays": pays,
-        "best_width": int(max(tps, key=tps.get)) if tps else None,
-        "one_stream": single,
-        "skipped_widths": skipped,  # over the memory budget
-    }
+    return {"device": device_tag(), "model": str(engine.bundle.path), "config": config_tag(engine.bundle.config),
+            "created": time.time(), "context": context, "depth": depth, "acceptance": ACCEPTANCE,
+            "verify_seconds": verify, "tokens_per_second": tps, "depth_that_pays": pays,
+            "best_width": int(max(tps, key=tps.get)) if tps else None, "one_stream": single,
+            "skipped_widths": skipped}  # skipped: over the memory budget
 
 
 def save_profile(profile: dict, path) -> Path:
@@ -189,11 +179,8 @@ def load_profile(path, config: Optional[dict] = None) -> Optional[dict]:
         profile = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(profile, dict) or profile.get("device") != device_tag():
-        return None
-    if config is not None and profile.get("config") != config_tag(config):
-        return None
-    return profile
+    ok = isinstance(profile, dict) and profile.get("device") == device_tag()
+    return profile if ok and (config is None or profile.get("config") == config_tag(config)) else None
 
 
 def auto_max_batch(profile: Optional[dict], memory_budget: int, row_bytes: int) -> int:

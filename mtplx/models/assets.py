@@ -123,8 +123,7 @@ def fetch(name: str, cache: Optional[os.PathLike] = None, progress: bool = True)
                 raise AssetError(f"{name}: expected {asset.rows} rows, got {len(rows)}")
             out = Path(tmp) / dest.name
             with open(out, "w", encoding="utf-8") as f:
-                for row in rows:
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
                 f.flush()
                 os.fsync(f.fileno())
         else:
@@ -255,4 +254,5 @@ def _mmlu(data: bytes) -> List[dict]:
     return rows
 
 
-_NORMALIZERS: Dict[str, Callable[[bytes], List[dict]]] = {"humaneval": _humaneval, "gsm8k-100": _gsm8k, "mmlu-1k": _mmlu}
+_NORMALIZERS: Dict[str, Callable[[bytes], List[dict]]] = {"humaneval": _humaneval, "gsm8k-100": _gsm8k,
+                                                          "mmlu-1k": _mmlu}

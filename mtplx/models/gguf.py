@@ -40,9 +40,9 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
 _BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-_GEMMA3_BLOCK_NAMES = dict(_BLOCK_NAMES, ffn_norm="pre_feedforward_layernorm", post_attention_norm="post_attention_layernorm",
-                           post_ffw_norm="post_feedforward_layernorm", attn_q_norm="self_attn.q_norm",
-                           attn_k_norm="self_attn.k_norm")
+_GEMMA3_BLOCK_NAMES = dict(_BLOCK_NAMES, ffn_norm="pre_feedforward_layernorm",
+                           post_attention_norm="post_attention_layernorm", post_ffw_norm="post_feedforward_layernorm",
+                           attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm")
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -127,13 +127,15 @@ def _config(meta: dict, arch: str, reader) -> dict:
     vocab_size = int(embd.shape[1])  # GGUF shapes are innermost-first: [hidden, vocab]
     config = {
         "model_type": _MODEL_TYPES[arch],
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]],
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}[arch]],
         "hidden_size": int(get("embedding_length")), "num_hidden_layers": int(get("block_count")),
         "intermediate_size": int(get("feed_forward_length")), "num_attention_heads": n_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)), "vocab_size": vocab_size,
-        "max_position_embeddings": int(get("context_length", 2048)), "tie_word_embeddings": "output.weight" not in names,
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
     }
     head_dim = get("attention.key_length")
     if head_dim is not None:
@@ -255,7 +257,8 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
 
     mx_dtype = getattr(mx, dtype)
     # llama.cpp reorders the rows of llama's q and k projections (their head counts undo it)
-    permuted = {".self_attn.q_proj.": config["num_attention_heads"], ".self_attn.k_proj.": config["num_key_value_heads"]}
+    permuted = {".self_attn.q_proj.": config["num_attention_heads"],
+                ".self_attn.k_proj.": config["num_key_value_heads"]}
     quant: Dict[str, object] = {}
     bits_seen: Dict[int, int] = {}
     types: Dict[str, int] = {}
@@ -385,7 +388,8 @@ def build_tokenizer(meta: dict):
 
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty == _CONTROL and vocab.get(t) is not None])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
 
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
@@ -434,7 +438,8 @@ def _write_tokenizer(meta: dict, config: dict, out: Path) -> None:
     kind = meta.get("tokenizer.ggml.model")
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"), "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id"),
+        "eos_token": token("eos_token_id"), "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"],

@@ -250,9 +250,7 @@ class MTPHeadStack(nn.Module):
     def logits(self, h, step: int = 0):
         return self.depths[min(step, len(self.depths) - 1)].logits(h)
 
-    def __call__(self, hidden, tokens, caches=None, mask=None):
-        h = self.hidden(hidden, tokens, caches, mask)
-        return h, self.logits(h)
+    __call__ = MTPHead.__call__  # (h', logits) of module 0, as MTPHead's
 
     def hidden(self, hidden, tokens, caches=None, mask=None, step=None):
         if caches is None:
@@ -400,12 +398,7 @@ def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
 
 def trunk_signature(bundle: ModelBundle) -> dict:
     cfg = text_config(bundle.config)
-    return {
-        "model_type": cfg.get("model_type"),
-        "hidden_size": cfg.get("hidden_size"),
-        "num_hidden_layers": cfg.get("num_hidden_layers"),
-        "vocab_size": cfg.get("vocab_size"),
-    }
+    return {k: cfg.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
 
 
 PROBE_TOKENS = 16  # token ids whose embeddings fingerprint a trunk's weights
@@ -440,7 +433,6 @@ def check_sidecar_trunk(meta: dict, bundle: ModelBundle):
         details = ", ".join(f"{k}: head {a!r} vs model {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"MTP head was trained for a different trunk ({details}); train one for this model")
     if meta.get("trunk_probe") is not None and not _probe_matches(meta["trunk_probe"], trunk_probe(bundle)):
-        raise ValueError(
-            f"MTP head was trained for a different trunk (same shape, other weights: its embedding "
-            f"fingerprint does not match {bundle.path}); train one for this model with `mtplx-batch train-head`"
-        )
+        raise ValueError(f"MTP head was trained for a different trunk (same shape, other weights: its embedding "
+                         f"fingerprint does not match {bundle.path}); train one for this model with "
+                         "`mtplx-batch train-head`")

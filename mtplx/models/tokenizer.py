@@ -66,9 +66,7 @@ class FastTokenizer:
         self.eos_token = self.special_tokens_map.get("eos_token")
         self.eos_token_id = backend.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = backend.token_to_id(self.bos_token) if self.bos_token else None
-        self.eos_token_ids: Set[int] = set(eos_token_ids)
-        if self.eos_token_id is not None:
-            self.eos_token_ids.add(self.eos_token_id)
+        self.eos_token_ids: Set[int] = set(eos_token_ids) | ({self.eos_token_id} - {None})
         self.chat_template = chat_template
         self.has_chat_template = bool(chat_template)
         self._template = None

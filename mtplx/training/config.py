@@ -85,7 +85,8 @@ class TrainConfig:
                  ("general_samples", self.general_samples >= 0, ">= 0"),
                  ("gen_batch", self.gen_batch >= 1, ">= 1 rows"),
                  ("data_seconds", self.data_seconds is None or self.data_seconds > 0, "> 0"),
-                 ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "auto, float32, bfloat16 or float16"),
+                 ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"),
+                  "auto, float32, bfloat16 or float16"),
                  ("train_dtype", self.train_dtype in ("auto", "float32", "bfloat16"), "auto, float32 or bfloat16")]
         problems = [f"{name} must be {want}, got {getattr(self, name)!r}" for name, ok, want in rules if not ok]
         for spec in self.prompts:

@@ -34,18 +34,13 @@ def _batch(feats: Features, idx: Sequence[int], compute_dtype, length: Optional[
         n = len(feats.tokens[k])
         x[r, :n] = feats.tokens[k]
         m[r, feats.starts[k] : n - 2] = 1.0
-        h = feats.hidden[k][: n - 2]
-        if n < L:
-            h = mx.pad(h, [(0, L - n), (0, 0)])
-        hs.append(h)
-        t = feats.hidden[k][1:n]
+        h, t = feats.hidden[k][: n - 2], feats.hidden[k][1:n]
+        hs.append(mx.pad(h, [(0, L - n), (0, 0)]) if n < L else h)
         ts.append(mx.pad(t, [(0, L - n), (0, 0)]) if n < L else t)
         if have_greedy:
             g[r, : n - 2] = feats.greedy[k][1 : n - 1]  # the trunk's own token after x_{t+1}
-    hidden = mx.stack(hs).astype(compute_dtype)
-    teacher = mx.stack(ts).astype(compute_dtype)
-    return (hidden, mx.array(x[:, 1:-1]), mx.array(x[:, 2:]), mx.array(m), (mx.array(g) if have_greedy else None),
-            teacher)
+    return (mx.stack(hs).astype(compute_dtype), mx.array(x[:, 1:-1]), mx.array(x[:, 2:]), mx.array(m),
+            mx.array(g) if have_greedy else None, mx.stack(ts).astype(compute_dtype))
 
 
 def _causal(head: MTPHead, L: int):
@@ -57,10 +52,8 @@ def _causal(head: MTPHead, L: int):
             head._array_mask = False
         except (TypeError, ValueError):
             head._array_mask = True
-    if L == 1:
-        return None
-    if not head._array_mask:
-        return "causal"
+    if L == 1 or not head._array_mask:
+        return None if L == 1 else "causal"
     from mlx_lm.models.base import create_causal_mask
 
     return create_causal_mask(L)

@@ -102,7 +102,7 @@ def resumable_state(state_dir: Optional[Path], ck: Path, cfg, header: dict) -> O
     if state_dir is None:
         return None
     state = json.loads((state_dir / "state.json").read_text())
-    saved = dict({"draft_depths": 1, "fit_steps": False}, **state["config"])  # a checkpoint without them trained depth 1
+    saved = dict({"draft_depths": 1, "fit_steps": False}, **state["config"])  # what a checkpoint without them ran
     diff = [f"{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in cfg.resume_view().items()
             if saved.get(k) != v]
     if state["trunk"] != header["trunk"]:

@@ -125,10 +125,6 @@ def general_prompts(tokenizer, specs: Sequence[str], seed: int) -> Tuple[List[Li
     for spec in specs:
         kind, n = parse_spec(spec)
         per_kind.append((kind, render(tokenizer, stdlib_prompts(kind, n, seed))))
-    tokens, kinds = [], []
-    for i in range(max((len(p) for _, p in per_kind), default=0)):
-        for kind, prompts in per_kind:
-            if i < len(prompts):
-                tokens.append(prompts[i])
-                kinds.append(kind)
-    return tokens, kinds
+    pairs = [(prompts[i], kind) for i in range(max((len(p) for _, p in per_kind), default=0))
+             for kind, prompts in per_kind if i < len(prompts)]
+    return [t for t, _ in pairs], [k for _, k in pairs]

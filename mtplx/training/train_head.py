@@ -310,8 +310,9 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         t0 = time.monotonic()
         initial = held_out(0)
         eval_seconds = time.monotonic() - t0
-        log(f"untrained head: held-out loss {initial['heldout_loss']:.4f}, acceptance {initial['heldout_acceptance']:.3f} "
-            f"({time.monotonic() - started:.0f}s; training steps compute in {str(step_dtype).split('.')[-1]})")
+        log(f"untrained head: held-out loss {initial['heldout_loss']:.4f}, acceptance "
+            f"{initial['heldout_acceptance']:.3f} ({time.monotonic() - started:.0f}s; training steps compute in "
+            f"{str(step_dtype).split('.')[-1]})")
 
     # on a GPU every step gets the one shape (each new shape builds kernels); on a CPU the padding costs more
     fixed = padded_length(cfg.seq_len) if mx.default_device() == mx.gpu else None
@@ -375,7 +376,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                 metrics.update(heldout_loss=hl, heldout_acceptance=ha)
                 log(f"step {step}/{total}: train loss {train_loss:.3f}, held-out loss {hl:.3f}, acceptance {ha:.3f} "
                     f"({time.monotonic() - started:.0f}s)")
-            bar.set_postfix_str(f"loss {train_loss:.3f} held-out acc {last_eval['heldout_acceptance']:.3f}", refresh=False)
+            bar.set_postfix_str(f"loss {train_loss:.3f} held-out acc {last_eval['heldout_acceptance']:.3f}",
+                                refresh=False)
             bar.update(1)
             if step % cfg.checkpoint_every == 0 or step == total:
                 _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
