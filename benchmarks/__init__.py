@@ -1,5 +1,5 @@
 """Benchmarks: ours against peers in the same run (`python -m benchmarks.run`)."""
 
-from mtplx.blas import use_openblas
+from mtplx.process import prepare_process
 
-use_openblas()  # before mlx.core loads: on a Linux CPU our engine and the mlx-lm peers run on the same OpenBLAS
+prepare_process()  # first: MLX binds to OpenBLAS before any benchmark imports mlx.core

@@ -19,6 +19,9 @@ Each part writes OUT/PART.md and OUT/PART.json as its rows come in; several part
 after another, each in a fresh process (an engine installs its decode paths into the model it
 runs, and a part that fails costs only itself), then OUT/SUMMARY.md collects them. The options
 below apply to the parts that use them; where not given, the suite's defaults apply (SUITES).
+
+On a Linux CPU, `import benchmarks` binds MLX to OpenBLAS first (mtplx.process.prepare_process, the
+`cpu` extra's wheel) for us and for mlx-lm alike: MLX's bundled BLAS is ~15x slower.
 """
 
 from __future__ import annotations

@@ -15,6 +15,22 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+def swap_call(module, call, prefix: str, made: dict, **attrs) -> None:
+    """Swap `module`'s class for a subclass whose __call__ is `call` (one subclass per class, kept
+    in `made`; the class itself is left alone). Once swapped, a module is left as it is."""
+    cls = type(module)
+    if cls in made.values():
+        return
+    if cls not in made:
+        made[cls] = type(f"{prefix}{cls.__name__}", (cls,), {"__call__": call, **attrs})
+    module.__class__ = made[cls]
+
+
+def base_call(self):
+    """The __call__ of the class `swap_call` swapped out."""
+    return type(self).__mro__[1].__call__
+
+
 _adapted = {}
 
 
@@ -22,32 +38,22 @@ def install_adapters(model) -> int:
     count = 0
     for _, module in model.named_modules():
         cls = type(module)
-        if cls in _adapted.values():
-            count += 1
-            continue
         call = ADAPTERS.get((cls.__module__, cls.__name__))
-        if call is None:
-            continue
-        if cls not in _adapted:
-            _adapted[cls] = type(f"Batched{cls.__name__}", (cls,), {"__call__": call})
-        module.__class__ = _adapted[cls]
-        count += 1
+        if cls in _adapted.values() or call is not None:
+            swap_call(module, call, "Batched", _adapted)
+            count += 1
     return count
-
-
-def _base(self):
-    return type(self).__mro__[1].__call__
 
 
 def _gemma2_attention(self, x, mask=None, cache=None):
     if mask is not None and not isinstance(mask, str) and mask.ndim == 4 and self.repeats > 1:
         mask = mx.expand_dims(mask, 2)  # [B, 1, 1, N, keys] against [B, kv_heads, repeats, N, keys]
-    return _base(self)(self, x, mask, cache)
+    return base_call(self)(self, x, mask, cache)
 
 
 def _dynamic_ntk_rope(self, x, offset=0):
     if not isinstance(offset, mx.array) or offset.ndim == 0:
-        return _base(self)(self, x, offset)
+        return base_call(self)(self, x, offset)
     # mlx-lm, per row: seq_len = max(n + offset, trained context); the base grows past it.
     seq_len = mx.maximum(x.shape[-2] + offset, self.max_position_embeddings).astype(mx.float32)
     grown = self.base * ((self.factor * seq_len / self.max_position_embeddings) - (self.factor - 1)) ** (

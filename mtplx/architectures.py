@@ -56,14 +56,9 @@ def capture_backend(model) -> Optional[str]:
     """The capture backend `model`'s recurrent layers use: "gdn" (Gated DeltaNet, gdn.py),
     "recurrent" (conv / SSM steps, recurrent.py), both joined by "+", or None (attention only).
     Read from the layers themselves, installed or not."""
-    found = set()
-    for layer in getattr(model, "layers", []):
-        if getattr(layer, "linear_attn", None) is not None:
-            found.add("gdn")
-    for _, module in model.named_modules():
-        for cls in type(module).__mro__:
-            if (cls.__module__, cls.__name__) in STEPPED_LAYERS:
-                found.add("recurrent")
+    found = {"gdn" for layer in getattr(model, "layers", []) if getattr(layer, "linear_attn", None) is not None}
+    if any((c.__module__, c.__name__) in STEPPED_LAYERS for _, m in model.named_modules() for c in type(m).__mro__):
+        found.add("recurrent")
     return "+".join(sorted(found)) or None
 
 
@@ -82,7 +77,7 @@ def prepare(model, arch: str, vocab_size: int = 2, remember: Optional[Tuple[Path
     install_adapters(model)
     passed, key = remember or (None, None)
     try:
-        known = passed is not None and passed.read_text().strip() == key
+        known = passed.read_text().strip() == key if passed is not None else False
     except OSError:
         known = False
     if not known:

@@ -1,11 +1,12 @@
 """OpenBLAS for MLX on a Linux CPU, loaded into the process before mlx.core.
 
-MLX's Linux CPU wheel (mlx-cpu) links a reference BLAS: a matmul runs at ~6 GFLOP/s on one core,
-so prefill and batched decode are 10-20x slower than they need to be. OpenBLAS defines the same
-symbols (cblas_sgemm, sgetrf_, ...). Opened with RTLD_GLOBAL before libmlx loads, it comes first
-in the process's global symbol scope, so libmlx's BLAS calls bind to it; the results are the
-same float32 matmuls, rounded by a different kernel. `use_openblas()` does this once;
-`import mtplx` calls it.
+MLX's Linux CPU wheel (mlx-cpu) links a reference BLAS (~6 GFLOP/s on one core: prefill and batched
+decode 10-20x slower than they need to be). OpenBLAS defines the same symbols (cblas_sgemm, ...).
+Opened with RTLD_GLOBAL before mlx.core is imported, it comes first in the process's global symbol
+scope, so libmlx's BLAS calls bind to it (the same float32 matmuls, rounded by another kernel).
+After that import it is too late: Python opens extension modules with RTLD_NOW, which binds
+libmlx's symbols then (a 1024 x 1024 matmul stays at ~370 ms against ~22 ms). `use_openblas()`
+does this once; `mtplx.process.prepare_process()` calls it.
 
 Where OpenBLAS comes from (the first that loads wins):
   1. an OpenBLAS already in the process (LD_PRELOAD, or a library that loaded one);
@@ -13,17 +14,18 @@ Where OpenBLAS comes from (the first that loads wins):
      build (kernels picked for the CPU at load time) whose one outside need is libgfortran.so.5.
      Where the system has none, it is offered mlx-cpu's own copy under that name: a directory of
      symbolic links in the cache holds the OpenBLAS and the libgfortran, and the wheel's RPATH
-     ($ORIGIN) resolves from where the library was opened;
+     ($ORIGIN) resolves from where the library is opened;
   3. the system's libopenblas.so.0 (Debian/Ubuntu `apt-get install libopenblas0-pthread`).
 
-OPENBLAS_NUM_THREADS defaults to 1: one BLAS thread is the ~95 GFLOP/s measured in
-docs and leaves the other core to tokenizing, sampling and the job machinery. To run on MLX's
-bundled BLAS instead, uninstall ngsolve-openblas (or import mlx.core before mtplx).
+OPENBLAS_NUM_THREADS defaults to 1: one BLAS thread gives ~95 GFLOP/s and leaves the other core
+to tokenizing, sampling and the job machinery. To run on MLX's bundled BLAS instead, uninstall
+ngsolve-openblas.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -51,15 +53,10 @@ class BlasInfo:
         return self.library is not None or not sys.platform.startswith("linux")
 
 
-_info: Optional[BlasInfo] = None
-
-
+@functools.cache
 def use_openblas() -> BlasInfo:
-    """Load OpenBLAS for MLX if it can still bind (see the module doc); what is in use."""
-    global _info
-    if _info is None:
-        _info = _load()
-    return _info
+    """Load OpenBLAS for MLX if it can still bind (see the module doc), once; what is in use."""
+    return _load()
 
 
 def slow_blas_notice() -> Optional[str]:
@@ -81,8 +78,8 @@ def _load() -> BlasInfo:
     if mapped is not None:
         return BlasInfo(mapped, _config(ctypes.CDLL(mapped)))
     if "mlx.core" in sys.modules:
-        return BlasInfo(None, "mlx.core was imported before mtplx, too late to bind OpenBLAS",
-                        "import mtplx before mlx.core")
+        return BlasInfo(None, "mlx.core was imported before OpenBLAS could be bound",
+                        "call mtplx.process.prepare_process() before anything imports mlx.core")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     errors: List[str] = []
     candidates = _pip_openblas() + [p for p in SYSTEM_OPENBLAS if os.path.exists(p)]
@@ -92,7 +89,7 @@ def _load() -> BlasInfo:
         except OSError as e:
             errors.append(f"{path}: {e}")
             continue
-        return BlasInfo(lib._name, _config(lib))  # the path opened: the link directory's, if one was needed
+        return BlasInfo(lib._name, _config(lib))  # the path opened: the link directory's, where one is needed
     return BlasInfo(None, "; ".join(errors) or "no OpenBLAS installed")
 
 

@@ -12,13 +12,10 @@ fits the memory budget, and returns a profile:
                         compiled program and of the eager forward, and the `faster` of the two
 
 The profile is JSON, stored beside the converted model by default (`profile_path`), with the
-device and model config it was measured on. An engine started with `schedule.max_batch: auto`
-takes `best_width` from it, capped so that `auto_rows` rows of `AUTO_ROW_TOKENS` tokens fit the
-memory budget; the depth controller (depth.py) takes the shape of its verify cost curves from it;
-plain decoding of one row runs the `one_stream` path that was faster here (the two give the same
-logits: which is faster depends on whether the host or the device bounds a step, i.e. on the
-machine and the model's size).
-`mtplx-batch calibrate MODEL [--out PROFILE]` writes one.
+device and model config it was measured on; `mtplx-batch calibrate MODEL [--out PROFILE]` writes
+one. The engine reads it for `schedule.max_batch: auto` (`auto_max_batch`), the depth controller's
+cost curves (`cost_shapes`) and one row's plain decoding (`one_stream_eager`: both paths give the
+same logits; which is faster depends on whether the host or the device bounds a step).
 """
 
 from __future__ import annotations
@@ -68,18 +65,24 @@ def _verify(engine, tokens: mx.array, cache) -> mx.array:
         cache.set_capturing(False)
 
 
-def _time_width(engine, width: int, max_len: int, context: int, repeats: int, rng) -> list:
+def _prefilled(engine, width: int, context: int, rng):
+    """(a cache of `width` rows holding `context` random tokens each, the prefill's logits)."""
     from .cache import BatchCache
 
-    vocab = engine.vocab_size
     cache = BatchCache.for_model(engine.model, width)
-    prompt = mx.array(rng.integers(0, vocab, (width, context)).astype(np.int32))
-    mx.eval(engine.runtime.forward(prompt, cache)[0])
+    prompt = mx.array(rng.integers(0, engine.vocab_size, (width, context)).astype(np.int32))
+    logits = engine.runtime.forward(prompt, cache)[0]
+    mx.eval(logits)
     cache.commit(np.full(width, context))
     cache.eval()
+    return cache, logits
+
+
+def _time_width(engine, width: int, max_len: int, context: int, repeats: int, rng) -> list:
+    cache, _ = _prefilled(engine, width, context, rng)
     out = []
     for length in range(1, max_len + 1):
-        tokens = mx.array(rng.integers(0, vocab, (width, length)).astype(np.int32))
+        tokens = mx.array(rng.integers(0, engine.vocab_size, (width, length)).astype(np.int32))
         times = []
         for i in range(repeats + 2):  # the first two compile and allocate: untimed
             t = time.perf_counter()
@@ -95,12 +98,8 @@ def _time_width(engine, width: int, max_len: int, context: int, repeats: int, rn
 def _one_stream_seconds(engine, compiled: bool, context: int, steps: int, rng) -> float:
     """Seconds per token of one row's plain decoding, pipelined as the engine runs it (step i+1
     queued before step i is read): through the compiled bank, or the eager forward."""
-    from .cache import BatchCache
-
-    cache = BatchCache.for_model(engine.model, 1)
-    prompt = mx.array(rng.integers(0, engine.vocab_size, (1, context)).astype(np.int32))
-    y = mx.argmax(engine.runtime.forward(prompt, cache)[0][:, -1], axis=-1).astype(mx.int32)
-    cache.commit(np.array([context]))
+    cache, logits = _prefilled(engine, 1, context, rng)
+    y = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
     ones = np.ones(1, dtype=np.int64)
     mx.eval(y)
     start = None
@@ -141,8 +140,9 @@ def calibrate(engine, widths: Sequence[int] = DEFAULT_WIDTHS, depth: Optional[in
     depth = engine.spec.depth if depth is None else depth
     rng = np.random.default_rng(seed)
     per_row = engine.row_bytes(context, depth + 1)
-    fits = [w for w in sorted(set(int(w) for w in widths)) if w * per_row <= engine.memory_budget]
-    skipped = sorted(set(int(w) for w in widths) - set(fits))
+    widths = sorted(set(int(w) for w in widths))
+    fits = [w for w in widths if w * per_row <= engine.memory_budget]
+    skipped = [w for w in widths if w not in fits]
     verify: Dict[str, list] = {}
     for w in fits:
         verify[str(w)] = _time_width(engine, w, depth + 1, context, repeats, rng)
@@ -156,21 +156,11 @@ def calibrate(engine, widths: Sequence[int] = DEFAULT_WIDTHS, depth: Optional[in
             f"{single['faster']} runs one-row plain decoding")
     tps = {w: int(w) / c[0] for w, c in verify.items()}
     pays = {w: max(range(len(c)), key=lambda k: rate(c, k)) for w, c in verify.items()}
-    return {
-        "device": device_tag(),
-        "model": str(engine.bundle.path),
-        "config": config_tag(engine.bundle.config),
-        "created": time.time(),
-        "context": context,
-        "depth": depth,
-        "acceptance": ACCEPTANCE,
-        "verify_seconds": verify,
-        "tokens_per_second": tps,
-        "depth_that_pays": pays,
-        "best_width": int(max(tps, key=tps.get)) if tps else None,
-        "one_stream": single,
-        "skipped_widths": skipped,  # over the memory budget
-    }
+    return {"device": device_tag(), "model": str(engine.bundle.path), "config": config_tag(engine.bundle.config),
+            "created": time.time(), "context": context, "depth": depth, "acceptance": ACCEPTANCE,
+            "verify_seconds": verify, "tokens_per_second": tps, "depth_that_pays": pays,
+            "best_width": int(max(tps, key=tps.get)) if tps else None, "one_stream": single,
+            "skipped_widths": skipped}  # skipped: over the memory budget
 
 
 def save_profile(profile: dict, path) -> Path:
@@ -189,11 +179,8 @@ def load_profile(path, config: Optional[dict] = None) -> Optional[dict]:
         profile = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(profile, dict) or profile.get("device") != device_tag():
-        return None
-    if config is not None and profile.get("config") != config_tag(config):
-        return None
-    return profile
+    ok = isinstance(profile, dict) and profile.get("device") == device_tag()
+    return profile if ok and (config is None or profile.get("config") == config_tag(config)) else None
 
 
 def auto_max_batch(profile: Optional[dict], memory_budget: int, row_bytes: int) -> int:

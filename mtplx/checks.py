@@ -48,9 +48,8 @@ def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
         form = f"an integer in {lo}..{hi}"
 
     def check(v):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise Bad(form)
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
+        if (isinstance(v, bool) or not isinstance(v, numbers.Integral) or (lo is not None and v < lo)
+                or (hi is not None and v > hi)):
             raise Bad(form)
         return int(v)
 
@@ -58,19 +57,12 @@ def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
 
 
 def number(lo: Optional[float] = None, hi: Optional[float] = None, lo_open: bool = False) -> Check:
-    bounds = []
-    if lo is not None:
-        bounds.append(f"{'>' if lo_open else '>='} {lo}")
-    if hi is not None:
-        bounds.append(f"<= {hi}")
-    form = "a number" + (" " + " and ".join(bounds) if bounds else "")
+    bounds = ([f"{'>' if lo_open else '>='} {lo}"] if lo is not None else []) + ([f"<= {hi}"] if hi is not None else [])
+    form = " ".join(["a number", " and ".join(bounds)]).strip()
 
     def check(v):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-            raise Bad(form)
-        if lo is not None and (v <= lo if lo_open else v < lo):
-            raise Bad(form)
-        if hi is not None and v > hi:
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v
+                or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi)):
             raise Bad(form)
         return float(v)
 

@@ -1,6 +1,6 @@
 """Engine settings. The job file's `speculative:` and `schedule:` sections load into these.
 
-The design note's three environment variables are read here and nowhere else in the engine:
+MTPLX's three environment variables (the seed's names) are read here and nowhere else in the engine:
 `MTPLX_PREFILL_CHUNK_SIZE` (prefill span size, over `schedule.prefill_chunk`; 0 turns chunking
 off), `MTPLX_SUSTAINED_PREFILL_LAYOUT` (off: one span for the whole prompt) and
 `MTPLX_COMPILED_VERIFY_MAX_LEN` (the longest verify the compiled bank grows to, where
@@ -26,12 +26,10 @@ GGUF_MODES = ("auto", "dequantize", "quantized")
 
 def _env_int(name: str, lowest: int) -> Optional[int]:
     raw = os.environ.get(name)
-    if raw is None:
-        return None
     try:
-        return max(lowest, int(raw))
+        return None if raw is None else max(lowest, int(raw))
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}")
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
 def prefill_chunk_env() -> Optional[int]:
@@ -47,15 +45,11 @@ def verify_max_len_env() -> Optional[int]:
 def sustained_prefill_env() -> bool:
     """MTPLX_SUSTAINED_PREFILL_LAYOUT: on (the default) prefills in chunk spans split at stable-prefix
     edges; off (0, false, no, off) prefills each prompt as one span."""
-    raw = os.environ.get("MTPLX_SUSTAINED_PREFILL_LAYOUT")
-    if raw is None:
-        return True
+    raw = os.environ.get("MTPLX_SUSTAINED_PREFILL_LAYOUT", "on")
     value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"MTPLX_SUSTAINED_PREFILL_LAYOUT must be on or off (1/0, true/false), got {raw!r}")
+    if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(f"MTPLX_SUSTAINED_PREFILL_LAYOUT must be on or off (1/0, true/false), got {raw!r}")
+    return value in ("1", "true", "yes", "on")
 
 
 @dataclass

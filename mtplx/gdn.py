@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
 
+from .adapters import base_call, swap_call
 from .cache import RowStateCache
 
 
@@ -31,7 +31,10 @@ def _mixed_qkv_z_b_a(self, inputs):
 
 def _capturing_call(self, inputs, mask=None, cache=None):
     if not (isinstance(cache, RowStateCache) and cache.capturing):
-        return type(self).__mro__[1].__call__(self, inputs, mask, cache)
+        return base_call(self)(self, inputs, mask, cache)
+    # imported on use: at module level it would run mlx-lm's package __init__ before load() defers it (process.py)
+    from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
+
     B, S, _ = inputs.shape
     mixed_qkv, z, b, a = _mixed_qkv_z_b_a(self, inputs)
     conv_state = cache[0]
@@ -70,18 +73,9 @@ _capture_classes = {}
 
 def install_capture(model) -> int:
     """Give every Gated DeltaNet layer of `model` the capture backend. Returns how many it has."""
-    count = 0
-    for layer in getattr(model, "layers", []):
-        gdn = getattr(layer, "linear_attn", None)
-        if gdn is None:
-            continue
-        count += 1
-        if type(gdn) in _capture_classes.values():
-            continue  # installed by an earlier engine on the same model
+    layers = [l.linear_attn for l in getattr(model, "layers", []) if getattr(l, "linear_attn", None) is not None]
+    for gdn in layers:
         if not (hasattr(gdn, "fix_query_key_value_ordering") or hasattr(gdn, "in_proj_qkv")):
             raise ValueError(f"no capture backend for linear-attention layer {type(gdn).__name__}")
-        base = type(gdn)
-        if base not in _capture_classes:
-            _capture_classes[base] = type(f"Capturing{base.__name__}", (base,), {"__call__": _capturing_call})
-        gdn.__class__ = _capture_classes[base]
-    return count
+        swap_call(gdn, _capturing_call, "Capturing", _capture_classes)
+    return len(layers)

@@ -18,6 +18,7 @@ import inspect
 
 import mlx.core as mx
 
+from .adapters import base_call, swap_call
 from .cache import ArraysSurface, RowStateCache
 
 STEPPED_LAYERS = {
@@ -41,7 +42,7 @@ class _Scratch(ArraysSurface):
 
 def _stepping_call(self, *args, **kwargs):
     """The layer's own call, one position at a time while its cache captures."""
-    base = type(self).__mro__[1].__call__
+    base = base_call(self)
     if not args:  # the input passed by name (falcon_h1: `input_states=`)
         name = type(self)._input_name
         args, kwargs = (kwargs[name],), {k: v for k, v in kwargs.items() if k != name}
@@ -66,24 +67,13 @@ def _stepping_call(self, *args, **kwargs):
 _stepping_classes = {}
 
 
-def is_stepped(module) -> bool:
-    cls = type(module)
-    return cls in _stepping_classes.values() or (cls.__module__, cls.__name__) in STEPPED_LAYERS
-
-
 def install_stepping(model) -> int:
     """Give every known conv/SSM layer of `model` the steps capture. Returns how many it has."""
     count = 0
     for _, module in model.named_modules():
         cls = type(module)
-        if cls in _stepping_classes.values():
-            count += 1  # installed by an earlier engine on the same model
-        elif (cls.__module__, cls.__name__) in STEPPED_LAYERS:
-            if cls not in _stepping_classes:
-                first = list(inspect.signature(cls.__call__).parameters)[1]
-                _stepping_classes[cls] = type(
-                    f"Stepping{cls.__name__}", (cls,), {"__call__": _stepping_call, "_input_name": first}
-                )
-            module.__class__ = _stepping_classes[cls]
+        if cls in _stepping_classes.values() or (cls.__module__, cls.__name__) in STEPPED_LAYERS:
+            first = list(inspect.signature(cls.__call__).parameters)[1]  # the input's name
+            swap_call(module, _stepping_call, "Stepping", _stepping_classes, _input_name=first)
             count += 1
     return count

@@ -16,7 +16,10 @@ for _p in (str(_TESTS), str(_TESTS.parent)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import mtplx  # noqa: E402,F401  (before mlx.core: the tests run on OpenBLAS too, mtplx/blas.py)
+from mtplx.process import prepare_process  # noqa: E402
+
+prepare_process()  # before mlx.core: the tests run on OpenBLAS too (mtplx/process.py)
+
 from tiny_models import make_small_vocab_model, make_tiny_model  # noqa: E402
 
 

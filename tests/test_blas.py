@@ -1,4 +1,4 @@
-"""OpenBLAS from pip is what MLX's CPU matmuls run on after `import mtplx` (mtplx/blas.py)."""
+"""OpenBLAS from pip is what MLX's CPU matmuls run on after `prepare_process()` (mtplx/blas.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ import json, sys, time
 if sys.argv[1] == "mlx-first":
     import mlx.core  # binds libmlx to its bundled BLAS before mtplx can offer OpenBLAS
 import mtplx.blas
+from mtplx.process import prepare_process
+prepare_process()
 import mlx.core as mx
 mx.random.seed(0)
 a = mx.random.normal((512, 512)); b = mx.random.normal((512, 512))
@@ -50,13 +52,13 @@ def _probe(mode: str, cache: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_import_mtplx_binds_mlx_to_pip_openblas(tmp_path):
-    fast = _probe("mtplx-first", tmp_path / "cache")
+def test_prepare_process_binds_mlx_to_pip_openblas(tmp_path):
+    fast = _probe("prepared-first", tmp_path / "cache")
     slow = _probe("mlx-first", tmp_path / "cache")
     assert fast["library"] and "libopenblas" in fast["library"], fast
     assert "OpenBLAS" in fast["detail"] and fast["notice"] is None
     assert slow["library"] is None and slow["notice"].startswith("note: MLX is using its bundled reference BLAS")
-    assert "import mtplx before mlx.core" in slow["notice"]
+    assert "prepare_process() before anything imports mlx.core" in slow["notice"]
     # the same products, summed in another order
     import numpy as np
 
@@ -67,7 +69,7 @@ def test_import_mtplx_binds_mlx_to_pip_openblas(tmp_path):
 
 def test_link_directory_supplies_libgfortran(tmp_path):
     """Without a system libgfortran.so.5, the links in the cache make the wheel's OpenBLAS load."""
-    fast = _probe("mtplx-first", tmp_path / "cache")
+    fast = _probe("prepared-first", tmp_path / "cache")
     if not fast["library"].startswith(str(tmp_path)):
         pytest.skip("this machine has a libgfortran.so.5 of its own: no link directory needed")
     links = {p.name: os.readlink(p) for p in Path(fast["library"]).parent.iterdir()}

@@ -9,8 +9,8 @@ built, beside the trunk:
     mtplx_head.safetensors   the head's parameters by MTPHead / MTPHeadStack names
     mtplx_head.json          how to rebuild the modules, and their quantization
 
-`load_built_head` reads it back; `mtplx.models.mtp.load_head` does so for any model directory
-that has one. config.json records what the copy was made from (`mtplx_convert`).
+`mtplx.models.mtp.load_head` reads it back for any model directory that has one. config.json
+records what the copy is made from (`mtplx_convert`).
 """
 
 from __future__ import annotations
@@ -26,15 +26,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from .loading import ModelBundle, load, tensor_index
-
-HEAD_META = "mtplx_head.json"
-HEAD_WEIGHTS = "mtplx_head.safetensors"
+from .mtp import HEAD_META, HEAD_WEIGHTS, build_head
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja",
                    "chat_template.json", "generation_config.json", "added_tokens.json")
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-def _quant_rules(model, group_size: int, bits: int):
+def _quant_rules(model, group_size: int):
     """(class_predicate for nn.quantize, per-path overrides it chose): the rules mlx-lm applies to
     the trunk (only layers that can be quantized with this group size; the model's own
     quant_predicate, e.g. 8-bit MoE routers)."""
@@ -52,64 +50,26 @@ def _quant_rules(model, group_size: int, bits: int):
     return predicate, overrides
 
 
-def _heads_of(head):
-    return list(head.depths) if hasattr(head, "depths") else [head]
-
-
 def save_head(head, out_dir: Path, trunk_model, quantize: Optional[int], group_size: int, keep_bf16: bool) -> dict:
     """Write a built head (quantized like the trunk, or in bfloat16) into `out_dir`."""
     quant = None
     if keep_bf16:
         head.set_dtype(mx.bfloat16)
     elif quantize:
-        predicate, overrides = _quant_rules(trunk_model, group_size, quantize)
+        predicate, overrides = _quant_rules(trunk_model, group_size)
         nn.quantize(head, group_size, quantize, class_predicate=predicate)
         quant = {"group_size": group_size, "bits": quantize, "overrides": overrides}
-    meta = {
-        "format": 1,
-        "modules": [{"layers": len(m.layers), "own_head": "head" in m, "hidden_first": bool(m.hidden_first),
-                     "zero_first": bool(m.zero_first)} for m in _heads_of(head)],
-        "stack": hasattr(head, "depths"),
-        "quantization": quant,
-        "dtype": "bfloat16" if keep_bf16 else None,
-    }
+    modules = [{"layers": len(m.layers), "own_head": "head" in m, "hidden_first": bool(m.hidden_first),
+                "zero_first": bool(m.zero_first)} for m in getattr(head, "depths", [head])]
+    meta = {"format": 1, "modules": modules, "stack": hasattr(head, "depths"), "quantization": quant,
+            "dtype": "bfloat16" if keep_bf16 else None}
     mx.save_safetensors(str(out_dir / HEAD_WEIGHTS), dict(tree_flatten(head.parameters())))
     (out_dir / HEAD_META).write_text(json.dumps(meta, indent=2, sort_keys=True))
     return meta
 
 
-def has_built_head(path) -> bool:
-    return (Path(path) / HEAD_META).exists()
-
-
-def load_built_head(bundle: ModelBundle):
-    """The head `save_head` wrote beside the trunk of `bundle`."""
-    from .mtp import MTPHead, MTPHeadStack, text_model
-
-    meta = json.loads((bundle.path / HEAD_META).read_text())
-    if meta.get("format") != 1:
-        raise ValueError(f"{bundle.path / HEAD_META}: unknown head format {meta.get('format')!r}; "
-                         "convert the checkpoint again with this version of `mtplx-batch convert`")
-    weights = mx.load(str(bundle.path / HEAD_WEIGHTS))
-    modules = [MTPHead(bundle.model, n_layers=m["layers"], own_head=m["own_head"], hidden_first=m["hidden_first"],
-                       zero_first=m.get("zero_first", False)) for m in meta["modules"]]
-    head = MTPHeadStack(modules) if meta["stack"] else modules[0]
-    quant = meta.get("quantization")
-    if quant:
-        overrides = quant.get("overrides", {})
-        nn.quantize(head, quant["group_size"], quant["bits"],
-                    class_predicate=lambda p, m: f"{p}.scales" in weights and overrides.get(p, True))
-    head.load_weights(list(weights.items()), strict=True)
-    norm = getattr(text_model(bundle.model).model, "norm", None)
-    if norm is not None and getattr(norm, "weight", None) is not None:
-        head.set_dtype(norm.weight.dtype)  # non-quantized parameters run in the trunk's float type
-    head.eval()
-    mx.eval(head.parameters())
-    return head
-
-
 def _source_record(src: Path, bundle: ModelBundle) -> dict:
-    """What the copy was made from: the directory, its config's digest, its weight files."""
+    """What the copy is made from: the directory, its config's digest, its weight files."""
     files = sorted({f for f, _ in tensor_index(src).values()})
     return {
         "source": str(src.resolve()),
@@ -133,11 +93,7 @@ def convert_hf(src, out_dir, quantize: Optional[int] = None, group_size: int = 6
         raise ValueError(f"output directory {out} is not empty; give a new one")
     bundle = load(src)
     model, config = bundle.model, dict(bundle.config)
-    head = None
-    if bundle.mtp_weights:
-        from .mtp import build_head
-
-        head = build_head(bundle, bundle.mtp_weights)
+    head = build_head(bundle, bundle.mtp_weights) if bundle.mtp_weights else None
     if dtype is not None:
         cast = getattr(model, "cast_predicate", lambda _: True)
         model.update(tree_map_with_path(

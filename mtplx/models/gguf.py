@@ -37,34 +37,17 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
 
 # llama.cpp block tensor names -> HF names, per architecture (suffix .weight / .bias is kept).
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GEMMA3_BLOCK_NAMES = dict(
-    _BLOCK_NAMES,
-    ffn_norm="pre_feedforward_layernorm",
-    post_attention_norm="post_attention_layernorm",
-    post_ffw_norm="post_feedforward_layernorm",
-    attn_q_norm="self_attn.q_norm",
-    attn_k_norm="self_attn.k_norm",
-)
+_BLOCK_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_GEMMA3_BLOCK_NAMES = dict(_BLOCK_NAMES, ffn_norm="pre_feedforward_layernorm",
+                           post_attention_norm="post_attention_layernorm", post_ffw_norm="post_feedforward_layernorm",
+                           attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm")
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 class GGUFConversionError(ValueError):
     pass
-
-
-# ---------------------------------------------------------------------------------------------
-# public API
 
 
 def default_dequantize() -> bool:
@@ -80,13 +63,8 @@ def default_dtype() -> str:
     return "float32" if mx.default_device() == mx.cpu else "float16"
 
 
-def convert_gguf(
-    gguf_path: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    dequantize: Optional[bool] = None,
-    dtype: Optional[str] = None,
-) -> Path:
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dequantize: Optional[bool] = None,
+                 dtype: Optional[str] = None) -> Path:
     """Write an mlx-lm model directory for `gguf_path` into `out_dir` and return it.
 
     dequantize: None picks what is fastest on the current device (CPU: True, GPU: False).
@@ -95,10 +73,8 @@ def convert_gguf(
     """
     import gguf
 
-    gguf_path = Path(gguf_path)
-    out_dir = Path(out_dir)
-    if dequantize is None:
-        dequantize = default_dequantize()
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    dequantize = default_dequantize() if dequantize is None else dequantize
     dtype = dtype or default_dtype()
     if dtype not in ("float32", "float16", "bfloat16"):
         raise GGUFConversionError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
@@ -107,37 +83,22 @@ def convert_gguf(
     meta = _read_metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in _MODEL_TYPES:
-        raise GGUFConversionError(
-            f"{gguf_path}: architecture {arch!r} is not supported "
-            f"(supported: {', '.join(sorted(_MODEL_TYPES))})"
-        )
+        raise GGUFConversionError(f"{gguf_path}: architecture {arch!r} is not supported "
+                                  f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
     config = _config(meta, arch, reader)
-
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     umask = os.umask(0)
     os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700: give it the permissions of a plain mkdir
     try:
         quant, types = _write_weights(reader, arch, config, tmp, dequantize, dtype)
         if quant:
-            config["quantization"] = quant
-            config["quantization_config"] = quant
+            config.update(quantization=quant, quantization_config=quant)
         _write_tokenizer(meta, config, tmp)
-        (tmp / "mtplx_gguf.json").write_text(
-            json.dumps(
-                {
-                    "source": str(gguf_path.resolve()),
-                    "source_bytes": gguf_path.stat().st_size,
-                    "architecture": arch,
-                    "name": meta.get("general.name"),
-                    "dequantize": dequantize,
-                    "dtype": dtype,
-                    "tensor_types": types,
-                },
-                indent=1,
-            )
-        )
+        record = {"source": str(gguf_path.resolve()), "source_bytes": gguf_path.stat().st_size, "architecture": arch,
+                  "name": meta.get("general.name"), "dequantize": dequantize, "dtype": dtype, "tensor_types": types}
+        (tmp / "mtplx_gguf.json").write_text(json.dumps(record, indent=1))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         _publish(tmp, out_dir)
     finally:
@@ -145,31 +106,14 @@ def convert_gguf(
     return out_dir
 
 
-def gguf_metadata(gguf_path: str | os.PathLike) -> dict:
-    """The GGUF key/value metadata, without the large tokenizer arrays."""
-    import gguf
-
-    meta = _read_metadata(gguf.GGUFReader(str(gguf_path)))
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
-                "tokenizer.ggml.token_type"):
-        if key in meta:
-            meta[key] = f"<{len(meta[key])} entries>"
-    return meta
-
-
-# ---------------------------------------------------------------------------------------------
-# metadata and config
-
-
 def _read_metadata(reader) -> dict:
     meta = {}
     for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # an odd field we don't use
-            continue
+        if not key.startswith("GGUF."):
+            try:
+                meta[key] = field.contents()
+            except Exception:  # an odd field we don't use
+                pass
     return meta
 
 
@@ -179,21 +123,17 @@ def _config(meta: dict, arch: str, reader) -> dict:
 
     names = {t.name for t in reader.tensors}
     n_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     vocab_size = int(embd.shape[1])  # GGUF shapes are innermost-first: [hidden, vocab]
     config = {
         "model_type": _MODEL_TYPES[arch],
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                            "gemma3": "Gemma3ForCausalLM"}[arch]],
-        "hidden_size": hidden,
-        "num_hidden_layers": int(get("block_count")),
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_attention_heads": n_heads,
+        "hidden_size": int(get("embedding_length")), "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length")), "num_attention_heads": n_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "vocab_size": vocab_size,
+        "rope_theta": float(get("rope.freq_base", 10000.0)), "vocab_size": vocab_size,
         "max_position_embeddings": int(get("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in names,
     }
@@ -202,8 +142,7 @@ def _config(meta: dict, arch: str, reader) -> dict:
         config["head_dim"] = int(head_dim)
     scaling = get("rope.scaling.type")
     if scaling in ("linear", "yarn") and get("rope.scaling.factor"):
-        config["rope_scaling"] = {"type": scaling, "rope_type": scaling,
-                                  "factor": float(get("rope.scaling.factor"))}
+        config["rope_scaling"] = {"type": scaling, "rope_type": scaling, "factor": float(get("rope.scaling.factor"))}
         if scaling == "yarn":
             config["rope_scaling"]["original_max_position_embeddings"] = int(
                 get("rope.scaling.original_context_length", config["max_position_embeddings"]))
@@ -220,16 +159,11 @@ def _config(meta: dict, arch: str, reader) -> dict:
     for key, token_key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{token_key}" in meta:
             config[key] = int(meta[f"tokenizer.ggml.{token_key}"])
-    eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                  "tokenizer.ggml.eom_token_id") if k in meta]
-    eos = list(dict.fromkeys(eos))
+    eos = list(dict.fromkeys(int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom")
+                             if f"tokenizer.ggml.{k}_token_id" in meta))
     if eos:
         config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return config
-
-
-# ---------------------------------------------------------------------------------------------
-# weights
 
 
 def _hf_name(name: str, arch: str) -> Optional[str]:
@@ -255,8 +189,7 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     llama.cpp stores each head's rows as pairs (x0, x_half, x1, x_half+1, ...); HF keeps the two
     halves apart. Works on weights, biases, and the packed weight/scales/biases of quantized rows.
     """
-    rows = w.shape[0]
-    rest = w.shape[1:]
+    rows, rest = w.shape[0], w.shape[1:]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
@@ -314,11 +247,8 @@ def _pack_bits(q: np.ndarray, bits: int, rows: int, cols: int) -> np.ndarray:
 
 
 def _is_quantizable(hf: str, rows: int, cols: int) -> bool:
-    leaf = hf.rsplit(".", 2)[-2]
-    is_linear = hf.endswith(".weight") and (
-        leaf.endswith("_proj") or hf.startswith(("lm_head.", "model.embed_tokens."))
-    )
-    return is_linear and cols % _GROUP == 0
+    linear = hf.rsplit(".", 2)[-2].endswith("_proj") or hf.startswith(("lm_head.", "model.embed_tokens."))
+    return hf.endswith(".weight") and linear and cols % _GROUP == 0
 
 
 def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str):
@@ -326,8 +256,9 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
     import mlx.core as mx
 
     mx_dtype = getattr(mx, dtype)
-    n_heads = config["num_attention_heads"]
-    n_kv = config["num_key_value_heads"]
+    # llama.cpp reorders the rows of llama's q and k projections (their head counts undo it)
+    permuted = {".self_attn.q_proj.": config["num_attention_heads"],
+                ".self_attn.k_proj.": config["num_key_value_heads"]}
     quant: Dict[str, object] = {}
     bits_seen: Dict[int, int] = {}
     types: Dict[str, int] = {}
@@ -338,16 +269,13 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
     def flush():
         nonlocal shard, size
         if shard:
-            mx.save_safetensors(str(out / f"shard-{len(shard_keys)}.safetensors"), shard,
-                                metadata={"format": "mlx"})
+            mx.save_safetensors(str(out / f"shard-{len(shard_keys)}.safetensors"), shard, metadata={"format": "mlx"})
             shard_keys.append(list(shard))
         shard, size = {}, 0
 
     def add(name, array: np.ndarray, as_float: bool):
         nonlocal size
-        a = mx.array(array)
-        if as_float:
-            a = a.astype(mx_dtype)
+        a = mx.array(array).astype(mx_dtype) if as_float else mx.array(array)
         if size and size + a.nbytes > _SHARD_BYTES:
             flush()
         shard[name] = a
@@ -360,15 +288,9 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
         if hf is None:
             continue
         shape = tuple(int(s) for s in reversed(t.shape))  # numpy order: (out, in)
-        permute_heads = None
-        if arch == "llama" and ".self_attn.q_proj." in hf:
-            permute_heads = n_heads
-        elif arch == "llama" and ".self_attn.k_proj." in hf:
-            permute_heads = n_kv
-
+        permute_heads = next((n for part, n in permuted.items() if part in hf), None) if arch == "llama" else None
         module = hf.rsplit(".", 1)[0]
-        if (not dequantize and qtype in _EXACT_QUANT and len(shape) == 2
-                and _is_quantizable(hf, *shape)):
+        if not dequantize and qtype in _EXACT_QUANT and len(shape) == 2 and _is_quantizable(hf, *shape):
             w, s, b = _pack_exact(t.data, qtype, *shape)
             if permute_heads:
                 w, s, b = (_unpermute_rows(x, permute_heads) for x in (w, s, b))
@@ -379,7 +301,6 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
             quant[module] = {"group_size": _GROUP, "bits": bits, "mode": "affine"}
             bits_seen[bits] = bits_seen.get(bits, 0) + 1
             continue
-
         if qtype in ("F32", "F16"):
             w = np.asarray(t.data).reshape(shape).astype(np.float32)
         else:
@@ -391,7 +312,6 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
         add(hf, w, True)
         if not dequantize and len(shape) == 2 and _is_quantizable(hf, *shape):
             quant[module] = False
-
     flush()
     n = len(shard_keys)
     index = {"metadata": {}, "weight_map": {}}
@@ -401,25 +321,16 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
         index["weight_map"].update(dict.fromkeys(keys, name))
     if n > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-
     if not any(v for v in quant.values()):
         return None, types
     top_bits = max(bits_seen, key=bits_seen.get)
     return {"group_size": _GROUP, "bits": top_bits, "mode": "affine", **quant}, types
 
 
-# ---------------------------------------------------------------------------------------------
-# tokenizer
-
 # How text is split before BPE, by `tokenizer.ggml.pre` (the regexes of the original tokenizers).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}DIGITS"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT, _QWEN2_SPLIT = _SPLIT.replace("DIGITS", "{1,3}"), _SPLIT.replace("DIGITS", "")  # digits by 3, by 1
 _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
            "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 
@@ -473,15 +384,12 @@ def build_tokenizer(meta: dict):
         tok.normalizer = normalizers.Sequence(norm)
         tok.decoder = decoders.Sequence(dec)
     else:
-        raise GGUFConversionError(
-            f"tokenizer model {kind!r} in GGUF metadata is not supported (gpt2 and llama are)")
+        raise GGUFConversionError(f"tokenizer model {kind!r} in GGUF metadata is not supported (gpt2 and llama are)")
 
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(tokens, types) if ty == _CONTROL and vocab.get(t) is not None]
-    user = [AddedToken(t, special=False, normalized=False)
-            for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
-    tok.add_special_tokens(special)
-    tok.add_tokens(user)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _CONTROL and vocab.get(t) is not None])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
 
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
@@ -496,8 +404,7 @@ def build_tokenizer(meta: dict):
         single, pair = f"{single} {eos}:0", f"{pair} {eos}:1"
         specials.append((eos, int(eos_id)))
     if specials:
-        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair,
-                                                           special_tokens=specials)
+        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
     elif kind == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
@@ -530,15 +437,12 @@ def _write_tokenizer(meta: dict, config: dict, out: Path) -> None:
 
     kind = meta.get("tokenizer.ggml.model")
     tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"), "unk_token": token("unknown_token_id"),
         "pad_token": token("padding_token_id"),
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"],
     }
     if meta.get("tokenizer.chat_template"):
         tok_config["chat_template"] = meta["tokenizer.chat_template"]
@@ -547,13 +451,8 @@ def _write_tokenizer(meta: dict, config: dict, out: Path) -> None:
                    if k in ("bos_token", "eos_token", "unk_token", "pad_token") and v is not None}
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
     if "eos_token_id" in config:
-        gen = {"eos_token_id": config["eos_token_id"]}
-        if "bos_token_id" in config:
-            gen["bos_token_id"] = config["bos_token_id"]
+        gen = {k: config[k] for k in ("eos_token_id", "bos_token_id") if k in config}
         (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:

@@ -27,6 +27,7 @@ import mlx.nn as nn
 
 from ..config import GGUF_MODES
 from ..paths import cache_dir  # noqa: F401  (mtplx.models.loading.cache_dir is the public name)
+from ..process import prepare_process
 from .mtp_layouts import is_mtp_key
 
 
@@ -117,15 +118,11 @@ def load_config(model_path: Path) -> dict:
 
 def _plain_checkpoint(model_path: Path, config: dict) -> bool:
     """True when `_load_weights` loads this checkpoint exactly as mlx-lm's load_model would."""
-    text = config.get("text_config") or {}
     quant = config.get("quantization")
-    return (
-        config.get("model_file") is None
-        and not config.get("quantize_activations")
-        and (quant is not None or ("quantization_config" not in config and "quantization_config" not in text))
-        and not (model_path / "hf_quant_config.json").exists()
-        and (quant is None or quant.get("mode", "affine") == "affine")
-    )
+    hf_quant = "quantization_config" in config or "quantization_config" in (config.get("text_config") or {})
+    return (config.get("model_file") is None and not config.get("quantize_activations")
+            and (quant is not None or not hf_quant) and not (model_path / "hf_quant_config.json").exists()
+            and (quant is None or quant.get("mode", "affine") == "affine"))
 
 
 class _NotPlain(Exception):
@@ -136,9 +133,7 @@ def _load_weights(model_path: Path, config: dict, lazy: bool) -> nn.Module:
     """mlx-lm's model class, its sanitize, affine quantization as config.json's `quantization`
     names it (per layer, else the packing read off the saved scales), then the weights."""
     model_class, args_class = _classes_without_mtp(config)
-    weights = {}
-    for wf in sorted(model_path.glob("model*.safetensors")):
-        weights.update(mx.load(str(wf)))
+    weights = {k: v for wf in sorted(model_path.glob("model*.safetensors")) for k, v in mx.load(str(wf)).items()}
     if not weights:
         raise FileNotFoundError(f"No safetensors found in {model_path}")
     model = model_class(args_class.from_dict(config))
@@ -187,17 +182,12 @@ def _load_tokenizer(model_path: Path, config: dict):
     return _TOKENIZERS[key]
 
 
-def check_gguf_mode(gguf_mode: str) -> str:
-    if gguf_mode not in GGUF_MODES:
-        raise ValueError(f"model.gguf_mode must be one of {', '.join(GGUF_MODES)}, not {gguf_mode!r}")
-    return gguf_mode
-
-
 def resolve_model_path(path: str | os.PathLike, gguf_mode: str = "auto") -> Path:
     """An mlx-lm directory for `path`: itself, or the converted copy of a GGUF file. `gguf_mode`
     (GGUF_MODES): auto (the faster here: CPU -> floats, GPU -> keep Q4_0/Q4_1/Q8_0 packed),
     dequantize, or quantized; each mode has its own converted copy."""
-    check_gguf_mode(gguf_mode)
+    if gguf_mode not in GGUF_MODES:
+        raise ValueError(f"model.gguf_mode must be one of {', '.join(GGUF_MODES)}, not {gguf_mode!r}")
     from .assets import resolve_asset  # known names such as smollm2-135m-instruct
 
     p = Path(resolve_asset(str(path), kind="model"))
@@ -210,20 +200,16 @@ def resolve_model_path(path: str | os.PathLike, gguf_mode: str = "auto") -> Path
             gguf_file = found[0]
     if gguf_file is None:
         if not p.exists():
-            raise FileNotFoundError(
-                f"model path {str(path)!r} does not exist: give an mlx-lm model directory, "
-                "a .gguf file, or a known name (see `mtplx-batch fetch --list`)"
-            )
+            raise FileNotFoundError(f"model path {str(path)!r} does not exist: give an mlx-lm model directory, "
+                                    "a .gguf file, or a known name (see `mtplx-batch fetch --list`)")
         return p
     from .gguf import convert_gguf, default_dequantize, default_dtype
 
     dequantize = default_dequantize() if gguf_mode == "auto" else gguf_mode == "dequantize"
     dtype = default_dtype()
     st = gguf_file.stat()
-    key = f"{gguf_file.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
-    flavour = f"{dtype}" if dequantize else f"q-{dtype}"
-    out = cache_dir() / "converted" / f"{gguf_file.stem}-{flavour}-{tag}"
+    tag = hashlib.sha256(f"{gguf_file.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "converted" / f"{gguf_file.stem}-{'' if dequantize else 'q-'}{dtype}-{tag}"
     if not (out / "config.json").exists():
         convert_gguf(gguf_file, out, dequantize=dequantize, dtype=dtype)
     return out
@@ -247,15 +233,13 @@ def load_mtp_weights(model_path: Path, config: dict, index: Optional[Dict[str, T
     """The checkpoint's raw MTP weights (only the files that hold some are read)."""
     index = tensor_index(model_path) if index is None else index
     files = sorted({f for k, (f, _) in index.items() if is_mtp_key(k, config)})
-    weights = {}
-    for name in files:
-        weights.update({k: v for k, v in mx.load(str(Path(model_path) / name)).items() if is_mtp_key(k, config)})
-    return weights
+    return {k: v for name in files for k, v in mx.load(str(Path(model_path) / name)).items() if is_mtp_key(k, config)}
 
 
 def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = False,
          gguf_mode: str = "auto", tokenizer=None) -> ModelBundle:
     """`tokenizer`: one already loaded from this model (`load_tokenizer_only`), used as it is."""
+    prepare_process()
     phases = {}
     t = time.perf_counter()
     model_path = resolve_model_path(path, gguf_mode)
@@ -270,7 +254,7 @@ def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = 
         try:
             model = _load_weights(model_path, config, lazy)
         except _NotPlain:
-            model = None
+            pass
     if model is None:
         from mlx_lm.utils import load_model
 

@@ -1,9 +1,9 @@
 """Multi-token-prediction heads: the model's own (or a trained sidecar), rebuilt from checkpoints.
 
 Where each family keeps its head, and what its names mean, is in mtp_layouts.py (Qwen3-Next /
-Qwen3.5 `mtp.*`, DeepSeek-V3 / V3.2 / GLM-4.5 NextN layers, MiMo `model.mtp_layers.*`); a head
-`mtplx-batch convert` wrote already built is read by convert.py. Sidecar heads from
-`mtplx-batch train-head` use the NextN layout with the trunk's own block.
+Qwen3.5 `mtp.*`, DeepSeek-V3 / V3.2 / GLM-4.5 NextN layers, MiMo `model.mtp_layers.*`);
+`load_built_head` reads a head `mtplx-batch convert` wrote already built (convert.py). Sidecar heads
+from `mtplx-batch train-head` use the NextN layout with the trunk's own block.
 
 A module computes x = fc([norm_e(embed(t+1)), norm_h(h_t)]); x = block(x); h' = norm(x);
 logits = head(h'). Drafting depth k feeds (h', draft) back: into the same module (MTPHead), or
@@ -20,12 +20,14 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .loading import ModelBundle
-from .mtp_layouts import (ZERO_CENTRED_BLOCK_NORMS, ZERO_CENTRED_HEAD_NORMS, ModuleWeights, split_modules,
+from .loading import ModelBundle, load_config, tensor_index
+from .mtp_layouts import (ZERO_CENTRED_BLOCK_NORMS, ZERO_CENTRED_HEAD_NORMS, ModuleWeights, is_mtp_key, split_modules,
                           text_config)
 
-SIDECAR_META = "mtp_head.json"
+SIDECAR_META = "mtp_head.json"  # a sidecar from `mtplx-batch train-head`
 SIDECAR_WEIGHTS = "mtp_head.safetensors"
+HEAD_META = "mtplx_head.json"  # a head `mtplx-batch convert` wrote already built
+HEAD_WEIGHTS = "mtplx_head.safetensors"
 
 
 def text_model(model) -> nn.Module:
@@ -72,22 +74,17 @@ def _leaves(cache) -> list:
     return list(getattr(cache, "caches", [cache]))
 
 
-def make_block(model, index: Optional[int] = None) -> nn.Module:
-    """A fresh decoder block of the trunk's own kind, built as its last full-attention layer
-    (`index`, where given, for trunks whose layer class takes one and has no linear layers)."""
+def make_block(model) -> nn.Module:
+    """A fresh decoder block of the trunk's own kind, built as its last full-attention layer."""
     full = _attention_layer_index(model)
     cls = type(model.layers[full])
-    params = inspect.signature(cls.__init__).parameters
     args = text_model(model).args
-    if "layer_idx" in params:
-        hybrid = any(getattr(l, "is_linear", False) for l in model.layers)
-        return cls(args, full if hybrid or index is None else index)
-    return cls(args)
+    return cls(args, full) if "layer_idx" in inspect.signature(cls.__init__).parameters else cls(args)
 
 
 class MTPHead(nn.Module):
-    def __init__(self, model, n_layers: int = 1, own_head: bool = False, block_index: Optional[int] = None,
-                 hidden_first: bool = False, zero_first: bool = False):
+    def __init__(self, model, n_layers: int = 1, own_head: bool = False, hidden_first: bool = False,
+                 zero_first: bool = False):
         super().__init__()
         args = text_model(model).args
         dim = args.hidden_size
@@ -95,8 +92,7 @@ class MTPHead(nn.Module):
         self.norm_embedding = nn.RMSNorm(dim, eps=eps)
         self.norm_hidden = nn.RMSNorm(dim, eps=eps)
         self.fc = nn.Linear(2 * dim, dim, bias=False)
-        idx = len(model.layers) - 1 if block_index is None else block_index
-        self.layers = [make_block(model, idx) for _ in range(n_layers)]
+        self.layers = [make_block(model) for _ in range(n_layers)]
         # each block's cache is of the kind its trunk twin has (a pair of KV caches for DeepSeek-V3.2)
         self._cache_kinds = [_block_cache_kind(model)] * n_layers
         self.norm = nn.RMSNorm(dim, eps=eps)
@@ -200,9 +196,7 @@ class _ShiftedRows:
 
 def _run_shifted(module, hidden, tokens, caches, shift: int):
     """Run `module` on KV caches whose rows look `shift` entries shorter (it writes there)."""
-    from ..cache import RowKVCache
-
-    from ..cache import RowCacheList
+    from ..cache import RowCacheList, RowKVCache
 
     pairs = []
 
@@ -256,16 +250,13 @@ class MTPHeadStack(nn.Module):
     def logits(self, h, step: int = 0):
         return self.depths[min(step, len(self.depths) - 1)].logits(h)
 
-    def __call__(self, hidden, tokens, caches=None, mask=None):
-        h = self.hidden(hidden, tokens, caches, mask)
-        return h, self.logits(h)
+    __call__ = MTPHead.__call__  # (h', logits) of module 0, as MTPHead's
 
     def hidden(self, hidden, tokens, caches=None, mask=None, step=None):
         if caches is None:
             return self.depths[min(step or 0, len(self.depths) - 1)].hidden(hidden, tokens, None, mask)
-        if step is None:
-            outs = [m.hidden(hidden, tokens, self._caches(caches, k), mask) for k, m in enumerate(self.depths)]
-            return outs[0]
+        if step is None:  # every module writes its entries; module 0's output drafts depth 0
+            return [m.hidden(hidden, tokens, self._caches(caches, k), mask) for k, m in enumerate(self.depths)][0]
         k = min(step, len(self.depths) - 1)
         return _run_shifted(self.depths[k], hidden, tokens, self._caches(caches, k), max(k - 1, 0))
 
@@ -273,8 +264,7 @@ class MTPHeadStack(nn.Module):
 def _block_params(model, block: Dict[str, mx.array], zero_centred: bool) -> Dict[str, mx.array]:
     """One block's weights run through the trunk's own sanitize (expert stacking, MLA splits, the
     multimodal wrapper's renames, ...), as if they were its last full-attention layer's."""
-    idx = _attention_layer_index(model)
-    marker = f"layers.{idx}."
+    marker = f"layers.{_attention_layer_index(model)}."
     as_trunk = {f"model.{marker}{k}": v for k, v in block.items()}
     clean = model.sanitize(as_trunk) if hasattr(model, "sanitize") else as_trunk
     out = _stack_experts({k[k.index(marker) + len(marker):]: v for k, v in clean.items() if marker in k})
@@ -288,14 +278,10 @@ def _stack_experts(block: Dict[str, mx.array]) -> Dict[str, mx.array]:
     """Per-expert MoE weights a trunk's sanitize left alone (Qwen3.5-MoE's sanitize stacks only
     its fused `experts.gate_up_proj`; some checkpoints store the MTP layer's experts one by one)."""
     for n in ("gate_proj", "up_proj", "down_proj"):
-        first = f"mlp.experts.0.{n}.weight"
-        if first in block:
-            e = 0
-            parts = []
-            while f"mlp.experts.{e}.{n}.weight" in block:
-                parts.append(block.pop(f"mlp.experts.{e}.{n}.weight"))
-                e += 1
-            block[f"mlp.switch_mlp.{n}.weight"] = mx.stack(parts)
+        count = next(e for e in range(len(block) + 1) if f"mlp.experts.{e}.{n}.weight" not in block)
+        if count:
+            block[f"mlp.switch_mlp.{n}.weight"] = mx.stack([block.pop(f"mlp.experts.{e}.{n}.weight")
+                                                           for e in range(count)])
     return block
 
 
@@ -327,9 +313,15 @@ def _build_module(bundle: ModelBundle, mod: ModuleWeights, shift: Tuple[bool, bo
     for i, block in sorted(mod.blocks.items()):
         params.update({f"layers.{i}.{k}": v for k, v in _block_params(model, block, shift[1]).items()})
     head.load_weights(list(params.items()), strict=True)
+    return _ready(head, model)
+
+
+def _ready(head, model):
+    """The loaded head, evaluated, its float parameters in the trunk's float type (a bfloat16
+    sidecar on a float32 trunk runs in float32, and back)."""
     norm = getattr(text_model(model).model, "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None:
-        head.set_dtype(norm.weight.dtype)  # a bf16 sidecar on an fp32 trunk runs in fp32 (and back)
+        head.set_dtype(norm.weight.dtype)
     head.eval()
     mx.eval(head.parameters())
     return head
@@ -346,6 +338,29 @@ def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Option
     return built[0] if len(built) == 1 else MTPHeadStack(built)
 
 
+def has_built_head(path) -> bool:
+    return (Path(path) / HEAD_META).exists()
+
+
+def load_built_head(bundle: ModelBundle):
+    """The head `mtplx-batch convert` wrote beside the trunk of `bundle` (convert.save_head)."""
+    meta = json.loads((bundle.path / HEAD_META).read_text())
+    if meta.get("format") != 1:
+        raise ValueError(f"{bundle.path / HEAD_META}: unknown head format {meta.get('format')!r}; "
+                         "convert the checkpoint again with this version of `mtplx-batch convert`")
+    weights = mx.load(str(bundle.path / HEAD_WEIGHTS))
+    modules = [MTPHead(bundle.model, n_layers=m["layers"], own_head=m["own_head"], hidden_first=m["hidden_first"],
+                       zero_first=m.get("zero_first", False)) for m in meta["modules"]]
+    head = MTPHeadStack(modules) if meta["stack"] else modules[0]
+    quant = meta.get("quantization")
+    if quant:
+        overrides = quant.get("overrides", {})
+        nn.quantize(head, quant["group_size"], quant["bits"],
+                    class_predicate=lambda p, m: f"{p}.scales" in weights and overrides.get(p, True))
+    head.load_weights(list(weights.items()), strict=True)
+    return _ready(head, bundle.model)
+
+
 def no_head_message(path) -> str:
     return (f"model {path} ships no multi-token-prediction weights (none of the layouts in docs/models.md: "
             "mtp.*, model.mtp_layers.*, NextN layers after the trunk, or a head from `mtplx-batch convert`): "
@@ -355,10 +370,6 @@ def no_head_message(path) -> str:
 
 def check_native_head(model_dir) -> None:
     """Refuse, from the file headers alone (no weights load), a model directory without an MTP head."""
-    from .convert import has_built_head
-    from .loading import load_config, tensor_index
-    from .mtp_layouts import is_mtp_key
-
     path = Path(model_dir)
     if has_built_head(path):
         return
@@ -371,8 +382,6 @@ def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
     """The model's own MTP head (raw checkpoint weights, or the built head `mtplx-batch convert`
     wrote), or the sidecar at `sidecar` (refusing a mismatched trunk)."""
     if sidecar is None:
-        from .convert import has_built_head, load_built_head
-
         if has_built_head(bundle.path):
             return load_built_head(bundle)
         if not bundle.mtp_weights:
@@ -389,12 +398,7 @@ def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
 
 def trunk_signature(bundle: ModelBundle) -> dict:
     cfg = text_config(bundle.config)
-    return {
-        "model_type": cfg.get("model_type"),
-        "hidden_size": cfg.get("hidden_size"),
-        "num_hidden_layers": cfg.get("num_hidden_layers"),
-        "vocab_size": cfg.get("vocab_size"),
-    }
+    return {k: cfg.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
 
 
 PROBE_TOKENS = 16  # token ids whose embeddings fingerprint a trunk's weights
@@ -429,7 +433,6 @@ def check_sidecar_trunk(meta: dict, bundle: ModelBundle):
         details = ", ".join(f"{k}: head {a!r} vs model {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"MTP head was trained for a different trunk ({details}); train one for this model")
     if meta.get("trunk_probe") is not None and not _probe_matches(meta["trunk_probe"], trunk_probe(bundle)):
-        raise ValueError(
-            f"MTP head was trained for a different trunk (same shape, other weights: its embedding "
-            f"fingerprint does not match {bundle.path}); train one for this model with `mtplx-batch train-head`"
-        )
+        raise ValueError(f"MTP head was trained for a different trunk (same shape, other weights: its embedding "
+                         f"fingerprint does not match {bundle.path}); train one for this model with "
+                         "`mtplx-batch train-head`")

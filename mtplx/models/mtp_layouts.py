@@ -87,10 +87,9 @@ def _per_layer(weights, prefix: str, first: int, names, hidden_first: bool, seri
             continue
         i, rest = k[len(prefix):].split(".", 1)
         depth = int(i) - first
-        if serial_blocks > 1:  # a sidecar: blocks 1.. of module 0 sit at the following indices
-            if 0 < depth < serial_blocks:
-                modules.setdefault(0, ModuleWeights(zero_first=False)).blocks.setdefault(depth, {})[rest] = v
-                continue
+        if serial_blocks > 1 and 0 < depth < serial_blocks:  # a sidecar: module 0's blocks 1.. follow it
+            modules.setdefault(0, ModuleWeights(zero_first=False)).blocks.setdefault(depth, {})[rest] = v
+            continue
         module = modules.setdefault(depth, ModuleWeights(hidden_first=hidden_first, zero_first=not serial_blocks))
         if not _take(names, rest, v, module) and not rest.startswith("embed_tokens."):
             module.blocks.setdefault(0, {})[rest] = v
@@ -105,8 +104,7 @@ def split_modules(weights: Dict[str, mx.array], config: dict) -> List[ModuleWeig
         return _per_layer(weights, MIMO_PREFIX, 0, MIMO_HEAD, hidden_first=True)
     serial = int(config.get("mtp_sidecar_blocks", 0))
     n = config.get("num_hidden_layers") or text_config(config)["num_hidden_layers"]  # a sidecar's is on top
-    modules = _per_layer(weights, "model.layers.", int(n), NEXTN_HEAD,
-                         hidden_first=False, serial_blocks=serial)
+    modules = _per_layer(weights, "model.layers.", int(n), NEXTN_HEAD, hidden_first=False, serial_blocks=serial)
     return modules[:1] if serial else modules
 
 

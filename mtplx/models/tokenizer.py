@@ -6,11 +6,8 @@ imports before the first token. For a model whose tokenizer is a plain tokenizer
 chat template, `FastTokenizer` gives the same ids, text and rendered prompts as mlx-lm's wrapper
 (tests/test_startup.py compares the two) without importing transformers.
 
-`load_fast_tokenizer` returns None when a model needs more than that, and the caller uses
-mlx-lm's: no tokenizer.json, a template that takes a thinking switch or a `{% generation %}`
-block, mlx-lm's own template or tool-parser types, text clean-up after decoding, settings with
-which transformers rebuilds the pre-tokenizer (`legacy`, or an `add_prefix_space` that differs
-from tokenizer.json's), or a post-processor that disagrees with `add_bos_token`.
+`load_fast_tokenizer` returns None when a model needs more than that (it says what), and the
+caller uses mlx-lm's.
 """
 
 from __future__ import annotations
@@ -69,9 +66,7 @@ class FastTokenizer:
         self.eos_token = self.special_tokens_map.get("eos_token")
         self.eos_token_id = backend.token_to_id(self.eos_token) if self.eos_token else None
         self.bos_token_id = backend.token_to_id(self.bos_token) if self.bos_token else None
-        self.eos_token_ids: Set[int] = set(eos_token_ids)
-        if self.eos_token_id is not None:
-            self.eos_token_ids.add(self.eos_token_id)
+        self.eos_token_ids: Set[int] = set(eos_token_ids) | ({self.eos_token_id} - {None})
         self.chat_template = chat_template
         self.has_chat_template = bool(chat_template)
         self._template = None
@@ -209,7 +204,10 @@ def _prefix_space_agrees(tok_file: Path, want: bool) -> bool:
 
 
 def load_fast_tokenizer(model_path: Path, eos_token_ids=None) -> Optional[FastTokenizer]:
-    """The fast tokenizer for `model_path`, or None when mlx-lm's wrapper is needed (see above)."""
+    """The fast tokenizer for `model_path`, or None when mlx-lm's wrapper is needed: no
+    tokenizer.json, a template with a thinking switch or a `{% generation %}` block, mlx-lm's own
+    template or tool-parser types, clean-up after decoding, settings with which transformers
+    rebuilds the pre-tokenizer or the post-processor."""
     model_path = Path(model_path)
     tok_file, cfg_file = model_path / "tokenizer.json", model_path / "tokenizer_config.json"
     if not tok_file.exists():

@@ -14,26 +14,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
 
 from ..models.loading import ModelBundle
-from ..models.mtp import trunk_hidden
+from ..models.mtp import project_logits, trunk_hidden
+from .config import TrainConfig, TrainHeadError
+from .head_prompts import general_prompts, text_files
 
-if TYPE_CHECKING:
-    from .train_head import TrainConfig
-
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
 TABLE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv",
                  ".arrow": "arrow", ".jsonl.gz": "jsonl"}
-
-
-class TrainHeadError(Exception):
-    """The request cannot be carried out as given (bad data, mismatched checkpoint). Exit 2."""
-
-    exit_code = 2
 
 
 def _bar(total, desc, enabled):
@@ -66,26 +58,19 @@ class TrainData:
     def clip(self, seq_len: int, limit: Optional[int] = None) -> "TrainData":
         """Cut sequences to seq_len tokens, drop those left with no scored position, keep `limit`."""
         keep = [(s[:seq_len], st, g) for s, st, g in zip(self.sequences, self.starts, self.groups)
-                if min(len(s), seq_len) - 2 > st]
-        if limit:
-            keep = keep[:limit]
-        self.sequences = [s for s, _, _ in keep]
-        self.starts = [st for _, st, _ in keep]
-        self.groups = [g for _, _, g in keep]
+                if min(len(s), seq_len) - 2 > st][: limit or None]
+        self.sequences, self.starts, self.groups = (list(x) for x in zip(*keep)) if keep else ([], [], [])
         return self
 
     def split(self, fraction: float, seed: int):
         n = len(self.sequences)
         if n < 2:
-            raise TrainHeadError(
-                f"the data gave {n} usable sequence(s); need at least 2 (one is held out): give more "
-                "prompts or text"
-            )
+            raise TrainHeadError(f"the data gave {n} usable sequence(s); need at least 2 (one is held out): give more "
+                                 "prompts or text")
         groups = sorted(set(self.groups))
         if len(groups) < 2:
             raise TrainHeadError("the data holds one prompt's continuations only; need at least 2 prompts (one is held out)")
-        k = min(64, max(1, int(round(len(groups) * fraction))))
-        k = min(k, len(groups) - 1)
+        k = min(64, max(1, int(round(len(groups) * fraction))), len(groups) - 1)
         order = np.random.default_rng(seed).permutation(len(groups))
         out = {groups[int(i)] for i in order[:k]}
         self.heldout = [i for i, g in enumerate(self.groups) if g in out]
@@ -104,8 +89,7 @@ class TrainData:
     def load(cls, path: Path) -> "TrainData":
         z = np.load(path)
         offsets = np.concatenate([[0], np.cumsum(z["lengths"])])
-        flat = z["tokens"]
-        seqs = [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(z["lengths"]))]
+        seqs = [z["tokens"][offsets[i] : offsets[i + 1]].tolist() for i in range(len(z["lengths"]))]
         rows = json.loads(str(z["rows"])) if "rows" in z.files else None
         groups = [int(g) for g in z["groups"]] if "groups" in z.files else None
         return cls(seqs, str(z["source"]), [int(i) for i in z["starts"]], [int(i) for i in z["heldout"]], rows, groups)
@@ -134,9 +118,13 @@ class TrainData:
         return h.hexdigest()[:16]
 
 
-def _windows(tokens: Sequence[int], size: int) -> List[List[int]]:
-    out = [list(tokens[s : s + size]) for s in range(0, len(tokens), size)]
-    return [w for w in out if len(w) >= 3]
+def _windows(tok, texts: Sequence[str], size: int) -> List[List[int]]:
+    """Each text's tokens cut into windows of `size` (a shorter last one; none under 3 tokens)."""
+    out = []
+    for text in texts:
+        ids = _encode_text(tok, text)
+        out += [ids[s : s + size] for s in range(0, len(ids), size) if len(ids) - s >= 3]
+    return out
 
 
 def _encode_text(tok, text: str, piece_chars: int = 4000) -> List[int]:
@@ -158,20 +146,17 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
                  samples: Union[int, Sequence[int]] = 0, temperature: float = 0.8, seed: int = 0,
                  seconds: Optional[float] = None, log: Optional[Callable[[str], None]] = None,
                  deadline: Optional[float] = None) -> TrainData:
-    """prompt + the model's own greedy continuation for every prompt, plus `samples` sampled ones
-    (one count for all prompts or one per prompt; at `temperature`, seeded) that show the head
-    other paths the trunk takes; `max_batch` rows decoded together (plain decoding, continuous
-    batching); scored from the first generated token on. With `seconds`, generation stops that
-    long after the first continuation finished (on a fresh GPU host the first rows wait minutes
-    for kernel builds: that time does not count) and keeps the continuations finished by then
-    (the requests run in prompt order, so the first prompts are complete). `deadline` (a
-    time.monotonic() value) ends it by then whatever `seconds` says (training's share of a time
-    limit stays, however long the warm-up took). `log` gets a progress line every ~15 s."""
+    """Each prompt with the model's own greedy continuation, plus `samples` sampled ones (one count,
+    or one per prompt; seeded) that show the head other paths the trunk takes; scored from the first
+    generated token on. `seconds`: generation stops that long after the first continuation (a fresh
+    GPU host's kernel builds do not count), keeping what finished (prompts run in order);
+    `deadline` (time.monotonic()) stops it regardless. `log` gets a progress line every ~15 s."""
     from ..config import ScheduleConfig, SpeculativeConfig
     from ..generation import Engine
     from ..request import Request, SamplingParams
 
     started = time.monotonic()
+    log = log or (lambda message: None)
     compiled = "on" if mx.default_device() == mx.gpu else "off"  # on a CPU compiling costs more than it saves
     engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify=compiled),
                     ScheduleConfig(order="input", max_batch=max_batch))
@@ -197,57 +182,21 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
         now = time.monotonic()
         if first is None:
             first = now
-            if log is not None:
-                log(f"first continuation after {now - started:.0f}s (model warm-up); the generation limit counts from here")
-        if log is not None and (now - last_log > 15 or len(out) == len(reqs)):
+            log(f"first continuation after {now - started:.0f}s (model warm-up); the generation limit counts from here")
+        if now - last_log > 15 or len(out) == len(reqs):
             last_log = now
             log(f"generating: {len(out)}/{len(reqs)} continuations, {generated:,} tokens, "
                 f"{generated / max(now - started, 1e-9):,.0f} tok/s ({now - started:.0f}s)")
         late = deadline is not None and now > deadline
         if (late or (seconds is not None and now - first > seconds)) and len(out) < len(reqs):
-            if log is not None:
-                why = "the deadline (half of --max-seconds)" if late else f"generation time limit of {seconds:.0f}s"
-                log(f"{why}: kept {len(out)} of {len(reqs)} continuations ({generated:,} tokens)")
+            why = "the deadline (half of --max-seconds)" if late else f"generation time limit of {seconds:.0f}s"
+            log(f"{why}: kept {len(out)} of {len(reqs)} continuations ({generated:,} tokens)")
             break
     bar.close()
     keys = sorted(out)
     # t = P-1 is the first position the head drafts from: (h_{P-1}, x_P = the trunk's first token) -> x_{P+1}
     return TrainData([out[k] for k in keys], "self-distilled", [max(len(reqs[k].prompt_tokens) - 1, 0) for k in keys],
                      groups=[groups[k] for k in keys])
-
-
-def sample_rows(rows, n: Optional[int], seed: int):
-    """A seeded uniform sample of n of `rows` (reservoir: one pass, n rows held), in input order;
-    all rows when n is None."""
-    if n is None:
-        return list(rows)
-    rng = np.random.default_rng(seed)
-    keep: list = []
-    for i, row in enumerate(rows):
-        if i < n:
-            keep.append((i, row))
-        else:
-            j = int(rng.integers(0, i + 1))
-            if j < n:
-                keep[j] = (i, row)
-    return [row for _, row in sorted(keep, key=lambda t: t[0])]
-
-
-def text_files(path: str) -> List[Path]:
-    """The text files of `path`: itself, every text file under a directory, or for `stdlib` the
-    running Python's standard library source (on every machine)."""
-    if path == "stdlib":
-        import sysconfig
-
-        path = sysconfig.get_paths()["stdlib"]
-    p = Path(path)
-    if p.is_file():
-        return [p]
-    if not p.is_dir():
-        raise TrainHeadError(f"--text {path!r} does not exist: give a text file, a directory of them, or stdlib")
-    skip = ("test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3")
-    return sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES
-                  and not any(part in skip for part in f.relative_to(p).parts))
 
 
 def text_data(bundle: ModelBundle, paths: Sequence[str], max_tokens: int, seq_len: int, seed: int) -> TrainData:
@@ -262,7 +211,7 @@ def text_data(bundle: ModelBundle, paths: Sequence[str], max_tokens: int, seq_le
             text = files[k].read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        for w in _windows(_encode_text(bundle.tokenizer, text), seq_len):
+        for w in _windows(bundle.tokenizer, [text], seq_len):
             seqs.append(w)
             total += len(w)
             if total >= max_tokens:
@@ -300,8 +249,7 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, 
         return _read_data(bundle, data, cfg, quiet, log, deadline)
     if isinstance(data, (list, tuple)):
         if all(isinstance(x, str) for x in data):
-            seqs = [w for text in data for w in _windows(_encode_text(tok, text), cfg.seq_len)]
-            return TrainData(seqs, "texts").clip(cfg.seq_len, limit)
+            return TrainData(_windows(tok, data, cfg.seq_len), "texts").clip(cfg.seq_len, limit)
         return TrainData([list(map(int, s)) for s in data], "tokens").clip(cfg.seq_len, limit)
     path = str(data)
     if not os.path.exists(path):
@@ -315,8 +263,7 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, 
     except (UnicodeDecodeError, IsADirectoryError) as e:
         raise TrainHeadError(f"--data {path!r}: not a UTF-8 text file ({e}); give a job YAML, a "
                              "JSONL/Parquet/CSV file or plain text")
-    seqs = _windows(_encode_text(tok, text), cfg.seq_len)
-    return TrainData(seqs, f"text:{os.path.abspath(path)}").clip(cfg.seq_len, limit)
+    return TrainData(_windows(tok, [text], cfg.seq_len), f"text:{os.path.abspath(path)}").clip(cfg.seq_len, limit)
 
 
 def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: bool, log=None, deadline=None) -> TrainData:
@@ -324,8 +271,7 @@ def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: boo
     engine run: the job's rows first, so a generation time limit cuts the general ones), which
     come back as `extra` (training only); or the rows' texts cut into windows."""
     if not data.prompts:
-        seqs = [w for t in data.texts for w in _windows(_encode_text(bundle.tokenizer, t), cfg.seq_len)]
-        return TrainData(seqs, data.source).clip(cfg.seq_len)
+        return TrainData(_windows(bundle.tokenizer, data.texts, cfg.seq_len), data.source).clip(cfg.seq_len)
     general, kinds = _general(bundle, cfg)
     n = len(data.prompts)
     if log is not None:
@@ -347,8 +293,6 @@ def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: boo
 def _general(bundle: ModelBundle, cfg: TrainConfig):
     if not cfg.prompts:
         return [], []
-    from .head_prompts import general_prompts
-
     return general_prompts(bundle.tokenizer, cfg.prompts, cfg.seed)
 
 
@@ -407,7 +351,6 @@ def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[i
     bar = _bar(len(sequences), desc, not quiet)
     i = 0
     while i < len(order):
-        L = len(sequences[order[i]])
         j = i
         while j < len(order) and (j - i + 1) * len(sequences[order[j]]) <= max(batch_tokens, len(sequences[order[j]])):
             j += 1
@@ -418,18 +361,13 @@ def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[i
             x[r, : len(sequences[k])] = sequences[k]
         h = trunk_hidden(model, mx.array(x), None)
         hs = h.astype(store_dtype)
-        g = None
-        if want_greedy:
-            from ..models.mtp import project_logits
-
-            g = mx.argmax(project_logits(model, h), axis=-1).astype(mx.int32)
-        mx.eval(hs, g) if g is not None else mx.eval(hs)
-        gn = np.array(g) if g is not None else None
+        g = mx.argmax(project_logits(model, h), axis=-1).astype(mx.int32) if want_greedy else None
+        mx.eval(hs, g)  # (None is skipped)
+        g = None if g is None else np.array(g)
         for r, k in enumerate(idx):
-            n = len(sequences[k])
-            hidden[k] = hs[r, :n]
-            if gn is not None:
-                greedy[k] = gn[r, :n]
+            hidden[k] = hs[r, : len(sequences[k])]
+            if g is not None:
+                greedy[k] = g[r, : len(sequences[k])]
         bar.update(len(idx))
         i = j
     bar.close()

@@ -13,7 +13,6 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import create_causal_mask
 
 from ..models.mtp import MTPHead
 from .head_data import Features, padded_length
@@ -35,18 +34,13 @@ def _batch(feats: Features, idx: Sequence[int], compute_dtype, length: Optional[
         n = len(feats.tokens[k])
         x[r, :n] = feats.tokens[k]
         m[r, feats.starts[k] : n - 2] = 1.0
-        h = feats.hidden[k][: n - 2]
-        if n < L:
-            h = mx.pad(h, [(0, L - n), (0, 0)])
-        hs.append(h)
-        t = feats.hidden[k][1:n]
+        h, t = feats.hidden[k][: n - 2], feats.hidden[k][1:n]
+        hs.append(mx.pad(h, [(0, L - n), (0, 0)]) if n < L else h)
         ts.append(mx.pad(t, [(0, L - n), (0, 0)]) if n < L else t)
         if have_greedy:
             g[r, : n - 2] = feats.greedy[k][1 : n - 1]  # the trunk's own token after x_{t+1}
-    hidden = mx.stack(hs).astype(compute_dtype)
-    teacher = mx.stack(ts).astype(compute_dtype)
-    return (hidden, mx.array(x[:, 1:-1]), mx.array(x[:, 2:]), mx.array(m), (mx.array(g) if have_greedy else None),
-            teacher)
+    return (mx.stack(hs).astype(compute_dtype), mx.array(x[:, 1:-1]), mx.array(x[:, 2:]), mx.array(m),
+            mx.array(g) if have_greedy else None, mx.stack(ts).astype(compute_dtype))
 
 
 def _causal(head: MTPHead, L: int):
@@ -58,9 +52,11 @@ def _causal(head: MTPHead, L: int):
             head._array_mask = False
         except (TypeError, ValueError):
             head._array_mask = True
-    if L == 1:
-        return None
-    return create_causal_mask(L) if head._array_mask else "causal"
+    if L == 1 or not head._array_mask:
+        return None if L == 1 else "causal"
+    from mlx_lm.models.base import create_causal_mask
+
+    return create_causal_mask(L)
 
 
 def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int, project=None):
@@ -85,18 +81,12 @@ def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.flo
     teacher-forced tokens), argmax among `vocab` when given, is the trunk's own greedy token,
     0 where it is not, -1 where the position is not scored."""
     out: List[Optional[np.ndarray]] = [None] * len(feats.tokens)
-    idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
-    outside = None
-    for s in range(0, len(idx), batch_size):
-        batch = idx[s : s + batch_size]
+    for batch in _batches(feats, batch_size):
         hidden, tok, tgt, m, g, _ = _batch(feats, batch, compute_dtype)
         ref = g if g is not None else tgt
         grid = np.full((len(batch), depths, tok.shape[1]), -1, dtype=np.int8)
         for k, (logits, _, mk, _) in enumerate(_unrolled(head, hidden, tok, tgt, m, depths)):
-            if vocab is not None:
-                outside = _outside(vocab, logits.shape[-1]) if outside is None else outside
-                logits = mx.where(outside, -mx.inf, logits)
-            hit = np.array(mx.argmax(logits, axis=-1) == ref[:, k:])
+            hit = np.array(mx.argmax(_among(logits, vocab), axis=-1) == ref[:, k:])
             scored = np.array(mk) > 0
             grid[:, k, : hit.shape[1]] = np.where(scored, hit, -1)
         for r, i in enumerate(batch):
@@ -104,10 +94,19 @@ def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.flo
     return out
 
 
-def _outside(vocab: Sequence[int], size: int) -> mx.array:
-    keep = np.zeros(size, dtype=bool)
+def _batches(feats: Features, batch_size: int):
+    """Sequence indices in batches of similar length."""
+    idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
+    return [idx[s : s + batch_size] for s in range(0, len(idx), batch_size)]
+
+
+def _among(logits: mx.array, vocab: Optional[Sequence[int]]) -> mx.array:
+    """`logits` with every token outside `vocab` (when given) at -inf."""
+    if vocab is None:
+        return logits
+    keep = np.zeros(logits.shape[-1], dtype=bool)
     keep[np.asarray(vocab)] = True
-    return mx.array(~keep)
+    return mx.where(mx.array(keep), logits, -mx.inf)
 
 
 def acceptance_by_depth(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
@@ -173,17 +172,12 @@ def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_siz
     """(mean cross-entropy against x_{t+2}, acceptance against the trunk's greedy token, the argmax
     taken among `vocab` when given) over all held-out positions."""
     total_loss = total_hit = total_n = 0.0
-    idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
-    outside = None
-    for s in range(0, len(idx), batch_size):
-        hidden, tok, tgt, m, g, _ = _batch(feats, idx[s : s + batch_size], compute_dtype)
+    for batch in _batches(feats, batch_size):
+        hidden, tok, tgt, m, g, _ = _batch(feats, batch, compute_dtype)
         _, logits = head(hidden, tok, mask=_causal(head, tok.shape[1]))
         ce = nn.losses.cross_entropy(logits.astype(mx.float32), tgt, reduction="none")
         ref = g if g is not None else tgt
-        if vocab is not None:
-            outside = _outside(vocab, logits.shape[-1]) if outside is None else outside
-            logits = mx.where(outside, -mx.inf, logits)
-        hit = (mx.argmax(logits, axis=-1) == ref).astype(mx.float32)
+        hit = (mx.argmax(_among(logits, vocab), axis=-1) == ref).astype(mx.float32)
         l, h, n = (ce * m).sum(), (hit * m).sum(), m.sum()
         mx.eval(l, h, n)
         total_loss += l.item()
@@ -192,22 +186,3 @@ def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_siz
     if not total_n:
         return float("nan"), 0.0
     return total_loss / total_n, total_hit / total_n
-
-
-def acceptance_report(meta: dict) -> List[str]:
-    """Held-out acceptance by draft depth (the data's own split, and the other dataset's), as printed."""
-    def line(name, by_depth, replayed=None):
-        tpv = ", ".join(f"depth {k}: {tokens_per_verify(by_depth, k):.2f}" for k in (1, 2, 3))
-        rounds = f" (walked as the engine's rounds: {', '.join(f'{replayed[str(k)]:.2f}' for k in (1, 2, 3))})" \
-            if replayed and all(str(k) in replayed for k in (1, 2, 3)) else ""
-        return (f"{name}: acceptance by draft depth {' '.join(f'{a:.3f}' for a in by_depth)}; tokens per verify "
-                f"{tpv}{rounds}")
-
-    vocab = f" (drafting among {meta['draft_vocab']} tokens)" if meta.get("draft_vocab") else ""
-    out = [line(f"held-out rows of {meta['data']}{vocab}", meta["heldout_acceptance_by_depth"],
-                meta.get("heldout_replayed_tokens_per_verify"))]
-    other = meta.get("heldout_other")
-    if other:
-        out.append(line(f"held-out other dataset {other['data']}", other["acceptance_by_depth"],
-                        other.get("replayed_tokens_per_verify")))
-    return out

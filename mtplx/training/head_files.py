@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 
 from ..models.loading import ModelBundle
 from ..models.mtp import SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, trunk_probe, trunk_signature
-from .head_data import TrainHeadError
+from .config import TrainHeadError
 
 CHECKPOINT_DIR = "checkpoint"
 DATA_FILE = "data.npz"
@@ -34,8 +34,7 @@ def nextn_weights(head: MTPHead, num_hidden_layers: int, dtype=None) -> Dict[str
     """The head's parameters under DeepSeek NextN names: model.layers.{N}.enorm/hnorm/eh_proj/
     shared_head.norm and the block's own keys; block i > 0 of a deeper head at model.layers.{N+i}.
     No shared_head.head / embed_tokens: those are the trunk's."""
-    N = num_hidden_layers
-    out = {}
+    N, out = num_hidden_layers, {}
     for k, v in tree_flatten(head.parameters()):
         if k.startswith("layers."):
             _, i, rest = k.split(".", 2)
@@ -54,56 +53,41 @@ def save_sidecar(bundle: ModelBundle, head: MTPHead, out_dir: Union[str, os.Path
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     N = int(bundle.config["num_hidden_layers"])
-    weights = nextn_weights(head, N, _trunk_dtype(bundle.model))
+    trunk_float = bundle.model.model.embed_tokens(mx.array([0])).dtype  # (a quantized embedding stores uint32)
+    weights = nextn_weights(head, N, trunk_float)
     tmp = out / (SIDECAR_WEIGHTS + ".tmp.safetensors")
     mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "layout": "nextn"})
     os.replace(tmp, out / SIDECAR_WEIGHTS)
     full = {"trunk": trunk_signature(bundle), "num_hidden_layers": N, "layout": "nextn",
             "depth_layers": len(head.layers), **meta, "trunk_probe": trunk_probe(bundle)}
-    _write_json(out / SIDECAR_META, full)
+    tmp = out / (SIDECAR_META + ".tmp")
+    tmp.write_text(json.dumps(full, indent=1))
+    os.replace(tmp, out / SIDECAR_META)
     return out
-
-
-# -- helpers ---------------------------------------------------------------------------------------
-def _write_json(path: Path, obj):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False))
-    os.replace(tmp, path)
-
-
-def _trunk_dtype(model):
-    """The trunk's activation dtype (a quantized embedding stores uint32 but yields float)."""
-    return model.model.embed_tokens(mx.array([0])).dtype
 
 
 # -- checkpoint ------------------------------------------------------------------------------------
 def _ckpt_state_dir(out: Path) -> Optional[Path]:
     ck = out / CHECKPOINT_DIR
-    for name in (STATE_DIR, STATE_DIR + ".old"):
-        if (ck / name / "state.json").exists():
-            return ck / name
-    return None
+    return next((ck / n for n in (STATE_DIR, STATE_DIR + ".old") if (ck / n / "state.json").exists()), None)
 
 
 def _save_checkpoint(out: Path, head: MTPHead, opt: optim.Optimizer, step: int, rng: np.random.Generator,
                      header: dict, history: List[dict], train_loss: Optional[float]):
     ck = out / CHECKPOINT_DIR
     tmp = ck / (STATE_DIR + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     mx.save_safetensors(str(tmp / "head.safetensors"), dict(tree_flatten(head.parameters())))
     mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
     state = dict(header, step=step, rng=rng.bit_generator.state, history=history, train_loss=train_loss)
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     cur, old = ck / STATE_DIR, ck / (STATE_DIR + ".old")
-    if old.exists():
-        shutil.rmtree(old)
+    shutil.rmtree(old, ignore_errors=True)
     if cur.exists():
-        os.replace(cur, old)
+        os.replace(cur, old)  # until the new one is in place, the old one is what a resume finds
     os.replace(tmp, cur)
-    if old.exists():
-        shutil.rmtree(old)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def checkpoint_step(out_dir) -> Optional[int]:
@@ -118,7 +102,7 @@ def resumable_state(state_dir: Optional[Path], ck: Path, cfg, header: dict) -> O
     if state_dir is None:
         return None
     state = json.loads((state_dir / "state.json").read_text())
-    saved = dict({"draft_depths": 1, "fit_steps": False}, **state["config"])  # checkpoints from before draft_depths trained depth 1
+    saved = dict({"draft_depths": 1, "fit_steps": False}, **state["config"])  # what a checkpoint without them ran
     diff = [f"{k}: checkpoint {saved.get(k)!r} vs now {v!r}" for k, v in cfg.resume_view().items()
             if saved.get(k) != v]
     if state["trunk"] != header["trunk"]:
@@ -140,26 +124,17 @@ def sidecar_meta(cfg, tdata, step: int, header: dict, train_loss, initial: dict,
                   started: float) -> dict:
     """What `mtp_head.json` records of a training run."""
     return {
-        "steps": step,
-        "planned_steps": header.get("planned_steps"),
-        "train_loss": train_loss,
-        "heldout_loss": last_eval["heldout_loss"],
-        "heldout_acceptance": last_eval["heldout_acceptance"],
-        "initial_heldout_loss": initial["heldout_loss"],
-        "initial_heldout_acceptance": initial["heldout_acceptance"],
+        "steps": step, "planned_steps": header.get("planned_steps"), "train_loss": train_loss,
+        "heldout_loss": last_eval["heldout_loss"], "heldout_acceptance": last_eval["heldout_acceptance"],
+        "initial_heldout_loss": initial["heldout_loss"], "initial_heldout_acceptance": initial["heldout_acceptance"],
         "heldout_acceptance_by_depth": held_report["acceptance_by_depth"],
         "heldout_tokens_per_verify": held_report["tokens_per_verify"],
         "heldout_replayed_tokens_per_verify": held_report["replayed_tokens_per_verify"],
         "heldout_other": other_meta,
         "train_dtype": str(train_dtype).split(".")[-1],  # what the training steps computed in
         "draft_vocab": None if vocab is None else len(vocab),
-        "data": tdata.source,
-        "data_digest": tdata.digest(),
-        "sample_rows": tdata.rows,
-        "sequences": len(tdata.sequences),
-        "heldout_sequences": len(tdata.heldout),
-        "train_positions": train_f.positions,
-        "heldout_positions": held_f.positions,
-        "seconds": round(time.monotonic() - started, 1),
-        "config": asdict(cfg),
+        "data": tdata.source, "data_digest": tdata.digest(), "sample_rows": tdata.rows,
+        "sequences": len(tdata.sequences), "heldout_sequences": len(tdata.heldout),
+        "train_positions": train_f.positions, "heldout_positions": held_f.positions,
+        "seconds": round(time.monotonic() - started, 1), "config": asdict(cfg),
     }

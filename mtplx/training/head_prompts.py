@@ -20,9 +20,9 @@ from typing import Iterator, List, Sequence, Tuple
 
 import numpy as np
 
-from .head_data import TrainHeadError, text_files
+from .config import KINDS, TrainHeadError, parse_spec
 
-KINDS = ("stdlib-code", "stdlib-chat")
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
 MAX_DOC_CHARS = 1200  # longer docstrings are cut at a paragraph end (prompts stay shorter than the answer)
 MIN_DOC_CHARS = 40  # "Return x." teaches nothing
 PER_FILE = 16  # functions taken from one file at most
@@ -35,13 +35,21 @@ CHAT_ASKS = (
 )
 
 
-def parse_spec(spec: str) -> Tuple[str, int]:
-    """'stdlib-code:500' -> ('stdlib-code', 500), with an error that lists the kinds."""
-    kind, _, n = spec.partition(":")
-    if kind not in KINDS or not n.isdigit() or int(n) < 1:
-        raise TrainHeadError(f"--prompts {spec!r}: give KIND:N with KIND one of {', '.join(KINDS)} and N >= 1 "
-                             "(e.g. --prompts stdlib-code:2000)")
-    return kind, int(n)
+def text_files(path: str) -> List[Path]:
+    """The text files of `path`: itself, every text file under a directory, or for `stdlib` the
+    running Python's standard library source (on every machine)."""
+    if path == "stdlib":
+        import sysconfig
+
+        path = sysconfig.get_paths()["stdlib"]
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise TrainHeadError(f"--text {path!r} does not exist: give a text file, a directory of them, or stdlib")
+    skip = ("test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3")
+    return sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES
+                  and not any(part in skip for part in f.relative_to(p).parts))
 
 
 def _cut_doc(doc: str) -> str:
@@ -117,10 +125,6 @@ def general_prompts(tokenizer, specs: Sequence[str], seed: int) -> Tuple[List[Li
     for spec in specs:
         kind, n = parse_spec(spec)
         per_kind.append((kind, render(tokenizer, stdlib_prompts(kind, n, seed))))
-    tokens, kinds = [], []
-    for i in range(max((len(p) for _, p in per_kind), default=0)):
-        for kind, prompts in per_kind:
-            if i < len(prompts):
-                tokens.append(prompts[i])
-                kinds.append(kind)
-    return tokens, kinds
+    pairs = [(prompts[i], kind) for i in range(max((len(p) for _, p in per_kind), default=0))
+             for kind, prompts in per_kind if i < len(prompts)]
+    return [t for t, _ in pairs], [k for _, k in pairs]

@@ -1,28 +1,16 @@
 """Train a multi-token-prediction sidecar head for a model that ships none (`mtplx-batch train-head`).
 
-The head is `mtplx.models.mtp.MTPHead`: RMSNorm on the embedding of token t+1 and on the trunk's final
-(normed) hidden state at t, a linear projection of their concatenation (embedding first), decoder
-block(s) of the trunk's own kind, a final norm, and the trunk's own embedding and lm_head (shared,
-frozen, never saved). It learns to predict token t+2, which is what the engine drafts with.
-
-Recipe:
-  1. Training sequences of token ids: a job's prompts plus the model's own greedy continuations
-     (self-distillation, so the head learns exactly what the verifier will accept), or plain text
-     cut into windows, or a JSONL/Parquet/CSV file with a `prompt` (self-distilled) or `text`
-     column. A few sequences are held out.
-  2. The frozen trunk runs once over every sequence (batched, no gradient): hidden states h_t for
-     training, plus the trunk's own greedy next token at every held-out position.
-  3. The head trains on (h_t, emb(x_{t+1})) -> x_{t+2} with cross-entropy, AdamW, linear warmup
-     and cosine decay; causal attention over the whole sequence, as at inference where the head
-     keeps its own KV cache. Drafting deeper feeds the head its own output: depth k sees
-     (h'_{t} from depth k-1, emb(x_{t+k})) -> x_{t+k+1}. A head trained on depth 1 alone accepts
-     almost nothing at depth 2, so `draft_depths` (default 2) unrolls that recursion in training
-     (teacher-forced tokens, gradients through the whole chain) and averages the depths' losses.
-  4. Held-out loss and acceptance (argmax of the head == the trunk's greedy token after x_{t+1},
-     i.e. what greedy verification accepts at depth 1) are measured before and after.
-  5. The sidecar (`mtp_head.safetensors` in the DeepSeek NextN key layout, `mtp_head.json`) is
-     written to HEAD_DIR; `HEAD_DIR/checkpoint/` holds the data and the latest training state
-     (step, head, optimizer, RNG) so an interrupted run continues its schedule exactly.
+The head is `mtplx.models.mtp.MTPHead` over the trunk's own (shared, frozen, never saved) embedding
+and lm_head; it learns to predict token t+2 from the trunk's hidden state h_t and token t+1.
+  1. Data (head_data.py): a job's prompts with the model's own continuations (self-distillation:
+     the head learns what the verifier accepts), or text cut into windows; a few sequences held out.
+  2. The frozen trunk runs once over every sequence: h_t, and its greedy token where held out.
+  3. The head trains with AdamW, linear warmup and cosine decay, causal attention over the whole
+     sequence as at inference. Depth k sees (the head's own depth k-1 output, emb(x_{t+k})): a head
+     trained on depth 1 alone accepts almost nothing at depth 2, so `draft_depths` unrolls that
+     recursion (teacher-forced tokens, gradients through the chain) and averages the depths' losses.
+  4. Held-out loss and acceptance (the head's argmax is the trunk's greedy token) before and after.
+  5. The sidecar and the checkpoint it resumes from are written to HEAD_DIR (head_files.py).
 """
 
 from __future__ import annotations
@@ -34,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,116 +30,19 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .head_data import (TrainData, TrainHeadError, _bar, build_data, general_data, is_job_or_table, padded_length,
-                        text_data, trunk_features)
-from .head_prompts import parse_spec
+from .config import TrainConfig, TrainHeadError
+from .head_data import (TrainData, _bar, build_data, general_data, is_job_or_table, padded_length, text_data,
+                        trunk_features)
 from .precision import step_dtypes as _dtypes, value_and_grad as _value_and_grad
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
+from ..process import prepare_process
 from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint, checkpoint_step,  # noqa: F401
                          nextn_weights, resumable_state, save_sidecar, sidecar_meta)  # nextn_weights: exported here too
 from ..mtp_draft import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
 from ..models.mtp import MTPHead, has_trunk_split, project_logits, trunk_probe, trunk_signature
 
 OTHER_FILE = "heldout_other.npz"
-
-LOSSES = ("kl", "argmax", "tokens")
-
-
-@dataclass
-class TrainConfig:
-    depth_layers: int = 1  # decoder blocks in the head
-    draft_depths: int = 3  # draft depths trained (depth k feeds the head its own depth k-1 output)
-    steps: int = 1000  # optimizer steps (the cosine schedule spans exactly these)
-    batch_size: int = 8  # sequences per step
-    seq_len: int = 512  # longest training sequence (tokens); text is cut into windows of this
-    lr: float = 1e-3  # peak learning rate
-    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
-    warmup_steps: int = -1  # -1: 5% of steps (at most 100)
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    heldout: float = 0.1  # fraction of sequences held out (at least one, at most 64)
-    max_rows: Optional[int] = None  # prompts (job / table) or windows (text) used at most
-    max_new_tokens: Optional[int] = None  # self-distillation: tokens generated per prompt (None: the job's max_tokens, or 256)
-    gen_batch: int = 32  # self-distillation: rows decoded together
-    init: str = "random"  # random (MLX default init) | trunk: blocks start as copies of the trunk's last layer
-    loss: str = "kl"  # kl: to the trunk's next-token distribution | argmax: CE to the trunk's argmax | tokens: CE to the data
-    hidden_weight: float = 0.0  # weight of a regression of the head's hidden state onto the trunk's (EAGLE)
-    draft_vocab: int = 8192  # drafting vocabulary: the N most frequent training tokens (0: the whole vocabulary)
-    sample: Optional[int] = None  # job / table data: a seeded sample of N rows (None: all, up to max_rows)
-    samples_per_prompt: int = 0  # self-distillation: sampled continuations per prompt besides the greedy one
-    temperature: float = 0.8  # self-distillation: temperature of the sampled continuations
-    prompts: Tuple[str, ...] = ()  # general prompts self-distilled for training only: "stdlib-code:N", "stdlib-chat:N"
-    general_samples: int = 1  # sampled continuations per general prompt besides the greedy one
-    data_seconds: Optional[float] = None  # self-distillation stops at this wall time, keeping what finished
-    text: Tuple[str, ...] = ()  # general text mixed into training: files, directories, or "stdlib"
-    text_tokens: int = 200_000  # tokens of general text at most
-    heldout_data: Optional[str] = None  # a second, different dataset evaluated (never trained on)
-    heldout_rows: int = 32  # rows of heldout_data
-    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
-    train_dtype: str = "auto"  # the training step's matmuls: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
-    seed: int = 0
-    eval_every: int = 100  # steps between held-out evaluations (progress bar, log)
-    checkpoint_every: int = 100  # steps between checkpoints
-    max_seconds: Optional[float] = None  # stop training after this much wall time (the head is evaluated and saved)
-    fit_steps: bool = False  # with max_seconds: shorten the schedule (at most `steps`) to what the measured step time fits
-
-    # Keys that change what is trained: a resume with different values is refused.
-    RESUME_KEYS = ("depth_layers", "draft_depths", "steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
-                   "weight_decay", "grad_clip", "init", "dtype", "train_dtype", "seed", "loss", "hidden_weight", "draft_vocab",
-                   "fit_steps")
-
-    def check(self):
-        problems = []
-        if self.depth_layers < 1:
-            problems.append(f"depth_layers must be >= 1, got {self.depth_layers}")
-        if not 1 <= self.draft_depths <= 8:
-            problems.append(f"draft_depths must be in 1..8, got {self.draft_depths}")
-        if self.steps < 0:
-            problems.append(f"steps must be >= 0, got {self.steps}")
-        if self.batch_size < 1:
-            problems.append(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.seq_len < 3:
-            problems.append(f"seq_len must be >= 3 (h_t, x_t+1, x_t+2), got {self.seq_len}")
-        if not 0.0 < self.heldout < 1.0:
-            problems.append(f"heldout must be a fraction in (0, 1), got {self.heldout}")
-        if self.init not in ("trunk", "random"):
-            problems.append(f"init must be trunk or random, got {self.init!r}")
-        if self.loss not in LOSSES:
-            problems.append(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        if self.hidden_weight < 0:
-            problems.append(f"hidden_weight must be >= 0, got {self.hidden_weight}")
-        if self.draft_vocab < 0:
-            problems.append(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
-        if self.sample is not None and self.sample < 1:
-            problems.append(f"sample must be >= 1 rows, got {self.sample}")
-        if self.general_samples < 0:
-            problems.append(f"general_samples must be >= 0, got {self.general_samples}")
-        if self.gen_batch < 1:
-            problems.append(f"gen_batch must be >= 1 rows, got {self.gen_batch}")
-        if self.data_seconds is not None and self.data_seconds <= 0:
-            problems.append(f"data_seconds must be > 0, got {self.data_seconds}")
-        for spec in self.prompts:
-            try:
-                parse_spec(spec)
-            except TrainHeadError as e:
-                problems.append(str(e))
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            problems.append(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.train_dtype not in ("auto", "float32", "bfloat16"):
-            problems.append(f"train_dtype must be auto, float32 or bfloat16, got {self.train_dtype!r}")
-        if problems:
-            raise TrainHeadError("invalid training settings: " + "; ".join(problems))
-
-    @property
-    def warmup(self) -> int:
-        if self.warmup_steps >= 0:
-            return min(self.warmup_steps, self.steps)
-        return min(100, self.steps // 20)
-
-    def resume_view(self) -> dict:
-        return {k: getattr(self, k) for k in self.RESUME_KEYS}
-
 
 @dataclass
 class TrainResult:
@@ -258,8 +149,7 @@ def _schedule(cfg: TrainConfig):
     return decay
 
 
-FIT_PROBE = (25, 125)  # --fit-steps times steps 25..125 of a run (the first ones build kernels on a GPU; session 8:
-# steps 5-25 timed 0.056 s a step on the H200 where the run then went at ~0.04, so training ended 51 s early)
+FIT_PROBE = (25, 125)  # --fit-steps times steps 25..125 of a run: on a GPU the first steps build kernels, slower
 
 
 def _fit(cfg: TrainConfig, step: int, per_step: float, eval_seconds: float, left: float) -> int:
@@ -285,7 +175,7 @@ def data_key(data, cfg: TrainConfig) -> Optional[dict]:
             "sample": cfg.sample, "samples_per_prompt": cfg.samples_per_prompt, "temperature": cfg.temperature,
             "text": list(cfg.text), "text_tokens": cfg.text_tokens, "prompts": list(cfg.prompts),
             "gen_batch": cfg.gen_batch, "data_seconds": cfg.data_seconds}
-    if cfg.general_samples != 1:  # only when set: checkpoints made before the option resume as they did
+    if cfg.general_samples != 1:  # only when not the default, so a key without it still matches
         key["general_samples"] = cfg.general_samples
     return key
 
@@ -296,12 +186,6 @@ def _read(read, data, bundle: ModelBundle, cfg: TrainConfig):
             and os.path.exists(data):
         return read(str(data), bundle.tokenizer, cfg)
     return data
-
-
-def _resolve_bundle(model, gguf_mode: str = "auto") -> ModelBundle:
-    if isinstance(model, ModelBundle):
-        return model
-    return load(model, gguf_mode=gguf_mode)
 
 
 def _training_data(bundle: ModelBundle, data, cfg: TrainConfig, ck: Path, state: Optional[dict], dkey, started: float,
@@ -349,11 +233,12 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     command passes `pipelines.io.train_data.read_train_data`); without it they are refused.
     `gguf_mode`: how a GGUF `model` is converted (mtplx.config.GGUF_MODES).
     """
+    prepare_process()
     cfg = config or TrainConfig()
     cfg.check()
     log = log or ((lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr)))
     started = time.monotonic()
-    bundle = _resolve_bundle(model, gguf_mode)
+    bundle = model if isinstance(model, ModelBundle) else load(model, gguf_mode=gguf_mode)
     mdl = bundle.model
     if not has_trunk_split(mdl):
         raise TrainHeadError(f"model {bundle.path}: no separable trunk and output head (model.model.embed_tokens "
@@ -362,9 +247,9 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     ck = out / CHECKPOINT_DIR
     if restart and ck.exists():
         shutil.rmtree(ck)
-    sig = trunk_signature(bundle)
     dkey = data_key(data, cfg)
-    header = {"trunk": sig, "trunk_probe": trunk_probe(bundle), "config": cfg.resume_view(), "data_key": dkey}
+    header = {"trunk": trunk_signature(bundle), "trunk_probe": trunk_probe(bundle), "config": cfg.resume_view(),
+              "data_key": dkey}
     state_dir = _ckpt_state_dir(out)
     state = resumable_state(state_dir, ck, cfg, header)
 
@@ -376,13 +261,11 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         raise TrainHeadError("no training sequences left after holding some out: give more data")
 
     # 2. trunk features (frozen trunk, once)
-    store_dtype, step_dtype = _dtypes(cfg, mdl)
-    compute_dtype = mx.float32  # evaluations
+    store_dtype, step_dtype = _dtypes(cfg)  # evaluations compute in float32
     train_f = trunk_features(mdl, [tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
                              store_dtype, False, desc="trunk (train)", quiet=quiet)
     held_f = trunk_features(mdl, [tdata.sequences[i] for i in tdata.heldout], [tdata.starts[i] for i in tdata.heldout],
                             store_dtype, True, desc="trunk (held-out)", quiet=quiet)
-    log(f"trunk passes over the training data done ({time.monotonic() - started:.0f}s)")
     other, other_f = _other_heldout(bundle, cfg, ck, store_dtype, quiet, read, log)
     log(f"{len(train_idx)} training sequences ({train_f.positions} positions), {len(tdata.heldout)} held out "
         f"({held_f.positions} positions)" + (f", {other_f.positions} positions of {cfg.heldout_data} held out" if other else "")
@@ -395,15 +278,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
 
     # 3. head + optimizer (fresh, or from the checkpoint)
     head = _init_head(mdl, cfg)
-    # the drafting vocabulary, fixed before training: the head is trained over it, as it drafts
-    vocab = _draft_vocab(bundle, head, tdata, train_idx, cfg)
-    draft = index = None
-    if vocab is not None:
-        V = int(head.logits(mx.zeros((1, head.fc.weight.shape[0]))).shape[-1])
-        draft = DraftVocab(head, vocab, V)
-        table = np.full(V, -1, dtype=np.int32)
-        table[np.array(draft.ids)] = np.arange(draft.size, dtype=np.int32)
-        index = mx.array(table)
+    vocab, draft, index = _draft_vocab(bundle, head, tdata, train_idx, cfg)
     _causal(head, 2)  # settle the mask kind outside any gradient transform
     # the schedule spans `total` steps: cfg.steps, or what --fit-steps planned (kept in the checkpoint)
     total = int((state or {}).get("planned_steps") or cfg.steps)
@@ -422,19 +297,22 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         rng.bit_generator.state = state["rng"]
         step, history, train_loss = int(state["step"]), list(state["history"]), state.get("train_loss")
         mx.eval(head.parameters(), opt.state)
-        initial = next((h for h in history if h["step"] == 0), None)
-    else:
-        initial = None
     resumed_from = step
+
+    def held_out(step: int) -> dict:
+        hl, ha = evaluate(head, held_f, vocab=vocab)
+        history.append({"step": step, "train_loss": train_loss, "heldout_loss": hl, "heldout_acceptance": ha})
+        return history[-1]
+
+    initial = next((h for h in history if h["step"] == 0), None)
     eval_seconds = 0.0
     if initial is None:
         t0 = time.monotonic()
-        l0, a0 = evaluate(head, held_f, compute_dtype, vocab=vocab)
+        initial = held_out(0)
         eval_seconds = time.monotonic() - t0
-        initial = {"step": 0, "heldout_loss": l0, "heldout_acceptance": a0}
-        history.append(initial)
-        log(f"untrained head: held-out loss {l0:.4f}, acceptance {a0:.3f} ({time.monotonic() - started:.0f}s; "
-            f"training steps compute in {str(step_dtype).split('.')[-1]})")
+        log(f"untrained head: held-out loss {initial['heldout_loss']:.4f}, acceptance "
+            f"{initial['heldout_acceptance']:.3f} ({time.monotonic() - started:.0f}s; training steps compute in "
+            f"{str(step_dtype).split('.')[-1]})")
 
     # on a GPU every step gets the one shape (each new shape builds kernels); on a CPU the padding costs more
     fixed = padded_length(cfg.seq_len) if mx.default_device() == mx.gpu else None
@@ -466,7 +344,6 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     last_eval = history[-1]
     bar = _bar(total, "train-head", not quiet)
     bar.update(step)
-    ema = train_loss
     interrupted = None
     fitting = (cfg.fit_steps and cfg.max_seconds is not None and "planned_steps" not in (state or {})
                and cfg.steps > step + FIT_PROBE[1])
@@ -491,17 +368,16 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                 log(f"--fit-steps: {(time.monotonic() - probe[2]) / (probe[1] - probe[0]):.3f} s a step; the schedule "
                     f"now spans {total} steps (of at most {cfg.steps})")
             lv = loss.item()
-            ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-            train_loss = ema
+            train_loss = lv if train_loss is None else 0.95 * train_loss + 0.05 * lv  # a moving average
             metrics = {"loss": lv, "lr": float(opt.learning_rate.item()) if isinstance(opt.learning_rate, mx.array) else float(opt.learning_rate)}
             if step % cfg.eval_every == 0 or step == total:
-                hl, ha = evaluate(head, held_f, compute_dtype, vocab=vocab)
-                last_eval = {"step": step, "train_loss": ema, "heldout_loss": hl, "heldout_acceptance": ha}
-                history.append(last_eval)
+                last_eval = held_out(step)
+                hl, ha = last_eval["heldout_loss"], last_eval["heldout_acceptance"]
                 metrics.update(heldout_loss=hl, heldout_acceptance=ha)
-                log(f"step {step}/{total}: train loss {ema:.3f}, held-out loss {hl:.3f}, acceptance {ha:.3f} "
+                log(f"step {step}/{total}: train loss {train_loss:.3f}, held-out loss {hl:.3f}, acceptance {ha:.3f} "
                     f"({time.monotonic() - started:.0f}s)")
-            bar.set_postfix_str(f"loss {ema:.3f} held-out acc {last_eval['heldout_acceptance']:.3f}", refresh=False)
+            bar.set_postfix_str(f"loss {train_loss:.3f} held-out acc {last_eval['heldout_acceptance']:.3f}",
+                                refresh=False)
             bar.update(1)
             if step % cfg.checkpoint_every == 0 or step == total:
                 _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
@@ -517,18 +393,15 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         raise interrupted
 
     if last_eval["step"] != step:
-        hl, ha = evaluate(head, held_f, compute_dtype, vocab=vocab)
-        last_eval = {"step": step, "train_loss": train_loss, "heldout_loss": hl, "heldout_acceptance": ha}
-        history.append(last_eval)
+        last_eval = held_out(step)
     if checkpoint_step(out) != step:
         _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
     depths = max(cfg.draft_depths, 4)
-    held_report = depth_report(head, held_f, depths, compute_dtype, vocab)
-    by_depth = held_report["acceptance_by_depth"]
+    held_report = depth_report(head, held_f, depths, vocab=vocab)
     other_meta = None
     if other is not None:
         other_meta = {"data": other.source, "sequences": len(other.sequences), "positions": other_f.positions,
-                      **depth_report(head, other_f, depths, compute_dtype, vocab)}
+                      **depth_report(head, other_f, depths, vocab=vocab)}
     meta = sidecar_meta(cfg, tdata, step, header, train_loss, initial, last_eval, held_report, other_meta,
                          mixed["dtype"], vocab, train_f, held_f, started)
     save_sidecar(bundle, head, out, meta)
@@ -544,19 +417,25 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         heldout_acceptance=last_eval["heldout_acceptance"], initial_heldout_loss=initial["heldout_loss"],
         initial_heldout_acceptance=initial["heldout_acceptance"], sequences=len(tdata.sequences),
         train_tokens=train_f.positions, heldout_tokens=held_f.positions, resumed_from=resumed_from,
-        seconds=time.monotonic() - started, history=history, acceptance_by_depth=by_depth,
+        seconds=time.monotonic() - started, history=history, acceptance_by_depth=held_report["acceptance_by_depth"],
         heldout_other=other_meta,
     )
 
 
 def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx, cfg: TrainConfig):
-    """The drafting vocabulary: the most frequent tokens the head is trained to predict (plus eos)."""
+    """(token ids, DraftVocab, index: token id -> its place, -1 outside) of the drafting vocabulary,
+    the most frequent tokens the head is trained to predict (plus eos), fixed before training: the
+    head trains over it, as it drafts. (None, None, None) for the whole vocabulary."""
     V = int(head.logits(mx.zeros((1, head.fc.weight.shape[0]))).shape[-1])
     if not 0 < cfg.draft_vocab < V:
-        return None
+        return None, None, None
     eos = list(getattr(bundle.tokenizer, "eos_token_ids", None) or [])
-    return frequent_tokens([tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
-                           cfg.draft_vocab, V, eos)
+    vocab = frequent_tokens([tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
+                            cfg.draft_vocab, V, eos)
+    draft = DraftVocab(head, vocab, V)
+    index = np.full(V, -1, dtype=np.int32)
+    index[np.array(draft.ids)] = np.arange(draft.size, dtype=np.int32)
+    return vocab, draft, mx.array(index)
 
 
 def _other_heldout(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read=None, log=None):

@@ -157,6 +157,9 @@ def main():
     A job reads prompts from a dataset, generates completions, and writes Parquet shards
     to its run directory (output.dir). See `mtplx-batch COMMAND --help`.
     """
+    from mtplx.process import prepare_process
+
+    prepare_process()  # before anything imports mlx.core (mtplx/process.py)
 
 
 @main.command(epilog=EPILOG_RUN)

@@ -168,7 +168,6 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
     from pathlib import Path
 
     from mtplx.models.mtp import SIDECAR_META
-    from mtplx.training.head_eval import acceptance_report
 
     for line in acceptance_report(json.loads((Path(res.out_dir) / SIDECAR_META).read_text())):
         click.echo(line)
@@ -180,3 +179,24 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
             f"use it with: speculative: {{method: mtp, mtp_head: {res.out_dir}}}",
             err=True,
         )
+
+
+def acceptance_report(meta: dict) -> list:
+    """Held-out acceptance by draft depth (the data's own split, and the other dataset's), as printed."""
+    from mtplx.training.head_eval import tokens_per_verify
+
+    def line(name, by_depth, replayed=None):
+        tpv = ", ".join(f"depth {k}: {tokens_per_verify(by_depth, k):.2f}" for k in (1, 2, 3))
+        rounds = f" (walked as the engine's rounds: {', '.join(f'{replayed[str(k)]:.2f}' for k in (1, 2, 3))})" \
+            if replayed and all(str(k) in replayed for k in (1, 2, 3)) else ""
+        return (f"{name}: acceptance by draft depth {' '.join(f'{a:.3f}' for a in by_depth)}; tokens per verify "
+                f"{tpv}{rounds}")
+
+    vocab = f" (drafting among {meta['draft_vocab']} tokens)" if meta.get("draft_vocab") else ""
+    out = [line(f"held-out rows of {meta['data']}{vocab}", meta["heldout_acceptance_by_depth"],
+                meta.get("heldout_replayed_tokens_per_verify"))]
+    other = meta.get("heldout_other")
+    if other:
+        out.append(line(f"held-out other dataset {other['data']}", other["acceptance_by_depth"],
+                        other.get("replayed_tokens_per_verify")))
+    return out

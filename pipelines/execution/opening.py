@@ -15,6 +15,9 @@ from ..job.config import JobConfig
 
 def load_engine(job: JobConfig, tokenizer=None):
     """The job's engine; `tokenizer`: the model's, already loaded by `load_tokenizer` (not loaded again)."""
+    from mtplx.process import prepare_process
+
+    prepare_process()  # in a Ray actor, the first code of the job's to run (the CLI has run it already)
     try:
         from mtplx.generation import Engine
     except ImportError as e:

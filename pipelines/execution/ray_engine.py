@@ -119,6 +119,9 @@ class MTPLXPredictor:
         self.generation = _as(GenerationConfig, generation)
         self.schedule = _as(ScheduleConfig, schedule)
         if engine is None:
+            from mtplx.process import prepare_process
+
+            prepare_process()  # here, not at import: the process is Ray's worker (mtplx/process.py)
             from mtplx.generation import Engine
 
             engine = Engine.load(model_path, self.speculative, self.schedule, trust_remote_code=trust_remote_code,

@@ -5,8 +5,11 @@ engine's head training as plain data (`mtplx.training.head_data.ReadData`)."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
-from mtplx.training.head_data import TABLE_FORMATS, ReadData, TrainHeadError, sample_rows
+import numpy as np
+
+from mtplx.training.head_data import TABLE_FORMATS, ReadData, TrainHeadError
 
 from ..errors import JobError
 from ..job.config import InputConfig, load_job
@@ -28,6 +31,23 @@ def read_train_data(path: str, tokenizer, cfg) -> ReadData:
         return _table(path, fmt, tokenizer, cfg)
     except JobError as e:
         raise TrainHeadError(str(e))
+
+
+def sample_rows(rows, n: Optional[int], seed: int):
+    """A seeded uniform sample of n of `rows` (reservoir: one pass, n rows held), in input order;
+    all rows when n is None."""
+    if n is None:
+        return list(rows)
+    rng = np.random.default_rng(seed)
+    keep: list = []
+    for i, row in enumerate(rows):
+        if i < n:
+            keep.append((i, row))
+        else:
+            j = int(rng.integers(0, i + 1))
+            if j < n:
+                keep[j] = (i, row)
+    return [row for _, row in sorted(keep, key=lambda t: t[0])]
 
 
 def _job(path: str, tokenizer, cfg) -> ReadData:
