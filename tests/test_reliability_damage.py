@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from jobkit import job_dict, read_output, sample_rows, write_job, write_parquet
+from jobkit import flip_column_byte, job_dict, read_output, sample_rows, write_job, write_parquet
 from pipelines.io.checkpoint import RunDir
 from pipelines.cli.commands import main
 
@@ -77,14 +77,7 @@ def _truncate(run):
 
 
 def _key_bitflip(run):
-    import pyarrow.parquet as pq
-
-    f = run / "shards" / "part-00001.parquet"
-    meta = pq.ParquetFile(f).metadata.row_group(0)
-    col = next(meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == "row")
-    b = bytearray(f.read_bytes())
-    b[col.data_page_offset + col.total_compressed_size - 1] ^= 0x01
-    f.write_bytes(bytes(b))
+    flip_column_byte(run / "shards" / "part-00001.parquet", "row")
 
 
 def _delete_shard(run):
@@ -218,16 +211,9 @@ def test_status_reads_no_shard_but_refuses_counts_the_input_cannot_hold(base, tm
 def test_a_corrupt_shard_is_refused_on_export_and_regenerated_once_its_record_is_dropped(base, tmp_path):
     """A resume reads only a shard's keys, so a flipped byte in a completion passes it; export and
     report hash every shard first and refuse, naming it and the fix, which works."""
-    import pyarrow.parquet as pq
-
     root, _, _ = base
     run, job = copy_run(base, tmp_path, "complete")
-    f = run / "shards" / "part-00001.parquet"
-    meta = pq.ParquetFile(f).metadata.row_group(0)
-    col = next(meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == "completion")
-    b = bytearray(f.read_bytes())
-    b[col.data_page_offset + col.total_compressed_size - 1] ^= 0x01
-    f.write_bytes(bytes(b))
+    flip_column_byte(run / "shards" / "part-00001.parquet", "completion")
     assert cli("status", run).exit_code == 0
     assert cli("run", job, "-q").exit_code == 0
     for args in (("export", run, "--format", "jsonl", "--out", tmp_path / "out.jsonl"),

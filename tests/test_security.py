@@ -9,9 +9,10 @@ code, reach Python internals, or make the pipeline write outside its run directo
   internals refuses the job (or, when only some rows trigger it, errors those rows);
 - a model whose config.json names a `model_file` (Python shipped with the weights) is refused
   unless model.trust_remote_code: true;
-- row ids never reach a path; the job name cannot leave runs/; a manifest entry cannot point
-  outside RUN_DIR/shards; a run directory of another job (or not a run directory) is refused and
-  left untouched, and --restart moves it aside rather than deleting it.
+- row ids never reach a path; the job name cannot leave runs/; a shard record cannot lead
+  outside RUN_DIR/shards (`..`, an absolute path, a link), for any command that reads it; a run
+  directory of another job (or not a run directory) is refused and left untouched; --restart
+  moves aside, rather than deleting, only a run, and a failed move loses nothing.
 """
 
 from __future__ import annotations

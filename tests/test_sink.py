@@ -1,4 +1,5 @@
-"""Shards and the manifest: fixed schema, atomic commits, verification and cleanup on start."""
+"""Shards, the manifest and the commit log: fixed schema, commits that append one line, what a
+resume and an export verify, cleanup on start, and runs written in the earlier format."""
 
 import json
 import os
@@ -12,6 +13,7 @@ from pipelines.io.checkpoint import RunDir, read_manifest, totals, verify_shards
 from pipelines.errors import JobError
 from pipelines.job.fingerprint import fingerprint, sha256_file
 from pipelines.io.columns import OUTPUT_COLUMNS, output_schema
+from jobkit import flip_column_byte
 from pipelines.io.sink import ShardWriter, empty_row
 
 PARTS = {"generation.max_tokens": "8", "input.files": "abc"}
@@ -115,37 +117,30 @@ def test_leftovers_from_a_kill_are_removed(tmp_path):
     run.close()
 
 
-def flip(path, at):
-    data = bytearray(path.read_bytes())
-    data[at] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
-def column_end(path, name):
-    """The offset of the last byte of column `name`'s data in a one-row-group parquet file."""
-    meta = pq.ParquetFile(path).metadata.row_group(0)
-    col = next(meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == name)
-    return col.data_page_offset + col.total_compressed_size - 1
-
-
-def test_missing_or_corrupt_recorded_shard_refuses(tmp_path):
-    """A resume reads the keys (page checksums verified) but hashes no shard; export hashes each."""
+def two_shards(run_dir):
+    """A run of two one-row shards (rows 0 and 1), closed."""
     schema = output_schema()
-    run, _ = open_run(tmp_path / "run")
+    run, _ = open_run(run_dir)
     sink = ShardWriter(run, schema, shard_rows=1)
     sink.add(row(schema, 0))
     sink.add(row(schema, 1))
     run.close()
+    return schema
+
+
+def test_missing_or_corrupt_recorded_shard_refuses(tmp_path):
+    """A resume reads the keys (page checksums verified) but hashes no shard; export hashes each."""
+    two_shards(tmp_path / "run")
     shard = tmp_path / "run" / "shards" / "part-00001.parquet"
     good = shard.read_bytes()
-    flip(shard, column_end(shard, "completion"))  # bytes a resume does not read
+    flip_column_byte(shard, "completion")  # bytes a resume does not read
     run, _ = open_run(tmp_path / "run")
     assert run.committed_keys() == {(0, 0), (1, 0)}
     run.close()
     with pytest.raises(JobError, match="part-00001.parquet: its sha256 does not match commits.jsonl"):
         verify_shards(str(tmp_path / "run"), read_manifest(str(tmp_path / "run")), checksums=True)
     shard.write_bytes(good)
-    flip(shard, column_end(shard, "row"))  # a key: caught by the page checksum
+    flip_column_byte(shard, "row")  # a key: caught by the page checksum
     with pytest.raises(JobError, match="part-00001.parquet: unreadable as a shard .*checksum"):
         open_run(tmp_path / "run")
     shard.write_bytes(good[:-1])
@@ -236,12 +231,7 @@ def test_an_interrupted_commit_is_no_commit_and_is_cut_on_start(tmp_path):
 
 
 def test_a_damaged_commit_line_is_refused(tmp_path):
-    schema = output_schema()
-    run, _ = open_run(tmp_path / "run")
-    sink = ShardWriter(run, schema, shard_rows=1)
-    sink.add(row(schema, 0))
-    sink.add(row(schema, 1))
-    run.close()
+    two_shards(tmp_path / "run")
     log = tmp_path / "run" / "commits.jsonl"
     lines = log.read_bytes().split(b"\n")
     log.write_bytes(b"\n".join([lines[0], lines[1][:30], *lines[2:]]))
@@ -287,3 +277,30 @@ def test_a_run_of_the_earlier_format_is_read_and_resumed(tmp_path):
     (run_dir / "manifest.json").write_text(json.dumps({**header, "format": 3}))
     with pytest.raises(JobError, match="format 3, which this mtplx-batch does not read"):
         open_run(run_dir)
+
+
+def test_rows_outside_the_input_and_an_output_dir_that_is_a_file_are_refused(tmp_path):
+    schema = output_schema()
+    run, _ = open_run(tmp_path / "run")
+    run.update(input_rows=2, samples=1)
+    sink = ShardWriter(run, schema, shard_rows=1)
+    sink.add(row(schema, 0))
+    sink.add(row(schema, 5))  # a row the input does not have: a shard from another run, say
+    run.close()
+    with pytest.raises(JobError, match=r"part-00001.parquet: holds row 5 sample 0, outside the input \(2 rows x 1"):
+        open_run(tmp_path / "run")
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(JobError, match="output.dir .*file exists and is not a directory"):
+        open_run(tmp_path / "file")
+
+
+def test_manifest_benchmark_runs_and_counts_a_constant_cost(tmp_path, capsys):
+    from benchmarks import manifest as bench
+
+    res = bench.main(["--shards", "4", "--rows", "2", "--chars", "40", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "bytes written per commit" in out and "resume" in out
+    shards = sorted((tmp_path / "run" / "shards").iterdir())
+    lines = (tmp_path / "run" / "commits.jsonl").read_bytes().splitlines(keepends=True)
+    assert len(shards) == len(lines) == 4
+    assert res["total_bytes"] == sum(p.stat().st_size for p in shards) + sum(map(len, lines))

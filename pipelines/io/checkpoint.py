@@ -194,7 +194,8 @@ def check_records(run_dir: str, manifest: Dict) -> None:
     file recorded twice."""
     where = os.path.join(run_dir, record_file(manifest))
     sessions = manifest.get("sessions", [])
-    bad = [k for k in ("input_rows", "planned_rows", "samples") if manifest.get(k) is not None and not _count(manifest[k])]
+    bad = [k for k in ("input_rows", "planned_rows", "samples", "limit")
+           if manifest.get(k) is not None and not _count(manifest[k])]
     bad += [k for k in ("created", "updated") if k in manifest and not _number(manifest[k])]
     if not isinstance(sessions, list) or not all(isinstance(s, dict) and _number(s.get("started")) for s in sessions):
         bad.append("sessions")
@@ -206,17 +207,17 @@ def check_records(run_dir: str, manifest: Dict) -> None:
         name = entry.get("file") if isinstance(entry, dict) else None
         if not isinstance(name, str) or not SHARD_FILE.fullmatch(name):
             raise JobError(f"{where}: record {n} names {name!r}, which is not a shard of this run directory "
-                           f"(shards/part-NNNNN.parquet); the manifest is damaged, {RESTART}")
+                           f"(shards/part-NNNNN.parquet); the run directory is damaged, {RESTART}")
         bad = [k for k in ("rows", "bytes") if not _count(entry.get(k))]
-        bad += [k for k in counters() if k in entry and not _number(entry[k])]
+        bad += [k for k in (*counters(), "committed") if k in entry and not _number(entry[k])]
         if not isinstance(entry.get("sha256"), str) or not SHA256.fullmatch(entry["sha256"]):
             bad.append("sha256")
         if bad:
-            raise JobError(f"{where}: record {n} ({name}) has no valid {', '.join(bad)}; the manifest is damaged, "
+            raise JobError(f"{where}: record {n} ({name}) has no valid {', '.join(bad)}; the run directory is damaged, "
                            f"{RESTART}")
         if name in seen:
-            raise JobError(f"{where}: {name} is recorded twice (records {seen[name]} and {n}); the manifest is "
-                           f"damaged. Delete the second record, or {RESTART}")
+            raise JobError(f"{where}: {name} is recorded twice (records {seen[name]} and {n}); the run directory "
+                           f"is damaged. Delete the second record, or {RESTART}")
         seen[name] = n
 
 
