@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from jobkit import job_dict, read_output, records, sample_rows, write_job, write_parquet
 from pipelines.cli.commands import main
+from pipelines.errors import JobError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -142,7 +143,7 @@ def _start(job_file):
 def _shards(run_dir):
     try:
         return len(records(run_dir))
-    except (OSError, ValueError, KeyError):
+    except JobError:  # not started yet
         return 0
 
 

@@ -277,3 +277,11 @@ def test_a_second_process_on_the_same_run_dir_is_refused(base, tmp_path):
 
         os.close(holder)
     assert cli("run", job, "-q").exit_code == 0
+
+
+def test_report_skips_progress_lines_whose_figures_are_not_numbers(base, tmp_path):
+    run, _ = copy_run(base, tmp_path, "complete")
+    with open(run / "progress.jsonl", "a") as f:
+        f.write('{"ts": "soon", "session": 1, "generated": 5}\n{"ts": 1.0, "session": 1, "generated": null}\n')
+    out = cli("report", run, "--out", tmp_path / "report")
+    assert out.exit_code == 0, out.output

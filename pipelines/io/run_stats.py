@@ -242,7 +242,8 @@ def collect(run_dir: str, top: int = TOP_SLOW, committed: Optional[Committed] = 
 
 
 def read_progress(run_dir: str) -> List[Dict[str, Any]]:
-    """The progress lines a run recorded (pipelines/execution/progress.py), oldest first; torn lines skipped."""
+    """The progress lines a run recorded (pipelines/execution/progress.py), oldest first; torn lines
+    and lines whose time or token count is not a number skipped."""
     out = []
     try:
         with open(os.path.join(run_dir, PROGRESS_FILE), encoding="utf-8") as f:
@@ -251,7 +252,8 @@ def read_progress(run_dir: str) -> List[Dict[str, Any]]:
                     p = json.loads(line)
                 except ValueError:
                     continue  # a line cut by a crash
-                if isinstance(p, dict) and {"ts", "session", "generated"} <= p.keys():
+                if isinstance(p, dict) and {"ts", "session", "generated"} <= p.keys() and \
+                        all(isinstance(p[k], (int, float)) and not isinstance(p[k], bool) for k in ("ts", "generated")):
                     out.append(p)
     except OSError:
         return []
