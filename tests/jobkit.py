@@ -59,10 +59,25 @@ def write_job(path: Path, job: Dict[str, Any]) -> Path:
     return path
 
 
+def flip_column_byte(path, column: str) -> None:
+    """Flip a bit in the last byte of `column`'s data in a one-row-group parquet file (a shard)."""
+    meta = pq.ParquetFile(path).metadata.row_group(0)
+    col = next(meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == column)
+    data = bytearray(Path(path).read_bytes())
+    data[col.data_page_offset + col.total_compressed_size - 1] ^= 0x01
+    Path(path).write_bytes(bytes(data))
+
+
+def records(run_dir) -> List[Dict[str, Any]]:
+    """The committed shards' records (RUN_DIR/commits.jsonl, through the reader every command uses)."""
+    from pipelines.io.checkpoint import read_manifest
+
+    return read_manifest(str(run_dir))["shards"]
+
+
 def read_output(run_dir) -> List[Dict[str, Any]]:
     """Rows of the shards recorded in the manifest (the only ones that count), by (row, sample)."""
-    manifest = json.loads(Path(run_dir, "manifest.json").read_text())
     rows = []
-    for entry in manifest["shards"]:
+    for entry in records(run_dir):
         rows += pq.read_table(os.path.join(run_dir, entry["file"])).to_pylist()
     return sorted(rows, key=lambda r: (r["row"], r["sample"]))

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from jobkit import job_dict, read_output, sample_rows, write_job, write_parquet
+from jobkit import job_dict, read_output, records, sample_rows, write_job, write_parquet
 from pipelines.cli.commands import main
+from pipelines.errors import JobError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -141,8 +142,8 @@ def _start(job_file):
 
 def _shards(run_dir):
     try:
-        return len(json.loads((run_dir / "manifest.json").read_text())["shards"])
-    except (OSError, ValueError, KeyError):
+        return len(records(run_dir))
+    except JobError:  # not started yet
         return 0
 
 
@@ -197,7 +198,7 @@ def test_sigkill_at_several_points_then_resume_matches_uninterrupted(tmp_path, l
     got = [{k: r[k] for k in KEY_COLUMNS + ("topic",)} for r in read_output(run_dir)]
     assert got == expected
     assert not any(p.name.endswith(".tmp") for p in shard_dir.iterdir())
-    recorded = {Path(e["file"]).name for e in json.loads((run_dir / "manifest.json").read_text())["shards"]}
+    recorded = {Path(e["file"]).name for e in records(run_dir)}
     assert recorded == {p.name for p in shard_dir.iterdir()}
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from jobkit import job_dict, read_output, sample_rows, write_jsonl
+from jobkit import job_dict, read_output, records, sample_rows, write_jsonl
 from pipelines.cli.commands import main
 from pipelines.job.config import build_job
 from pipelines.errors import JobError
@@ -61,8 +61,7 @@ def test_ordered_run_is_input_order_whatever_the_chunking(run):
 def _shard_order(run_dir):
     import pyarrow.parquet as pq
 
-    m = json.load(open(f"{run_dir}/manifest.json"))
-    return [r for e in m["shards"] for r in pq.read_table(f"{run_dir}/{e['file']}").to_pylist()]
+    return [r for e in records(run_dir) for r in pq.read_table(f"{run_dir}/{e['file']}").to_pylist()]
 
 
 def test_jsonl_round_trip(run, tmp_path):

@@ -22,7 +22,8 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
-from jobkit import job_dict, read_output, sample_rows, write_job, write_jsonl, write_parquet  # noqa: E402
+from jobkit import job_dict, read_output, records, sample_rows, write_job, write_jsonl, write_parquet  # noqa: E402
+from pipelines.errors import JobError  # noqa: E402
 from pipelines.job.config import build_job  # noqa: E402
 from pipelines.execution.ray_engine import MTPLXPredictor  # noqa: E402
 from pipelines.execution.session import run_job  # noqa: E402
@@ -62,8 +63,7 @@ def both(tmp_path, llama, data, fmt="parquet", keep=(), **sections):
 
 
 def shard_schemas(run_dir):
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    return [pq.read_schema(run_dir / e["file"]) for e in manifest["shards"]]
+    return [pq.read_schema(run_dir / e["file"]) for e in records(run_dir)]
 
 
 def test_same_rows_and_greedy_texts_as_local(tmp_path, llama, ray_address):
@@ -80,7 +80,7 @@ def test_same_rows_and_greedy_texts_as_local(tmp_path, llama, ray_address):
     assert on_ray[5]["finish_reason"] == "error" and "is null" in on_ray[5]["error"]
     assert sum(r["cached_prompt_tokens"] for r in on_ray) > 0  # prefix groups survive the reader
     manifest = json.loads((ray_dir / "manifest.json").read_text())
-    assert manifest["input_rows"] == 12 and sum(e["rows"] for e in manifest["shards"]) == 12
+    assert manifest["input_rows"] == 12 and sum(e["rows"] for e in records(ray_dir)) == 12
     assert run_job(build_job(job_dict(llama, data, ray_dir, executor="ray", generation={"max_tokens": 10},
                                       output={"shard_rows": 5, "keep_columns": ["topic", "weight"]},
                                       schedule={"order": "prefix", "max_batch": 4, "min_prefix_tokens": 8}))
@@ -114,7 +114,7 @@ def test_bad_rows_stay_rows_and_the_schema_is_fixed(tmp_path, tiny_model, ray_ad
     expected = output_schema([("x", schemas[0].field("x").type)])
     assert all(s.equals(expected) for s in schemas), schemas
     assert any(all(r["finish_reason"] == "error" for r in pq.read_table(ray_dir / e["file"]).to_pylist())
-               for e in json.loads((ray_dir / "manifest.json").read_text())["shards"])
+               for e in records(ray_dir))
 
 
 def test_engine_errors_are_rows_not_a_failed_job(tmp_path, llama, ray_address):
@@ -131,8 +131,8 @@ def test_engine_errors_are_rows_not_a_failed_job(tmp_path, llama, ray_address):
 
 def _shards(run_dir):
     try:
-        return len(json.loads((run_dir / "manifest.json").read_text())["shards"])
-    except (OSError, ValueError, KeyError):
+        return len(records(run_dir))
+    except JobError:  # not started yet
         return 0
 
 
@@ -173,9 +173,8 @@ def test_sigkill_after_first_commit_then_resume_exactly_once(tmp_path, llama, ra
     assert final.returncode == 0, final.stderr[-3000:]
     got = [{k: r[k] for k in SAME + ("topic",)} for r in read_output(run_dir)]
     assert got == expected  # every row exactly once, the same text as the uninterrupted run
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert len(manifest["shards"]) > done
-    recorded = {Path(e["file"]).name for e in manifest["shards"]}
+    assert len(records(run_dir)) > done
+    recorded = {Path(e["file"]).name for e in records(run_dir)}
     assert recorded == set(os.listdir(run_dir / "shards"))  # no uncommitted leftovers
 
 

@@ -9,9 +9,10 @@ code, reach Python internals, or make the pipeline write outside its run directo
   internals refuses the job (or, when only some rows trigger it, errors those rows);
 - a model whose config.json names a `model_file` (Python shipped with the weights) is refused
   unless model.trust_remote_code: true;
-- row ids never reach a path; the job name cannot leave runs/; a manifest entry cannot point
-  outside RUN_DIR/shards; a run directory of another job (or not a run directory) is refused and
-  left untouched, and --restart moves it aside rather than deleting it.
+- row ids never reach a path; the job name cannot leave runs/; a shard record cannot lead
+  outside RUN_DIR/shards (`..`, an absolute path, a link), for any command that reads it; a run
+  directory of another job (or not a run directory) is refused and left untouched; --restart
+  moves aside, rather than deleting, only a run, and a failed move loses nothing.
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ def test_ids_never_become_paths(tmp_path, llama):
     new = sorted(set(after) - set(before))
     assert all(p == "run" or p.startswith("run/") for p in new), new
     inside = sorted(p for p in new if p != "run")
-    assert inside == ["run/job.yaml", "run/manifest.json", "run/progress.jsonl", "run/shards"] + [
+    assert inside == ["run/commits.jsonl", "run/job.yaml", "run/manifest.json", "run/progress.jsonl", "run/shards"] + [
         f"run/shards/part-{i:05d}.parquet" for i in range(4)]
     assert {k: v for k, v in after.items() if k in before} == before
     assert sorted(r["id"] for r in read_output(tmp_path / "run")) == sorted(EVIL_IDS)
@@ -278,3 +279,80 @@ def test_directory_that_is_not_a_run_is_never_touched(tmp_path, llama, data):
     out = cli("run", job)
     assert out.exit_code == 2 and "is not a run directory" in out.output, out.output
     assert tree(run) == before
+    assert "--restart" not in out.output  # it would be refused: see below
+
+
+NOT_RUNS = {
+    "a project": {"src/code.py": "print('precious')", "README.md": "# project"},
+    "a folder of inputs": {"in.parquet": "PAR1", "more/in2.jsonl": "{}"},
+    "a web app's manifest": {"manifest.json": '{"name": "app", "start_url": "/"}', "index.html": "<html>"},
+    "a torn manifest beside other files": {"manifest.json": '{"fingerprint": "ab', "notes.txt": "mine"},
+}
+
+
+@pytest.mark.parametrize("kind", list(NOT_RUNS))
+def test_restart_moves_aside_only_a_run(tmp_path, llama, data, kind):
+    """--restart renames output.dir only when it is a run (our manifest, or nothing but our own
+    files); a project root, $HOME or a folder of inputs is refused (exit 2) and left as it is."""
+    out_dir = tmp_path / "target"
+    for name, text in NOT_RUNS[kind].items():
+        (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (out_dir / name).write_text(text)
+    job = write_job(tmp_path / "job.yaml", job_dict(llama, data, out_dir))
+    before = tree(tmp_path)
+    for args in ((), ("--restart",)):
+        out = cli("run", job, "-q", *args)
+        assert out.exit_code == 2, out.output
+        assert str(out_dir) in out.output and "point output.dir at a new or empty directory" in out.output.lower()
+        assert "pass --restart" not in out.output, out.output
+        assert tree(tmp_path) == before
+    assert "--restart moves aside only a run directory" in out.output and "nothing was moved" in out.output
+
+
+def test_restart_says_where_the_run_went_and_a_failed_move_loses_nothing(tmp_path, llama, data):
+    run = tmp_path / ("r" * 240)  # the name with .old-STAMP appended is too long for the file system
+    job = write_job(tmp_path / "job.yaml", job_dict(llama, data, run, generation={"max_tokens": 2}))
+    assert cli("run", job, "-q").exit_code == 0
+    before = tree(tmp_path)
+    out = cli("run", job, "--restart")
+    assert out.exit_code == 2, out.output
+    assert f"--restart: cannot move {run} aside to {run}.old-" in out.output
+    assert "nothing was moved or deleted" in out.output and "Traceback" not in out.output
+    assert tree(tmp_path) == before
+    short = tmp_path / "run"
+    run.rename(short)
+    job = write_job(tmp_path / "job.yaml", job_dict(llama, data, short, generation={"max_tokens": 2}))
+    out = cli("run", job, "--restart")
+    assert out.exit_code == 0, out.output
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
+    assert len(aside) == 1 and f"--restart: moved the previous run to {aside[0]}" in out.output
+
+
+def _point_out(run: Path, outside: Path, how: str) -> str:
+    log = run / "commits.jsonl"
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    shard = run / recs[0]["file"]
+    shutil.copy(shard, outside)  # the same bytes: only where the record leads is wrong
+    if how == "link":
+        shard.unlink()
+        shard.symlink_to(outside)
+        return "part-00000.parquet: a link to"
+    recs[0]["file"] = "../outside.parquet" if how == "relative" else str(outside)
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return "is not a shard of this run directory"
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute", "link"])
+def test_every_reader_refuses_a_shard_outside_the_run(tmp_path, llama, data, how):
+    """run, validate, status, report and export read a shard only inside RUN_DIR/shards."""
+    run = tmp_path / "run"
+    job = write_job(tmp_path / "job.yaml", job_dict(llama, data, run, generation={"max_tokens": 2},
+                                                    output={"shard_rows": 2}))
+    assert cli("run", job, "-q").exit_code == 0
+    expected = _point_out(run, tmp_path / "outside.parquet", how)
+    before = tree(tmp_path)
+    for args in (("run", job, "-q"), ("validate", job), ("status", run), ("report", run, "--out", tmp_path / "rep"),
+                 ("export", run, "--format", "jsonl", "--out", tmp_path / "out.jsonl")):
+        out = cli(*args)
+        assert out.exit_code == 2 and expected in out.output, (args, out.output)
+        assert tree(tmp_path) == before

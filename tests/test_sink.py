@@ -1,4 +1,5 @@
-"""Shards and the manifest: fixed schema, atomic commits, verification and cleanup on start."""
+"""Shards, the manifest and the commit log: fixed schema, commits that append one line, what a
+resume and an export verify, cleanup on start, and runs written in the earlier format."""
 
 import json
 import os
@@ -8,10 +9,11 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.io.checkpoint import RunDir, read_manifest, totals
+from pipelines.io.checkpoint import RunDir, read_manifest, totals, verify_shards
 from pipelines.errors import JobError
 from pipelines.job.fingerprint import fingerprint, sha256_file
 from pipelines.io.columns import OUTPUT_COLUMNS, output_schema
+from jobkit import flip_column_byte
 from pipelines.io.sink import ShardWriter, empty_row
 
 PARTS = {"generation.max_tokens": "8", "input.files": "abc"}
@@ -115,21 +117,37 @@ def test_leftovers_from_a_kill_are_removed(tmp_path):
     run.close()
 
 
-def test_missing_or_corrupt_recorded_shard_refuses(tmp_path):
+def two_shards(run_dir):
+    """A run of two one-row shards (rows 0 and 1), closed."""
     schema = output_schema()
-    run, _ = open_run(tmp_path / "run")
+    run, _ = open_run(run_dir)
     sink = ShardWriter(run, schema, shard_rows=1)
     sink.add(row(schema, 0))
     sink.add(row(schema, 1))
     run.close()
+    return schema
+
+
+def test_missing_or_corrupt_recorded_shard_refuses(tmp_path):
+    """A resume reads the keys (page checksums verified) but hashes no shard; export hashes each."""
+    two_shards(tmp_path / "run")
     shard = tmp_path / "run" / "shards" / "part-00001.parquet"
-    data = bytearray(shard.read_bytes())
-    data[10] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    with pytest.raises(JobError, match="part-00001.parquet: checksum does not match"):
+    good = shard.read_bytes()
+    flip_column_byte(shard, "completion")  # bytes a resume does not read
+    run, _ = open_run(tmp_path / "run")
+    assert run.committed_keys() == {(0, 0), (1, 0)}
+    run.close()
+    with pytest.raises(JobError, match="part-00001.parquet: its sha256 does not match commits.jsonl"):
+        verify_shards(str(tmp_path / "run"), read_manifest(str(tmp_path / "run")), checksums=True)
+    shard.write_bytes(good)
+    flip_column_byte(shard, "row")  # a key: caught by the page checksum
+    with pytest.raises(JobError, match="part-00001.parquet: unreadable as a shard .*checksum"):
+        open_run(tmp_path / "run")
+    shard.write_bytes(good[:-1])
+    with pytest.raises(JobError, match=r"part-00001.parquet: \d+ bytes, commits.jsonl records \d+; the shard is torn"):
         open_run(tmp_path / "run")
     shard.unlink()
-    with pytest.raises(JobError, match="part-00001.parquet: recorded in manifest.json but missing"):
+    with pytest.raises(JobError, match="part-00001.parquet: recorded in commits.jsonl but missing"):
         open_run(tmp_path / "run")
     run, messages = open_run(tmp_path / "run", restart=True)
     assert run.shards == [] and any("moved the previous run" in m for m in messages)
@@ -166,3 +184,123 @@ def test_config_knows_the_output_column_names():
     from pipelines.job.columns import OUTPUT_COLUMN_NAMES
 
     assert tuple(n for n, _ in OUTPUT_COLUMNS) == OUTPUT_COLUMN_NAMES
+
+
+def test_a_commit_appends_one_line_and_rewrites_nothing(tmp_path):
+    """The cost of a commit does not grow with the run: the shard plus one line of commits.jsonl."""
+    schema = output_schema()
+    run, _ = open_run(tmp_path / "run")
+    manifest, log = tmp_path / "run" / "manifest.json", tmp_path / "run" / "commits.jsonl"
+    before = (manifest.stat().st_ino, manifest.stat().st_mtime_ns, manifest.read_bytes())
+    sink = ShardWriter(run, schema, shard_rows=1)
+    sizes = [log.stat().st_size]
+    for i in range(5):
+        sink.add(row(schema, i))
+        sizes.append(log.stat().st_size)
+    run.close()
+    assert (manifest.stat().st_ino, manifest.stat().st_mtime_ns, manifest.read_bytes()) == before
+    lines = log.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and [json.loads(x) for x in lines[:-1]] == read_manifest(str(tmp_path / "run"))["shards"]
+    assert [b - a for a, b in zip(sizes, sizes[1:])] == [len(x) + 1 for x in lines[:-1]]
+    assert "shards" not in json.loads(manifest.read_text())
+
+
+def test_an_interrupted_commit_is_no_commit_and_is_cut_on_start(tmp_path):
+    """A power cut mid-append leaves a last line without its newline: readers ignore it, the next
+    start cuts it off and deletes its shard, and commits go on from there."""
+    schema = output_schema()
+    run, _ = open_run(tmp_path / "run")
+    sink = ShardWriter(run, schema, shard_rows=1)
+    sink.add(row(schema, 0))
+    sink.add(row(schema, 1))
+    run.close()
+    shards, log = tmp_path / "run" / "shards", tmp_path / "run" / "commits.jsonl"
+    whole = log.read_bytes()
+    (shards / "part-00002.parquet").write_bytes((shards / "part-00001.parquet").read_bytes())
+    record = json.loads(whole.split(b"\n")[1])
+    log.write_bytes(whole + json.dumps({**record, "file": "shards/part-00002.parquet"}).encode()[:40])
+    assert len(read_manifest(str(tmp_path / "run"))["shards"]) == 2
+    run, messages = open_run(tmp_path / "run")
+    assert log.read_bytes() == whole and sorted(os.listdir(shards)) == ["part-00000.parquet", "part-00001.parquet"]
+    assert any("cut an incomplete last line" in m for m in messages)
+    assert run.committed_keys() == {(0, 0), (1, 0)}
+    ShardWriter(run, schema, shard_rows=1).add(row(schema, 2))
+    run.close()
+    m = read_manifest(str(tmp_path / "run"))
+    assert [e["file"] for e in m["shards"]][-1] == "shards/part-00002.parquet" and len(m["shards"]) == 3
+
+
+def test_a_damaged_commit_line_is_refused(tmp_path):
+    two_shards(tmp_path / "run")
+    log = tmp_path / "run" / "commits.jsonl"
+    lines = log.read_bytes().split(b"\n")
+    log.write_bytes(b"\n".join([lines[0], lines[1][:30], *lines[2:]]))
+    with pytest.raises(JobError, match="commits.jsonl line 2: not a commit record"):
+        open_run(tmp_path / "run")
+    log.unlink()
+    with pytest.raises(JobError, match="commits.jsonl: missing, so which shards were committed is unknown"):
+        open_run(tmp_path / "run")
+
+
+def to_format_1(run_dir):
+    """The layout earlier versions wrote: every shard record inside manifest.json, no commit log."""
+    m = json.loads((run_dir / "manifest.json").read_text())
+    log = run_dir / "commits.jsonl"
+    m.update(format=1, shards=[json.loads(x) for x in log.read_text().splitlines()])
+    (run_dir / "manifest.json").write_text(json.dumps(m, indent=1, sort_keys=True))
+    log.unlink()
+    return m["shards"]
+
+
+def test_a_run_of_the_earlier_format_is_read_and_resumed(tmp_path):
+    from pipelines.cli.status import run_status
+
+    schema = output_schema()
+    run_dir = tmp_path / "run"
+    run, _ = open_run(run_dir)
+    sink = ShardWriter(run, schema, shard_rows=2)
+    for i in range(4):
+        sink.add(row(schema, i))
+    run.close()
+    records = to_format_1(run_dir)
+    assert read_manifest(str(run_dir))["shards"] == records  # status, report and export read it as it is
+    assert run_status(str(run_dir))["shards"] == 2
+    (run_dir / "commits.jsonl").write_text('{"file": "shards/part-0')  # a conversion cut short by a crash
+    run, _ = open_run(run_dir)
+    assert run.committed_keys() == {(i, 0) for i in range(4)}
+    ShardWriter(run, schema, shard_rows=1).add(row(schema, 4))
+    run.close()
+    header = json.loads((run_dir / "manifest.json").read_text())
+    assert header["format"] == 2 and "shards" not in header
+    m = read_manifest(str(run_dir))
+    assert m["shards"][:2] == records and m["shards"][2]["file"] == "shards/part-00002.parquet"
+    (run_dir / "manifest.json").write_text(json.dumps({**header, "format": 3}))
+    with pytest.raises(JobError, match="format 3, which this mtplx-batch does not read"):
+        open_run(run_dir)
+
+
+def test_rows_outside_the_input_and_an_output_dir_that_is_a_file_are_refused(tmp_path):
+    schema = output_schema()
+    run, _ = open_run(tmp_path / "run")
+    run.update(input_rows=2, samples=1)
+    sink = ShardWriter(run, schema, shard_rows=1)
+    sink.add(row(schema, 0))
+    sink.add(row(schema, 5))  # a row the input does not have: a shard from another run, say
+    run.close()
+    with pytest.raises(JobError, match=r"part-00001.parquet: holds row 5 sample 0, outside the input \(2 rows x 1"):
+        open_run(tmp_path / "run")
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(JobError, match="output.dir .*file exists and is not a directory"):
+        open_run(tmp_path / "file")
+
+
+def test_manifest_benchmark_runs_and_counts_a_constant_cost(tmp_path, capsys):
+    from benchmarks import manifest as bench
+
+    res = bench.main(["--shards", "4", "--rows", "2", "--chars", "40", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "bytes written per commit" in out and "resume" in out
+    shards = sorted((tmp_path / "run" / "shards").iterdir())
+    lines = (tmp_path / "run" / "commits.jsonl").read_bytes().splitlines(keepends=True)
+    assert len(shards) == len(lines) == 4
+    assert res["total_bytes"] == sum(p.stat().st_size for p in shards) + sum(map(len, lines))

@@ -163,3 +163,31 @@ def test_hf_saved_dataset_and_local_files(tmp_path):
     assert datas(rows) == ROWS
     with pytest.raises(JobError, match="cannot load"):
         open_source(InputConfig(path=str(tmp_path / "no_such_dataset_dir"), format="hf"), None)
+
+
+def test_hf_resume_refuses_a_dataset_that_moved(tmp_path, tiny_model):
+    """The revision `datasets` resolved is pinned (a saved dataset's fingerprint; on the Hub, the
+    commit): a resume over changed data is refused by name instead of re-keying the rows."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from jobkit import job_dict, write_job
+    from pipelines.cli.commands import main
+
+    datasets = pytest.importorskip("datasets")
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(saved))
+    before = datasets.load_from_disk(str(saved))._fingerprint
+    job = write_job(tmp_path / "job.yaml", job_dict(tiny_model("llama"), saved, tmp_path / "run", fmt="hf",
+                                                    generation={"max_tokens": 2}))
+    cli = lambda *a: CliRunner().invoke(main, [str(x) for x in a], catch_exceptions=False)  # noqa: E731
+    assert cli("run", job, "-q", "--limit", "3").exit_code == 0
+    shutil.rmtree(saved)  # the data changes: one prompt edited, the dataset saved again in its place
+    datasets.Dataset.from_list([{**r, "prompt": "edited"} if r["id"] == "r5" else r for r in ROWS]).save_to_disk(str(saved))
+    after = datasets.load_from_disk(str(saved))._fingerprint
+    assert after != before
+    for cmd in ("run", "validate"):
+        out = cli(cmd, job)
+        assert out.exit_code == 2, out.output
+        assert f"input.revision (was {before}, now {after})" in out.output, out.output

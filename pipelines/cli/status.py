@@ -1,4 +1,4 @@
-"""`status`: progress of a run from its manifest alone (no shard is opened)."""
+"""`status`: progress of a run from its manifest alone (each shard is checked to be there, none is read)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ from typing import Dict, Optional
 
 from mtplx.request import tokens_per_verify
 
-from ..io.checkpoint import planned_outputs, read_manifest, totals
+from ..io.checkpoint import check_unread, planned_outputs, read_manifest, totals
 
 
 def run_status(run_dir: str) -> Dict:
     m = read_manifest(run_dir)
+    check_unread(run_dir, m)
     t = totals(m)
     expected = planned_outputs(m)
     left = None if expected is None else max(expected - t["rows"], 0)

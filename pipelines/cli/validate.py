@@ -11,10 +11,10 @@ from typing import List, Optional, Tuple
 
 import os
 
-from ..io.checkpoint import MANIFEST, OWN_FILES, _shard_files, read_manifest, totals, verify_shards
+from ..io.checkpoint import check_run_dir, totals, verify_shards
 from ..job.config import JobConfig
 from ..errors import JobError
-from ..job.fingerprint import diff_fingerprint_parts, fingerprint, fingerprint_parts, refusal_note
+from ..job.fingerprint import fingerprint_parts
 from ..io.job_input import open_job
 from ..io.rows import prepare
 from ..execution.opening import load_tokenizer, model_max_context, resolve_model_dir
@@ -57,7 +57,8 @@ def validate_job(job: JobConfig, limit: Optional[int] = None) -> ValidationRepor
     max_context = model_max_context(job)
     rep = ValidationReport(job=job.name, files=len(prep.source.files), max_context=max_context,
                            samples=job.generation.n, max_tokens=job.generation.max_tokens)
-    rep.run_dir, rep.refused = _run_dir_state(job, fingerprint_parts(job, model_dir, prep.source.files))
+    rep.run_dir, rep.refused = _run_dir_state(job, fingerprint_parts(job, model_dir, prep.source.files,
+                                                                      prep.source.revision))
     for item in prepare(prep.source.rows(), prep.renderer, job.input.id_column, job.output.keep_columns,
                         max_context, prep.check_keep, limit):
         rep.rows += 1
@@ -74,23 +75,13 @@ def validate_job(job: JobConfig, limit: Optional[int] = None) -> ValidationRepor
 
 
 def _run_dir_state(job: JobConfig, parts) -> Tuple[str, bool]:
+    """What `run` would do with output.dir: the same checks, read-only."""
     out = job.output.dir
-    if not os.path.exists(os.path.join(out, MANIFEST)):
-        if os.path.isdir(out) and set(os.listdir(out)) - OWN_FILES:
-            return f"{out} exists and is not a run directory: run would refuse it (or --restart)", True
-        if os.path.isdir(out) and _shard_files(out):
-            return f"{out} holds shards but no {MANIFEST}: run would refuse it (or --restart)", True
-        return f"{out}: a new run", False
     try:
-        m = read_manifest(out)
-    except JobError as e:
-        return str(e), True
-    if m.get("fingerprint") != fingerprint(parts):
-        changed = diff_fingerprint_parts(m.get("fingerprint_parts", {}), parts)
-        return f"{out} holds a run of a different job (changed: {', '.join(changed)}){refusal_note(changed)}: " \
-               "run would refuse it unless --restart", True
-    try:
-        verify_shards(out, m)  # read-only: what run would refuse on opening the directory
+        m = check_run_dir(os.path.abspath(out), parts)
+        if m is None:
+            return f"{out}: a new run", False
+        verify_shards(os.path.abspath(out), m)
     except JobError as e:
         return f"run would refuse it: {e}", True
     return f"{out}: run would resume ({totals(m)['rows']} output rows already committed)", False

@@ -18,8 +18,8 @@ def local_rows(session, engine=None) -> Iterator[Tuple[Dict[str, Any], bool]]:
         session.startup.engine_loaded(engine)
     else:
         session.startup.engine = engine
-    if hasattr(engine, "profile_file"):  # which calibration this run used: in the manifest from the next commit
-        session.run.manifest.update(calibration=engine.profile_file, max_batch=engine.max_batch)
+    if hasattr(engine, "profile_file"):  # which calibration this run used, in the manifest
+        session.run.update(calibration=engine.profile_file, max_batch=engine.max_batch)
         if engine.profile_file or str(job.schedule.max_batch) == "auto":
             session.log(f"calibration: {engine.profile_file or 'none (mtplx-batch calibrate MODEL makes one)'}; "
                         f"max_batch {engine.max_batch}")
@@ -33,11 +33,11 @@ def local_rows(session, engine=None) -> Iterator[Tuple[Dict[str, Any], bool]]:
                                on_submit=session.progress.submitted)
         bank = getattr(engine, "bank", None)
         if bank is not None:  # this session's compiled-verify figures (capture backend, budget, restored tokens)
-            session.run.manifest.update(compiled_verify={k: v for k, v in bank.stats.items() if k != "fallback_reasons"})
+            session.run.update(compiled_verify={k: v for k, v in bank.stats.items() if k != "fallback_reasons"})
         drafts = getattr(getattr(engine, "drafter", None), "bank", None)
         if drafts is not None:  # the drafter's compiled programs (an MTP head's, a draft model's)
-            session.run.manifest.update(compiled_drafts={k: v for k, v in drafts.stats.items()
-                                                         if isinstance(v, (int, float))})
+            session.run.update(compiled_drafts={k: v for k, v in drafts.stats.items()
+                                                if isinstance(v, (int, float))})
     finally:
         if hook:
             engine.on_progress = None

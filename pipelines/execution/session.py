@@ -4,7 +4,7 @@
                    run directory (RunDir.prepare: create, resume or refuse), count what is done
     executor       the stream of output rows still to do: `local_rows` (one engine here) or
                    `ray_rows` (Ray Data actors); each reads the job through `work.plan`
-    ShardWriter    every output row, committed shard by shard through the manifest
+    ShardWriter    every output row, committed shard by shard (RunDir.record_shard)
     Progress       counts, JSON lines, the caller's bars; RunSummary: what this session did
 
 The pipeline is a chain of generators, so rows stream through and only one ordering window
@@ -174,7 +174,7 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
     prep = open_job(job, tokenizer)  # every fatal input problem is refused here, before any write
     if hasattr(prep.renderer, "warn"):
         prep.renderer.warn = log  # openai-batch: one line per ignored request field
-    parts = fingerprint_parts(job, resolve_model_dir(job), prep.source.files)
+    parts = fingerprint_parts(job, resolve_model_dir(job), prep.source.files, prep.source.revision)
     total_rows = prep.source.count_rows()  # reads the input to the end: refuses a truncated file before any write
     with RunDir.prepare(job.output.dir, job.to_yaml(), parts, restart=restart, log=log) as run:
         committed = run.committed_keys()

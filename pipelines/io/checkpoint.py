@@ -2,13 +2,28 @@
 
 Layout (RUN_DIR = output.dir):
     job.yaml        the resolved job (absolute paths), what `resume RUN_DIR` runs
-    manifest.json   fingerprint, versions, and the committed shards with row counts and checksums
+    manifest.json   fingerprint, versions, sessions, input counts; rewritten atomically (temp,
+                    fsync, rename, directory fsync) when a session opens or these change, never per shard
+    commits.jsonl   the committed shards, one line each: file, rows, bytes, sha256, counters
     shards/part-NNNNN.parquet
 
-Only shards recorded in the manifest count. A shard is written to a temp name, fsynced, renamed,
-and then recorded by rewriting the manifest atomically (temp + fsync + rename + dir fsync). A
-kill at any point leaves either a recorded shard or a leftover file, which the next start
-deletes (its rows are simply generated again). Row ids are never used in file names.
+A commit costs the same at the first shard as at the ten-thousandth: the shard is written to a
+temp name, fsynced and renamed (its directory fsynced), then its line is appended to
+commits.jsonl and the log fsynced; that fsync is the commit. Only recorded shards count. A kill
+or a power cut leaves either a shard file that no line records, which the next start deletes
+(its rows are generated again), or a last line without its newline (a commit that never
+returned), which readers ignore and the next start cuts off. Row ids are never used in file names.
+
+What is checked, and by whom:
+- every reader (run, validate, status, report, export): each record's form (a name
+  shards/part-NNNNN.parquet, counts that are counts, a sha256, no shard recorded twice), and
+  that each shard is a regular file of its recorded size inside RUN_DIR/shards, not a link out
+  of it; `status`, which reads no shard, also that the records count no more rows than the input has;
+- a resume (run, validate) also reads every shard's (row, sample) keys, with the pages' own
+  checksums verified: their number must be the recorded one, none committed twice, none outside
+  the input. It does not hash the shards: each was fsynced before its commit, and the bytes a
+  resume does not read (the completions) cannot change which rows it skips;
+- report and export also check each shard's sha256 before using any of its rows.
 """
 
 from __future__ import annotations
@@ -20,24 +35,33 @@ import os
 import platform
 import re
 import shutil
+import stat
 import time
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import JobError, RunError
 from ..job.columns import SUMMED_COLUMNS
-from ..job.fingerprint import diff_fingerprint_parts, fingerprint, refusal_note, sha256_file
-from .fsutil import atomic_write, make_dirs
+from ..job.fingerprint import describe_changes, diff_fingerprint_parts, fingerprint, refusal_note, sha256_file
+from . import faults
+from .fsutil import atomic_write, fsync_path, make_dirs
 
 MANIFEST = "manifest.json"
+COMMITS = "commits.jsonl"
 JOB_FILE = "job.yaml"
 SHARDS = "shards"
 LOCK = ".lock"
 PROGRESS_FILE = "progress.jsonl"  # throughput over time, written by the session (execution/progress.py)
-MANIFEST_FORMAT = 1
-OWN_FILES = {MANIFEST, JOB_FILE, SHARDS, LOCK, PROGRESS_FILE, MANIFEST + ".tmp", JOB_FILE + ".tmp"}
-SHARD_FILE = re.compile(r"shards/part-\d{5,}\.parquet")  # the only names a manifest may record
+MANIFEST_FORMAT = 2  # format 1 listed the shards inside manifest.json: still read, and converted on resume
+OWN_FILES = {MANIFEST, COMMITS, JOB_FILE, SHARDS, LOCK, PROGRESS_FILE,
+             MANIFEST + ".tmp", COMMITS + ".tmp", JOB_FILE + ".tmp"}
+SHARD_FILE = re.compile(r"shards/part-[0-9]{5,}\.parquet")  # the only names a record may hold
+SHA256 = re.compile(r"[0-9a-f]{64}")
+RESTART = "start over with --restart (the old run is moved aside, not deleted)"
 
 
 def io_failure(e: OSError, what: str) -> RunError:
@@ -60,216 +84,247 @@ def versions() -> Dict[str, str]:
     return out
 
 
-def read_manifest(run_dir: str) -> Dict:
+# ------------------------------------------------------------------------------ reading
+def _read_own(path: str) -> bytes:
+    """A file of the run directory itself, never through a symbolic link."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _is_header(obj) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("fingerprint"), str) and \
+        isinstance(obj.get("fingerprint_parts"), dict)
+
+
+def is_run(path: str) -> bool:
+    """Whether the directory `path` is a run: it holds an mtplx-batch manifest.json, or nothing
+    but the files a run writes (a run just begun, or one whose manifest was lost)."""
+    names = set(os.listdir(path))
+    if names <= OWN_FILES:
+        return True
+    try:
+        return _is_header(json.loads(_read_own(os.path.join(path, MANIFEST))))
+    except (OSError, ValueError):
+        return False
+
+
+def _damaged(run_dir: str) -> str:
+    """The end of a refusal of a damaged manifest: the fix, which depends on whether this is a run."""
+    if is_run(run_dir):
+        return f"the run directory is damaged, {RESTART}"
+    return f"{run_dir} is not a run directory: point output.dir at a new or empty directory"
+
+
+def read_commits(run_dir: str) -> Tuple[List, int]:
+    """The records in commits.jsonl, and the length of its complete lines. A last line without
+    its newline is a commit that never returned (a kill or a power cut mid-append): not a commit."""
+    path = os.path.join(run_dir, COMMITS)
+    try:
+        data = _read_own(path)
+    except FileNotFoundError:
+        raise JobError(f"{path}: missing, so which shards were committed is unknown; restore it, or {RESTART}")
+    except OSError as e:
+        raise JobError(f"{path}: unreadable ({e}); restore it, or {RESTART}")
+    end = data.rfind(b"\n") + 1
+    records = []
+    for n, line in enumerate(data[:end].split(b"\n")[:-1], 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            raise JobError(f"{path} line {n}: not a commit record; the run directory is damaged. Delete the "
+                           f"line (a resume then generates that shard's rows again), or {RESTART}") from None
+    return records, end
+
+
+def _load(run_dir: str) -> Tuple[Dict, Optional[int]]:
+    """(manifest with its shard records under "shards", length of the log's complete lines or
+    None for a format-1 run, whose records are in manifest.json)."""
     path = os.path.join(run_dir, MANIFEST)
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        header = json.loads(_read_own(path))
     except FileNotFoundError:
         raise JobError(f"{run_dir}: no {MANIFEST}; not a run directory (run a job first: mtplx-batch run JOB.yaml)")
     except (OSError, ValueError) as e:
-        raise JobError(f"{path}: unreadable ({e}); the run directory is damaged, start over with --restart")
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards"), list):
-        raise JobError(f"{path}: not a manifest (no list of shards); the run directory is damaged, "
-                       "start over with --restart")
-    return manifest
+        raise JobError(f"{path}: unreadable ({e}); {_damaged(run_dir)}")
+    if not _is_header(header):
+        raise JobError(f"{path}: not a manifest of mtplx-batch (no fingerprint); {_damaged(run_dir)}")
+    fmt = header.get("format")
+    if fmt == 1:
+        if not isinstance(header.get("shards"), list):
+            raise JobError(f"{path}: not a manifest (no list of shards); {_damaged(run_dir)}")
+        manifest, end = header, None
+    elif fmt == MANIFEST_FORMAT:
+        records, end = read_commits(run_dir)
+        manifest = {**header, "shards": records}
+    else:
+        raise JobError(f"{path}: format {fmt!r}, which this mtplx-batch does not read (formats 1 and "
+                       f"{MANIFEST_FORMAT}); use the mtplx-batch that wrote it, or a newer one")
+    check_records(run_dir, manifest)
+    return manifest, end
 
 
-def _aside_name(path: str) -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    candidate, k = f"{path}.old-{stamp}", 1
-    while os.path.exists(candidate):
-        k += 1
-        candidate = f"{path}.old-{stamp}-{k}"
-    return candidate
+def read_manifest(run_dir: str) -> Dict:
+    """manifest.json, with the committed shards' records under "shards", each checked for form
+    (`check_records`); JobError naming the file and the fix otherwise. Opens no shard."""
+    return _load(run_dir)[0]
 
 
-class RunDir:
-    def __init__(self, path: str, manifest: Dict, lock_fd: int):
-        self.path = path
-        self.manifest = manifest
-        self._lock_fd = lock_fd
-        self._keys = None  # committed (row, sample) keys as verified on opening
-
-    # ---------------------------------------------------------------- opening
-    @classmethod
-    def prepare(cls, path: str, job_yaml: str, parts: Dict[str, str], restart: bool = False,
-                log: Callable[[str], None] = print) -> "RunDir":
-        """Open RUN_DIR for this job: create, resume, refuse, or (with restart) start over."""
-        path = os.path.abspath(path)
-        fp = fingerprint(parts)
-        if os.path.isdir(path) and os.listdir(path):
-            has_manifest = os.path.exists(os.path.join(path, MANIFEST))
-            if restart:
-                fd = cls._lock(path)
-                aside = _aside_name(path)
-                os.rename(path, aside)
-                os.close(fd)
-                log(f"--restart: moved the previous run to {aside}")
-            elif has_manifest:
-                old = read_manifest(path)
-                if old.get("fingerprint") != fp:
-                    changed = diff_fingerprint_parts(old.get("fingerprint_parts", {}), parts)
-                    raise JobError(
-                        f"{path} holds a run of a different job; changed: {', '.join(changed) or 'fingerprint'}"
-                        f"{refusal_note(changed)}. "
-                        "Use another output.dir, undo the change, or pass --restart to move the old run "
-                        "aside and start over"
-                    )
-            elif set(os.listdir(path)) - OWN_FILES:
-                raise JobError(
-                    f"output.dir {path} exists and is not a run directory (no {MANIFEST}); "
-                    "choose an empty or new directory, or pass --restart to move it aside"
-                )
-            elif _shard_files(path):
-                # Shards are only written after the manifest exists, so this is damage (a deleted
-                # manifest), not an interrupted run: which shards were committed is unknown.
-                raise JobError(
-                    f"{path} holds shards but no {MANIFEST}, so which of them were committed is unknown; "
-                    "restore the manifest, or pass --restart to move this run aside and start over"
-                )
-        make_dirs(os.path.join(path, SHARDS))  # fsyncs the parents: a power cut cannot lose the run directory
-        fd = cls._lock(path)
-        manifest_path = os.path.join(path, MANIFEST)
-        if os.path.exists(manifest_path):
-            try:
-                manifest = read_manifest(path)
-            except JobError:
-                os.close(fd)
-                raise
-        else:
-            manifest = {
-                "format": MANIFEST_FORMAT,
-                "fingerprint": fp,
-                "fingerprint_parts": parts,
-                "created": time.time(),
-                "input_rows": None,
-                "samples": None,
-                "shards": [],
-            }
-        run = cls(path, manifest, fd)
-        try:
-            run._verify(log)
-            manifest["versions"] = versions()
-            manifest.setdefault("sessions", []).append({"started": time.time(), "pid": os.getpid()})
-            try:
-                atomic_write(os.path.join(path, JOB_FILE), job_yaml.encode("utf-8"), fault="job")
-            except OSError as e:
-                raise io_failure(e, os.path.join(path, JOB_FILE)) from e
-            run._save()
-        except BaseException:
-            run.close()
-            raise
-        return run
-
-    @staticmethod
-    def _lock(path: str) -> int:
-        fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise JobError(f"{path} is in use by another mtplx-batch process; wait for it or stop it first")
-        return fd
-
-    def _verify(self, log: Callable[[str], None]) -> None:
-        self._keys = verify_shards(self.path, self.manifest)
-        recorded = {os.path.basename(e["file"]) for e in self.manifest["shards"]}
-        shard_dir = os.path.join(self.path, SHARDS)
-        for name in sorted(os.listdir(shard_dir)):
-            if name not in recorded:
-                p = os.path.join(shard_dir, name)
-                if os.path.isdir(p):
-                    shutil.rmtree(p)
-                else:
-                    os.remove(p)
-                log(f"removed {p}: written but never committed by an earlier, interrupted run")
-        for tmp in (MANIFEST + ".tmp", JOB_FILE + ".tmp"):
-            if os.path.exists(os.path.join(self.path, tmp)):
-                os.remove(os.path.join(self.path, tmp))
-
-    # ---------------------------------------------------------------- state
-    @property
-    def shards(self) -> List[Dict]:
-        return self.manifest["shards"]
-
-    def committed_keys(self) -> Set[Tuple[int, int]]:
-        """(row, sample) of every committed output row (checked when the run directory opened)."""
-        if self._keys is None:
-            self._keys = verify_shards(self.path, self.manifest)
-        return set(self._keys)
-
-    def next_shard_file(self) -> str:
-        n = max((int(e["file"].rsplit("-", 1)[1].split(".")[0]) for e in self.shards), default=-1) + 1
-        return f"{SHARDS}/part-{n:05d}.parquet"
-
-    def record_shard(self, entry: Dict) -> None:
-        self._keys = None
-        self.manifest["shards"].append(entry)
-        try:
-            self._save()
-        except BaseException:
-            self.manifest["shards"].pop()  # not on disk: the next start deletes the shard file
-            raise
-
-    def update(self, **fields) -> None:
-        self.manifest.update(fields)
-        self._save()
-
-    def _save(self) -> None:
-        self.manifest["updated"] = time.time()
-        data = json.dumps(self.manifest, indent=1, sort_keys=True).encode("utf-8")
-        try:
-            atomic_write(os.path.join(self.path, MANIFEST), data, fault="manifest")
-        except OSError as e:
-            raise io_failure(e, os.path.join(self.path, MANIFEST)) from e
-
-    def close(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing drops the flock
-            self._lock_fd = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+def record_file(manifest: Dict) -> str:
+    """The file that holds the shard records."""
+    return MANIFEST if manifest.get("format") == 1 else COMMITS
 
 
-def verify_shards(path: str, manifest: Dict) -> Set[Tuple[int, int]]:
-    """Read-only check of every shard the manifest records: a name inside RUN_DIR/shards, the
-    file present with its recorded size and checksum, its row count as recorded, and no
-    (row, sample) in two shards. Returns the committed (row, sample) keys; JobError otherwise."""
-    keys: Set[Tuple[int, int]] = set()
-    where: Dict[Tuple[int, int], str] = {}
-    fix = "start over with --restart (the old run is moved aside, not deleted)"
-    for entry in manifest["shards"]:
+def counters() -> Tuple[str, ...]:
+    """The per-shard figures a record carries besides its rows, which `status` sums."""
+    return ("errors", *SUMMED_COLUMNS, "elapsed")
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
+def check_records(run_dir: str, manifest: Dict) -> None:
+    """The form of the manifest's counts and of every shard record: a file named
+    shards/part-NNNNN.parquet (nothing else is ever opened), counts that are counts, a sha256, no
+    file recorded twice."""
+    where = os.path.join(run_dir, record_file(manifest))
+    sessions = manifest.get("sessions", [])
+    bad = [k for k in ("input_rows", "planned_rows", "samples", "limit")
+           if manifest.get(k) is not None and not _count(manifest[k])]
+    bad += [k for k in ("created", "updated") if k in manifest and not _number(manifest[k])]
+    if not isinstance(sessions, list) or not all(isinstance(s, dict) and _number(s.get("started")) for s in sessions):
+        bad.append("sessions")
+    if bad:
+        raise JobError(f"{os.path.join(run_dir, MANIFEST)}: no valid {', '.join(bad)}; the run directory is damaged, "
+                       f"{RESTART}")
+    seen: Dict[str, int] = {}
+    for n, entry in enumerate(manifest["shards"], 1):
         name = entry.get("file") if isinstance(entry, dict) else None
         if not isinstance(name, str) or not SHARD_FILE.fullmatch(name):
-            raise JobError(f"{os.path.join(path, MANIFEST)}: shard entry {name!r} is not a shard of this run "
-                           f"directory (shards/part-NNNNN.parquet); the manifest is damaged, {fix}")
-        f = os.path.join(path, name)
-        if not os.path.exists(f):
-            raise JobError(f"{f}: recorded in {MANIFEST} but missing; its rows cannot be counted. Restore the "
-                           f"file, or {fix}")
-        size = os.path.getsize(f)
-        if size != entry.get("bytes") or sha256_file(f) != entry.get("sha256"):
-            raise JobError(f"{f}: checksum does not match {MANIFEST}; the shard is torn or corrupt ({size} bytes, "
-                           f"{entry.get('bytes')} recorded). Restore it, or {fix}")
-        t = pq.read_table(f, columns=["row", "sample"])
-        if t.num_rows != entry.get("rows"):
-            raise JobError(f"{f}: holds {t.num_rows} rows, {MANIFEST} says {entry.get('rows')}; the run "
-                           f"directory is damaged, {fix}")
-        for key in zip(t.column("row").to_pylist(), t.column("sample").to_pylist()):
-            if key in keys:
-                raise JobError(
-                    f"{path}: row {key[0]} sample {key[1]} is committed twice ({where[key]} and {name}); the "
-                    "run directory is damaged (a shard copied in by hand?). Remove the extra shard's entry "
-                    f"from {MANIFEST}, or {fix}"
-                )
-            keys.add(key)
-            where[key] = name
-    return keys
+            raise JobError(f"{where}: record {n} names {name!r}, which is not a shard of this run directory "
+                           f"(shards/part-NNNNN.parquet); the run directory is damaged, {RESTART}")
+        bad = [k for k in ("rows", "bytes") if not _count(entry.get(k))]
+        bad += [k for k in (*counters(), "committed") if k in entry and not _number(entry[k])]
+        if not isinstance(entry.get("sha256"), str) or not SHA256.fullmatch(entry["sha256"]):
+            bad.append("sha256")
+        if bad:
+            raise JobError(f"{where}: record {n} ({name}) has no valid {', '.join(bad)}; the run directory is damaged, "
+                           f"{RESTART}")
+        if name in seen:
+            raise JobError(f"{where}: {name} is recorded twice (records {seen[name]} and {n}); the run directory "
+                           f"is damaged. Delete the second record, or {RESTART}")
+        seen[name] = n
+
+
+def _shard_fix(manifest: Dict) -> str:
+    return (f"Restore the file, or delete its record from {record_file(manifest)} (a resume then generates its "
+            f"rows again), or {RESTART}")
+
+
+def shard_path(run_dir: str, entry: Dict, manifest: Dict) -> str:
+    """The path of a recorded shard, once it is a regular file of its recorded size in
+    RUN_DIR/shards (no symbolic link leads out of the run directory)."""
+    f = os.path.join(run_dir, entry["file"])
+    real = os.path.realpath(f)
+    if real != os.path.join(os.path.realpath(run_dir), entry["file"]):
+        raise JobError(f"{f}: a link to {real}; a shard must be a file in {os.path.join(run_dir, SHARDS)}, "
+                       f"and this one is not read. {_shard_fix(manifest)}")
+    try:
+        st = os.stat(f)
+    except FileNotFoundError:
+        raise JobError(f"{f}: recorded in {record_file(manifest)} but missing; its rows cannot be counted. "
+                       f"{_shard_fix(manifest)}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise JobError(f"{f}: not a regular file. {_shard_fix(manifest)}")
+    if st.st_size != entry["bytes"]:
+        raise JobError(f"{f}: {st.st_size} bytes, {record_file(manifest)} records {entry['bytes']}; the shard is "
+                       f"torn or corrupt. {_shard_fix(manifest)}")
+    return f
+
+
+def check_unread(run_dir: str, manifest: Dict) -> None:
+    """What `status` checks, reading no shard: each `shard_path`, and that the records count no
+    more output rows than the input has (input rows x samples), the counts it reports."""
+    for entry in manifest["shards"]:
+        shard_path(run_dir, entry, manifest)
+    rows, samples = manifest.get("input_rows"), manifest.get("samples")
+    total = sum(e["rows"] for e in manifest["shards"])
+    if rows is not None and samples is not None and total > rows * samples:
+        raise JobError(f"{os.path.join(run_dir, record_file(manifest))}: records {total} output rows, more than the "
+                       f"input has ({rows} rows x {samples} samples); the run directory is damaged, {RESTART}")
+
+
+@dataclass
+class Committed:
+    """The committed output rows of a run: each one's (row, sample), shard (index into `files`)
+    and offset in it; `order` sorts them by (row, sample)."""
+
+    files: List[str]
+    row: np.ndarray
+    sample: np.ndarray
+    shard: np.ndarray
+    offset: np.ndarray
+    order: np.ndarray
+
+    def keys(self) -> Set[Tuple[int, int]]:
+        return set(zip(self.row.tolist(), self.sample.tolist()))
+
+
+def _shard_keys(f: str, entry: Dict, manifest: Dict) -> Tuple[np.ndarray, np.ndarray]:
+    """A shard's row and sample columns, its pages' checksums verified (shards carry them)."""
+    try:
+        t = pq.ParquetFile(f, page_checksum_verification=True).read(columns=["row", "sample"])
+        cols = [t.column(c) for c in ("row", "sample")]
+        if any(c.null_count or not pa.types.is_integer(c.type) for c in cols):
+            raise ValueError("row and sample must be integers")
+    except (OSError, ValueError, KeyError, pa.ArrowException) as e:
+        raise JobError(f"{f}: unreadable as a shard ({e}); the shard is torn or corrupt. {_shard_fix(manifest)}")
+    if t.num_rows != entry["rows"]:
+        raise JobError(f"{f}: holds {t.num_rows} rows, {record_file(manifest)} says {entry['rows']}; the run "
+                       f"directory is damaged. {_shard_fix(manifest)}")
+    return tuple(c.to_numpy().astype(np.int64) for c in cols)
+
+
+def verify_shards(run_dir: str, manifest: Dict, checksums: bool = False) -> Committed:
+    """Read-only check of the shards the manifest records (`shard_path`), of their (row, sample)
+    keys (their count, none twice, none outside the input) and, with `checksums`, of each file's
+    sha256. Returns the committed rows; JobError naming the file and the fix otherwise."""
+    files, rows, samples = [], [], []
+    for entry in manifest["shards"]:
+        f = shard_path(run_dir, entry, manifest)
+        if checksums and sha256_file(f) != entry["sha256"]:
+            raise JobError(f"{f}: its sha256 does not match {record_file(manifest)}; the shard is corrupt. "
+                           f"{_shard_fix(manifest)}")
+        r, s = _shard_keys(f, entry, manifest)
+        files.append(f)
+        rows.append(r)
+        samples.append(s)
+    cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
+    row, sample = cat(rows), cat(samples)
+    shard = cat([np.full(len(r), i, dtype=np.int64) for i, r in enumerate(rows)])
+    offset = cat([np.arange(len(r), dtype=np.int64) for r in rows])
+    order = np.lexsort((sample, row))
+    r, s = row[order], sample[order]
+    twice = np.nonzero((r[1:] == r[:-1]) & (s[1:] == s[:-1]))[0]
+    if twice.size:
+        i = twice[0]
+        a, b = (os.path.basename(files[shard[order[j]]]) for j in (i, i + 1))
+        raise JobError(f"{run_dir}: row {r[i]} sample {s[i]} is committed twice ({a} and {b}); the run directory "
+                       f"is damaged (a shard copied in by hand?). Delete the extra shard's record from "
+                       f"{record_file(manifest)}, or {RESTART}")
+    n_rows, n_samples = manifest.get("input_rows"), manifest.get("samples")
+    if n_rows is not None and n_samples is not None and row.size:
+        out = np.nonzero((row < 0) | (row >= n_rows) | (sample < 0) | (sample >= n_samples))[0]
+        if out.size:
+            i = out[0]
+            raise JobError(f"{files[shard[i]]}: holds row {row[i]} sample {sample[i]}, outside the input ({n_rows} "
+                           f"rows x {n_samples} samples); the run directory is damaged. {_shard_fix(manifest)}")
+    return Committed(files, row, sample, shard, offset, order)
 
 
 def _shard_files(path: str) -> List[str]:
@@ -281,6 +336,248 @@ def _shard_files(path: str) -> List[str]:
     return [n for n in names if n.endswith(".parquet") and not n.startswith(".")]
 
 
+def _listing(path: str, most: int = 4) -> str:
+    names = sorted(os.listdir(path))
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def check_run_dir(path: str, parts: Dict[str, str]) -> Optional[Dict]:
+    """What `run` refuses in output.dir before it writes anything (JobError naming the fix): not a
+    directory, not a run, a run of another job, shards without a manifest, a damaged manifest.
+    Returns the manifest of the run to resume, or None for a new run."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise JobError(f"output.dir {path} exists and is not a directory; point output.dir at a new or empty directory")
+    if not os.path.isdir(path) or not os.listdir(path):
+        return None
+    shards = os.path.join(path, SHARDS)
+    if os.path.islink(shards):
+        raise JobError(f"{shards} is a symbolic link (to {os.path.realpath(shards)}); a run keeps its shards in a "
+                       "directory of its own and deletes from it what it did not commit. Replace the link with "
+                       f"a directory, or {RESTART}")
+    if not os.path.lexists(os.path.join(path, MANIFEST)):
+        if set(os.listdir(path)) - OWN_FILES:
+            raise JobError(f"output.dir {path} exists and is not a run directory (no {MANIFEST}; it holds "
+                           f"{_listing(path)}); point output.dir at a new or empty directory")
+        commits = os.path.join(path, COMMITS)
+        if _shard_files(path) or (os.path.isfile(commits) and os.path.getsize(commits)):
+            # Shards are only written after the manifest exists, so this is damage (a deleted
+            # manifest), not an interrupted run: which shards were committed is unknown.
+            raise JobError(f"{path} holds shards but no {MANIFEST}, so which of them were committed is unknown; "
+                           "restore the manifest, or pass --restart to move this run aside and start over")
+        return None
+    old = read_manifest(path)
+    if old["fingerprint"] != fingerprint(parts):
+        changed = diff_fingerprint_parts(old["fingerprint_parts"], parts)
+        raise JobError(
+            f"{path} holds a run of a different job; changed: "
+            f"{describe_changes(old['fingerprint_parts'], parts, changed) or 'fingerprint'}{refusal_note(changed)}. "
+            "Use another output.dir, undo the change, or pass --restart to move the old run aside and start over")
+    return old
+
+
+def _aside_name(path: str) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate, k = f"{path}.old-{stamp}", 1
+    while os.path.lexists(candidate):
+        k += 1
+        candidate = f"{path}.old-{stamp}-{k}"
+    return candidate
+
+
+def move_aside(path: str, log: Callable[[str], None]) -> None:
+    """--restart: rename the run in `path` to PATH.old-STAMP (nothing is deleted). Anything that
+    is not a run is refused and left alone."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise JobError(f"--restart moves aside only a run directory, and output.dir {path} is not a directory; "
+                       "nothing was moved. Point output.dir at a new or empty directory")
+    if not os.listdir(path):
+        return
+    if not is_run(path):
+        raise JobError(f"--restart moves aside only a run directory, and output.dir {path} is not one (no "
+                       f"mtplx-batch {MANIFEST}; it holds {_listing(path)}); nothing was moved. Point output.dir "
+                       "at a new or empty directory")
+    fd = RunDir._lock(path)
+    aside = _aside_name(path)
+    try:
+        os.rename(path, aside)
+        fsync_path(os.path.dirname(path))
+    except OSError as e:
+        raise JobError(f"--restart: cannot move {path} aside to {aside}: {e.strerror or e}; nothing was moved "
+                       "or deleted. Move the old run away yourself, or point output.dir at another directory") from None
+    finally:
+        os.close(fd)
+    log(f"--restart: moved the previous run to {aside} (nothing was deleted)")
+
+
+# ------------------------------------------------------------------------------ the open run
+def _line(entry: Dict) -> bytes:
+    return (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8")
+
+
+class RunDir:
+    """A run directory opened by this process (and locked for it): its manifest, what is
+    committed, and the commit log that `record_shard` appends to."""
+
+    def __init__(self, path: str, lock_fd: int):
+        self.path = path
+        self.manifest: Dict = {}
+        self._lock_fd = lock_fd
+        self._log_fd: Optional[int] = None
+        self._log_end = 0  # bytes of complete lines in commits.jsonl
+        self._committed: Optional[Committed] = None  # as verified on opening
+
+    # ---------------------------------------------------------------- opening
+    @classmethod
+    def prepare(cls, path: str, job_yaml: str, parts: Dict[str, str], restart: bool = False,
+                log: Callable[[str], None] = print) -> "RunDir":
+        """Open RUN_DIR for this job: create, resume, refuse, or (with restart) start over."""
+        path = os.path.abspath(path)
+        if restart:
+            move_aside(path, log)
+        else:
+            check_run_dir(path, parts)
+        make_dirs(os.path.join(path, SHARDS))  # fsyncs the parents: a power cut cannot lose the run directory
+        run = cls(path, cls._lock(path))
+        try:
+            run._open(parts, job_yaml, log)
+        except BaseException:
+            run.close()
+            raise
+        return run
+
+    @staticmethod
+    def _lock(path: str) -> int:
+        try:
+            fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as e:
+            raise JobError(f"{os.path.join(path, LOCK)}: cannot open the run's lock file ({e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise JobError(f"{path} is in use by another mtplx-batch process; wait for it or stop it first")
+        return fd
+
+    def _open(self, parts: Dict[str, str], job_yaml: str, log: Callable[[str], None]) -> None:
+        path = self.path
+        end = None
+        if os.path.lexists(os.path.join(path, MANIFEST)):
+            self.manifest, end = _load(path)
+        else:
+            self.manifest = {"fingerprint": fingerprint(parts), "fingerprint_parts": parts, "created": time.time(),
+                             "input_rows": None, "samples": None, "shards": []}
+        self._committed = verify_shards(path, self.manifest)
+        self._remove_leftovers(log)
+        commits = os.path.join(path, COMMITS)
+        try:
+            if end is None:  # a new run, or a format-1 one: the log is complete before the manifest names it
+                atomic_write(commits, b"".join(_line(e) for e in self.manifest["shards"]))
+                end = os.path.getsize(commits)
+            elif os.path.getsize(commits) > end:
+                with open(commits, "r+b") as f:
+                    f.truncate(end)
+                    os.fsync(f.fileno())
+                log(f"cut an incomplete last line from {commits}: a commit that an interrupted run never finished")
+            self._log_fd = os.open(commits, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0))
+            self._log_end = end
+            self.manifest["format"] = MANIFEST_FORMAT
+            self.manifest["versions"] = versions()
+            self.manifest.setdefault("sessions", []).append({"started": time.time(), "pid": os.getpid()})
+            atomic_write(os.path.join(path, JOB_FILE), job_yaml.encode("utf-8"), fault="job")
+        except OSError as e:
+            raise io_failure(e, f"the run directory {path}") from e
+        self._save()
+
+    def _remove_leftovers(self, log: Callable[[str], None]) -> None:
+        """Delete what no record names: shard files of commits that never completed, temp files."""
+        recorded = {os.path.basename(e["file"]) for e in self.manifest["shards"]}
+        shard_dir = os.path.join(self.path, SHARDS)
+        for name in sorted(os.listdir(shard_dir)):
+            if name not in recorded:
+                p = os.path.join(shard_dir, name)
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p)
+                else:
+                    os.remove(p)
+                log(f"removed {p}: written but never committed by an earlier, interrupted run")
+        for tmp in (MANIFEST + ".tmp", COMMITS + ".tmp", JOB_FILE + ".tmp"):
+            if os.path.lexists(os.path.join(self.path, tmp)):
+                os.remove(os.path.join(self.path, tmp))
+
+    # ---------------------------------------------------------------- state
+    @property
+    def shards(self) -> List[Dict]:
+        return self.manifest["shards"]
+
+    def committed_keys(self) -> Set[Tuple[int, int]]:
+        """(row, sample) of every committed output row (checked when the run directory opened)."""
+        if self._committed is None:
+            self._committed = verify_shards(self.path, self.manifest)
+        return self._committed.keys()
+
+    def next_shard_file(self) -> str:
+        n = max((int(e["file"].rsplit("-", 1)[1].split(".")[0]) for e in self.shards), default=-1) + 1
+        return f"{SHARDS}/part-{n:05d}.parquet"
+
+    def record_shard(self, entry: Dict) -> None:
+        """The commit: append the shard's record to commits.jsonl and fsync it. On an error the
+        line is cut off again (the next start deletes the shard file) and the error raised."""
+        if self._log_fd is None:
+            raise RunError(f"{os.path.join(self.path, COMMITS)} could not be restored after a failed write; "
+                           "run the same command again to continue")
+        line = _line(entry)
+        try:
+            written = 0
+            while written < len(line):
+                written += os.write(self._log_fd, line[written:])
+            faults.hit("commit.appended")
+            os.fsync(self._log_fd)
+        except BaseException as e:
+            self._cut()
+            if isinstance(e, OSError):
+                raise io_failure(e, os.path.join(self.path, COMMITS)) from e
+            raise
+        self._log_end += len(line)
+        self.manifest["shards"].append(entry)
+        self._committed = None
+
+    def _cut(self) -> None:
+        """Take a line that failed to commit off the log; if even that fails, commit nothing more."""
+        try:
+            os.ftruncate(self._log_fd, self._log_end)
+        except OSError:
+            os.close(self._log_fd)
+            self._log_fd = None
+
+    def update(self, **fields) -> None:
+        self.manifest.update(fields)
+        self._save()
+
+    def _save(self) -> None:
+        self.manifest["updated"] = time.time()
+        header = {k: v for k, v in self.manifest.items() if k != "shards"}  # the shards are in commits.jsonl
+        data = json.dumps(header, indent=1, sort_keys=True).encode("utf-8")
+        try:
+            atomic_write(os.path.join(self.path, MANIFEST), data, fault="manifest")
+        except OSError as e:
+            raise io_failure(e, os.path.join(self.path, MANIFEST)) from e
+
+    def close(self) -> None:
+        for name in ("_log_fd", "_lock_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)  # closing the lock's descriptor drops the flock
+                setattr(self, name, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def planned_outputs(manifest: Dict) -> Optional[int]:
     """Output rows the run is to write: the input rows it plans (`planned_rows`, fewer than
     `input_rows` under input.limit / --limit) x samples per row; None while unknown."""
@@ -290,7 +587,7 @@ def planned_outputs(manifest: Dict) -> Optional[int]:
 
 def totals(manifest: Dict) -> Dict[str, float]:
     """Sums of the per-shard counters kept in the manifest (what `status` reports)."""
-    keys = ("rows", "errors", *SUMMED_COLUMNS, "elapsed")
+    keys = ("rows", *counters())
     out = {k: 0 for k in keys}
     for entry in manifest.get("shards", []):
         for k in keys:

@@ -1,6 +1,7 @@
 """`mtplx-batch export RUN_DIR --format openai-batch|jsonl|hf --out PATH`.
 
-Every format reads only the shards recorded in the manifest and writes rows in input order
+Every format reads only the shards recorded in the manifest, each checked against its recorded
+sha256 first (a corrupt shard is refused, naming it), and writes rows in input order
 (by `row`, then `sample`), whatever order they were generated in. Rows are gathered a chunk at
 a time, so a run larger than memory exports in bounded memory. Output is written under a
 temporary name and renamed into place, so PATH is either the complete export or untouched.
@@ -33,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import JobError
-from .checkpoint import planned_outputs, read_manifest
+from .checkpoint import planned_outputs, read_manifest, verify_shards
 from .run_stats import collect, error_kind, read_job
 
 FORMATS = ("openai-batch", "jsonl", "hf")
@@ -62,19 +63,10 @@ class OrderedRun:
     def __init__(self, run_dir: str):
         self.run_dir = os.path.abspath(run_dir)
         self.manifest = read_manifest(run_dir)
-        self.files = [os.path.join(run_dir, e["file"]) for e in self.manifest.get("shards", [])]
+        self.committed = verify_shards(run_dir, self.manifest, checksums=True)  # before any row is used
+        self.files = self.committed.files
         self.schema: Optional[pa.Schema] = pq.read_schema(self.files[0]) if self.files else None
-        rows, samples, shard, offset = [], [], [], []
-        for i, f in enumerate(self.files):
-            t = pq.read_table(f, columns=["row", "sample"])
-            n = t.num_rows
-            rows.append(t.column("row").to_numpy(zero_copy_only=False))
-            samples.append(t.column("sample").to_numpy(zero_copy_only=False))
-            shard.append(np.full(n, i, dtype=np.int64))
-            offset.append(np.arange(n, dtype=np.int64))
-        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
-        self._row, self._sample, self._shard, self._offset = cat(rows), cat(samples), cat(shard), cat(offset)
-        self.order = np.lexsort((self._sample, self._row))
+        self._shard, self._offset, self.order = self.committed.shard, self.committed.offset, self.committed.order
         m = self.manifest
         self.expected = planned_outputs(m)
         commits = [e.get("committed") for e in m.get("shards", []) if e.get("committed")]
@@ -226,7 +218,7 @@ def export_hf(run: OrderedRun, out: str, file_rows: int = HF_FILE_ROWS) -> Expor
             name = "data/train-00000-of-00001.parquet"
             pq.write_table(run.schema.empty_table(), os.path.join(tmp, name))
             names.append(name)
-        stats = collect(run.run_dir, top=0)
+        stats = collect(run.run_dir, top=0, committed=run.committed)
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
             f.write(dataset_card(stats, run, res.rows))
         _install(tmp, out)

@@ -30,8 +30,9 @@ POINTS: Dict[str, str] = {
     "row.emitted": "an output row handed to the shard writer (between rows)",
     "shard.tmp_written": "a shard's temp file written, not yet fsynced",
     "shard.fsynced": "a shard's temp file fsynced, not yet renamed to its final name",
-    "shard.renamed": "a shard renamed to its final name, not yet recorded in the manifest",
-    "shard.recorded": "a shard recorded in the manifest (the commit is complete)",
+    "shard.renamed": "a shard renamed to its final name, not yet recorded in commits.jsonl",
+    "commit.appended": "a shard's line appended to commits.jsonl, not yet fsynced",
+    "shard.recorded": "a shard's line in commits.jsonl fsynced (the commit is complete)",
 }
 ACTIONS = ("kill", "enospc", "eio", "term", "int")
 

@@ -1,7 +1,8 @@
 """What a run's committed shards say, read back for `report` and `export`: row and token counts,
 acceptance, the slowest rows, errors by kind, and the progress the run recorded.
 
-Only shards recorded in the manifest are read, so a run in progress gives a consistent snapshot.
+Only shards recorded in the manifest are read, each checked against its sha256 first, so a run in
+progress gives a consistent snapshot and a corrupt shard is refused by name.
 Reading is streamed shard by shard, with only the columns needed.
 
 Numbers, and where they come from:
@@ -30,7 +31,7 @@ from mtplx.request import tokens_per_verify
 
 from ..errors import JobError
 from ..job.columns import REPORT_COLUMNS
-from .checkpoint import JOB_FILE, PROGRESS_FILE, planned_outputs, read_manifest
+from .checkpoint import JOB_FILE, PROGRESS_FILE, Committed, planned_outputs, read_manifest, verify_shards
 
 TOP_SLOW = 20  # the slowest rows kept
 
@@ -173,17 +174,19 @@ class RunStats:
         }
 
 
-def collect(run_dir: str, top: int = TOP_SLOW) -> RunStats:
-    """Streams the committed shards of RUN_DIR into RunStats."""
+def collect(run_dir: str, top: int = TOP_SLOW, committed: Optional[Committed] = None) -> RunStats:
+    """Streams the committed shards of RUN_DIR into RunStats, each checked against its recorded
+    sha256 first (`committed`: the shards as the caller verified them already)."""
     manifest = read_manifest(run_dir)
+    if committed is None:
+        committed = verify_shards(run_dir, manifest, checksums=True)
     st = RunStats(run_dir=os.path.abspath(run_dir), job=read_job(run_dir), manifest=manifest)
     st.expected_rows = planned_outputs(manifest)
     st.sessions = sorted(s.get("started", 0.0) for s in manifest.get("sessions", []))
     st.progress = read_progress(run_dir)
     heap: List[Tuple[float, int, Dict[str, Any]]] = []
     k = 0
-    for entry in manifest.get("shards", []):
-        path = os.path.join(run_dir, entry["file"])
+    for entry, path in zip(manifest["shards"], committed.files):
         pf = pq.ParquetFile(path)
         cols = [c for c in REPORT_COLUMNS if c in pf.schema_arrow.names]
         for batch in pf.iter_batches(columns=cols):
@@ -239,7 +242,8 @@ def collect(run_dir: str, top: int = TOP_SLOW) -> RunStats:
 
 
 def read_progress(run_dir: str) -> List[Dict[str, Any]]:
-    """The progress lines a run recorded (pipelines/execution/progress.py), oldest first; torn lines skipped."""
+    """The progress lines a run recorded (pipelines/execution/progress.py), oldest first; torn lines
+    and lines whose time or token count is not a number skipped."""
     out = []
     try:
         with open(os.path.join(run_dir, PROGRESS_FILE), encoding="utf-8") as f:
@@ -248,7 +252,8 @@ def read_progress(run_dir: str) -> List[Dict[str, Any]]:
                     p = json.loads(line)
                 except ValueError:
                     continue  # a line cut by a crash
-                if isinstance(p, dict) and {"ts", "session", "generated"} <= p.keys():
+                if isinstance(p, dict) and {"ts", "session", "generated"} <= p.keys() and \
+                        all(isinstance(p[k], (int, float)) and not isinstance(p[k], bool) for k in ("ts", "generated")):
                     out.append(p)
     except OSError:
         return []

@@ -1,4 +1,4 @@
-"""Parquet shards with a schema fixed before the first row, committed through the manifest.
+"""Parquet shards with a schema fixed before the first row, committed through the run's commit log.
 
 The schema is built once from DESIGN.md's columns plus the keep_columns (typed from the input
 schema), and every shard is written with it, so a shard of successes and a shard of errors are
@@ -86,7 +86,7 @@ class ShardWriter:
         final = os.path.join(self.run.path, rel)
         tmp = os.path.join(os.path.dirname(final), "." + os.path.basename(final) + ".tmp")
         try:
-            pq.write_table(table, tmp)
+            pq.write_table(table, tmp, write_page_checksum=True)  # a resume reads the keys with them verified
             publish(tmp, final, fault="shard")
         except OSError as e:  # pyarrow's I/O errors are OSErrors too
             remove_quietly(tmp)

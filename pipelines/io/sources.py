@@ -110,6 +110,7 @@ class Source:
     """Base of all readers. Subclasses set `files` and implement `_rows`, `schema`."""
 
     files: List[str] = []
+    revision: Optional[str] = None  # the source's resolved revision, pinned by the fingerprint (hf)
 
     def __init__(self, inp: InputConfig, columns: Optional[Sequence[str]]):
         self.inp = inp
@@ -404,7 +405,8 @@ class CsvSource(Source):
 
 class HfSource(Source):
     """`datasets`: a `save_to_disk` directory (memory-mapped), or local files / a dataset
-    directory through `load_dataset(..., streaming=True)`, which reads without building a cache."""
+    directory / a Hub dataset streamed (`load_dataset(..., streaming=True)`), which reads without
+    building a cache. `revision`: a saved dataset's fingerprint, or the Hub commit resolved."""
 
     def __init__(self, inp, columns):
         super().__init__(inp, columns)
@@ -424,13 +426,17 @@ class HfSource(Source):
                     if inp.split not in ds:
                         raise JobError(f"input.split: {inp.split!r} not in {path} (has: {', '.join(ds)})")
                     ds = ds[inp.split]
+                self.revision = ds._fingerprint  # changes with the data, as `datasets` tracks it
             elif os.path.isfile(path):
                 builder = next((b for b, exts in _HF_BUILDERS.items() if path.lower().endswith(exts)), None)
                 if builder is None:
                     raise JobError(f"input.path: {path!r}: hf reads .parquet, .arrow, .json(l), .csv files")
                 ds = datasets.load_dataset(builder, data_files=path, split=inp.split, streaming=True)
             else:
-                ds = datasets.load_dataset(path, split=inp.split, streaming=True)
+                builder = datasets.load_dataset_builder(path)
+                ds = builder.as_streaming_dataset(split=inp.split)
+                if not os.path.exists(path):  # the Hub: the commit resolved now (local files are pinned by content)
+                    self.revision = builder.hash
         except JobError:
             raise
         except Exception as e:  # datasets raises many kinds; all mean "cannot read this input"

@@ -5,7 +5,9 @@ It covers everything that decides *which rows exist and what text each one gets*
   hashed: too large to read on every start; the path and config pin them well enough);
 - generation settings (max_tokens, temperature, top_p, top_k, seed, stop, n);
 - prompt rendering (prompt/messages column, template, chat template mode, id column);
-- the input: format, path, split, and each file's path, size and content hash;
+- the input: format, path, split, and each file's path, size and content hash; for Hugging Face
+  inputs (`input.format: hf`) also the revision `datasets` resolved (`input.revision`: the Hub
+  commit, or a saved dataset's own fingerprint), so a dataset that moved is refused by name;
 - output.keep_columns (they change the shard schema).
 - for sampled jobs only, the speculative settings that decide the text (`SAMPLED_SPECULATIVE`).
 Speed-only settings (schedule, shard size, executor; speculative settings of a greedy job) are left
@@ -22,7 +24,7 @@ import hashlib
 import json
 import os
 from dataclasses import fields
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from .config import JobConfig
 
@@ -60,8 +62,10 @@ def input_files_digest(files: Sequence[str]) -> str:
     return _digest([(os.path.abspath(f), os.path.getsize(f), sha256_file(f)) for f in files])
 
 
-def fingerprint_parts(job: JobConfig, model_dir: str, input_files: Sequence[str]) -> Dict[str, str]:
-    """Named parts, each a short string, in a stable order."""
+def fingerprint_parts(job: JobConfig, model_dir: str, input_files: Sequence[str],
+                      input_revision: Optional[str] = None) -> Dict[str, str]:
+    """Named parts, each a short string, in a stable order. `input_revision`: the revision the
+    input source resolved (Source.revision), pinned when there is one."""
     parts = {"schema_version": SCHEMA_VERSION}
     parts.update(model_parts(model_dir))
     parts["model.revision"] = str(job.model.revision)
@@ -71,6 +75,8 @@ def fingerprint_parts(job: JobConfig, model_dir: str, input_files: Sequence[str]
             if f.metadata.get("pinned"):  # marked beside each field in config.py
                 parts[f"{section}.{f.name}"] = json.dumps(getattr(cfg, f.name))
     parts["input.files"] = input_files_digest(input_files)
+    if input_revision is not None:
+        parts["input.revision"] = input_revision
     if sampled(job):
         spec = job.speculative
         keys = ("method",) + SAMPLED_SPECULATIVE[spec.method]
@@ -108,3 +114,12 @@ def fingerprint(parts: Dict[str, str]) -> str:
 def diff_fingerprint_parts(old: Dict[str, str], new: Dict[str, str]) -> List[str]:
     """Names of the parts that differ (added, removed or changed), sorted."""
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+SHOWN_PARTS = ("input.revision",)  # parts whose values a refusal shows: what moved, from what to what
+
+
+def describe_changes(old: Dict[str, str], new: Dict[str, str], changed: Sequence[str]) -> str:
+    """The changed parts for a refusal, with the old and new values of SHOWN_PARTS."""
+    return ", ".join(f"{k} (was {old.get(k, 'not recorded')}, now {new.get(k, 'none')})" if k in SHOWN_PARTS else k
+                     for k in changed)
