@@ -1,12 +1,13 @@
 """Commit cost: bytes written per shard commit as a run grows, and the time a resume takes to open it.
 
-Commits `--shards` shards of `--rows` output rows each through the real sink (`RunDir.prepare`,
+Commits `--shards` shards of 10 output rows each through the real sink (`RunDir.prepare`,
 `ShardWriter`) into `--out`, then opens the run again as a resume does (`RunDir.prepare` and
 the committed keys). Bytes written by a commit are counted from the run directory: the new
 shard, each top-level file that was replaced (its whole size) and each that grew (the growth).
 A commit whose cost grows with the number of shards before it shows here as a rising figure.
 
-    python -m benchmarks.manifest --shards 10000 --out /tmp/manifest-bench
+    python -m benchmarks.run --suite cpu --parts manifest --shards 10000 --out DIR
+    python -m benchmarks.manifest --shards 10000 --out DIR      (the same, alone)
 """
 
 from __future__ import annotations
@@ -101,6 +102,15 @@ def main(argv=None) -> Dict[str, float]:
           f"{1e3 * mean(seconds[-WINDOW:]):.2f} ms (last {WINDOW})")
     print(f"resume (open the run, verify it, read its {len(keys):,} committed keys): {resume:.2f} s")
     return {"first_bytes": first, "last_bytes": last, "total_bytes": total, "resume_s": resume}
+
+
+def run(opts, report) -> None:
+    """The suite's `manifest` part: the run goes under OUT/manifest-run, the figures into the report."""
+    got = main(["--shards", str(opts.shards), "--out", os.path.join(opts.out, "manifest-run")])
+    report.row(f"{opts.shards} shard commits", **{"bytes a commit, first 100": round(got["first_bytes"]),
+                                                  "bytes a commit, last 100": round(got["last_bytes"]),
+                                                  "MB written": round(got["total_bytes"] / 1e6, 1),
+                                                  "resume s": round(got["resume_s"], 2)})
 
 
 if __name__ == "__main__":

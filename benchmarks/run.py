@@ -14,6 +14,7 @@ Parts (each module's docstring says how it measures):
   round_cost   one forward of K tokens a row against one of 1 token: is a verify nearly free?
   draft_pair   Qwen2.5-Coder 1.5B + its 0.5B draft: method draft vs speculative_generate_step
   ray          rows/s through the Ray executor with 2 actors vs the local executor
+  manifest     bytes written per shard commit at the start and the end of 10,000 commits, and the resume
 
 Each part writes OUT/PART.md and OUT/PART.json as its rows come in; several parts run one
 after another, each in a fresh process (an engine installs its decode paths into the model it
@@ -34,14 +35,15 @@ import traceback
 from pathlib import Path
 
 PARTS = {"decode": "decode", "speculative": "speculative", "jobs": "jobs", "startup": "startup",
-         "round_cost": "round_cost", "draft_pair": "draft_pair", "ray": "ray_rows"}
+         "round_cost": "round_cost", "draft_pair": "draft_pair", "ray": "ray_rows",
+         "manifest": "manifest"}
 
 COMMON = dict(model="smollm2-135m-instruct", head="heads/smollm2-135m-instruct", methods="none,ngram,mtp", depth=3,
               data="humaneval,gsm8k-100", target="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
               jobs="jobs/eval.yaml,jobs/eval-mtp.yaml,jobs/eval-mtp.yaml:speculative.method=none",
-              ray_job="jobs/eval.yaml", streams=32, widths="1,8,32", waves=2, adaptive=1)
+              ray_job="jobs/eval.yaml", streams=32, widths="1,8,32", waves=2, adaptive=1, shards=10_000)
 SUITES = {
-    "cpu": dict(COMMON, parts="decode,speculative,jobs,startup,round_cost,ray", shapes="tiny", tokens=32, rows=4,
+    "cpu": dict(COMMON, parts="decode,speculative,jobs,startup,round_cost,ray,manifest", shapes="tiny", tokens=32, rows=4,
                 repeats=3, context=256),
     "gpu": dict(COMMON, parts="decode,speculative,jobs,startup,round_cost,draft_pair", shapes="0.6b,8b", tokens=128,
                 rows=8, repeats=3, context=1024),
@@ -66,6 +68,7 @@ OPTIONS = {  # name: (type, help)
     "jobs": (str, "jobs: comma-separated JOB[:key=value...] settings"),
     "ray_job": (str, "ray: the job file"),
     "context": (int, "round_cost: cached tokens before the forward"),
+    "shards": (int, "manifest: shard commits"),
 }
 
 
