@@ -46,6 +46,11 @@ _GEMMA3_BLOCK_NAMES = dict(_BLOCK_NAMES, ffn_norm="pre_feedforward_layernorm",
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+# Raised when what a conversion writes changes (2: tokenizers follow transformers'); a copy converted
+# by an older version is converted again.
+CONVERTER_VERSION = 2
+
+
 class GGUFConversionError(ValueError):
     pass
 
@@ -97,13 +102,22 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, de
             config.update(quantization=quant, quantization_config=quant)
         _write_tokenizer(meta, config, tmp)
         record = {"source": str(gguf_path.resolve()), "source_bytes": gguf_path.stat().st_size, "architecture": arch,
-                  "name": meta.get("general.name"), "dequantize": dequantize, "dtype": dtype, "tensor_types": types}
+                  "name": meta.get("general.name"), "dequantize": dequantize, "dtype": dtype, "tensor_types": types,
+                  "converter": CONVERTER_VERSION}
         (tmp / "mtplx_gguf.json").write_text(json.dumps(record, indent=1))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         _publish(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def is_current(out_dir: Path) -> bool:
+    """Whether `out_dir` holds a conversion by this version of the converter."""
+    try:
+        return json.loads((out_dir / "mtplx_gguf.json").read_text()).get("converter") == CONVERTER_VERSION
+    except (OSError, ValueError):
+        return False
 
 
 def _read_metadata(reader) -> dict:
