@@ -43,7 +43,7 @@ N_TEXTS, N_CHATS = 1200, 1000
 # the tokenizer header of each packaged model
 
 _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
-_STRING, _ARRAY = 8, 9
+_STRING = 8
 
 
 def _header_end(buf: bytes) -> int:
