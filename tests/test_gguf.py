@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from tiny_models import CHAT_TEMPLATE, greedy_tokens
 
-from mtplx.models.gguf import GGUFConversionError, convert_gguf
+from mtplx.models.gguf import CONVERTER_VERSION, GGUFConversionError, convert_gguf
 from mtplx.models.loading import load, resolve_model_path
 
 Q = gguf.GGMLQuantizationType
@@ -301,6 +301,19 @@ def test_loader_converts_once_per_mode(gguf_case):
     assert "quantization" in json.loads((other / "config.json").read_text())
     # a directory holding a .gguf (and no config.json) works too
     assert resolve_model_path(path.parent, "quantized") == other
+
+
+def test_a_copy_from_an_older_converter_is_converted_again(gguf_case):
+    """A cached conversion keeps no tokenizer (or weights) an older converter wrote."""
+    _, path = gguf_case("llama")
+    out = resolve_model_path(path, "dequantize")
+    record = json.loads((out / "mtplx_gguf.json").read_text())
+    assert record.pop("converter") == CONVERTER_VERSION
+    (out / "mtplx_gguf.json").write_text(json.dumps(record))  # as the first converter wrote it
+    (out / "tokenizer.json").write_text("{}")
+    assert resolve_model_path(path, "dequantize") == out
+    assert json.loads((out / "mtplx_gguf.json").read_text())["converter"] == CONVERTER_VERSION
+    assert load(out).tokenizer.encode(PROMPT)
 
 
 def test_gguf_mode_is_a_job_field_the_engine_is_handed(gguf_case, monkeypatch, tmp_path):

@@ -46,6 +46,11 @@ _GEMMA3_BLOCK_NAMES = dict(_BLOCK_NAMES, ffn_norm="pre_feedforward_layernorm",
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+# Raised when what a conversion writes changes (2: tokenizers follow transformers'); a copy converted
+# by an older version is converted again.
+CONVERTER_VERSION = 2
+
+
 class GGUFConversionError(ValueError):
     pass
 
@@ -97,13 +102,22 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, de
             config.update(quantization=quant, quantization_config=quant)
         _write_tokenizer(meta, config, tmp)
         record = {"source": str(gguf_path.resolve()), "source_bytes": gguf_path.stat().st_size, "architecture": arch,
-                  "name": meta.get("general.name"), "dequantize": dequantize, "dtype": dtype, "tensor_types": types}
+                  "name": meta.get("general.name"), "dequantize": dequantize, "dtype": dtype, "tensor_types": types,
+                  "converter": CONVERTER_VERSION}
         (tmp / "mtplx_gguf.json").write_text(json.dumps(record, indent=1))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         _publish(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def is_current(out_dir: Path) -> bool:
+    """Whether `out_dir` holds a conversion by this version of the converter."""
+    try:
+        return json.loads((out_dir / "mtplx_gguf.json").read_text()).get("converter") == CONVERTER_VERSION
+    except (OSError, ValueError):
+        return False
 
 
 def _read_metadata(reader) -> dict:
@@ -333,16 +347,24 @@ _SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}DIGITS"
 _LLAMA3_SPLIT, _QWEN2_SPLIT = _SPLIT.replace("DIGITS", "{1,3}"), _SPLIT.replace("DIGITS", "")  # digits by 3, by 1
 _SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
            "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+_SPACE = "\u2581"  # sentencepiece's visible space
 
 
 def build_tokenizer(meta: dict):
-    """A `tokenizers.Tokenizer` from the `tokenizer.ggml.*` metadata of a GGUF file."""
+    """A `tokenizers.Tokenizer` from the `tokenizer.ggml.*` metadata of a GGUF file: the tokenizer
+    transformers builds from the same file (tests/test_tokenizer_parity.py compares the two), but
+    where transformers' own tokenizer class for the model differs from its GGUF path, that class."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
     from tokenizers import pre_tokenizers, processors
 
     kind = meta.get("tokenizer.ggml.model")
-    tokens: List[str] = list(meta["tokenizer.ggml.tokens"])
-    types = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
+    spelled: List[str] = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(spelled))
+    gemma = kind == "llama" and meta.get("general.architecture") in _GEMMA_ARCHS
+    # Gemma files store runs of spaces as spaces; Gemma's tokenizer spells them with "\u2581", as text is
+    # spelled once normalized, so merges reach them (and they are no added tokens matching raw spaces).
+    tokens = [_SPACE * len(t) if gemma and " " in t and not t.strip() else t for t in spelled]
     vocab: Dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)  # a few files repeat a token; the first id wins
@@ -358,28 +380,23 @@ def build_tokenizer(meta: dict):
                 pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ])
-        elif pre == "smollm":  # GPT-2 split, each digit on its own
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ])
-        else:
+        else:  # "smollm" too: its declared class, GPT2Tokenizer, rebuilds it without the file's digit split
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in ("qwen2", "deepseek-r1-qwen"):
+        if pre in ("qwen2", "deepseek-r1-qwen"):  # as transformers' Qwen2Tokenizer (its GGUF path drops it)
             tok.normalizer = normalizers.NFC()
         tok.decoder = decoders.ByteLevel()
     elif kind == "llama":  # sentencepiece BPE with byte fallback: Llama 2, TinyLlama, Gemma
         merges = meta.get("tokenizer.ggml.merges")
         if merges:
             merges = [tuple(m.split(" ", 1)) for m in merges]
-        else:
-            merges = _merges_from_scores(tokens, types, meta.get("tokenizer.ggml.scores"))
+        else:  # Gemma's scores do not follow its merge order; the order of its tokens does
+            merges = _merges_from_scores(vocab, None if gemma else meta.get("tokenizer.ggml.scores"))
         tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
         prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-        norm = [normalizers.Replace(" ", "\u2581")]
-        dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        norm = [normalizers.Replace(" ", _SPACE)]
+        dec = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         if prefix:
-            norm.insert(0, normalizers.Prepend("\u2581"))
+            norm.insert(0, normalizers.Prepend(_SPACE))
             dec.append(decoders.Strip(" ", 1, 0))
         tok.normalizer = normalizers.Sequence(norm)
         tok.decoder = decoders.Sequence(dec)
@@ -389,7 +406,7 @@ def build_tokenizer(meta: dict):
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty == _CONTROL and vocab.get(t) is not None])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+                    for t, s, ty in zip(tokens, spelled, types) if ty == _USER_DEFINED and t == s])
 
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
@@ -410,20 +427,18 @@ def build_tokenizer(meta: dict):
     return tok
 
 
-def _merges_from_scores(tokens, types, scores) -> List[Tuple[str, str]]:
+def _merges_from_scores(vocab: Dict[str, int], scores) -> List[Tuple[str, str]]:
     """Sentencepiece files list no merges: every split of a token into two known tokens is a merge,
-    ranked by the merged token's score (higher first)."""
-    if scores is None:
-        scores = [-float(i) for i in range(len(tokens))]
-    ids = {t: i for i, t in enumerate(tokens) if types[i] in (_NORMAL, _USER_DEFINED)}
+    ranked as transformers ranks them: by the merged token's score (higher first; without scores,
+    earlier tokens first), then by the lengths of the left and the right part (longer first)."""
     ranked = []
-    for tok, i in ids.items():
+    for tok, i in vocab.items():
         for cut in range(1, len(tok)):
             left, right = tok[:cut], tok[cut:]
-            if left in ids and right in ids:
-                ranked.append((-float(scores[i]), ids[left], ids[right], left, right))
+            if left in vocab and right in vocab:
+                ranked.append((-float(scores[i]) if scores is not None else i, -cut, cut - len(tok), i, left, right))
     ranked.sort()
-    return [(left, right) for _, _, _, left, right in ranked]
+    return [(left, right) for *_, left, right in ranked]
 
 
 def _write_tokenizer(meta: dict, config: dict, out: Path) -> None:

@@ -203,14 +203,14 @@ def resolve_model_path(path: str | os.PathLike, gguf_mode: str = "auto") -> Path
             raise FileNotFoundError(f"model path {str(path)!r} does not exist: give an mlx-lm model directory, "
                                     "a .gguf file, or a known name (see `mtplx-batch fetch --list`)")
         return p
-    from .gguf import convert_gguf, default_dequantize, default_dtype
+    from .gguf import convert_gguf, default_dequantize, default_dtype, is_current
 
     dequantize = default_dequantize() if gguf_mode == "auto" else gguf_mode == "dequantize"
     dtype = default_dtype()
     st = gguf_file.stat()
     tag = hashlib.sha256(f"{gguf_file.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_dir() / "converted" / f"{gguf_file.stem}-{'' if dequantize else 'q-'}{dtype}-{tag}"
-    if not (out / "config.json").exists():
+    if not (out / "config.json").exists() or not is_current(out):
         convert_gguf(gguf_file, out, dequantize=dequantize, dtype=dtype)
     return out
 
