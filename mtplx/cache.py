@@ -50,8 +50,6 @@ class RowKVCache:
     at its own offset and attention reads the whole capacity bucket under a [B, 1, N, cap] mask.
     """
 
-    exact_when_shared = True  # the benchmark (decode_anatomy) turns it off to measure the masked path
-
     def __init__(self, lengths: RowLengths):
         self.rows = lengths
         self.keys: Optional[mx.array] = None
@@ -64,7 +62,7 @@ class RowKVCache:
     # -- what mlx-lm model code calls ---------------------------------------------------------
     def _shared(self) -> Optional[int]:
         """The one length all rows have, when this forward may use it (eager), else None."""
-        return self.rows.shared if self.attend_len is None and self.exact_when_shared else None
+        return self.rows.shared if self.attend_len is None else None
 
     @property
     def offset(self):

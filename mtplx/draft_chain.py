@@ -30,7 +30,6 @@ from . import small_ops
 from .cache import BatchCache
 from .graphbank import _shadow_cache, _shadow_outputs
 from .sampling import SamplerBatch, sample_from, shaped_probs
-from .tail_widths import sliced
 
 MAX_BACKLOG = 64  # tokens a row's draft cache may lag behind before a round without drafts feeds them
 # (on a launch-bound GPU a forward of 64 costs little more than one of 1; at depth 0 a catch-up a try of
@@ -148,8 +147,7 @@ class DraftChainBank:
         self.vocab = vocab
         self._programs: Dict[Tuple, Callable] = {}
         self._broken: Dict[Tuple, str] = {}
-        self.twin_widths: Tuple[int, ...] = ()  # tail widths (tail_widths.py): each program's twins built with it
-        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "programs": 0, "twins": 0,
+        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "programs": 0,
                                          "fallback_reasons": {},
                                          # "width W depth K": (ms compiled, ms eager), DraftModelDrafter.measure
                                          "measured_ms": {}}
@@ -202,14 +200,6 @@ class DraftChainBank:
             self._broken[key] = f"compile failed: {type(e).__name__}: {e}"
             self._eager(self._broken[key])
             return None
-        for w in self.twin_widths:  # its twins at narrower tail widths, built and run once (graphbank._twins)
-            other = (w,) + key[1:]
-            if w < cache.batch and other not in self._programs and other not in self._broken:
-                try:
-                    mx.eval(self._program(other, list(cache.kinds), K, flags)(*sliced(args, cache.batch, w)))
-                except Exception as e:
-                    self._broken[other] = f"compile failed: {type(e).__name__}: {e}"
-                self.stats["twins"] += 1
         it = iter(out[2:])
         for layer in cache.layers:
             layer.keys, layer.values = next(it), next(it)

@@ -185,17 +185,6 @@ class _CachedDrafter:
 
 
 HEAD_BEHIND = 64  # rounds without drafts the MTP head may fall behind by before it catches up
-# The catch-up through the compiled commit program, in pieces of at most `catch_up_len` rounds (the
-# longest verified length: every piece's program is one adaptive depth's warm-up built at the shape's
-# first round). Off: one eager forward over all of them (the path before session 9: on a GPU each new
-# length met attention plans and kernels no program had built, and its drafts were proposed eagerly).
-CATCH_UP_COMPILED = True
-# Commits of rounds that drafted nothing (a catch-up's pieces, the round that drafts again after them: each
-# round one verified token) run padded to `catch_up_len` verified tokens, in the program of a round at the
-# deepest depth: the padding sits past each row's kept tokens, where a rejected draft's entries sit (written,
-# never attended, overwritten by the next commit). Off: a program per length (a fresh eval-mtp run built
-# commit programs of 1-3 tokens and the resuming commit-and-draft of 1 for its tries of plain decoding)
-PAD_PLAIN_COMMITS = True
 
 
 class MtpDrafter(_CachedDrafter):
@@ -236,10 +225,6 @@ class MtpDrafter(_CachedDrafter):
 
     def _new_cache(self):
         return BatchCache(list(self.head.cache_kinds), [0])
-
-    def warm(self, depths):
-        if self.bank is not None:
-            self.bank.warm_depths = tuple(depths)
 
     def prefill_rows(self, prompts, hiddens, firsts, prefixes=None):
         """`prefill_row` for several rows (with or without a restored prefix) at once: one head
@@ -311,8 +296,6 @@ class MtpDrafter(_CachedDrafter):
     def settle(self):
         self._catch_up()
         super().settle()
-        if self.lookup is not None:
-            self.lookup.settle()
 
     def _lookup_arg(self, extra: int):
         """(lookup, history) with room for `extra` more tokens per row, or None without lookup."""
@@ -377,7 +360,7 @@ class MtpDrafter(_CachedDrafter):
         self._commit(n, nxt, counts, most, verify_in, hidden, exact, following)
 
     def _catch_up(self):
-        """Commit the rounds the head is behind by (`_commit_behind`; off: one eager forward)."""
+        """Commit the rounds the head is behind by (`_commit_behind`)."""
         if self.behind:
             verify_in, hidden, n, nxt, counts, most = self.behind.pop()
             self.cache.rows.expect(-1)  # (the commit's advance counts it again)
@@ -395,7 +378,7 @@ class MtpDrafter(_CachedDrafter):
     def _commit_behind(self, behind) -> None:
         """Commit the rounds left behind (each one verified token, all kept) through the compiled
         commit program, `catch_up_len` rounds a call: the verified lengths adaptive depth builds
-        (and warms) anyway, so a catch-up meets no new shape, whatever its length."""
+        anyway, so a catch-up meets no new shape, whatever its length."""
         for at in range(0, len(behind), self.catch_up_len):
             part = behind[at : at + self.catch_up_len]
             verify_in, hidden = self._padded(mx.concatenate([b[0] for b in part], axis=1),
@@ -414,16 +397,18 @@ class MtpDrafter(_CachedDrafter):
                 self.history = out[2]
 
     def _padded(self, verify_in, hidden):
-        """A commit's verified tokens and hidden states padded to `catch_up_len` (PAD_PLAIN_COMMITS)."""
+        """A commit's verified tokens and hidden states padded to `catch_up_len`: a commit of rounds that
+        drafted nothing runs in the deepest round's program (the padding sits past each row's kept
+        tokens, where a rejected draft's entries sit: written, never attended, overwritten later)."""
         pad = self.catch_up_len - verify_in.shape[1]
-        if not PAD_PLAIN_COMMITS or pad <= 0 or self.bank is None:
+        if pad <= 0 or self.bank is None:
             return verify_in, hidden
         return mx.pad(verify_in, [(0, 0), (0, pad)]), mx.pad(hidden, [(0, 0), (0, pad), (0, 0)])
 
     def _commit(self, n, nxt, counts, most, verify_in, hidden, exact=False, following=None):
         out, self.ready = None, None
         behind, self.behind = self.behind, []
-        if behind and self.bank is not None and CATCH_UP_COMPILED:
+        if behind and self.bank is not None:
             self._commit_behind(behind)
             behind = []
         if behind:  # the rounds before this one, all their tokens kept: one commit of them all (each
@@ -463,16 +448,15 @@ class LookupFallback:
     and a lookup draft's proposal distribution is the point mass on it, so acceptance (and the
     output) stays exact. Nothing is read for it: rounds stay one ahead.
 
-    A row's history is its context after `lead` columns of -1 (`context`), so the compact match
-    (mtp_draft.COMPACT_LOOKUP, read here) pads nothing per round."""
+    A row's history is its context after `lead` columns of -1 (`context`), so the match pads
+    nothing per round."""
 
     FOLD_EVERY = 256  # rounds whose choices wait before they are added up (`record`)
 
     def __init__(self, ngram_size: int, min_match: int):
         self.n = max(ngram_size, min_match)
         self.min_match = min_match
-        self.compact = bool(mtp_draft.COMPACT_LOOKUP)
-        self.lead = self.n if self.compact else 0
+        self.lead = self.n
         self._tally = mx.zeros((2,), mx.int32)  # row-rounds drafted (by lookup, in all), on the device
         self._rounds: List[tuple] = []  # (rows that looked up, counts) of rounds not added up yet
 
@@ -488,7 +472,7 @@ class LookupFallback:
     def drafts(self, history: mx.array, lengths: mx.array, K: int, extra: int = 0):
         """(rows that draft from their context [W], nonzero where so, those drafts [W, K]); the contexts
         are `lengths + extra` tokens long (the head's lengths and 1: the history is a token ahead)."""
-        return lookup_drafts(history, lengths, K, self.n, self.min_match, self.lead, self.compact, extra)
+        return lookup_drafts(history, lengths, K, self.n, self.min_match, self.lead, extra)
 
     @staticmethod
     def mix(use: mx.array, looked: mx.array, drafts: mx.array, q: Optional[mx.array]):
@@ -500,13 +484,8 @@ class LookupFallback:
         return drafts, q
 
     def record(self, use: mx.array, counts: mx.array):
-        """Count a round's choices among its live rows. Compact: kept as they are and added up in a few
-        ops every FOLD_EVERY rounds and when `counts` is read, no op of a round's or a call's own; else
-        added up every round (ops over arrays the rounds evaluate anyway, evaluated at `settle`)."""
-        if not self.compact:
-            live = counts > 0
-            self._tally = self._tally + mx.stack([(use.astype(mx.bool_) & live).sum(), live.sum()]).astype(mx.int32)
-            return
+        """Count a round's choices among its live rows: kept as they are and added up in a few ops
+        every FOLD_EVERY rounds and when `counts` is read, no op of a round's or a call's own."""
         self._rounds.append((use, counts))
         if len(self._rounds) >= self.FOLD_EVERY:
             self._fold()
@@ -521,10 +500,6 @@ class LookupFallback:
             self._tally = self._tally + mx.stack([(use & live).sum(), live.sum()]).astype(mx.int32)
             rounds = rounds[same:]
         mx.async_eval(self._tally)  # (so the rounds' arrays are let go)
-
-    def settle(self):
-        if not self.compact:  # (compact: the rounds wait in `_rounds`, at most FOLD_EVERY, no eval of a call's own)
-            mx.async_eval(self._tally)
 
     @property
     def counts(self) -> Dict[str, int]:

@@ -36,9 +36,9 @@ from .graphbank import CompiledVerifyBank
 from .models.loading import ModelBundle, cache_dir, context_length, load
 from .models.mtp import has_trunk_split, project_logits, trunk_hidden
 from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
-from . import stops, tail_widths
+from . import stops
 from .request import Request, Result, RowStats
-from .spec_rounds import SpeculativeRounds
+from .spec_rounds import REFILL_AT, SpeculativeRounds
 from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
 
 # -- memory ----------------------------------------------------------------------------------------
@@ -85,20 +85,6 @@ class _Row:
     depth_sum: int = 0
     rounds: int = 0
     u_next: Optional[np.ndarray] = None  # uniforms drawn for a round not yet queued (Engine._plan)
-
-
-# An admission that fills the batch asks the source for one more request, so a batch whose rows are the job's
-# last ones (the shipped 8-row eval-mtp job at max_batch 8) knows it is drained from its first round: adaptive
-# depth then keeps its best depth without tries and builds no other depth's programs, as it does for any batch's
-# last rows (spec_rounds._explore). Off: drained was known only when a slot freed (before session 10: that job
-# built 4 verify + 19 head programs at its first round and tried plain decoding for 3 rounds, ~40 rounds in all).
-PEEK_SOURCE = True
-# At admission the verify bank's and the MTP head's caches are grown, when they first grow, to hold the longest
-# context a row in flight can reach (prompt + max_tokens + the rounds ahead), so a batch runs at one capacity
-# and its programs (keyed by capacity) are built once. Off: a cache grew a bucket when its longest row got there:
-# the 8-row eval-mtp job crossed 256 entries in its last rounds and built 10 head programs there (CPU count, 56
-# rounds in all); plain decoding, one verify program
-RESERVE_CAPACITY = True
 
 
 class _Batch:
@@ -193,22 +179,6 @@ class Engine(SpeculativeRounds):
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
         # one-row plain decoding eagerly (the same logits) where the calibration measured it faster
         self.one_stream_eager = self.bank is not None and one_stream_eager(profile)
-        # a drained batch's tail at narrower widths, their programs built ahead (tail_widths.py; 0: off)
-        self.tail_narrowest = tail_widths.TAIL_NARROWEST
-
-    # A drained batch (no request waits) narrows to a power of two once half its slots are idle, so a
-    # round computes fewer rows; only while it is wider than this. On a GPU a round of up to 32 rows costs
-    # about what one row's does (SmolLM2 on the H200: a plain round 4.5 ms at 1 row, 6.1 ms at 32), and
-    # every narrower width compiles verify and draft programs of its own for a job's last few rounds.
-    # None: by device (32 on a GPU, else 1: a CPU round's cost follows its width). A GPU batch may still
-    # move to tail widths whose programs were built ahead (`tail_narrowest`, tail_widths.py).
-    TAIL_KEEPS_WIDTH = None
-
-    @property
-    def tail_keeps_width(self) -> int:
-        if self.TAIL_KEEPS_WIDTH is not None:
-            return self.TAIL_KEEPS_WIDTH
-        return 32 if mx.default_device().type == mx.DeviceType.gpu else 1
 
     # fusion.decode_paths; benchmarks/decode_anatomy turns them off to measure without.
     stack_projections = True
@@ -334,10 +304,6 @@ class Engine(SpeculativeRounds):
         if self.drafter is not None:
             self.drafter.reset()
         self._carried = self._joining = None
-        twins = tail_widths.twin_widths(int(self.tail_narrowest or 0), self.max_batch)
-        for bank in (self.bank, getattr(self.drafter, "bank", None)):
-            if bank is not None:
-                bank.twin_widths = twins
         batch = _Batch(iter(requests))
         while True:
             # Fill free slots, then widen up to max_batch; repeat while rows finish at prefill.
@@ -389,22 +355,21 @@ class Engine(SpeculativeRounds):
             admitted.append(row)
         if not admitted:
             return False
-        if PEEK_SOURCE and len(admitted) == len(free):  # the batch is full: whether a request waits is not known yet
+        if len(admitted) == len(free):  # the batch is full: whether a request waits is not known yet
             batch.peek()
         if self.bank is not None:  # the growth budget: the longest context a row of this call can reach
             before = self.bank.request_max_tokens if batch.cache is not None else 0
             self.bank.set_budget(max([before] + [len(s.req.prompt_tokens) + s.max_tokens + self.ahead_tokens
                                                  for s in live + admitted]))
-            if RESERVE_CAPACITY:
-                for bank in (self.bank, getattr(self.drafter, "bank", None)):
-                    if hasattr(bank, "reserve"):
-                        bank.reserve = self.bank.request_max_tokens
+            for bank in (self.bank, getattr(self.drafter, "bank", None)):
+                if hasattr(bank, "reserve"):
+                    bank.reserve = self.bank.request_max_tokens
         grow, finished_early = [], False
         # Behind a round in flight (a full batch: every free slot is a vacated one) the first tokens
         # are not read here: the round the rows join is queued from them on the device first, and
         # they are read after it (SpeculativeRounds._land_joined), so the device does not wait for
         # the host between the prefill and that round.
-        defer = self._carried is not None and self.defer_first_read and len(slots) >= self.max_batch
+        defer = self._carried is not None and len(slots) >= self.max_batch
         with self._prefill_stream(defer):
             if defer:
                 prefilled, firsts = self.prefiller.run(admitted, self.drafter, read=False)
@@ -458,14 +423,12 @@ class Engine(SpeculativeRounds):
 
     # An admission behind a round in flight prefills on a stream of its own, so the device may run it
     # beside the rounds (a launch-bound round leaves most of a GPU idle) and the rounds' stream keeps its
-    # own work; its results reach the rounds through MLX's cross-stream dependencies. H200, session 8
-    # (width 32, 128 rows): 13.1 ms a round against 17.5 on one stream. benchmarks/round_cost turns it off
-    # (`@prefill_beside=false`) to measure without.
-    prefill_beside = True
+    # own work; its results reach the rounds through MLX's cross-stream dependencies (H200, width 32:
+    # 13.1 ms a round against 17.5 on one stream).
     _side = None
 
     def _prefill_stream(self, behind: bool):
-        if not (behind and self.prefill_beside):
+        if not behind:
             return contextlib.nullcontext()
         if self._side is None:
             self._side = mx.new_stream(mx.default_device())
@@ -511,7 +474,7 @@ class Engine(SpeculativeRounds):
         """Decoding without drafts, one round ahead: the next round is queued on the device before
         this round's tokens are read, so building one graph overlaps running the other (as
         mlx-lm's generate_step does). Returns, as the speculative rounds do, once finished rows
-        have freed a `refill_at`-th of the slots for admission (at least one; `drained`: no request
+        have freed a REFILL_AT-th of the slots for admission (at least one; `drained`: no request
         waits, until half the slots are idle), or no row is left: each return drains the pipeline."""
         sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
         ones = active.astype(np.int64)  # the rows a round advances; a finished row's slot stops
@@ -556,7 +519,7 @@ class Engine(SpeculativeRounds):
             live = sum(s is not None for s in slots)
             if drained:  # only where the batch is narrowed next (else no reason to empty the pipeline)
                 return self._narrows(live, len(slots)) or not live
-            return len(slots) - live >= max(1, len(slots) // self.refill_at) or not live
+            return len(slots) - live >= max(1, len(slots) // REFILL_AT) or not live
 
         current = launch(mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32)))
         while True:

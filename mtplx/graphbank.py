@@ -37,7 +37,6 @@ from .cache import BatchCache, RowKVCache
 from .row_lengths import RowLengths
 from .config import verify_max_len_env
 from .sampling import SamplerBatch, accept_greedy, accept_sampled, shaped_probs
-from .tail_widths import sliced
 
 UNSUPPORTED_BITS = (6,)
 
@@ -99,7 +98,6 @@ class CompiledVerifyBank:
         restored_tokens: int = 0,
         tolerance: Optional[float] = None,
         growth_limit: Optional[int] = None,
-        warm_lengths: Tuple[int, ...] = (),
     ):
         """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`. `parity`:
         "on" (or False), "parity" (or True: raise on a mismatch), "parity2" (count mismatches).
@@ -107,9 +105,7 @@ class CompiledVerifyBank:
         max(8, max_verify_len)); a longer one is verified eagerly. `request_max_tokens`: the
         longest context a row can reach (the growth budget). `capture_backend`: what the model's
         recurrent layers use ("gdn", "recurrent", None); a mismatch is a ValueError.
-        `restored_tokens`: prompt tokens already restored from a cached prefix. `warm_lengths`: the
-        verify lengths built together when a (width, capacity) is first met (adaptive depth: every
-        depth it may try), so a depth tried later finds its program ready (`_warm`)."""
+        `restored_tokens`: prompt tokens already restored from a cached prefix."""
         self.runtime = runtime
         self.max_verify_len = max_verify_len
         env = verify_max_len_env()
@@ -130,15 +126,12 @@ class CompiledVerifyBank:
         reason = unsupported_quantization(runtime.model)
         self.permanent_eager = reason is not None
         self.tolerance = tolerance
-        self.warm_lengths = tuple(warm_lengths)
-        self.reserve = 0  # entries a row may reach that a cache grown here holds at once (the engine's RESERVE_CAPACITY)
+        self.reserve = 0  # entries a row may reach: a cache grown here holds them at once (one capacity a batch)
         self.stats: Dict[str, object] = {
             "compiled_calls": 0,
             "fallback_calls": 0,
             "parity_failures": 0,
             "programs": 0,
-            "warmed": 0,  # programs built ahead by `_warm`
-            "twins": 0,  # programs built ahead at narrower tail widths (`_twins`)
             "fallback_reasons": {} if reason is None else {reason: 0},
             "capture_backend": capture_backend,
             "request_max_tokens": self.request_max_tokens,
@@ -147,7 +140,6 @@ class CompiledVerifyBank:
         self._eager_reason = reason
         self._programs: Dict[Tuple, Callable] = {}
         self._broken: Dict[Tuple, str] = {}
-        self.twin_widths: Tuple[int, ...] = ()  # tail widths (tail_widths.py): each program's twins built with it
 
     # -- the program ------------------------------------------------------------------------------
     def _run_shadow(self, kinds, tokens, lengths, *arrays):
@@ -246,7 +238,6 @@ class CompiledVerifyBank:
             logits, hidden = self.eager(tokens, cache)
             return logits, hidden, False, None
         lengths = cache.rows.device
-        fresh = key not in self._programs
         try:
             out = self._program(key, cache.kinds)(tokens, lengths, *arrays)
         except Exception as e:  # a program that cannot compile: verify eagerly, say why
@@ -254,10 +245,6 @@ class CompiledVerifyBank:
             self._fallback(self._broken[key])
             logits, hidden = self.eager(tokens, cache)
             return logits, hidden, False, None
-        if fresh and self.warm_lengths:
-            self._warm(key, cache.kinds, tokens.dtype, lengths, arrays)
-        if self.twin_widths:
-            self._twins(key, cache.kinds, [tokens, lengths, *arrays])
         failures = None
         if self.mode != "on":
             ref = self._run_shadow(cache.kinds, tokens, lengths, *arrays)
@@ -300,7 +287,6 @@ class CompiledVerifyBank:
         if key in self._broken:
             return None
         lengths = cache.rows.device
-        fresh = key not in self._programs
         args = [pending, drafts, limit, live, lengths, *arrays, *extra]
         try:
             out = self._program(key, cache.kinds)(*args)
@@ -308,10 +294,6 @@ class CompiledVerifyBank:
             self._broken[key] = f"compile failed: {type(e).__name__}: {e}"
             self._fallback(self._broken[key])
             return None
-        if fresh and self.warm_lengths:
-            self._warm(key, cache.kinds, pending.dtype, lengths, arrays, extra)
-        if self.twin_widths:
-            self._twins(key, cache.kinds, args)
         self._mirror(cache, out[7:])
         self.stats["compiled_calls"] += 1
         return tuple(out[:6]) + ((out[6] if out[6].size else None),)
@@ -324,48 +306,6 @@ class CompiledVerifyBank:
         sampler, q, u_accept, u_next = accept
         key = ("sampled", sampler.any_top_k, sampler.any_top_p, q is not None)
         return key, [sampler.temps, sampler.top_p, sampler.top_k, u_accept, u_next] + ([] if q is None else [q])
-
-    def _warm(self, key, kinds, dtype, lengths: mx.array, arrays, extra=None) -> None:
-        """Build the programs of the other `warm_lengths` at this width and capacity (and, for a
-        round program, acceptance) now, each run once over zero tokens and evaluated (so the device
-        builds its kernels too), the outputs dropped: the real cache is an input, never written.
-        Rows sit at most where a verify of that length still fits the capacity; the values are
-        never read. `extra`: a round program's acceptance inputs (`_accept_key`)."""
-        W, _, cap = key[:3]
-        for n in self.warm_lengths:
-            other = (W, n, cap) + key[3:]
-            if other in self._programs or other in self._broken or n > self.growth_limit:
-                continue
-            room = mx.minimum(lengths, max(cap - n, 0)) if cap else lengths
-            if len(key) > 3:
-                k = n - 1
-                args = [mx.zeros((W,), mx.int32), mx.zeros((W, k), mx.int32), mx.zeros((W,), mx.int32),
-                        mx.zeros((W,), mx.bool_), room, *arrays]
-                if extra:  # sampled: sampler rows as they are, zero uniforms (and q) of k drafts
-                    args += list(extra[:3]) + [mx.zeros((W, k), mx.float32), extra[4]]
-                    args += [mx.zeros((W, k, extra[5].shape[-1]), extra[5].dtype)] if len(extra) > 5 else []
-            else:
-                args = [mx.zeros((W, n), dtype), room, *arrays]
-            try:
-                mx.eval(self._program(other, kinds)(*args))
-            except Exception as e:  # its first real call then verifies eagerly, saying why
-                self._broken[other] = f"compile failed: {type(e).__name__}: {e}"
-            self.stats["warmed"] += 1
-
-    def _twins(self, key, kinds, args) -> None:
-        """The program of `key` at each narrower tail width (`twin_widths`), built now and run once
-        over the first rows of this call's inputs, the outputs dropped (the real cache is never
-        written): a drained batch moved to that width (tail_widths.py) finds it built."""
-        W = key[0]
-        for w in self.twin_widths:
-            other = (w,) + key[1:]
-            if w >= W or other in self._programs or other in self._broken:
-                continue
-            try:
-                mx.eval(self._program(other, kinds)(*sliced(args, W, w)))
-            except Exception as e:  # its first real call then verifies eagerly, saying why
-                self._broken[other] = f"compile failed: {type(e).__name__}: {e}"
-            self.stats["twins"] += 1
 
     def eager(self, tokens, cache: BatchCache):
         cache.set_capturing(True)

@@ -30,15 +30,12 @@ from .graphbank import _shadow_cache, _shadow_outputs
 from .models.mtp import MTPHead
 from .rows_attention import padded
 from .sampling import SamplerBatch, sample_from, shaped_probs
-from .tail_widths import sliced
 
 DRAFT_VOCAB_FILE = "mtp_draft_vocab.npy"
 
 
 class DraftVocab:
     """The token ids the head drafts among, and the output projection restricted to them."""
-
-    use_table = True  # draft steps off `step_table`; benchmarks turn it off (round_trace `:drafter.vocab.use_table=0`)
 
     def __init__(self, head: MTPHead, ids: Sequence[int], vocab_size: int, chunk: int = 256):
         ids = np.asarray(ids, dtype=np.int64)
@@ -78,8 +75,6 @@ class DraftVocab:
         [D, D]), built once; None where the head's fc cannot be split, or a head of several modules.
         A draft step then reads one row instead of running the embedding, its norm, the
         concatenation and the embedding's half of fc (`draft_step`)."""
-        if not self.use_table:
-            return None
         if not hasattr(self, "_table"):
             share = head.embedding_share(self.ids) if type(head) is MTPHead else None
             self._table = None if share is None else (share, head.hidden_half())
@@ -106,18 +101,11 @@ class DraftVocab:
         return out.reshape(q.shape[:-1] + (self.vocab_size,))
 
 
-# A quantized output projection's rows for the drafting vocabulary dequantized as they are (the trunk's own
-# embedding lookup, kernels it loads anyway), not read off projections of basis vectors (quantized matmuls
-# of 256 rows, kernels of their own: H200, session 10 window 1, the DraftVocab 0.13 s of a fresh process's
-# engine setup under cProfile). The same values on this CPU (tests/test_mtp_draft.py); drafts only either way.
-QUANTIZED_ROWS = True
-
-
 def plain_rows(head: MTPHead, ids: mx.array) -> Optional[mx.array]:
     """The rows for `ids` of the matrix W the head's logits are h @ W.T with, where W is a weight
     without a bias: its own projection or the trunk's lm_head (nn.Linear), or the trunk's tied
-    embedding (nn.Embedding), or either quantized (dequantized rows, QUANTIZED_ROWS); None otherwise
-    (biased, several depths)."""
+    embedding (nn.Embedding), or either quantized (its rows dequantized: the trunk's own embedding
+    lookup, not quantized matmuls of basis vectors); None otherwise (biased, several depths)."""
     from .models.mtp import text_model
 
     if type(head) is not MTPHead:
@@ -132,7 +120,7 @@ def plain_rows(head: MTPHead, ids: mx.array) -> Optional[mx.array]:
     if type(layer) in (nn.Linear, nn.Embedding):
         return layer.weight[ids]
     # (isinstance: qmm_rows' subclasses run the same product)
-    if QUANTIZED_ROWS and isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+    if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         biases = layer.get("biases")
         return mx.dequantize(layer["weight"][ids], scales=layer["scales"][ids],
                              biases=None if biases is None else biases[ids], group_size=layer.group_size,
@@ -167,14 +155,6 @@ def load_draft_vocab(head: MTPHead, sidecar: Optional[str], vocab_size: int) -> 
 
 
 # -- the draft math, shared by the eager and the compiled paths -----------------------------------
-# A greedy pick keeps argmax's uint32 index (the gathers after it read it as it is: the step table's row, the
-# drafting vocabulary's id). True: each pick is cast to int32 first, a kernel of its own per draft step on
-# CUDA (a copy_v: issue 18, session 9); round_trace measures both (`3:mtplx.mtp_draft.CAST_PICKS=1`).
-CAST_PICKS = False
-# The draft chain's steps take their row lengths from one padded copy (`_step_rows`); False: each step adds
-# its offset and pads its own (at one row on CUDA a fill and two copies a step). round_trace: `:mtplx.mtp_draft.STEP_ROWS_ONCE=0`.
-STEP_ROWS_ONCE = True
-
 def project(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, step: int = 0) -> mx.array:
     """Head logits over the drafting vocabulary (the whole one when `vocab` is None)."""
     return head.logits(h, step) if vocab is None else vocab.logits(h)
@@ -185,9 +165,8 @@ def pick(logits: mx.array, sampler: SamplerBatch, u: mx.array):
     token id without one), with its q over that vocabulary [W, S] (None when all rows are greedy,
     where acceptance needs no q). `stack_drafts` maps the round's indices and q to token ids and to
     the whole vocabulary once, not per step."""
-    if sampler.all_greedy:
-        idx = mx.argmax(logits, axis=-1)
-        return (idx.astype(mx.int32) if CAST_PICKS else idx), None
+    if sampler.all_greedy:  # argmax's uint32 index as it is: the gathers after it read it (no cast kernel)
+        return mx.argmax(logits, axis=-1), None
     q = shaped_probs(logits[:, None], sampler)[:, 0]
     return sample_from(q, u), q
 
@@ -238,10 +217,8 @@ class CompiledDraftBank:
         self.vocab = vocab
         self._programs: Dict[Tuple, Callable] = {}
         self._broken: Dict[Tuple, str] = {}
-        self.warm_depths: Tuple[int, ...] = ()  # draft depths built together when a width and capacity is first met
-        self.twin_widths: Tuple[int, ...] = ()  # tail widths (tail_widths.py): each program's twins built with it
-        self.reserve = 0  # entries a row may reach that a cache grown here holds at once (the engine's RESERVE_CAPACITY)
-        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "programs": 0, "warmed": 0, "twins": 0,
+        self.reserve = 0  # entries a row may reach: a cache grown here holds them at once (one capacity a batch)
+        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "programs": 0,
                                          "fallback_reasons": {}}
 
     def _ready(self, cache: BatchCache, L: int) -> Optional[list]:
@@ -278,18 +255,7 @@ class CompiledDraftBank:
             self._eager(self._broken[key])
             return None
         self.stats["compiled_calls"] += 1
-        if self.twin_widths:
-            self._twins(key, build, args)
         return out
-
-    def _twins(self, key, build, args) -> None:
-        """The program of `key` at each narrower tail width (`twin_widths`), built now and run once
-        over the first rows of this call's inputs (`_warm`): a drained batch moved to that width
-        (tail_widths.py) finds it built."""
-        W = key[1]
-        for w in self.twin_widths:
-            if w < W:
-                self._warm(key[:1] + (w,) + key[2:], build, sliced(args, W, w), count="twins")
 
     def propose(self, cache: BatchCache, first_logits, h, sampler: SamplerBatch, u, K: int, lookup=None):
         """Drafts [W, K], q ([W, K, V] or None) and the rows that drafted from their context (or
@@ -299,15 +265,9 @@ class CompiledDraftBank:
             self._eager("cache not compilable")
             return None
         key, build = self._proposer(cache, arrays, sampler, K, lookup)
-        fresh = key not in self._programs
         extra = [] if lookup is None else [lookup[1]]
         tail = [sampler.temps, sampler.top_p, sampler.top_k]
         out = self._call(key, build, first_logits, h, u, *tail, cache.rows.device, *arrays, *extra)
-        if fresh and out is not None:
-            for k in self.warm_depths:  # the other depths' proposals at this width and capacity
-                if k and k != K and cache.rows.max + k <= arrays[0].shape[2]:
-                    other, b = self._proposer(cache, arrays, sampler, k, lookup)
-                    self._warm(other, b, [first_logits, h, self._u(u, k), *tail, self._room(cache, arrays, k), *arrays, *extra])
         return None if out is None else _unpacked(out)
 
     def _proposer(self, cache: BatchCache, arrays, sampler: SamplerBatch, K: int, lookup):
@@ -346,7 +306,6 @@ class CompiledDraftBank:
             return None
         sampler = None if following is None else following[2]
         key, build = self._committer(cache, arrays, hidden.dtype, K1, K, sampler, lookup)
-        fresh = key not in self._programs
         args = [hidden, verify_in, n, next_tokens, cache.rows.device, *arrays]
         if lookup is not None:
             args.append(lookup[1])
@@ -356,14 +315,6 @@ class CompiledDraftBank:
         out = self._call(key, build, *args)
         if out is None:
             return None
-        if fresh and self.warm_depths:
-            self._warm_commits(cache, arrays, args, sampler, lookup)
-        if following is not None and self.twin_widths and W > min(self.twin_widths):
-            # a batch moved to a tail width drops the drafts made ahead: its first round proposes
-            u = following[3]
-            pkey, pbuild = self._proposer(cache, arrays, sampler, K, lookup)
-            self._twins(pkey, pbuild, [out[0], out[1], u, sampler.temps, sampler.top_p, sampler.top_k,
-                                       self._room(cache, arrays, K), *arrays] + ([] if lookup is None else [lookup[1]]))
         n_arrays = len(arrays)
         for i, layer in enumerate(cache.layers):
             layer.keys, layer.values = out[2 + 2 * i], out[3 + 2 * i]
@@ -404,55 +355,12 @@ class CompiledDraftBank:
 
         return key, build
 
-    # -- every depth's programs built when a width and capacity is first met (adaptive depth) -------
-    def _warm_commits(self, cache: BatchCache, arrays, args, sampler: Optional[SamplerBatch], lookup) -> None:
-        """The commits of every (verified length, next depth) pair of `warm_depths` at this width
-        and capacity that fits it, built and run once over zeros (`_warm`). Those drafting ahead
-        need the batch's sampler: without one (this commit drafts nothing) they wait for the
-        first commit that drafts."""
-        hidden, verify_in, n, nxt = args[:4]
-        n_fixed = 5 + len(arrays) + (lookup is not None)
-        for K1 in (d + 1 for d in self.warm_depths):
-            for K in self.warm_depths:
-                if (K and sampler is None) or cache.rows.max + K1 + K > arrays[0].shape[2]:
-                    continue  # (one that does not fit runs at a larger capacity: built there)
-                key, build = self._committer(cache, arrays, hidden.dtype, K1, K, sampler, lookup)
-                if key in self._programs or key in self._broken:
-                    continue
-                warm = [mx.zeros((hidden.shape[0], K1, hidden.shape[2]), hidden.dtype),
-                        mx.zeros((verify_in.shape[0], K1), verify_in.dtype), mx.zeros_like(n), mx.zeros_like(nxt),
-                        self._room(cache, arrays, K1 + K)] + args[5:n_fixed]
-                if K:
-                    counts, u = args[n_fixed], args[n_fixed + 1]
-                    warm += [mx.ones_like(counts), self._u(u, K), sampler.temps, sampler.top_p, sampler.top_k]
-                self._warm(key, build, warm)
-
-    def _warm(self, key, build, args, count: str = "warmed") -> None:
-        """Build one program and run it once, evaluated (the device builds its kernels too); the
-        outputs are dropped (the head's cache is an input, never written)."""
-        if key in self._programs or key in self._broken:
-            return
-        try:
-            mx.eval(self._get(key, build)(*args))
-        except Exception as e:  # its first real call then drafts eagerly, saying why
-            self._broken[key] = f"compile failed: {type(e).__name__}: {e}"
-        self.stats[count] += 1
-
-    def _room(self, cache: BatchCache, arrays, L: int) -> mx.array:
-        """Row lengths that leave room for L more entries in this capacity (warm-up inputs)."""
-        return mx.minimum(cache.rows.device, max(arrays[0].shape[2] - L, 0))
-
-    def _u(self, u: mx.array, K: int) -> mx.array:
-        """Uniforms for K drafts laid out as a round's are (the first K columns of [W, 2D + 1])."""
-        return mx.zeros((u.shape[0], 2 * max(self.warm_depths) + 1), u.dtype)[:, :K]
-
-
 def draft_chain(head: MTPHead, vocab: Optional[DraftVocab], kinds, first, h, s: SamplerBatch, u, lengths, arrays, K: int):
     """K drafts per row from the head's first logits and hidden state, over a shadow of its cache
     whose rows hold `lengths` entries (the K-1 steps write past them, into arrays nobody keeps)."""
     idx, q = pick(first, s, u[:, 0])
     idxs, qs = [idx], [q]
-    steps = _step_rows(lengths, K) if STEP_ROWS_ONCE else [(lengths + j, None) for j in range(K - 1)]
+    steps = _step_rows(lengths, K)
     for j in range(1, K):
         rows, resident = steps[j - 1]
         shadow = _shadow_cache(kinds, rows, arrays, resident)
@@ -488,52 +396,16 @@ def history_append(hist: mx.array, hlen: mx.array, committed: mx.array, lead: in
     return mx.put_along_axis(hist, pos, committed.astype(hist.dtype), axis=1)
 
 
-# The device lookup as few kernels (`_compact_lookup`: one gather of the suffix, one fused comparison over
-# the history, one reduction, one gather of the drafts, and the history kept behind a pad of its own, so no
-# pad per round) where the loop (`_lookup_by_length`) runs a gather, a pad, a comparison and a reduction per
-# suffix length; the same drafts. On a launch-bound GPU a round costs what it hands the device, node by node
-# (BENCHMARKS.md, h8a). Read when a LookupFallback is made: round_trace `3l2:mtplx.mtp_draft.COMPACT_LOOKUP=0`
-# measures the loop (and the lookup tally added up every round, drafters.LookupFallback.record).
-COMPACT_LOOKUP = True
-
-
-def lookup_drafts(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int, lead: int = 0,
-                  compact: Optional[bool] = None, extra: int = 0):
+def lookup_drafts(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int, lead: int = 0, extra: int = 0):
     """Per row of `hist` [W, lead + C] (after `lead` columns of -1, its first `hlen + extra` tokens): does
     the longest suffix of `shortest`..`longest` tokens seen before, at its latest earlier place, have K
     tokens after it there? Returns (that [W], nonzero where so, those K tokens [W, K]): what
-    NgramDrafter.match gives on the host. `compact` (default COMPACT_LOOKUP): in one pass
-    (`_compact_lookup`; `extra` is then folded into its constants, not an add of its own)."""
-    if COMPACT_LOOKUP if compact is None else compact:
-        return _compact_lookup(hist, hlen, K, longest, shortest, lead, extra)
-    return _lookup_by_length(hist[:, lead:], hlen + extra if extra else hlen, K, longest, shortest)
-
-
-def _lookup_by_length(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int):
-    """`lookup_drafts` one suffix length at a time, longest first (the path before COMPACT_LOOKUP)."""
-    W, C = hist.shape
-    end = mx.arange(C, dtype=mx.int32)[None]  # an n-gram of size m ending before position `end`
-    best, found = mx.full((W,), -1, mx.int32), mx.zeros((W,), mx.bool_)
-    for m in range(longest, shortest - 1, -1):
-        suffix = mx.take_along_axis(hist, mx.maximum(hlen[:, None] - m + mx.arange(m, dtype=mx.int32)[None], 0), axis=1)
-        padded = mx.pad(hist, [(0, 0), (m, 0)])
-        hit = (end >= m) & (end < hlen[:, None])
-        for j in range(m):
-            hit = hit & (padded[:, j : j + C] == suffix[:, j : j + 1])
-        last = mx.max(mx.where(hit, end, -1), axis=1)
-        best = mx.where(found, best, last)
-        found = found | (last >= 0)
-    use = found & (best + K <= hlen)
-    at = mx.clip(best[:, None] + mx.arange(K, dtype=mx.int32)[None], 0, C - 1)
-    return use, mx.take_along_axis(hist, at, axis=1)
-
-
-def _compact_lookup(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int, lead: int, extra: int = 0):
-    """`lookup_drafts` in one pass. For each place e (the tokens before it), `run` counts how many of
-    the suffix's last tokens, newest first, match there (up to `longest`); the longest suffix seen
-    before is the largest run, and its latest place the largest e among those: both are the largest
-    run * C + e. Before the history's start the pad is read (-1: never a token). Each use of the
-    lengths adds `extra` in its own kernel (a shared `hlen + extra` would be a kernel of its own)."""
+    NgramDrafter.match gives on the host, in one pass of few kernels. For each place e (the tokens
+    before it), `run` counts how many of the suffix's last tokens, newest first, match there (up to
+    `longest`); the longest suffix seen before is the largest run, and its latest place the largest e
+    among those: both are the largest run * C + e. Before the history's start the pad is read (-1:
+    never a token). Each use of the lengths adds `extra` in its own kernel (a shared `hlen + extra`
+    would be a kernel of its own)."""
     if lead < longest:  # (a history kept without a pad of its own: padded here)
         hist, lead = mx.pad(hist, [(0, 0), (longest - lead, 0)], constant_values=-1), longest
     W, C = hist.shape[0], hist.shape[1] - lead
@@ -563,7 +435,7 @@ def _looked_up(finder, hist, hlen, K, drafts, q):
 
 
 def _lookup_key(lookup) -> tuple:
-    return () if lookup is None else ("lookup", lookup[0].n, lookup[0].min_match, lookup[0].compact, lookup[1].shape[1])
+    return () if lookup is None else ("lookup", lookup[0].n, lookup[0].min_match, lookup[1].shape[1])
 
 
 def _packed(d, q, *rest):

@@ -115,15 +115,15 @@ GPU_PADDING_WASTE = 3.0
 # job whose prompts have many lengths builds one per prefill forward. There a batched prefill's
 # query length is rounded up (to a multiple of 32, or of a sixteenth of its power of two past 512:
 # at most 1/8 more work past 256 tokens), so a job's prompts make few shapes; the padding is computed and
-# never enters a row's cache (each row commits its own length). None: by device (off a GPU the
-# padding would be real work for nothing).
-PAD_QUERIES: Optional[bool] = None
+# never enters a row's cache (each row commits its own length). Off a GPU the padding would be
+# real work for nothing.
+def pads_queries() -> bool:
+    return mx.default_device().type == mx.DeviceType.gpu
 
 
 def prefill_width(n: int, room: Optional[int] = None) -> int:
     """The query length a batched prefill forward of `n` tokens runs at (at most `room`)."""
-    pad = PAD_QUERIES if PAD_QUERIES is not None else mx.default_device().type == mx.DeviceType.gpu
-    if not pad or n <= 0:
+    if n <= 0 or not pads_queries():
         return n
     step = max(32, 1 << max(0, n.bit_length() - 4))
     width = -(-n // step) * step
@@ -169,10 +169,6 @@ class Prefiller:
         self.store = PrefixStore()
         # how much padding a batched group may add (length_groups)
         self.padding_waste = GPU_PADDING_WASTE if mx.default_device().type == mx.DeviceType.gpu else PADDING_WASTE
-        # An admission's groups are queued one after another and their first tokens read once at the
-        # end (a read per group left the device idle while the host queued the next one); False: a
-        # read per group, before its head prefill (benchmarks/round_cost measures both)
-        self.one_read = True
 
     def _edge(self, row) -> int:
         n = len(row.req.prompt_tokens)
@@ -209,18 +205,18 @@ class Prefiller:
             out[i] = self._drafter_prefill(drafter, rows[i], keys[i], *self._one(rows[i], keys[i]))
         todo = [len(rows[i].req.prompt_tokens) - (self._edge(rows[i]) if self.store.get(keys[i]) else 0)
                 for i in together]
-        groups = []  # every group's forwards queued before their first tokens are read, together, once
+        # every group's forwards queued before their first tokens are read, together, once (a read per
+        # group would leave the device idle while the host queues the next one)
+        groups = []
         for group in length_groups(todo, self.padding_waste):
             members = [together[g] for g in group]
             results, firsts = self._many([rows[i] for i in members], [keys[i] for i in members])
-            if not self.one_read:  # each group read before the next is queued (the path before session 8)
-                firsts = np.array(firsts).tolist()
             states = self._head_states(drafter, [rows[i] for i in members], results, firsts)
             groups.append((members, results, firsts, states))
         # a drafter without a batched prefill takes each row's first token on the host (prefill_row)
         host = read or (drafter is not None and any(st is None for g in groups for st in g[3]))
         device = None if read else self._firsts_in_row_order(out, alone, groups)
-        if groups and host and self.one_read:
+        if groups and host:
             read_all = np.array(mx.concatenate([g[2] for g in groups])).tolist()
             at = 0
             for g, (members, results, firsts, states) in enumerate(groups):

@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import small_ops, tail_widths
+from . import small_ops
 from .cache import BatchCache
 from .depth import position_counts
 from .request import Result
@@ -33,18 +33,13 @@ from .sampling import SamplerBatch, accept_greedy, accept_sampled, shaped_probs,
 # (H200, session 8: ~40-80 ms each at width 32), so fewer, larger admissions: 1/4 (was 1/8; window 1,
 # 64 / 128 rows at width 32, MTP 1.31x / 1.06x plain against 1.25x / 0.88x).
 REFILL_AT = 4
-# While adaptive depth explores, a (width, capacity)'s first round builds every depth's programs (h7a).
-# Off (session 10): each is built at its first use, while the device runs the round before it, and rounds
-# over a build are not timed either way (since session 7), so a try prices no compile. On, the eval-mtp job
-# built 4 verify + 19 head programs at its width's first round, each run once over zeros and waited for (H200,
-# session 10 window 1, under cProfile: 1.06 s of a 6.7 s job), most for depths and pairs of depths it never ran
-# (it stays at depth 3, trying 2 and 0: 3 verify and ~8 head programs)
-WARM_DEPTHS = False
-# A round whose timed interval holds the caller's time with the results it was handed (a job writes rows,
-# commits a shard with fsyncs: 5-280 ms on a CPU, against a 5 ms round on the H200) feeds the depth
-# controller no time. Off: it is timed (before session 9; one such sample moved a depth's average by
-# many rounds' worth, and adaptive depth left the depth that paid)
-UNTIMED_OVER_RESULTS = True
+
+
+def tail_keeps_width() -> int:
+    """The width a drained batch keeps: on a GPU a round of up to 32 rows costs about what one row's
+    does (SmolLM2 on the H200: a plain round 4.5 ms at 1 row, 6.1 ms at 32) and every narrower width
+    compiles programs of its own; on a CPU a round's cost follows its width."""
+    return 32 if mx.default_device().type == mx.DeviceType.gpu else 1
 
 
 class SpeculativeRounds:
@@ -108,7 +103,7 @@ class SpeculativeRounds:
         # cheap round would carry a costly one's queueing, or the last one none (depth.py). Nor
         # when a program was built since the round was queued (its own or the next one's): that
         # time is a compile's (and on a GPU kernel builds'), not what the depth costs. Nor when the caller
-        # had results meanwhile (UNTIMED_OVER_RESULTS).
+        # had results meanwhile (a job writes its shards).
         built = self._programs_built()
         carried, self._carried = self._carried, None
         if carried is not None:  # queued before the admission that just ran: it goes on from there
@@ -135,19 +130,19 @@ class SpeculativeRounds:
             first = self._land_joined(slots, cache) if self._joining is not None else []  # queued behind `following`
             out = self._read(current)
             now = self.clock()
-            steady = steady and self._programs_built() == built and (quiet or not UNTIMED_OVER_RESULTS)
+            steady = steady and self._programs_built() == built and quiet
             finished = first + self._land(slots, cache, current, out, now - landed_at if steady else None)
             landed_at, built = now, built_next
             live = sum(s is not None for s in slots)
             free = len(slots) - live
-            if following is not None and finished and not drained and free >= max(1, len(slots) // self.refill_at):
+            if following is not None and finished and not drained and free >= max(1, len(slots) // REFILL_AT):
                 # Requests wait: refill a few free slots at once (an idle slot of a wide, launch-bound
                 # batch costs ~nothing) with one prefill. At full width a round stays queued across
                 # the admission (`_carried`): the round after the one in flight is queued, the one in
                 # flight read (so the admission fills the slots both rounds freed, as many as when the
                 # pipeline emptied), and the admitted rows are put into their slots behind the queued
                 # one; the next call goes on from it, so the device is not left idle.
-                if len(slots) >= self.max_batch and self.carry_admissions:
+                if len(slots) >= self.max_batch:
                     going = any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
                     ahead = self._launch(slots, cache, sampler, following.nxt, 1, following.plan) if going else None
                     finished += self._land(slots, cache, following, self._read(following), None)
@@ -171,24 +166,20 @@ class SpeculativeRounds:
 
     _carried = None  # (the round in flight, its sampler) across an admission; None: the pipeline is empty
     # rows placed behind the carried round whose first tokens are not read yet: (those tokens on the
-    # device, [(slot, row)]); read once the round they join is queued. `defer_first_read` False: an
-    # admission reads them before placing its rows (the path before session 8; benchmarks measure both)
+    # device, [(slot, row)]); read once the round they join is queued
     _joining = None
-    defer_first_read = True
-    refill_at = REFILL_AT  # a call returns for admission once 1/refill_at of the slots are free (benchmarks vary it)
-    # the verify and the acceptance as one compiled program (graphbank.verify_round); benchmarks turn it
-    # off (round_trace `:fold_accept=0`) to measure the path before, where acceptance ran op by op
-    fold_accept = True
-    carry_admissions = True  # benchmarks/round_cost turns it off (depth suffix `d`) to measure the old path
 
     def _narrows(self, live: int, width: int) -> bool:
         """A drained batch of `width` slots with `live` rows is narrowed (generation.py: Engine.generate)."""
         return self._tail_target(live, width) is not None
 
-    def _tail_target(self, live: int, width: int):
-        """The width it moves to (tail_widths.target: powers of two where a round's cost follows its
-        width, else the tail widths whose programs were built ahead), or None."""
-        return tail_widths.target(live, width, self.tail_keeps_width, int(self.tail_narrowest or 0))
+    @staticmethod
+    def _tail_target(live: int, width: int):
+        """The width it moves to, or None: the narrowest power of two holding its live rows, once half
+        its slots are idle, where it is wider than `tail_keeps_width()`."""
+        if live <= width // 2 and width > tail_keeps_width():
+            return 1 << (max(live, 1) - 1).bit_length()
+        return None
 
     def _settle(self, cache: BatchCache) -> None:
         cache.rows.settle()  # exact host lengths again for admission and compaction
@@ -234,17 +225,9 @@ class SpeculativeRounds:
         return finished
 
     def _explore(self, on: bool) -> None:
-        """Adaptive depth tries other depths, and every depth's programs are built at a new shape's
-        first round, only while requests wait (`on`): a batch's last rows (drained, compacted to
-        narrower widths) keep the best depth, building only what it needs, as a fixed depth does."""
+        """Adaptive depth tries other depths only while requests wait (`on`): a batch's last rows
+        (drained, compacted to narrower widths) keep the best depth, as a fixed depth does."""
         self.depth_control.explore = on
-        if not self.depth_control.adaptive:
-            return
-        depths = range(self.spec.depth + 1) if on and WARM_DEPTHS else ()
-        if self.bank is not None:
-            self.bank.warm_lengths = tuple(d + 1 for d in depths)
-        if hasattr(self.drafter, "warm"):
-            self.drafter.warm(depths)
 
     def _programs_built(self) -> int:
         """Compiled programs so far, the verify bank's and the drafter's (timed rounds skip builds)."""
@@ -318,8 +301,8 @@ class SpeculativeRounds:
 
     def _verify_round(self, pending, drafts, limit, live, cache: BatchCache, accept):
         """The round's verify and acceptance as one program (graphbank.verify_round), or None where
-        that does not serve (`fold_accept` off, compiled verify off or comparing, an eager shape)."""
-        if not self.fold_accept or self.bank is None:
+        that does not serve (compiled verify off or comparing, an eager shape)."""
+        if self.bank is None:
             return None
         return self.bank.verify_round(pending, drafts, limit, live, cache, accept)
 

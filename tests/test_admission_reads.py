@@ -33,14 +33,11 @@ def setup(tiny_model, tmp_path_factory):
     return bundle, str(head), str(tiny_model("llama", seed=1)), rows
 
 
-def _engine(setup, method, width, defer, beside=True):
+def _engine(setup, method, width):
     bundle, head, draft, _ = setup
     spec = SpeculativeConfig(method=method.split("-")[0], depth=3, adaptive_depth=False, mtp_head=head if method != "draft" else None,
                              draft_model=draft if method == "draft" else None, mtp_lookup=2 if method == "mtp-lookup" else 0)
-    eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
-    eng.defer_first_read = defer
-    eng.prefill_beside = beside
-    return eng
+    return Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
 
 
 def _trace(eng):
@@ -83,27 +80,23 @@ def _launches_before_first_tokens(events):
 def test_first_tokens_are_read_after_the_round_they_join_is_queued(setup, method):
     bundle, _, _, rows = setup
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
-    seen = {}
-    for defer in (True, False):
-        eng = _engine(setup, method, 6, defer)
-        events = _trace(eng)
-        out = {r.key: r.tokens for r in eng.generate(reqs)}
-        for i, (p, m) in enumerate(rows):
-            assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), (defer, i)
-        seen[defer] = _launches_before_first_tokens(events)
-        cache = eng.drafter.cache
-        assert np.array_equal(cache.rows.host, np.array(cache.rows.device))
-    # deferred: each admission behind a round in flight queued the round its rows join before reading
-    # them; read at once (before): none did, the device waited for the host to queue it
-    assert sum(n >= 1 for n in seen[True]) >= 4, seen
-    assert not any(seen[False]), seen
+    eng = _engine(setup, method, 6)
+    events = _trace(eng)
+    out = {r.key: r.tokens for r in eng.generate(reqs)}
+    for i, (p, m) in enumerate(rows):
+        assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i
+    seen = _launches_before_first_tokens(events)
+    cache = eng.drafter.cache
+    assert np.array_equal(cache.rows.host, np.array(cache.rows.device))
+    # each admission behind a round in flight queued the round its rows join before reading them
+    assert sum(n >= 1 for n in seen) >= 4, seen
 
 
 def test_rows_that_end_at_their_first_token_behind_a_carried_round(setup):
     """Rows of max_tokens 1 admitted behind the round in flight: one token each, their slots refilled."""
     bundle, _, _, rows = setup
     many = [(rows[i % 9][0], 1 if i % 2 else 12) for i in range(30)]
-    eng = _engine(setup, "mtp", 4, True)
+    eng = _engine(setup, "mtp", 4)
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(many)]
     res = {r.key: r for r in eng.generate(reqs)}
     assert sorted(res) == list(range(30))
@@ -114,11 +107,11 @@ def test_rows_that_end_at_their_first_token_behind_a_carried_round(setup):
 
 @pytest.mark.parametrize("method", ["mtp", "draft"])
 def test_an_admission_prefilled_on_a_stream_of_its_own_gives_the_same_text(setup, method):
-    """`prefill_beside`: the admission behind a round in flight prefills on its own stream (MLX orders
+    """The admission behind a round in flight prefills on its own stream (MLX orders
     the rounds after it through the arrays they share): the text stays plain decoding's."""
     bundle, _, _, rows = setup
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
-    eng = _engine(setup, method, 6, True, beside=True)
+    eng = _engine(setup, method, 6)
     out = {r.key: r.tokens for r in eng.generate(reqs)}
     assert eng._side is not None
     for i, (p, m) in enumerate(rows):

@@ -89,47 +89,12 @@ def test_a_draft_that_pays_keeps_drafting(tiny_model):
     assert tail.count(2) > 0.75 * len(tail), chosen
 
 
-# -- adaptive depth with MTP: every depth's programs built at a shape's first round, compiles never priced --
+# -- adaptive depth with MTP: compiles never priced, the head's catch-ups compiled --
 def _mtp_engine(bundle, head, width=1):
     from test_mtp_draft import _sidecar  # noqa: F401 (the random head below is built the same way)
 
     spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=True, mtp_head=head)
     return Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
-
-
-def _programs(eng) -> set:
-    return set(eng.bank._programs) | set(eng.drafter.bank._programs)
-
-
-def test_after_a_warm_up_run_other_depths_compile_nothing_new(tiny_model, tmp_path, monkeypatch):
-    """With every depth's programs built at a shape's first round (spec_rounds.WARM_DEPTHS, off since
-    session 10): a warm-up run drafting depth 3 throughout, then the same rows at every depth in turn (as
-    adaptive depth's tries would): the second run builds no program, verify or head (before: each
-    depth, and each pair of consecutive depths of the head's commit-and-draft program, compiled
-    inside it), and both runs give plain decoding's text."""
-    from mtplx import spec_rounds
-    from test_mtp_draft import _sidecar
-
-    monkeypatch.setattr(spec_rounds, "WARM_DEPTHS", True)
-
-    bundle = load(tiny_model("llama"))
-    eos = set(bundle.tokenizer.eos_token_ids)
-    head = _sidecar(bundle, tmp_path / "head")
-    rng = np.random.default_rng(3)
-    rows = [(rng.integers(3, 400, 9).tolist(), 40) for _ in range(2)]
-    reqs = [Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
-    eng = _mtp_engine(bundle, head)
-    eng.depth_control.choose = lambda w, **k: 3
-    first = {r.key: r.tokens for r in eng.generate(reqs)}
-    built = _programs(eng)
-    cycle = iter([0, 1, 3, 2, 0, 3, 1, 2, 2, 3, 0, 0, 1, 1, 3] * 20)
-    eng.depth_control.choose = lambda w, **k: next(cycle)
-    second = {r.key: r.tokens for r in eng.generate(reqs)}
-    assert _programs(eng) == built, sorted(map(str, _programs(eng) - built))
-    assert eng.bank.stats["warmed"] > 0 and eng.drafter.bank.stats["warmed"] > 0
-    assert eng.bank.stats["fallback_calls"] == 0 and eng.drafter.bank.stats["eager_calls"] == 0
-    for i, (p, m) in enumerate(rows):
-        assert first[i] == second[i] == reference_tokens(bundle.model, p, m, eos), i
 
 
 def test_a_round_that_compiled_never_prices_its_depth(tiny_model, tmp_path):
@@ -176,34 +141,6 @@ def test_a_round_that_compiled_never_prices_its_depth(tiny_model, tmp_path):
     assert len(timed) > 20, fed
     assert max(s for _, s in timed) < 0.1, [x for x in timed if x[1] >= 0.1]
     assert max(eng.depth_control.seconds.values()) < 0.1, eng.depth_control.seconds
-    for i, (p, m) in enumerate(rows):
-        assert out[i] == reference_tokens(bundle.model, p, m, eos), i
-
-
-def test_a_batchs_last_rows_build_only_what_their_depth_needs(tiny_model, tmp_path, monkeypatch):
-    """Width 2, three rows, every depth's programs built ahead (spec_rounds.WARM_DEPTHS): while a row
-    waits, the first round at a shape builds every depth's programs; once nothing is left to admit the
-    batch compacts to width 1 and keeps the best depth: nothing is built ahead at width 1 (before: ~20
-    programs for the tail's few rounds)."""
-    from mtplx import spec_rounds
-    from test_mtp_draft import _sidecar
-
-    monkeypatch.setattr(spec_rounds, "WARM_DEPTHS", True)
-
-    bundle = load(tiny_model("llama"))
-    eos = set(bundle.tokenizer.eos_token_ids)
-    head = _sidecar(bundle, tmp_path / "head")
-    rng = np.random.default_rng(5)
-    rows = [(rng.integers(3, 400, 7).tolist(), m) for m in (20, 30, 60)]
-    eng = _mtp_engine(bundle, head, width=2)
-    warmed = []
-    for bank, name in ((eng.bank, "_warm"), (eng.drafter.bank, "_warm")):
-        inner = getattr(bank, name)
-        setattr(bank, name, lambda key, *a, _inner=inner: warmed.append(key) or _inner(key, *a))
-    out = {r.key: r.tokens for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
-    widths = {k[1] if isinstance(k[0], str) else k[0] for k in set(eng.bank._programs) | set(eng.drafter.bank._programs)}
-    assert widths == {1, 2}, widths  # the tail ran at width 1
-    assert warmed and all((k[1] if isinstance(k[0], str) else k[0]) == 2 for k in warmed), warmed
     for i, (p, m) in enumerate(rows):
         assert out[i] == reference_tokens(bundle.model, p, m, eos), i
 
@@ -265,8 +202,7 @@ def test_rounds_at_depth_0_leave_the_head_behind_and_it_catches_up_exactly(tiny_
 
 
 def test_fixed_depth_builds_nothing_ahead(tiny_model, tmp_path):
-    """`adaptive_depth: false`: no program is built ahead of its use (each depth's programs are
-    built only for adaptive depth), and no round is left behind by the head."""
+    """`adaptive_depth: false`: no round is left behind by the head."""
     from test_mtp_draft import _sidecar
 
     bundle = load(tiny_model("llama"))
@@ -277,8 +213,6 @@ def test_fixed_depth_builds_nothing_ahead(tiny_model, tmp_path):
     behind, advance = [], eng.drafter.advance
     eng.drafter.advance = lambda *a, **k: advance(*a, **k) or behind.append(len(eng.drafter.behind))
     list(eng.generate(Request(i, rng.integers(3, 400, 6).tolist(), SamplingParams(max_tokens=30)) for i in range(3)))
-    assert eng.bank.stats["warmed"] == 0 and eng.drafter.bank.stats["warmed"] == 0
-    assert eng.bank.warm_lengths == () and eng.drafter.bank.warm_depths == ()
     assert behind and max(behind) == 0
 
 
@@ -291,19 +225,14 @@ def _eager_head_calls(eng) -> list:
     return calls
 
 
-def test_after_a_warm_up_an_adaptive_run_builds_nothing_and_runs_the_head_compiled(tiny_model, tmp_path, monkeypatch):
-    """Session 8 on the H200: an adaptive run built a program mid-run. The head's catch-up after
-    rounds at depth 0 was one eager forward over all of them (a new query length each time: on a GPU
-    attention plans and kernels no warm-up had built, and past 8 queries MLX's masked attention), and
-    the next round's drafts were then proposed eagerly too. Now it commits them through the compiled
-    commit programs adaptive depth builds at a shape's first round, depth + 1 rounds a call. After a
-    warm-up run (every depth's programs built ahead: spec_rounds.WARM_DEPTHS), the same rows with
-    stretches at depth 0 (up to 11 rounds) build no program, run the head eagerly nowhere, and give
-    plain decoding's text."""
+def test_the_heads_catch_ups_run_compiled(tiny_model, tmp_path, monkeypatch):
+    """The head's catch-up after rounds at depth 0 commits them through the compiled commit programs,
+    depth + 1 rounds a call (one eager forward over all of them would meet a new query length each
+    time: on a GPU attention plans and kernels no program built). After a run at depth 3, the same
+    rows with stretches at depth 0 (up to 11 rounds) run the head eagerly nowhere and give plain
+    decoding's text."""
     from mtplx import spec_rounds
     from test_mtp_draft import _sidecar
-
-    monkeypatch.setattr(spec_rounds, "WARM_DEPTHS", True)
 
     bundle = load(tiny_model("llama"))
     eos = set(bundle.tokenizer.eos_token_ids)
@@ -311,11 +240,10 @@ def test_after_a_warm_up_an_adaptive_run_builds_nothing_and_runs_the_head_compil
     rng = np.random.default_rng(9)
     rows = [(rng.integers(3, 400, 9).tolist(), 70) for _ in range(3)]
     reqs = [Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
+    monkeypatch.setattr(spec_rounds, "tail_keeps_width", lambda: 2)  # as on a GPU: the last row keeps the width
     eng = _mtp_engine(bundle, head, width=2)
-    eng.TAIL_KEEPS_WIDTH = 2  # (as on a GPU: the last row keeps the batch's width and its programs)
     eng.depth_control.choose = lambda w, **k: 3
     first = {r.key: r.tokens for r in eng.generate(reqs)}
-    built = _programs(eng)
     calls = _eager_head_calls(eng)
     schedule = [3, 0, 0, 0, 2] + [0] * 11 + [3, 1] + [0] * 6 + [2, 3]
     cycle = iter(schedule * 20)
@@ -326,7 +254,6 @@ def test_after_a_warm_up_an_adaptive_run_builds_nothing_and_runs_the_head_compil
     second = {r.key: r.tokens for r in eng.generate(reqs)}
     assert caught and max(caught) > 4, caught  # catch-ups longer than a verify
     assert calls == [], calls
-    assert _programs(eng) == built, sorted(map(str, _programs(eng) - built))
     for i, (p, m) in enumerate(rows):
         assert first[i] == second[i] == reference_tokens(bundle.model, p, m, eos), i
 
@@ -363,21 +290,22 @@ def test_adaptive_depth_starts_where_the_heads_recorded_acceptance_pays(tiny_mod
     assert first == {0.05: 0, 0.95: 3}, first
 
 
-def test_the_callers_time_with_a_result_never_prices_a_depth(tiny_model, tmp_path):
+def test_the_callers_time_with_a_result_never_prices_a_depth(tiny_model, tmp_path, monkeypatch):
     """A job writes each result (a shard commit fsyncs: up to 0.6 s on this CPU, against a 5 ms round
     on the H200) before it asks for the next round. A caller charging the fake clock 1 s per result:
     no time the controller is fed holds it (before: the round after each result carried it), and
     the text is plain decoding's."""
+    from mtplx import spec_rounds
     from test_mtp_draft import _sidecar
 
-    bundle = load(tiny_model("llama"))
+    monkeypatch.setattr(spec_rounds, "tail_keeps_width", lambda: 4)  # the batch keeps its width: results come
+    bundle = load(tiny_model("llama"))                                # between rounds of one call
     eos = set(bundle.tokenizer.eos_token_ids)
     head = _sidecar(bundle, tmp_path / "head")
     rng = np.random.default_rng(11)
     rows = [(rng.integers(3, 400, 6).tolist(), m) for m in (12, 24, 36, 60)]
     clock = FakeClock()
     eng = _mtp_engine(bundle, head, width=4)
-    eng.TAIL_KEEPS_WIDTH = 4  # the batch keeps its width: results come between rounds of one call
     eng.clock = clock
     fed, record, folded = [], eng.depth_control.record, eng._verify_round
 

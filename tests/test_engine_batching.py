@@ -7,7 +7,7 @@ attention KV per row) and on llama. The reference is mlx-lm's `generate_step`, o
 
 The engine is observed through a subclass that records, before every decode round, how many
 rows are in flight and whether a request waits (the round's `drained`, known since the engine
-reads a request ahead when an admission fills the batch: generation.PEEK_SOURCE): while requests
+reads a request ahead when an admission fills the batch): while requests
 remain, every slot must be busy (a finished row's slot is refilled before the next round).
 """
 

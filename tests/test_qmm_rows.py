@@ -108,7 +108,7 @@ def test_engine_with_quantized_rows_is_token_identical(llama, tmp_path, monkeypa
 
 
 def test_the_drafting_vocabulary_still_reads_the_quantized_rows(llama):
-    """mtp_draft.plain_rows dequantizes a quantized head's rows (QUANTIZED_ROWS): the layers qmm_rows gave
+    """mtp_draft.plain_rows dequantizes a quantized head's rows: the layers qmm_rows gave
     its classes (the tied embedding, an lm_head) are still quantized layers there."""
     from mtplx import mtp_draft
     from mtplx.training.train_head import TrainConfig, _init_head

@@ -3,7 +3,7 @@
 With the compiled verify on, a round's verify of [pending, drafts], its acceptance (greedy or
 sampled), the committed counts, the lengths after them and the round's read [W, 2 + K] are one
 program: no acceptance op runs eagerly. The text is plain decoding's (greedy; the sampled side is
-test_engine_sampling's chi-square, `mtp-compiled`), and the same as with the fold off.
+test_engine_sampling's chi-square, `mtp-compiled`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ def setup(tiny_model, tmp_path_factory):
     return bundle, str(head), str(path), rows, [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
 
 
-def _run(setup, method, width, fold=True, adaptive=False, lookup=0):
+def _run(setup, method, width, adaptive=False, lookup=0):
     bundle, head, path, rows, _ = setup
     spec = SpeculativeConfig(method=method, depth=3, adaptive_depth=adaptive, compiled_verify="on", mtp_lookup=lookup,
                              mtp_head=head if method == "mtp" else None, draft_model=path if method == "draft" else None)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
-    eng.fold_accept = fold
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
     return eng, {r.key: list(r.tokens) for r in eng.generate(reqs)}
 
@@ -60,14 +59,6 @@ def test_a_folded_round_accepts_inside_its_program_and_decodes_as_plain(setup, m
     # every decode round's verify was a folded program: the bank's plain verifies are the first
     # tokens' and depth-0 rounds' only where the fold does not serve (none here)
     assert eng.bank.stats["compiled_calls"] >= eng.counters["rounds"]
-
-
-def test_the_fold_off_gives_the_same_tokens_and_stats(setup):
-    eng_on, on = _run(setup, "mtp", 2)
-    eng_off, off = _run(setup, "mtp", 2, fold=False)
-    assert on == off
-    assert not any(len(k) > 3 for k in eng_off.bank._programs)
-    assert eng_on.counters["rounds"] == eng_off.counters["rounds"]
 
 
 def test_parity_modes_compare_the_verify_apart(setup):
