@@ -114,27 +114,22 @@ class GraphCounter:
         self._wrap(mx, "eval", counting)
         eng = self.engine
         if eng is not None and eng.bank is not None:
-            self._program_counter(eng.bank, "_program", "verify")
+            self._program_counter(eng.bank.programs, "verify")
         bank = getattr(getattr(eng, "drafter", None), "bank", None)
-        if bank is not None:
-            # the MTP head's bank (mtp_draft.py) or the draft model's (draft_chain.py)
-            self._program_counter(bank, "_get" if hasattr(bank, "_get") else "_program", "draft")
+        if bank is not None:  # the MTP head's bank or the draft model's (mtplx/drafting/)
+            self._program_counter(bank.programs, "draft")
         return self
 
-    def _program_counter(self, owner, name, label):
+    def _program_counter(self, programs, label):
         counter = self.programs
 
         def outer(real):
-            def get(key, *args, **kwargs):
-                fn = real(key, *args, **kwargs)
+            def call(key, build, *args):
+                counter[key[0] if isinstance(key[0], str) else label] += 1
+                return real(key, build, *args)
+            return call
 
-                def call(*a, **k):
-                    counter[key[0] if isinstance(key[0], str) else label] += 1
-                    return fn(*a, **k)
-                return call
-            return get
-
-        self._wrap(owner, name, outer)
+        self._wrap(programs, "call", outer)
 
     def __exit__(self, *exc):
         for owner, name, real in reversed(self._restore):

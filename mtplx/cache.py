@@ -72,7 +72,7 @@ class RowKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, L, _ = keys.shape
         if self.attend_len is None:
-            self._ensure_capacity(B, keys, values, self.rows.max + L)
+            self.ensure_capacity(B, keys, values, self.rows.max + L)
         n = self._shared()
         if n is not None:
             self.keys[..., n : n + L, :] = keys
@@ -119,7 +119,7 @@ class RowKVCache:
         return True
 
     # -- batch bookkeeping ----------------------------------------------------------------------
-    def _ensure_capacity(self, B, keys, values, need):
+    def ensure_capacity(self, B, keys, values, need):
         if self.keys is None:
             cap = capacity_bucket(need)
             self.keys = mx.zeros((B, keys.shape[1], cap, keys.shape[3]), keys.dtype)
@@ -147,7 +147,7 @@ class RowKVCache:
         if kv is None:
             return
         k, v = kv
-        self._ensure_capacity(batch, k, v, k.shape[2])
+        self.ensure_capacity(batch, k, v, k.shape[2])
         self.keys[row : row + 1, :, : k.shape[2]] = k
         self.values[row : row + 1, :, : v.shape[2]] = v
 
@@ -163,7 +163,7 @@ class RowKVCache:
             pad = [(0, 0), (0, 0), (0, cap - length), (0, 0)]
             self.keys, self.values = mx.pad(k, pad), mx.pad(v, pad)
             return
-        self._ensure_capacity(batch, k, v, max(length, reserve))
+        self.ensure_capacity(batch, k, v, max(length, reserve))
         at = _slot_index(slots)
         self.keys[at, :, :length] = k
         self.values[at, :, :length] = v

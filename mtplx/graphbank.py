@@ -13,19 +13,23 @@ Modes: `on` (compiled, eager fallback with a recorded reason), `parity` (run bot
 replay counts divergences in `stats["parity_failures"]`). Models with quantization widths the
 bank does not compile (6-bit) run eager for their whole life (`permanent_eager`).
 
-The design note's other arguments: `request_max_tokens` is the growth budget, the longest
-context a row can reach (prompt + its max_tokens): no capacity bucket, and so no program, is
-made past what that budget plus the verify length needs; a verify past it runs eagerly with the
-reason recorded. `restored_tokens` counts prompt tokens restored from a cached prefix (the
-engine adds what its prefix store restored, `note_restored`). `capture_backend` names the
-recurrent-state capture in use ("gdn", "recurrent", or None for attention only) and must be
-what the model's layers use (`architectures.capture_backend`). All three are in `stats`.
+The seed's other arguments: `request_max_tokens` is the growth budget, the longest context a row
+can reach (prompt + its max_tokens): no capacity bucket, and so no program, is made past what that
+budget plus the verify length needs; a verify past it runs eagerly with the reason recorded.
+`restored_tokens` counts prompt tokens restored from a cached prefix (`note_restored`).
+`capture_backend` names the recurrent-state capture in use ("gdn", "recurrent", or None for
+attention only) and must be what the model's layers use (`architectures.capture_backend`). All
+three are in `stats`.
+
+`Programs` keeps the compiled programs of a bank by key; the draft banks (drafting/) use it too,
+over shadow caches of their own.
 """
 
 from __future__ import annotations
 
+import time
 from functools import partial
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,6 +40,7 @@ from .architectures import capture_backend as model_capture_backend
 from .cache import BatchCache, RowKVCache
 from .row_lengths import RowLengths
 from .config import verify_max_len_env
+from .counters import Counters
 from .sampling import SamplerBatch, accept_greedy, accept_sampled, shaped_probs
 
 UNSUPPORTED_BITS = (6,)
@@ -53,6 +58,36 @@ def unsupported_quantization(model) -> Optional[str]:
     return None
 
 
+class Programs:
+    """Compiled programs by key, each built (`mx.compile`) at its first call and counted in `counters`
+    (programs built, the seconds of their first calls); a key whose call raises is kept in `broken`,
+    with why, and its shape runs eagerly from then on."""
+
+    def __init__(self, counters: Optional[Counters] = None):
+        self.counters = counters if counters is not None else Counters()
+        self.built: Dict = {}
+        self.broken: Dict = {}
+
+    def call(self, key, build: Callable[[], Callable], *args):
+        """The program of `key` (`build()` gives the function it compiles) over `args`, or None where
+        it does not compile (`broken[key]` says why)."""
+        if key in self.broken:
+            return None
+        fn, started = self.built.get(key), None
+        if fn is None:
+            started = time.perf_counter()
+            fn = self.built[key] = mx.compile(build())
+            self.counters.programs_built += 1
+        try:
+            out = fn(*args)
+        except Exception as e:  # a program that cannot compile: its shape runs eagerly, saying why
+            self.broken[key] = f"compile failed: {type(e).__name__}: {e}"
+            return None
+        if started is not None:
+            self.counters.first_call_seconds += time.perf_counter() - started
+        return out
+
+
 class _ShadowRows(RowLengths):
     def __init__(self, device_lengths: mx.array, resident=None):
         self.device = device_lengths
@@ -62,7 +97,7 @@ class _ShadowRows(RowLengths):
             self._resident = (device_lengths, resident[0], resident[1])
 
 
-def _shadow_cache(kinds, lengths: mx.array, arrays, resident=None) -> BatchCache:
+def shadow_cache(kinds, lengths: mx.array, arrays, resident=None) -> BatchCache:
     """A cache over `arrays` whose rows hold `lengths` entries; `resident`: RowLengths.resident's
     (padded copy, view) of those lengths where the caller made them."""
     cache = BatchCache(kinds, rows=_ShadowRows(lengths, resident))
@@ -77,7 +112,7 @@ def _shadow_cache(kinds, lengths: mx.array, arrays, resident=None) -> BatchCache
     return cache
 
 
-def _shadow_outputs(cache: BatchCache):
+def shadow_outputs(cache: BatchCache):
     out = []
     for layer in cache.leaves:
         if isinstance(layer, RowKVCache):
@@ -98,6 +133,7 @@ class CompiledVerifyBank:
         restored_tokens: int = 0,
         tolerance: Optional[float] = None,
         growth_limit: Optional[int] = None,
+        counters: Optional[Counters] = None,
     ):
         """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`. `parity`:
         "on" (or False), "parity" (or True: raise on a mismatch), "parity2" (count mismatches).
@@ -105,7 +141,8 @@ class CompiledVerifyBank:
         max(8, max_verify_len)); a longer one is verified eagerly. `request_max_tokens`: the
         longest context a row can reach (the growth budget). `capture_backend`: what the model's
         recurrent layers use ("gdn", "recurrent", None); a mismatch is a ValueError.
-        `restored_tokens`: prompt tokens already restored from a cached prefix."""
+        `restored_tokens`: prompt tokens already restored from a cached prefix. `counters`: where its
+        programs are counted (the engine's)."""
         self.runtime = runtime
         self.max_verify_len = max_verify_len
         env = verify_max_len_env()
@@ -131,21 +168,19 @@ class CompiledVerifyBank:
             "compiled_calls": 0,
             "fallback_calls": 0,
             "parity_failures": 0,
-            "programs": 0,
             "fallback_reasons": {} if reason is None else {reason: 0},
             "capture_backend": capture_backend,
             "request_max_tokens": self.request_max_tokens,
             "restored_tokens": int(restored_tokens),
         }
         self._eager_reason = reason
-        self._programs: Dict[Tuple, Callable] = {}
-        self._broken: Dict[Tuple, str] = {}
+        self.programs = Programs(counters)
 
     # -- the program ------------------------------------------------------------------------------
     def _run_shadow(self, kinds, tokens, lengths, *arrays):
-        shadow = _shadow_cache(kinds, lengths, arrays)
+        shadow = shadow_cache(kinds, lengths, arrays)
         logits, hidden = self.runtime.forward(tokens, shadow)
-        return (logits, hidden if hidden is not None else mx.zeros((0,))) + tuple(_shadow_outputs(shadow))
+        return (logits, hidden if hidden is not None else mx.zeros((0,))) + tuple(shadow_outputs(shadow))
 
     def _run_round(self, kinds, accept, pending, drafts, limit, live, lengths, *rest):
         """A speculative round's verify and acceptance (`verify_round`): [pending, drafts] through the
@@ -167,18 +202,12 @@ class CompiledVerifyBank:
         read = small_ops.joined([n, nxt], drafts)
         return (read, n, nxt, counts, lengths + counts, verify_in, hidden) + tuple(cache_out)
 
-    def _program(self, key, kinds):
-        """The program of `key`: (W, L, capacity) verifies; a fourth entry, the acceptance
-        (`_accept_key`), makes it a round's verify and acceptance (`verify_round`)."""
-        fn = self._programs.get(key)
-        if fn is None:
-            if len(key) > 3:
-                fn = mx.compile(partial(self._run_round, kinds, key[3]))
-            else:
-                fn = mx.compile(lambda tokens, lengths, *arrays: self._run_shadow(kinds, tokens, lengths, *arrays))
-            self._programs[key] = fn
-            self.stats["programs"] = len(self._programs)
-        return fn
+    def _build(self, key, kinds) -> Callable[[], Callable]:
+        """The function the program of `key` compiles: (W, L, capacity) verifies; a fourth entry, the
+        acceptance (`_accept_key`), makes it a round's verify and acceptance (`verify_round`)."""
+        if len(key) > 3:
+            return lambda: partial(self._run_round, kinds, key[3])
+        return lambda: partial(self._run_shadow, kinds)
 
     @property
     def restored_tokens(self) -> int:
@@ -222,12 +251,9 @@ class CompiledVerifyBank:
         need = max(longest, min(self.reserve, self.request_max_tokens)) + L
         if kv and need > min(c.keys.shape[2] for c in kv):  # room for L more entries, in capacity buckets
             for c in kv:
-                c._ensure_capacity(W, c.keys, c.values, need)
+                c.ensure_capacity(W, c.keys, c.values, need)
             arrays = [a for c in cache.leaves for a in c.state_arrays()]
-        key = (W, L, max((c.keys.shape[2] for c in kv), default=0))
-        if key in self._broken:
-            return None, self._broken[key]
-        return key, arrays
+        return (W, L, max((c.keys.shape[2] for c in kv), default=0)), arrays
 
     def verify(self, tokens: mx.array, cache: BatchCache):
         """Forward `tokens` [W, L] over `cache`. Returns (logits, hidden, compiled?, parity failures per row)."""
@@ -238,11 +264,9 @@ class CompiledVerifyBank:
             logits, hidden = self.eager(tokens, cache)
             return logits, hidden, False, None
         lengths = cache.rows.device
-        try:
-            out = self._program(key, cache.kinds)(tokens, lengths, *arrays)
-        except Exception as e:  # a program that cannot compile: verify eagerly, say why
-            self._broken[key] = f"compile failed: {type(e).__name__}: {e}"
-            self._fallback(self._broken[key])
+        out = self.programs.call(key, self._build(key, cache.kinds), tokens, lengths, *arrays)
+        if out is None:
+            self._fallback(self.programs.broken[key])
             logits, hidden = self.eager(tokens, cache)
             return logits, hidden, False, None
         failures = None
@@ -284,15 +308,12 @@ class CompiledVerifyBank:
             return None
         akey, extra = self._accept_key(accept)
         key = key + (akey,)
-        if key in self._broken:
+        if key in self.programs.broken:
             return None
-        lengths = cache.rows.device
-        args = [pending, drafts, limit, live, lengths, *arrays, *extra]
-        try:
-            out = self._program(key, cache.kinds)(*args)
-        except Exception as e:  # a program that cannot compile: the round runs apart, saying why
-            self._broken[key] = f"compile failed: {type(e).__name__}: {e}"
-            self._fallback(self._broken[key])
+        out = self.programs.call(key, self._build(key, cache.kinds), pending, drafts, limit, live, cache.rows.device,
+                                 *arrays, *extra)
+        if out is None:  # the round runs apart, saying why
+            self._fallback(self.programs.broken[key])
             return None
         self._mirror(cache, out[7:])
         self.stats["compiled_calls"] += 1

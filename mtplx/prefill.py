@@ -8,20 +8,22 @@ copies that state and prefills only its suffix. Rows that need no snapshot are p
 together in padded batches of similar length (`length_groups`): each row writes its own span at
 its own offset, so padding never enters a row's cache, and grouping by length keeps the padding
 (work spent on no token) to a fraction of the real tokens. The MTP head prefills such a group
-together too (head_prefill.py): one forward and one eval per chunk for the group.
+together too (drafting/mtp.py, `MtpDrafter.prefill_rows`): one forward and one eval per chunk for
+the group.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import BatchCache, CacheRow, capacity_bucket
 from .config import prefill_chunk_env, sustained_prefill_env
+from .counters import Counters
 from .models.mtp import project_logits, trunk_hidden
 from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
 
@@ -153,11 +155,11 @@ class Prefiller:
 
     `runtime`: the model and whether hidden states are kept (`split`, `want_hidden`); `chunk`: the
     prefill span size (0: whole prompts); `hybrid`: recurrent layers, so rows prefill one by one;
-    `counters`: the engine's prefill_tokens / cached_prompt_tokens, added to here; `progress(kind,
+    `counters`: the engine's (prefill_tokens, cached_prompt_tokens added to here); `progress(kind,
     tokens)`: told of every prefilled span; `sustained`: the sustained layout (chunk spans split
     at stable-prefix edges), or off: one span per prompt."""
 
-    def __init__(self, runtime, chunk: int, hybrid: bool, counters: Dict[str, int],
+    def __init__(self, runtime, chunk: int, hybrid: bool, counters: Counters,
                  progress: Callable[[str, int], None] = lambda kind, tokens: None, sustained: bool = True):
         self.runtime = runtime
         self.model = runtime.model
@@ -170,14 +172,16 @@ class Prefiller:
         # how much padding a batched group may add (length_groups)
         self.padding_waste = GPU_PADDING_WASTE if mx.default_device().type == mx.DeviceType.gpu else PADDING_WASTE
 
-    def _edge(self, row) -> int:
+    def edge(self, row) -> int:
+        """Where the row's stable prefix ends (its snapshot is taken there)."""
         n = len(row.req.prompt_tokens)
         return min(max(int(row.req.stable_prefix_len or 0), 0), n - 1)
 
-    def _hidden(self, tokens: mx.array, cache: BatchCache) -> mx.array:
+    def hidden(self, tokens: mx.array, cache: BatchCache) -> mx.array:
+        """The trunk over `tokens`: its hidden states (MTP), or the logits (only the last is used)."""
         if self.runtime.split:
             return trunk_hidden(self.model, tokens, cache.layers)
-        return self.model(tokens, cache=cache.layers)  # logits stand in; only the last is used
+        return self.model(tokens, cache=cache.layers)
 
     def _first_tokens(self, rows, last: mx.array) -> mx.array:
         """The rows' first tokens [B] on the device (not read)."""
@@ -194,7 +198,7 @@ class Prefiller:
         not read where nothing here needs them (the engine queues the round the rows join first);
         a row's third item is then its token where it was read anyway, else None."""
         out = [None] * len(rows)
-        keys = [PrefixStore.key(r.req.prompt_tokens, self._edge(r)) for r in rows]
+        keys = [PrefixStore.key(r.req.prompt_tokens, self.edge(r)) for r in rows]
         seen = set()
         alone, together = [], []
         for i, (row, key) in enumerate(zip(rows, keys)):
@@ -202,15 +206,15 @@ class Prefiller:
             seen.add(key)
             (alone if leader or self.hybrid else together).append(i)
         for i in alone:  # leaders first: their prefixes are stored for the rows after them
-            out[i] = self._drafter_prefill(drafter, rows[i], keys[i], *self._one(rows[i], keys[i]))
-        todo = [len(rows[i].req.prompt_tokens) - (self._edge(rows[i]) if self.store.get(keys[i]) else 0)
+            out[i] = self._drafter_prefill(drafter, rows[i], keys[i], *self.alone(rows[i], keys[i]))
+        todo = [len(rows[i].req.prompt_tokens) - (self.edge(rows[i]) if self.store.get(keys[i]) else 0)
                 for i in together]
         # every group's forwards queued before their first tokens are read, together, once (a read per
         # group would leave the device idle while the host queues the next one)
         groups = []
         for group in length_groups(todo, self.padding_waste):
             members = [together[g] for g in group]
-            results, firsts = self._many([rows[i] for i in members], [keys[i] for i in members])
+            results, firsts = self.group([rows[i] for i in members], [keys[i] for i in members])
             states = self._head_states(drafter, [rows[i] for i in members], results, firsts)
             groups.append((members, results, firsts, states))
         # a drafter without a batched prefill takes each row's first token on the host (prefill_row)
@@ -254,9 +258,9 @@ class Prefiller:
                 row.stats.cached_prompt_tokens = start
         return starts, hits
 
-    def _one(self, row, key):
+    def alone(self, row, key):
         toks = row.req.prompt_tokens
-        n, edge = len(toks), self._edge(row)
+        n, edge = len(toks), self.edge(row)
         cache = BatchCache.for_model(self.model, 1)
         (start,), (hit,) = self._restore(cache, [row], [key], reserve=n + 1)
         snap, hiddens, h = None, [], None
@@ -264,7 +268,7 @@ class Prefiller:
             if e <= start:
                 continue
             s = max(s, start)
-            h = self._hidden(mx.array(toks[s:e], dtype=mx.int32)[None], cache)
+            h = self.hidden(mx.array(toks[s:e], dtype=mx.int32)[None], cache)
             cache.commit([e - s])
             if self.runtime.want_hidden:
                 hiddens.append(h)
@@ -279,7 +283,7 @@ class Prefiller:
         hidden = mx.concatenate(hiddens, axis=1) if hiddens else None
         return CacheRow(cache, 0), hidden, first, hit, snap
 
-    def _many(self, rows, keys):
+    def group(self, rows, keys):
         """Prefill rows together: each row's suffix padded to the longest, in chunk spans. Returns
         (cache row, hidden, store hit, prefix snapshot) per row, and their first tokens on the device."""
         B = len(rows)
@@ -298,7 +302,7 @@ class Prefiller:
                 part = row.req.prompt_tokens[starts[b] + c : starts[b] + c + width]
                 grid[b, : len(part)] = part
                 counts[b] = len(part)
-            h = self._hidden(mx.array(grid), cache)
+            h = self.hidden(mx.array(grid), cache)
             cache.commit(counts)
             if c + width < max(todo):  # the last chunk is read with the first tokens
                 mx.eval(h, [a for layer in cache.leaves for a in layer.state_arrays() if a is not None])
@@ -315,36 +319,33 @@ class Prefiller:
         out = []
         for b, row in enumerate(rows):
             hidden = mx.concatenate(hiddens[b], axis=1) if hiddens[b] else None
-            snap = cache.snapshot_row(b, self._edge(row)) if keys[b] and hits[b] is None else None
+            snap = cache.snapshot_row(b, self.edge(row)) if keys[b] and hits[b] is None else None
             out.append((CacheRow(cache, b), hidden, hits[b], snap))
         return out, firsts
 
     def _count(self, n, start):
-        self.counters["prefill_tokens"] += n - start
-        self.counters["cached_prompt_tokens"] += start
+        self.counters.prefill_tokens += n - start
+        self.counters.cached_prompt_tokens += start
 
     @staticmethod
     def _head_states(drafter, rows, results, firsts) -> List[Optional[tuple]]:
-        """The MTP head's states of a group prefilled together, in one batched head prefill
-        (a drafter's `prefill_rows`, where it has one), rows with a restored prefix included
-        (each starts from the prefix's head snapshot); None where there is none (a row takes
-        `prefill_row`)."""
+        """The drafter's states of a group prefilled together, in one batched prefill (its
+        `prefill_rows`), rows with a restored prefix included (each starts from the prefix's
+        snapshot); None where it prefills row by row (each row then takes `prefill_row`)."""
         at = [b for b, res in enumerate(results) if res[1] is not None]
         states = [None] * len(rows)
-        together = getattr(drafter, "prefill_rows", None)
-        if together is not None and at:  # one row too: its forward then runs at a padded width (prefill_width)
-            pick = (firsts[mx.array(at)] if len(at) < len(rows) else firsts) if isinstance(firsts, mx.array) \
-                else [firsts[b] for b in at]
-            got = together([rows[b].req.prompt_tokens for b in at], [results[b][1] for b in at],
-                           pick, [results[b][2][1] if results[b][2] is not None else None for b in at])
-            for b, state in zip(at, got):
+        if drafter is not None and at:  # one row too: its forward then runs at a padded width (prefill_width)
+            pick = firsts[mx.array(at)] if len(at) < len(rows) else firsts
+            got = drafter.prefill_rows([rows[b].req.prompt_tokens for b in at], [results[b][1] for b in at],
+                                       pick, [results[b][2][1] if results[b][2] is not None else None for b in at])
+            for b, state in zip(at, got or ()):
                 states[b] = state
         return states
 
     def _drafter_prefill(self, drafter, row, key, cache, hidden, first, hit, target_snap, state=None):
         """(cache, the drafter's state, first token), storing the prefix snapshot (target +
         drafter) if this row leads. `state`: the drafter's state, already built (`_head_states`)."""
-        toks, edge = row.req.prompt_tokens, self._edge(row)
+        toks, edge = row.req.prompt_tokens, self.edge(row)
         drafter_snap = None
         if drafter is not None:
             if state is None:

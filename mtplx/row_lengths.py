@@ -19,7 +19,7 @@ class RowLengths:
     """Per-row committed lengths, kept on the host (for scheduling) and on the device (for rope).
 
     `shared` is the one length every row has (always so at width 1), else None; also None while
-    rounds queued before the previous one was read (generation.py) have advanced the device
+    rounds queued before the previous one was read (rounds.py) have advanced the device
     lengths by counts the host has not seen (`advance`): the host lengths are then upper bounds,
     good for sizing the cache, until `correct` (the counts were read) or `settle` (read the
     device's).
@@ -82,7 +82,7 @@ class RowLengths:
 
     def expect(self, rounds: int):
         """`rounds` more (or, negative, fewer) rounds whose counts are not read and not advanced
-        yet: a drafter that puts off committing a round (drafters.py: MtpDrafter.behind) is
+        yet: a drafter that puts off committing a round (drafting/mtp.py: MtpDrafter.behind) is
         corrected for it when the engine reads it, before or after it advances by it."""
         self.unread += rounds
         self._share()

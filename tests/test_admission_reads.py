@@ -1,7 +1,7 @@
 """An admission behind the round in flight reads its rows' first tokens after the round they join is queued.
 
 At full width with requests waiting, rows are admitted while a round is carried across the
-admission (spec_rounds.py). Their first tokens stay on the device (prefill.py, `read=False`): the
+admission (rounds.py). Their first tokens stay on the device (prefill.py, `read=False`): the
 round they join is queued from them, and only then are they read (`_land_joined`), so the device
 does not wait for the host between the prefill and that round. A row that ends at its first
 token (max_tokens 1 here) leaves its slot then, and the round queued with it drops what it made
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.counters import Counters
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
@@ -44,7 +45,7 @@ def _trace(eng):
     """Events in order: ('prefill', keys) per admission, 'launch' per queued round, ('first', key)
     when a row's first token reaches the host."""
     events = []
-    run, launch, emit = eng.prefiller.run, eng._launch, eng._emit
+    run, launch, emit = eng.prefiller.run, eng.rounds.launch, eng.scheduler.emit
 
     def prefill(rows, *a, **k):
         events.append(("prefill", [r.req.key for r in rows]))
@@ -56,8 +57,8 @@ def _trace(eng):
         return emit(row, tokens)
 
     eng.prefiller.run = prefill
-    eng._launch = lambda *a, **k: (events.append("launch"), launch(*a, **k))[1]
-    eng._emit = emitted
+    eng.rounds.launch = lambda *a, **k: (events.append("launch"), launch(*a, **k))[1]
+    eng.scheduler.emit = emitted
     return events
 
 
@@ -113,7 +114,7 @@ def test_an_admission_prefilled_on_a_stream_of_its_own_gives_the_same_text(setup
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
     eng = _engine(setup, method, 6)
     out = {r.key: r.tokens for r in eng.generate(reqs)}
-    assert eng._side is not None
+    assert eng.side_stream is not None
     for i, (p, m) in enumerate(rows):
         assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i
 
@@ -130,10 +131,10 @@ def test_on_a_gpu_an_admission_pads_its_rows_into_fewer_groups(monkeypatch):
     class Runtime:
         model, split, want_hidden = None, False, False
 
-    cpu = prefill_mod.Prefiller(Runtime(), 512, False, {})
+    cpu = prefill_mod.Prefiller(Runtime(), 512, False, Counters())
     assert len(prefill_mod.length_groups(lengths, cpu.padding_waste)) == 2
     monkeypatch.setattr(prefill_mod.mx, "default_device", lambda: mx.Device(mx.gpu))
-    gpu = prefill_mod.Prefiller(Runtime(), 512, False, {})
+    gpu = prefill_mod.Prefiller(Runtime(), 512, False, Counters())
     assert len(prefill_mod.length_groups(lengths, gpu.padding_waste)) == 1
     assert len(prefill_mod.length_groups([16] + [600] * 3, gpu.padding_waste)) == 1
     assert len(prefill_mod.length_groups([10] * 4 + [600], gpu.padding_waste)) == 2  # 5 x 600 > 4 x 640

@@ -122,7 +122,7 @@ def test_one_controller_drafts_deep_at_one_stream_and_shallow_at_width_32():
 
 
 def pipelined(ctrl, cost, rates, rounds, width=1, noisy=None):
-    """Feed `ctrl` as the engine does (spec_rounds.py): a round's depth is chosen two rounds before
+    """Feed `ctrl` as the engine does (rounds.py): a round's depth is chosen two rounds before
     the round is read, and its time, cost[k] (or noisy(k, i) for the i-th timed round at depth k,
     where given), comes only when the round queued after it drafts as deep (None otherwise).
     Drafts pass with conditional rates by position. Returns the depths of the rounds."""

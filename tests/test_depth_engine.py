@@ -1,6 +1,6 @@
 """The adaptive depth controller inside the engine: the round times it is fed are each round's own.
 
-Rounds run one ahead (spec_rounds.py): while round r runs on the device, the host queues round
+Rounds run one ahead (rounds.py): while round r runs on the device, the host queues round
 r+1, so the time between two reads holds round r+1's queueing too. A round is timed only when
 the round queued in its interval has its depth (then the interval is what a run of rounds of that
 depth costs each); otherwise a plain round followed by a costly drafting round carries that
@@ -37,8 +37,8 @@ def _costly_engine(bundle, path, clock, verify_s=0.004, step_s=0.005, depth=2, w
     round), with the clock charged per verify and per draft step."""
     spec = SpeculativeConfig(method="draft", depth=depth, adaptive_depth=True, draft_model=str(path))
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
-    eng.clock = clock
-    verify, propose, folded = eng._verify, eng.drafter.propose, eng._verify_round
+    eng.rounds.clock = clock
+    verify, propose, folded = eng.rounds.verify, eng.drafter.propose, eng.rounds.verify_round
 
     def timed_verify(*a, **k):
         clock.now += verify_s
@@ -53,7 +53,7 @@ def _costly_engine(bundle, path, clock, verify_s=0.004, step_s=0.005, depth=2, w
         clock.now += step_s * K
         return propose(K, *a, **k)
 
-    eng._verify, eng._verify_round, eng.drafter.propose = timed_verify, timed_folded, timed_propose
+    eng.rounds.verify, eng.rounds.verify_round, eng.drafter.propose = timed_verify, timed_folded, timed_propose
     chosen, choose = [], eng.depth_control.choose
     eng.depth_control.choose = lambda w, **k: chosen.append(choose(w, **k)) or chosen[-1]
     return eng, chosen
@@ -100,8 +100,8 @@ def _mtp_engine(bundle, head, width=1):
 def test_a_round_that_compiled_never_prices_its_depth(tiny_model, tmp_path):
     """A fake clock charged 4 ms a verify and 1 s for each program built (a compile, and on a GPU
     its kernel builds): adaptive depth with MTP over rows that need new programs as they grow and
-    as depths change; no time the controller keeps holds a compile (before: rounds in which the
-    next round's program was built fed their seconds, and a depth looked 100x dearer than it is)."""
+    as depths change; no time the controller keeps holds a compile (a round in which the next
+    round's program was built would make its depth look 100x dearer than it is)."""
     from test_mtp_draft import _sidecar
 
     bundle = load(tiny_model("llama"))
@@ -109,10 +109,10 @@ def test_a_round_that_compiled_never_prices_its_depth(tiny_model, tmp_path):
     head = _sidecar(bundle, tmp_path / "head")
     rng = np.random.default_rng(4)
     rows = [(rng.integers(3, 400, int(n)).tolist(), 90) for n in (5, 200, 30)]
-    clock = FakeClock()
     eng = _mtp_engine(bundle, head)
-    eng.clock = clock
-    fed, record, verify, folded = [], eng.depth_control.record, eng._verify, eng._verify_round
+    clock = FakeClock()
+    eng.rounds.clock = lambda: clock.now + 1.0 * eng.counters.programs_built  # 1 s a program built
+    fed, record, verify, folded = [], eng.depth_control.record, eng.rounds.verify, eng.rounds.verify_round
 
     def timed_verify(*a, **k):
         clock.now += 0.004
@@ -123,18 +123,7 @@ def test_a_round_that_compiled_never_prices_its_depth(tiny_model, tmp_path):
         clock.now += 0.004 if out is not None else 0.0
         return out
 
-    def costly(bank, name):
-        inner = getattr(bank, name)
-
-        def get(key, *a):
-            if key not in bank._programs:
-                clock.now += 1.0
-            return inner(key, *a)
-        setattr(bank, name, get)
-
-    costly(eng.bank, "_program")
-    costly(eng.drafter.bank, "_get")
-    eng._verify, eng._verify_round = timed_verify, timed_folded
+    eng.rounds.verify, eng.rounds.verify_round = timed_verify, timed_folded
     eng.depth_control.record = lambda w, d, s, *a, **k: fed.append((d, s)) or record(w, d, s, *a, **k)
     out = {r.key: r.tokens for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
     timed = [(d, s) for d, s in fed if s is not None]
@@ -152,7 +141,7 @@ def test_rounds_at_depth_0_leave_the_head_behind_and_it_catches_up_exactly(tiny_
     with the next round that drafts, before rows move and at the end of a call. Every round's
     drafts and accepted counts are those of the head committing every round (HEAD_BEHIND = 0),
     and the text is plain decoding's."""
-    from mtplx import drafters
+    from mtplx.drafting import mtp as mtp_drafting
     from test_mtp_draft import _sidecar
 
     bundle = load(tiny_model("llama"))
@@ -165,12 +154,12 @@ def test_rounds_at_depth_0_leave_the_head_behind_and_it_catches_up_exactly(tiny_
     schedule = [0] * 5 + [3] * 3 + [0] * 20 + [2, 1, 0, 0, 1] + [0] * 7 + [3] * 10
 
     def run(behind):
-        monkeypatch.setattr(drafters, "HEAD_BEHIND", behind)
+        monkeypatch.setattr(mtp_drafting, "HEAD_BEHIND", behind)
         spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=True, mtp_head=head, mtp_lookup=lookup)
         eng = Engine(bundle, spec, ScheduleConfig(max_batch=2, order="input"))
-        chosen, reads, read = [], [], eng._read
+        chosen, reads, read = [], [], eng.rounds.read
         eng.depth_control.choose = lambda w, **k: chosen.append(schedule[len(chosen) % len(schedule)]) or chosen[-1]
-        eng._read = lambda flight: reads.append(read(flight)) or reads[-1]
+        eng.rounds.read = lambda flight: reads.append(read(flight)) or reads[-1]
         behind, heads = [], {}  # per advance: rounds behind; the head's state where it is not behind
         advance, d = eng.drafter.advance, eng.drafter
 
@@ -216,22 +205,13 @@ def test_fixed_depth_builds_nothing_ahead(tiny_model, tmp_path):
     assert behind and max(behind) == 0
 
 
-def _eager_head_calls(eng) -> list:
-    """Records each eager forward of the MTP head (a commit or a proposal outside a program)."""
-    calls, d = [], eng.drafter
-    commit, propose = d._commit_eager, d._propose_eager
-    d._commit_eager = lambda verify_in, *a: calls.append(("commit", verify_in.shape)) or commit(verify_in, *a)
-    d._propose_eager = lambda K, *a: calls.append(("propose", K)) or propose(K, *a)
-    return calls
-
-
 def test_the_heads_catch_ups_run_compiled(tiny_model, tmp_path, monkeypatch):
     """The head's catch-up after rounds at depth 0 commits them through the compiled commit programs,
     depth + 1 rounds a call (one eager forward over all of them would meet a new query length each
     time: on a GPU attention plans and kernels no program built). After a run at depth 3, the same
     rows with stretches at depth 0 (up to 11 rounds) run the head eagerly nowhere and give plain
     decoding's text."""
-    from mtplx import spec_rounds
+    from mtplx import scheduler
     from test_mtp_draft import _sidecar
 
     bundle = load(tiny_model("llama"))
@@ -240,27 +220,26 @@ def test_the_heads_catch_ups_run_compiled(tiny_model, tmp_path, monkeypatch):
     rng = np.random.default_rng(9)
     rows = [(rng.integers(3, 400, 9).tolist(), 70) for _ in range(3)]
     reqs = [Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
-    monkeypatch.setattr(spec_rounds, "tail_keeps_width", lambda: 2)  # as on a GPU: the last row keeps the width
+    monkeypatch.setattr(scheduler, "tail_keeps_width", lambda: 2)  # as on a GPU: the last row keeps the width
     eng = _mtp_engine(bundle, head, width=2)
     eng.depth_control.choose = lambda w, **k: 3
     first = {r.key: r.tokens for r in eng.generate(reqs)}
-    calls = _eager_head_calls(eng)
     schedule = [3, 0, 0, 0, 2] + [0] * 11 + [3, 1] + [0] * 6 + [2, 3]
     cycle = iter(schedule * 20)
     eng.depth_control.choose = lambda w, **k: next(cycle)
-    caught, d = [], eng.drafter
-    commit = d._commit
-    d._commit = lambda *a, **k: caught.append(len(d.behind)) or commit(*a, **k)
+    behind, d = [], eng.drafter
+    advance = d.advance
+    d.advance = lambda *a, **k: behind.append(len(d.behind)) or advance(*a, **k)
     second = {r.key: r.tokens for r in eng.generate(reqs)}
-    assert caught and max(caught) > 4, caught  # catch-ups longer than a verify
-    assert calls == [], calls
+    assert behind and max(behind) > 4, behind  # catch-ups longer than a verify
+    assert d.bank.stats["eager_calls"] == 0, d.bank.stats  # the head ran eagerly nowhere
     for i, (p, m) in enumerate(rows):
         assert first[i] == second[i] == reference_tokens(bundle.model, p, m, eos), i
 
 
 def test_adaptive_depth_starts_where_the_heads_recorded_acceptance_pays(tiny_model, tmp_path):
     """The head's mtp_head.json records its held-out acceptance per draft position: the controller
-    starts from it (before: 0.7 a position for every head). A head that records 0.05 starts at
+    starts from it (not one guess for every head). A head that records 0.05 starts at
     depth 0 (plain decoding: drafting cannot pay), one that records 0.95 at its depth 3; greedy text
     is plain decoding's either way."""
     import json
@@ -293,12 +272,12 @@ def test_adaptive_depth_starts_where_the_heads_recorded_acceptance_pays(tiny_mod
 def test_the_callers_time_with_a_result_never_prices_a_depth(tiny_model, tmp_path, monkeypatch):
     """A job writes each result (a shard commit fsyncs: up to 0.6 s on this CPU, against a 5 ms round
     on the H200) before it asks for the next round. A caller charging the fake clock 1 s per result:
-    no time the controller is fed holds it (before: the round after each result carried it), and
-    the text is plain decoding's."""
-    from mtplx import spec_rounds
+    no time the controller is fed holds it (the round after each result would carry it), and the
+    text is plain decoding's."""
+    from mtplx import scheduler
     from test_mtp_draft import _sidecar
 
-    monkeypatch.setattr(spec_rounds, "tail_keeps_width", lambda: 4)  # the batch keeps its width: results come
+    monkeypatch.setattr(scheduler, "tail_keeps_width", lambda: 4)  # the batch keeps its width: results come
     bundle = load(tiny_model("llama"))                                # between rounds of one call
     eos = set(bundle.tokenizer.eos_token_ids)
     head = _sidecar(bundle, tmp_path / "head")
@@ -306,15 +285,15 @@ def test_the_callers_time_with_a_result_never_prices_a_depth(tiny_model, tmp_pat
     rows = [(rng.integers(3, 400, 6).tolist(), m) for m in (12, 24, 36, 60)]
     clock = FakeClock()
     eng = _mtp_engine(bundle, head, width=4)
-    eng.clock = clock
-    fed, record, folded = [], eng.depth_control.record, eng._verify_round
+    eng.rounds.clock = clock
+    fed, record, folded = [], eng.depth_control.record, eng.rounds.verify_round
 
     def timed_folded(*a, **k):
         out = folded(*a, **k)
         clock.now += 0.004
         return out
 
-    eng._verify_round = timed_folded
+    eng.rounds.verify_round = timed_folded
     eng.depth_control.record = lambda w, d, s, *a, **k: fed.append((d, s)) or record(w, d, s, *a, **k)
     out = {}
     for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)):

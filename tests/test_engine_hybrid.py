@@ -142,7 +142,7 @@ def test_hybrid_draft_model_rolls_back_after_a_partial_accept(tiny_model):
     """A hybrid draft model (DraftModelDrafter) must also drop the rejected drafts from its
     recurrent state: after a partial accept its next proposal equals the proposal of a draft
     that only ever saw the accepted text."""
-    from mtplx.draft_model import DraftModelDrafter
+    from mtplx.drafting.draft_model import DraftModelDrafter
     from mtplx.request import SamplingParams
     from mtplx.sampling import SamplerBatch
 

@@ -179,13 +179,13 @@ def test_rows_of_very_different_lengths_prefill_in_length_groups_with_the_same_o
 
     def run(max_batch):
         eng = Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"), ScheduleConfig(max_batch=max_batch))
-        many = eng.prefiller._many
+        group = eng.prefiller.group
 
         def counting(rows, keys):  # the padded slots each batched prefill spends
             slots.append(len(rows) * max(len(r.req.prompt_tokens) for r in rows))
-            return many(rows, keys)
+            return group(rows, keys)
 
-        eng.prefiller._many = counting
+        eng.prefiller.group = counting
         reqs = [Request(i, p, SamplingParams(max_tokens=8)) for i, p in enumerate(prompts)]
         return {r.key: r.tokens for r in eng.generate(reqs)}
 

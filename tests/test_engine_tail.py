@@ -36,19 +36,19 @@ def setup(tiny_model, tmp_path_factory):
 
 
 def _run(setup, method, keeps, monkeypatch):
-    from mtplx import spec_rounds
+    from mtplx import scheduler
 
     bundle, head, rows, refs = setup
-    monkeypatch.setattr(spec_rounds, "tail_keeps_width", lambda: keeps)
+    monkeypatch.setattr(scheduler, "tail_keeps_width", lambda: keeps)
     spec = SpeculativeConfig(method=method, depth=3, adaptive_depth=False, mtp_head=head if method == "mtp" else None)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=WIDTH, order="input"))
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
     out = {r.key: r.tokens for r in eng.generate(reqs)}
     assert [out[i] for i in range(len(rows))] == refs  # plain decoding's tokens either way
-    widths = {key[0] for key in eng.bank._programs}
+    widths = {key[0] for key in eng.bank.programs.built}
     head_bank = getattr(eng.drafter, "bank", None)
-    head_widths = {key[1] for key in head_bank._programs} if head_bank is not None else set()
-    lengths = {key[1] for key in eng.bank._programs}
+    head_widths = {key[1] for key in head_bank.programs.built} if head_bank is not None else set()
+    lengths = {key[1] for key in eng.bank.programs.built}
     return widths, head_widths, lengths
 
 
@@ -66,9 +66,9 @@ def test_a_drained_batch_keeps_its_width_where_narrowing_does_not_pay(setup, met
 def test_the_rule_follows_the_device():
     import mlx.core as mx
 
-    from mtplx import spec_rounds
+    from mtplx import scheduler
 
-    assert spec_rounds.tail_keeps_width() == (32 if mx.default_device().type == mx.DeviceType.gpu else 1)
+    assert scheduler.tail_keeps_width() == (32 if mx.default_device().type == mx.DeviceType.gpu else 1)
 
 
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
@@ -92,6 +92,6 @@ def test_the_mtp_lookup_history_and_the_head_cache_cross_a_capacity_bucket_toget
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
     out = {r.key: r.tokens for r in eng.generate(reqs)}
     assert [out[i] for i in range(len(rows))] == [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
-    keys = list(eng.drafter.bank._programs)
+    keys = list(eng.drafter.bank.programs.built)
     assert {k[3] for k in keys} == {512}, keys  # the rows cross 256 entries: grown to 512 at once
     assert all(k[3] == k[-1] for k in keys), keys  # head cache capacity == history capacity in every program

@@ -1,4 +1,4 @@
-"""Cheap MTP drafting (mtplx/mtp_draft.py): compiled draft programs and a reduced drafting vocabulary.
+"""Cheap MTP drafting (mtplx/drafting/mtp_bank.py, vocab.py): compiled draft programs and a reduced drafting vocabulary.
 
 - Compiled drafting gives the drafts (and draft distributions q) the eager head gives, round by
   round, over growing caches, changing batch widths, greedy and sampled rows; and the bank really
@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.drafters import MtpDrafter
+from mtplx.drafting.mtp import MtpDrafter
+from mtplx.drafting.mtp import load as load_mtp
 from mtplx.generation import Engine
 from mtplx.models.loading import load
-from mtplx.mtp_draft import DraftVocab, frequent_tokens, save_draft_vocab
+from mtplx.drafting.vocab import DraftVocab, frequent_tokens, save_draft_vocab
 from mtplx.request import Request, SamplingParams
 from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
 from test_engine_sampling import PROMPT, SETTINGS, distribution_tests, exact_joint
@@ -88,10 +89,10 @@ class _Checked(MtpDrafter):
         self.checks["propose"] += 1
         return drafts, q
 
-    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False, following=None):
+    def advance(self, n, nxt, counts, most, verify_in, hidden, following=None):
         saved = [(c.keys, c.values) for c in self.cache.layers], self.cache.rows.mark(), self.history
         before = self.bank.stats["compiled_calls"]
-        super().advance(n, nxt, counts, most, verify_in, hidden, exact, following)
+        super().advance(n, nxt, counts, most, verify_in, hidden, following)
         assert self.bank.stats["compiled_calls"] == before + 1  # one program, drafting or not
         got, ready, history = [np.array(a) for a in self.extra], self.ready, self.history
         for c, (k, v) in zip(self.cache.layers, saved[0]):
@@ -99,7 +100,7 @@ class _Checked(MtpDrafter):
         self.cache.rows.restore(saved[1])
         self.history = saved[2]
         bank, self.bank = self.bank, None
-        super().advance(n, nxt, counts, most, verify_in, hidden, exact, following)
+        super().advance(n, nxt, counts, most, verify_in, hidden, following)
         self.bank = bank
         for a, b in zip(got, self.extra):
             self.commit_diff = max(self.commit_diff, float(np.abs(a - np.array(b)).max()))
@@ -114,9 +115,8 @@ class _Checked(MtpDrafter):
 
 
 def _run(bundle, spec, prompts, params, max_batch=3, check=False):
-    eng = Engine(bundle, spec, ScheduleConfig(max_batch=max_batch, order="input"))
-    if check:
-        eng.drafter = _Checked(eng.drafter)
+    drafter = _Checked(load_mtp(spec, bundle)) if check else None
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=max_batch, order="input"), drafter=drafter)
     reqs = [Request(key=i, prompt_tokens=p, params=params[i % len(params)], seed=i) for i, p in enumerate(prompts)]
     out = {r.key: r for r in eng.generate(reqs)}
     return [out[i] for i in range(len(reqs))], eng
@@ -145,13 +145,13 @@ def test_compiled_drafts_equal_eager_drafts(tiny_model, tmp_path, family, lookup
     d = eng.drafter
     if vocab:
         assert d.vocab is not None and d.vocab.step_table(d.head) is not None
-    print(f"\n{family}: {d.checks} checked, programs {d.bank.stats['programs']}, max |q diff| {d.q_diff:.2g}, "
+    print(f"\n{family}: {d.checks} checked, programs {len(d.bank.programs.built)}, max |q diff| {d.q_diff:.2g}, "
           f"max commit diff {d.commit_diff:.2g}")
     assert d.checks["propose"] >= 3 and d.checks["commit"] >= 10
     assert d.checks["commit+propose"] >= 10 and d.checks["drafted ahead"] >= 10
     assert d.draft_diffs == 0
     assert d.q_diff < 1e-5 and d.commit_diff < 1e-4
-    assert d.bank.stats["programs"] >= 2 and d.bank.stats["eager_calls"] == 0
+    assert len(d.bank.programs.built) >= 2 and d.bank.stats["eager_calls"] == 0
     greedy = [r for i, r in enumerate(results) if i % 2 == 0]
     for i, r in zip(range(0, len(prompts), 2), greedy):
         assert r.tokens == reference_tokens(bundle.model, prompts[i], 30, eng.eos)
@@ -222,14 +222,14 @@ def test_sampled_output_with_a_draft_vocab_follows_the_target(tiny_model, tmp_pa
 def test_draft_vocab_reads_plain_rows_bit_for_bit(tiny_model, monkeypatch, kind):
     """Where the head's projection is a plain weight (the tied embedding, an lm_head) the drafting
     vocabulary reads its rows instead of projecting basis vectors, with the same bits."""
-    from mtplx import mtp_draft
+    from mtplx.drafting import vocab as mtp_vocab
 
     bundle = load(tiny_model(kind))
     head = _init_head(bundle.model, TrainConfig(seed=3))
     ids = [0, 7, 9, 100, 511]
-    assert mtp_draft.plain_rows(head, mx.array(ids)) is not None
+    assert mtp_vocab.plain_rows(head, mx.array(ids)) is not None
     direct = DraftVocab(head, ids, 512)
-    monkeypatch.setattr(mtp_draft, "plain_rows", lambda head, ids: None)
+    monkeypatch.setattr(mtp_vocab, "plain_rows", lambda head, ids: None)
     basis = DraftVocab(head, ids, 512)
     assert mx.array_equal(direct.weight_t, basis.weight_t).item()
     h = mx.random.normal((4, head.fc.weight.shape[0])).astype(head.norm.weight.dtype)
@@ -243,15 +243,15 @@ def test_a_quantized_heads_draft_vocab_dequantizes_its_rows_with_the_basis_proje
     projections give (on this CPU)."""
     import mlx.nn as nn
 
-    from mtplx import mtp_draft
+    from mtplx.drafting import vocab as mtp_vocab
 
     bundle = load(tiny_model(kind))
     nn.quantize(bundle.model, group_size=32, bits=4)
     head = _init_head(bundle.model, TrainConfig(seed=3))
     ids = [0, 7, 9, 100, 511]
-    assert mtp_draft.plain_rows(head, mx.array(ids)) is not None
+    assert mtp_vocab.plain_rows(head, mx.array(ids)) is not None
     direct = DraftVocab(head, ids, 512)
-    monkeypatch.setattr(mtp_draft, "plain_rows", lambda head, ids: None)  # the basis projections
+    monkeypatch.setattr(mtp_vocab, "plain_rows", lambda head, ids: None)  # the basis projections
     basis = DraftVocab(head, ids, 512)
     assert mx.array_equal(direct.weight_t, basis.weight_t).item()
     assert not direct.has_bias and not basis.has_bias
@@ -266,9 +266,9 @@ def test_a_quantized_heads_draft_projection_has_no_bias_add(tiny_model, tmp_path
     import mlx.nn as nn
 
     from benchmarks.round_graph import graph_primitives
-    from mtplx import mtp_draft
+    from mtplx.drafting import vocab as mtp_vocab
 
-    monkeypatch.setattr(mtp_draft, "plain_rows", lambda head, ids: None)
+    monkeypatch.setattr(mtp_vocab, "plain_rows", lambda head, ids: None)
 
     bundle = load(tiny_model("qwen3"))
     nn.quantize(bundle.model, group_size=32, bits=4)
@@ -288,7 +288,7 @@ def test_a_draft_step_off_the_vocabularys_table_is_the_heads_own_step(tiny_model
     graph has no embedding, norm of it or concatenation left."""
     from benchmarks.round_graph import graph_primitives
     from mtplx.cache import BatchCache
-    from mtplx.mtp_draft import draft_step
+    from mtplx.drafting.mtp_bank import draft_step
 
     bundle = load(tiny_model("llama"))
     head = _init_head(bundle.model, TrainConfig(seed=3))
@@ -327,7 +327,7 @@ def test_a_rounds_drafts_map_to_token_ids_and_the_whole_vocabulary_once(tiny_mod
     token ids with one gather and (sampled) their q over the whole vocabulary with one scatter,
     not one of each per step."""
     from benchmarks.round_graph import graph_primitives
-    from mtplx.mtp_draft import draft_chain
+    from mtplx.drafting.mtp_bank import draft_chain
     from mtplx.sampling import SamplerBatch
 
     bundle, head, vocab, cache, arrays, h, first = _chain_inputs(tiny_model, rows=2)
@@ -346,7 +346,7 @@ def test_greedy_picks_are_not_cast_before_their_gathers(tiny_model, monkeypatch)
     no cast a draft step (a kernel of its own each on CUDA): a chain of 1 draft has no cast at all, and
     the drafts are int32 token ids."""
     from benchmarks.round_graph import graph_primitives
-    from mtplx import mtp_draft
+    from mtplx.drafting import mtp_bank
     from mtplx.sampling import SamplerBatch
 
     bundle, head, vocab, cache, arrays, h, first = _chain_inputs(tiny_model, rows=2)
@@ -355,7 +355,7 @@ def test_greedy_picks_are_not_cast_before_their_gathers(tiny_model, monkeypatch)
     mx.eval(arrays, h, first)
     got = {}
     for K in (1, 3):
-        drafts, q = mtp_draft.draft_chain(head, vocab, list(cache.kinds), first, h, sampler, u, cache.rows.device, arrays, K)
+        drafts, q = mtp_bank.draft_chain(head, vocab, list(cache.kinds), first, h, sampler, u, cache.rows.device, arrays, K)
         got[K] = (graph_primitives([drafts]).get("AsType", 0), drafts.dtype)
     assert got[1][0] == 0, got
     assert got[1][1] == got[3][1] == mx.int32
@@ -367,7 +367,8 @@ def test_draft_steps_take_their_lengths_from_one_padded_copy(tiny_model, monkeyp
     kernel more for a chain of 4 (three steps); the compiled draft programs build over it (no eager
     fallback) and greedy text stays plain's."""
     from benchmarks.round_graph import VIEWS, graph_primitives
-    from mtplx import mtp_draft, rows_attention
+    from mtplx import rows_attention
+    from mtplx.drafting import mtp_bank
     from mtplx.sampling import SamplerBatch
 
     bundle, head, vocab, cache, arrays, h, first = _chain_inputs(tiny_model, rows=1)
@@ -375,7 +376,7 @@ def test_draft_steps_take_their_lengths_from_one_padded_copy(tiny_model, monkeyp
     got = {}
     for pads in (False, True):
         monkeypatch.setattr(rows_attention, "pads", lambda p=pads: p)
-        drafts, _ = mtp_draft.draft_chain(head, vocab, list(cache.kinds), first, h, SamplerBatch.from_params([SamplingParams()]),
+        drafts, _ = mtp_bank.draft_chain(head, vocab, list(cache.kinds), first, h, SamplerBatch.from_params([SamplingParams()]),
                                           mx.zeros((1, 4)), cache.rows.device, arrays, 4)
         kernels = sum(n for name, n in graph_primitives([drafts]).items() if name not in VIEWS)
         got[pads] = (kernels, np.array(drafts).tolist())

@@ -1,4 +1,4 @@
-"""Prompt lookup inside MTP drafting (`speculative.mtp_lookup`, drafters.LookupFallback).
+"""Prompt lookup inside MTP drafting (`speculative.mtp_lookup`, drafting/mtp.py: LookupFallback).
 
 - Each round a row drafts its context's continuation where its suffix was seen before (and is
   followed by the round's depth of tokens), else the head's drafts; both kinds of round really
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.drafters import LookupFallback, NgramDrafter
+from mtplx.drafting.mtp import LookupFallback
+from mtplx.drafting.ngram import NgramDrafter
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
@@ -111,7 +112,7 @@ def test_device_lookup_finds_what_the_host_lookup_finds(n, min_match):
         use, drafts = lk.drafts(hist, lengths, K)
         use, drafts = np.array(use), np.array(drafts)
         for i, r in enumerate(rows):
-            size, cont = host.match(r, host._index(r), K)
+            size, cont = host.match(r, host.prefill_row(r[:-1], None, r[-1])[1], K)
             want = size >= min_match and len(cont) >= K
             assert use[i] == want, (r, K)
             if want:

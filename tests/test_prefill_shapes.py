@@ -15,7 +15,6 @@ import pytest
 from mtplx import prefill as prefill_mod
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
-from mtplx.head_prefill import head_prefill_rows
 from mtplx.models.loading import load
 from mtplx.prefill import prefill_width
 from mtplx.request import Request, SamplingParams
@@ -60,8 +59,8 @@ def test_padded_prefill_gives_the_same_tokens_at_few_query_lengths(setup, method
                              mtp_head=head if method != "none" else None, mtp_lookup=2 if method == "mtp-lookup" else 0)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=3, order="input"))  # rows join as others leave: refills
     trunk, heads = [], []
-    hidden = eng.prefiller._hidden
-    eng.prefiller._hidden = lambda tokens, cache: (trunk.append(tokens.shape[1]), hidden(tokens, cache))[1]
+    hidden = eng.prefiller.hidden
+    eng.prefiller.hidden = lambda tokens, cache: (trunk.append(tokens.shape[1]), hidden(tokens, cache))[1]
     if eng.drafter is not None:
         call = eng.drafter.head.hidden
         eng.drafter.head.hidden = lambda h, toks, layers, **kw: (heads.append(toks.shape[1]), call(h, toks, layers, **kw))[1]
@@ -84,11 +83,11 @@ def test_a_padded_head_prefill_is_prefill_rows(setup, monkeypatch):
     spec = SpeculativeConfig(method="mtp", depth=3, adaptive_depth=False, mtp_head=head, mtp_lookup=2)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=4, order="input"))
     prompts = [p for p, _ in rows[:4]]
-    grown = [eng._new_row(Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=4)))[0] for i, p in enumerate(prompts)]
-    results, firsts = eng.prefiller._many(grown, [None] * len(grown))
+    grown = [eng.scheduler.new_row(Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=4)))[0] for i, p in enumerate(prompts)]
+    results, firsts = eng.prefiller.group(grown, [None] * len(grown))
     firsts = np.array(firsts).tolist()
     for b, p in enumerate(prompts):  # each row alone too: the padded width is its own length's bucket
-        for got, ref in zip(head_prefill_rows(eng.drafter, [p], [results[b][1]], [firsts[b]]),
+        for got, ref in zip(eng.drafter.prefill_rows([p], [results[b][1]], [firsts[b]]),
                             [eng.drafter.prefill_row(p, results[b][1], firsts[b])]):
             assert int(got[0].lengths[0]) == int(ref[0].lengths[0]) == len(p)
             for a, r in zip(got[0].leaves, ref[0].leaves):

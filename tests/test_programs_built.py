@@ -42,7 +42,7 @@ def _rows(n, prompt=6, tokens=30, seed=5):
 
 
 def _keys(eng) -> list:
-    return list(eng.bank._programs) + list(eng.drafter.bank._programs)
+    return list(eng.bank.programs.built) + list(eng.drafter.bank.programs.built)
 
 
 def test_a_batch_of_the_jobs_last_rows_tries_no_other_depth(tiny_model, tmp_path):
@@ -62,7 +62,7 @@ def test_the_peek_keeps_the_rows_and_their_order(tiny_model, tmp_path):
 def _capacities(eng) -> set:
     """The cache capacities of the programs built (verify keys: (W, L, capacity, ...); head keys:
     (kind, W, K or K1, capacity, ...))."""
-    return {k[2] for k in eng.bank._programs} | {k[3] for k in eng.drafter.bank._programs}
+    return {k[2] for k in eng.bank.programs.built} | {k[3] for k in eng.drafter.bank.programs.built}
 
 
 def test_a_batch_runs_at_one_capacity_when_its_rows_cross_a_bucket(tiny_model, tmp_path):
@@ -93,6 +93,6 @@ def test_commits_of_rounds_without_drafts_run_in_the_deepest_rounds_program(tiny
         out = {r.key: r.tokens for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
         for i, (p, m) in enumerate(rows):
             assert out[i] == reference_tokens(bundle.model, p, m, eos), i
-        return {k[2] for k in eng.drafter.bank._programs if k[0] != "propose"}
+        return {k[2] for k in eng.drafter.bank.programs.built if k[0] != "propose"}
 
     assert run() == {4}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import mtplx.spec_rounds
+import mtplx.rounds
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.models.loading import load
@@ -42,8 +42,8 @@ def _run(setup, method, width, adaptive=False, lookup=0):
 def _no_eager_acceptance(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("acceptance ran eagerly, outside the round's program")
-    monkeypatch.setattr(mtplx.spec_rounds, "accept_greedy", refuse)
-    monkeypatch.setattr(mtplx.spec_rounds, "accept_sampled", refuse)
+    monkeypatch.setattr(mtplx.rounds, "accept_greedy", refuse)
+    monkeypatch.setattr(mtplx.rounds, "accept_sampled", refuse)
 
 
 @pytest.mark.parametrize("method,width,adaptive,lookup", [("mtp", 1, False, 0), ("mtp", 4, False, 0), ("mtp", 3, True, 0),
@@ -54,11 +54,11 @@ def test_a_folded_round_accepts_inside_its_program_and_decodes_as_plain(setup, m
     refs = setup[4]
     for i, ref in enumerate(refs):
         assert out[i] == ref, i
-    folded = [k for k in eng.bank._programs if len(k) > 3]
-    assert folded and all(k[3] == ("greedy",) for k in folded), list(eng.bank._programs)
+    folded = [k for k in eng.bank.programs.built if len(k) > 3]
+    assert folded and all(k[3] == ("greedy",) for k in folded), list(eng.bank.programs.built)
     # every decode round's verify was a folded program: the bank's plain verifies are the first
     # tokens' and depth-0 rounds' only where the fold does not serve (none here)
-    assert eng.bank.stats["compiled_calls"] >= eng.counters["rounds"]
+    assert eng.bank.stats["compiled_calls"] >= eng.counters.rounds
 
 
 def test_parity_modes_compare_the_verify_apart(setup):
@@ -69,4 +69,4 @@ def test_parity_modes_compare_the_verify_apart(setup):
     out = {r.key: list(r.tokens) for r in eng.generate(
         [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)])}
     assert all(out[i] == refs[i] for i in range(len(rows)))
-    assert not any(len(k) > 3 for k in eng.bank._programs)
+    assert not any(len(k) > 3 for k in eng.bank.programs.built)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mtplx import spec_rounds
+from mtplx import scheduler
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.models.loading import load
@@ -36,18 +36,14 @@ def setup(tiny_model, tmp_path_factory):
 def _run(setup, method, keeps, monkeypatch, **sampling):
     """Results by key and the widths the rounds ran at, with the tail kept at `keeps` rows or wider."""
     bundle, paths, rows, _ = setup
-    monkeypatch.setattr(spec_rounds, "tail_keeps_width", lambda: keeps)
+    monkeypatch.setattr(scheduler, "tail_keeps_width", lambda: keeps)
     lookup = method == "mtp-lookup"  # MTP with prompt lookup on the device (speculative.mtp_lookup)
     method = "mtp" if lookup else method
     spec = SpeculativeConfig(method=method, depth=3, adaptive_depth=False, mtp_head=paths["mtp"] if method == "mtp" else None,
                              draft_model=paths["draft"] if method == "draft" else None, mtp_lookup=2 if lookup else 0)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=WIDTH, order="input"))
-    widths = []
-    for name in ("_round", "_plain_rounds"):
-        def counted(slots, *a, _inner=getattr(eng, name), **k):
-            widths.append(len(slots))
-            return (yield from _inner(slots, *a, **k))
-        setattr(eng, name, counted)
+    widths, run = [], eng.rounds.run
+    eng.rounds.run = lambda sched: (widths.append(len(sched.slots)), run(sched))[1]
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m, **sampling), seed=7 + i)
             for i, (p, m) in enumerate(rows)]
     return {r.key: r.tokens for r in eng.generate(reqs)}, set(widths)
@@ -74,8 +70,13 @@ def test_a_sampled_row_keeps_its_text_in_a_narrowed_tail(setup, method, monkeypa
 
 
 def test_the_widths(monkeypatch):
-    monkeypatch.setattr(spec_rounds, "tail_keeps_width", lambda: 1)
-    target = spec_rounds.SpeculativeRounds._tail_target
+    sched = scheduler.Scheduler(None, set(), 64, 100, 0, lambda n, m: 0)
+
+    def target(live, width):
+        sched.slots = [None] * width
+        return sched.narrows(live)
+
+    monkeypatch.setattr(scheduler, "tail_keeps_width", lambda: 1)
     assert target(3, 32) == 4 and target(16, 32) == 16 and target(17, 32) is None and target(1, 2) == 1
-    monkeypatch.setattr(spec_rounds, "tail_keeps_width", lambda: 32)
+    monkeypatch.setattr(scheduler, "tail_keeps_width", lambda: 32)
     assert target(3, 32) is None and target(3, 64) == 4

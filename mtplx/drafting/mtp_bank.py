@@ -1,0 +1,285 @@
+"""MTP drafting as compiled programs (`CompiledDraftBank`) and the eager ops they are made of.
+
+A round of MTP drafting runs the head K-1 times (each step feeds back its own hidden state and
+draft) and, after the verify, once more over the verified tokens (the commit). Eagerly that is a
+chain of small kernels per step; the bank makes the proposal, and the commit with the next round's
+proposal, `mx.compile`d programs over a shadow of the head's KV cache, keyed like the verify bank
+by (batch width, depth, capacity bucket) plus the sampler's shape flags. The per-row lengths enter
+as an array, so one program serves every round of its shape. The ops below are what both paths
+run (MtpDrafter's eager path is the reference the programs must match), and the device prompt
+lookup (`lookup_drafts`, mtp.LookupFallback) runs inside the same programs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from .. import small_ops
+from ..cache import BatchCache
+from ..graphbank import Programs, shadow_cache, shadow_outputs
+from ..models.mtp import MTPHead
+from ..rows_attention import padded
+from ..sampling import SamplerBatch, sample_from, shaped_probs
+from .vocab import DraftVocab
+
+
+# -- the draft math, shared by the eager and the compiled paths -----------------------------------
+def project(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, step: int = 0) -> mx.array:
+    """Head logits over the drafting vocabulary (the whole one when `vocab` is None)."""
+    return head.logits(h, step) if vocab is None else vocab.logits(h)
+
+
+def pick(logits: mx.array, sampler: SamplerBatch, u: mx.array):
+    """One draft per row from [W, S] head logits, as its index in the drafting vocabulary [W] (the
+    token id without one), with its q over that vocabulary [W, S] (None when all rows are greedy,
+    where acceptance needs no q). `stack_drafts` maps the round's indices and q to token ids and to
+    the whole vocabulary once, not per step."""
+    if sampler.all_greedy:  # argmax's uint32 index as it is: the gathers after it read it (no cast kernel)
+        return mx.argmax(logits, axis=-1), None
+    q = shaped_probs(logits[:, None], sampler)[:, 0]
+    return sample_from(q, u), q
+
+
+def draft_step(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, idx: mx.array, caches, step: int) -> mx.array:
+    """The head's hidden state [W, D] after the draft of index `idx` [W] (`pick`), one step of the
+    draft chain: with the vocabulary's step table the token's part of fc is a row of it
+    (DraftVocab.step_table), else the head runs over the token as it does at a commit. Eager and
+    compiled drafting both take this step, so their drafts agree."""
+    table = None if vocab is None else vocab.step_table(head)
+    if table is None:
+        tok = idx if vocab is None else vocab.ids[idx]
+        return head.hidden(h[:, None], tok[:, None], caches, step=step)[:, 0]
+    return head.hidden_after(h[:, None], table[0][idx][:, None], table[1], caches)[:, 0]
+
+
+def stack_drafts(vocab: Optional[DraftVocab], idxs, qs):
+    """A round's picks (`pick`, per step) -> (token ids [W, K], q [W, K, V] or None)."""
+    idx = small_ops.columns(idxs)
+    q = None if qs[0] is None else mx.stack(qs, axis=1)
+    if vocab is None:
+        return idx, q
+    return vocab.ids[idx], (None if q is None else vocab.expand(q))
+
+
+def commit_inputs(verify_in: mx.array, n: mx.array, next_tokens: mx.array) -> mx.array:
+    """The head's tokens for a commit: position i of [pending, d1..dK] is followed by d_{i+1}, and
+    the last accepted position by the verify's own next token."""
+    K1 = verify_in.shape[1]
+    if small_ops.FEWER:  # the columns rolled by one as selects, fused with the one below: one kernel
+        cols = small_ops.rows_of(verify_in)
+        following = small_ops.columns(cols[1:] + cols[:1])
+    else:
+        following = mx.concatenate([verify_in[:, 1:], verify_in[:, :1]], axis=1)
+    return mx.where(small_ops.arange(K1)[None] == n[:, None], next_tokens[:, None], following)
+
+
+def at_accepted(h_out: mx.array, n: mx.array) -> mx.array:
+    return mx.take_along_axis(h_out, n[:, None, None], axis=1)[:, 0]
+
+
+class CompiledDraftBank:
+    """MTP propose and commit as compiled programs over a shadow of the head's KV cache."""
+
+    def __init__(self, head: MTPHead, vocab: Optional[DraftVocab], programs: Programs):
+        self.head = head
+        self.vocab = vocab
+        self.programs = programs
+        self.reserve = 0  # entries a row may reach: a cache grown here holds them at once (one capacity a batch)
+        self.stats = {"compiled_calls": 0, "eager_calls": 0, "fallback_reasons": {}}
+
+    def _ready(self, cache: BatchCache, L: int) -> Optional[list]:
+        """The cache's arrays with room for L more entries, or None when it cannot be compiled over."""
+        if any(k != "kv" for k in cache.kinds) or any(c.keys is None for c in cache.layers):
+            self._eager("cache not compilable")
+            return None
+        for c in cache.layers:
+            c.ensure_capacity(cache.batch, c.keys, c.values, max(cache.rows.max, self.reserve) + L)
+        return [a for c in cache.layers for a in c.state_arrays()]
+
+    def _eager(self, reason: str):
+        self.stats["eager_calls"] += 1
+        reasons = self.stats["fallback_reasons"]
+        reasons[reason] = reasons.get(reason, 0) + 1
+
+    def _call(self, key, build, *args):
+        out = self.programs.call(key, build, *args)
+        if out is None:  # a program that cannot compile: draft eagerly, say why
+            self._eager(self.programs.broken[key])
+            return None
+        self.stats["compiled_calls"] += 1
+        return out
+
+    def propose(self, cache: BatchCache, first_logits, h, sampler: SamplerBatch, u, K: int, lookup=None):
+        """Drafts [W, K], q ([W, K, V] or None) and the rows that drafted from their context (or
+        None), or None when this shape runs eagerly. `lookup` = (LookupFallback, history [W, C])."""
+        arrays = self._ready(cache, K)
+        if arrays is None:
+            return None
+        kinds, head, vocab, finder = list(cache.kinds), self.head, self.vocab, None if lookup is None else lookup[0]
+        flags = (sampler.all_greedy, sampler.any_top_k, sampler.any_top_p)
+        key = ("propose", cache.batch, K, arrays[0].shape[2]) + flags + _lookup_key(lookup)
+
+        def build():
+            def run(first, h, u, temps, top_p, top_k, lengths, *arrays):
+                hist = arrays[-1] if finder is not None else None
+                arrays = list(arrays[:-1] if finder is not None else arrays)
+                d, q = draft_chain(head, vocab, kinds, first, h, SamplerBatch(temps, top_p, top_k, *flags), u, lengths,
+                                   arrays, K)
+                return _packed(*_looked_up(finder, hist, lengths, K, d, q))
+            return run
+
+        out = self._call(key, build, first_logits, h, u, sampler.temps, sampler.top_p, sampler.top_k, cache.rows.device,
+                         *arrays, *([] if lookup is None else [lookup[1]]))
+        return None if out is None else _unpacked(out)
+
+    def commit(self, cache: BatchCache, hidden, verify_in, n, next_tokens, following=None, lookup=None):
+        """Run the head over the verified tokens, mirror its cache: (first logits, head hidden) at
+        each row's accepted position, or None when this shape runs eagerly. With `lookup` =
+        (LookupFallback, history [W, C]) the committed tokens are written into the history, and
+        the result then ends with the new history.
+
+        `following` = (counts, K, sampler, u): also draft the next round's K tokens in the same
+        program, from the head's state after this commit (the lengths advanced by `counts`), with
+        the lookup where it is on; the result then ends with (drafts [W, K], q or None, the rows
+        that drafted from their context or None)."""
+        K1 = verify_in.shape[1]
+        K = following[1] if following is not None else 0
+        arrays = self._ready(cache, K1 + K)
+        if arrays is None:
+            return None
+        kinds, head, vocab, finder = list(cache.kinds), self.head, self.vocab, None if lookup is None else lookup[0]
+        flags = () if not K else (following[2].all_greedy, following[2].any_top_k, following[2].any_top_p)
+        key = (("commit" if not K else "commit+propose", cache.batch, K1, arrays[0].shape[2], str(hidden.dtype), K)
+               + flags + _lookup_key(lookup))
+        n_arrays = len(arrays)
+
+        def build():
+            def run(hidden, verify_in, n, nxt, lengths, *rest):
+                arrays, rest = list(rest[:n_arrays]), list(rest[n_arrays:])
+                hist = rest.pop(0) if finder is not None else None
+                shadow = shadow_cache(kinds, lengths, arrays)
+                committed = commit_inputs(verify_in, n, nxt)
+                h_at = at_accepted(head.hidden(hidden, committed, shadow.layers), n)
+                first = project(head, vocab, h_at)
+                arrays = shadow_outputs(shadow)
+                out = (first, h_at) + tuple(arrays)
+                if finder is not None:
+                    hist = finder.append(hist, lengths, committed, extra=1)
+                    out += (hist,)
+                if not rest:
+                    return out
+                counts, u, temps, top_p, top_k = rest
+                ahead = lengths + counts
+                d, q = draft_chain(head, vocab, kinds, first, h_at, SamplerBatch(temps, top_p, top_k, *flags), u, ahead,
+                                   arrays, K)
+                return out + _packed(*_looked_up(finder, hist, ahead, K, d, q))
+            return run
+
+        args = [hidden, verify_in, n, next_tokens, cache.rows.device, *arrays]
+        if lookup is not None:
+            args.append(lookup[1])
+        if following is not None:
+            counts, _, sampler, u = following
+            args += [counts, u, sampler.temps, sampler.top_p, sampler.top_k]
+        out = self._call(key, build, *args)
+        if out is None:
+            return None
+        for i, layer in enumerate(cache.layers):
+            layer.keys, layer.values = out[2 + 2 * i], out[3 + 2 * i]
+        rest = out[2 + n_arrays:]
+        return (out[0], out[1]) + tuple(rest[:1] if lookup is not None else ()) + (
+            _unpacked(rest[1 if lookup is not None else 0:]) if following is not None else ())
+
+
+def draft_chain(head: MTPHead, vocab: Optional[DraftVocab], kinds, first, h, s: SamplerBatch, u, lengths, arrays, K: int):
+    """K drafts per row from the head's first logits and hidden state, over a shadow of its cache
+    whose rows hold `lengths` entries (the K-1 steps write past them, into arrays nobody keeps)."""
+    idx, q = pick(first, s, u[:, 0])
+    idxs, qs = [idx], [q]
+    steps = _step_rows(lengths, K)
+    for j in range(1, K):
+        rows, resident = steps[j - 1]
+        shadow = shadow_cache(kinds, rows, arrays, resident)
+        h = draft_step(head, vocab, h, idx, shadow.layers, j)
+        arrays = shadow_outputs(shadow)
+        idx, q = pick(project(head, vocab, h, j), s, u[:, j])
+        idxs.append(idx)
+        qs.append(q)
+    return stack_drafts(vocab, idxs, qs)
+
+
+def _step_rows(lengths: mx.array, K: int) -> list:
+    """The K-1 draft steps' (row lengths, resident lengths or None): `lengths` + 0, 1, ... On CUDA at one
+    or two rows (rows_attention.padded) one padded copy of `lengths`, each step's lengths a view of that
+    copy plus its offset (a pad a step was a fill and a concatenation of two copies); the first step
+    `lengths` itself, with no addition of 0."""
+    base = padded(lengths)
+    if base is None:
+        return [(lengths if j == 0 else lengths + j, None) for j in range(K - 1)]
+    out = []
+    for j in range(K - 1):
+        full = base if j == 0 else base + j
+        out.append((full[: lengths.size], (full, full[: lengths.size])))
+    return out
+
+
+# -- prompt lookup on the device (speculative.mtp_lookup; mtp.LookupFallback) ----------------------
+def history_append(hist: mx.array, hlen: mx.array, committed: mx.array, lead: int = 0) -> mx.array:
+    """Write a round's committed tokens into each row's history [W, C] at its length `hlen`: the
+    first counts of `committed` [W, K+1] (commit_inputs) are the row's new tokens; the rest land
+    past its new length, where nothing reads before a later round overwrites them."""
+    pos = hlen[:, None] + (small_ops.arange(committed.shape[1])[None] + lead)  # (`lead`: the pad before the first token, +1 for head lengths)
+    return mx.put_along_axis(hist, pos, committed.astype(hist.dtype), axis=1)
+
+
+def lookup_drafts(hist: mx.array, hlen: mx.array, K: int, longest: int, shortest: int, lead: int = 0, extra: int = 0):
+    """Per row of `hist` [W, lead + C] (after `lead` columns of -1, its first `hlen + extra` tokens): does
+    the longest suffix of `shortest`..`longest` tokens seen before, at its latest earlier place, have K
+    tokens after it there? Returns (that [W], nonzero where so, those K tokens [W, K]): what
+    NgramDrafter.match gives on the host, in one pass of few kernels. For each place e (the tokens
+    before it), `run` counts how many of the suffix's last tokens, newest first, match there (up to
+    `longest`); the longest suffix seen before is the largest run, and its latest place the largest e
+    among those: both are the largest run * C + e. Before the history's start the pad is read (-1:
+    never a token). Each use of the lengths adds `extra` in its own kernel (a shared `hlen + extra`
+    would be a kernel of its own)."""
+    if lead < longest:  # (a history kept without a pad of its own: padded here)
+        hist, lead = mx.pad(hist, [(0, 0), (longest - lead, 0)], constant_values=-1), longest
+    W, C = hist.shape[0], hist.shape[1] - lead
+    # each row's last `longest` tokens, newest first: columns hlen + extra + lead - 1 - k
+    suffix = mx.take_along_axis(hist, hlen[:, None] + (lead - 1 + extra) - small_ops.arange(longest)[None], axis=1)
+    end = small_ops.arange(C)[None]
+    same = (end - extra) < hlen[:, None]  # (the suffix itself ends at hlen + extra)
+    run = None
+    for k in range(longest):
+        same = same & (hist[:, lead - 1 - k : lead - 1 - k + C] == suffix[:, k : k + 1])
+        run = same.astype(mx.int32) if run is None else run + same
+    score = mx.max(mx.where(run >= shortest, run * C + end, -1), axis=1, keepdims=True)
+    # one kernel for both: columns 0..K-1 the places of the K tokens after it, column K whether all K are there
+    j = small_ops.arange(K + 1)[None]
+    best = score % C
+    places = mx.where(j < K, mx.minimum(best + j, C - 1) + lead, ((score >= 0) & (best + (K - extra) <= hlen[:, None])))
+    return places[:, K], mx.take_along_axis(hist, places[:, :K], axis=1)
+
+
+def _looked_up(finder, hist, hlen, K, drafts, q):
+    """The head's drafts and q with the lookup rows' in their place, and those rows (or None)."""
+    if finder is None:
+        return drafts, q, None
+    use, looked = finder.drafts(hist, hlen, K, extra=1)
+    drafts, q = finder.mix(use, looked, drafts, q)
+    return drafts, q, use
+
+
+def _lookup_key(lookup) -> tuple:
+    return () if lookup is None else ("lookup", lookup[0].n, lookup[0].min_match, lookup[1].shape[1])
+
+
+def _packed(d, q, *rest):
+    """Program outputs: None -> an empty array (compiled programs return arrays only)."""
+    return tuple(mx.zeros((0,)) if a is None else a for a in (d, q) + rest)
+
+
+def _unpacked(out):
+    return tuple(a if a.size else None for a in out)
