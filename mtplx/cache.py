@@ -25,19 +25,13 @@ from .row_lengths import RowLengths
 CAPACITY_STEP = 256
 
 
-def round_up(n: int, step: int) -> int:
-    return max(step, -(-n // step) * step)
-
-
 def capacity_bucket(n: int) -> int:
-    """Cache capacity for `n` entries: powers of two up to 4096, then multiples of 4096.
-
-    Compiled verify programs are keyed by capacity, so buckets must be few; attention over
-    the unused part of a bucket is masked and costs little next to the weights.
-    """
+    """Cache capacity for `n` entries: powers of two from 256 up to 4096, then multiples of 4096.
+    Compiled programs are keyed by capacity, so buckets must be few; attention over the unused part
+    of a bucket is masked and costs little next to the weights."""
     if n <= 4096:
         return max(CAPACITY_STEP, 1 << (n - 1).bit_length())
-    return round_up(n, 4096)
+    return -(-n // 4096) * 4096
 
 
 class RowKVCache:
@@ -81,12 +75,8 @@ class RowKVCache:
                 return self.keys[..., : n + 1, :], self.values[..., : n + 1, :]
             return self.keys, self.values  # several tokens: the bucket under make_mask's mask (see there)
         pos = self.rows.positions(L)
-        self.keys = mx.put_along_axis(
-            self.keys, mx.broadcast_to(pos, keys.shape), keys, axis=2
-        )
-        self.values = mx.put_along_axis(
-            self.values, mx.broadcast_to(pos, values.shape), values, axis=2
-        )
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(pos, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(pos, values.shape), values, axis=2)
         n = self.attend_len or self.keys.shape[2]
         return self.keys[..., :n, :], self.values[..., :n, :]
 
@@ -397,10 +387,6 @@ class BatchCache:
             if isinstance(c, RowStateCache):
                 c.commit(counts)
         self.rows.advance(counts, most, exact, after)
-
-    def rewind_to(self, lengths: np.ndarray):
-        """Forget entries past `lengths` (attention layers only; used after speculative drafting)."""
-        self.rows.set(lengths)
 
     def take_rows(self, keep: Sequence[int]):
         idx = mx.array(np.asarray(keep, dtype=np.int32))

@@ -135,14 +135,10 @@ class CompiledVerifyBank:
         growth_limit: Optional[int] = None,
         counters: Optional[Counters] = None,
     ):
-        """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`. `parity`:
-        "on" (or False), "parity" (or True: raise on a mismatch), "parity2" (count mismatches).
-        `growth_limit`: the longest verify compiled (None: MTPLX_COMPILED_VERIFY_MAX_LEN, else
-        max(8, max_verify_len)); a longer one is verified eagerly. `request_max_tokens`: the
-        longest context a row can reach (the growth budget). `capture_backend`: what the model's
-        recurrent layers use ("gdn", "recurrent", None); a mismatch is a ValueError.
-        `restored_tokens`: prompt tokens already restored from a cached prefix. `counters`: where its
-        programs are counted (the engine's)."""
+        """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`. `parity`: "on" (or
+        False), "parity" (or True: raise on a mismatch), "parity2" (count). `growth_limit`: the longest
+        verify compiled (None: MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, max_verify_len)); a mismatched
+        `capture_backend` is a ValueError; `counters`: where its programs count (the engine's)."""
         self.runtime = runtime
         self.max_verify_len = max_verify_len
         env = verify_max_len_env()
@@ -259,14 +255,10 @@ class CompiledVerifyBank:
         """Forward `tokens` [W, L] over `cache`. Returns (logits, hidden, compiled?, parity failures per row)."""
         W, L = tokens.shape
         key, arrays = self._compiled(W, L, cache)
-        if key is None:
-            self._fallback(arrays)
-            logits, hidden = self.eager(tokens, cache)
-            return logits, hidden, False, None
         lengths = cache.rows.device
-        out = self.programs.call(key, self._build(key, cache.kinds), tokens, lengths, *arrays)
-        if out is None:
-            self._fallback(self.programs.broken[key])
+        out = None if key is None else self.programs.call(key, self._build(key, cache.kinds), tokens, lengths, *arrays)
+        if out is None:  # verified eagerly, saying why
+            self._fallback(arrays if key is None else self.programs.broken[key])
             logits, hidden = self.eager(tokens, cache)
             return logits, hidden, False, None
         failures = None
@@ -292,14 +284,13 @@ class CompiledVerifyBank:
 
     def verify_round(self, pending: mx.array, drafts: mx.array, limit: mx.array, live: mx.array, cache: BatchCache,
                      accept=None):
-        """A speculative round's verify and acceptance as one compiled program (mode "on"): the
-        verify of [pending, drafts] ([W], [W, K] int32), each row's accepted count n of its `limit`
-        drafts and next token (greedy, or `accept` = (sampler, q or None, u_accept [W, K], u_next
-        [W]): sampling.accept_sampled), the committed count (n + 1 for `live` rows, else 0), the
-        lengths after it, and the read [W, 2 + K] = (n, next token, drafts); the program's cache is
-        mirrored, the lengths not moved (the caller's `advance`). Returns
+        """A speculative round's verify and acceptance as one compiled program (mode "on"): the verify
+        of [pending, drafts] ([W], [W, K] int32), each row's accepted count n of its `limit` drafts and
+        next token (greedy, or `accept` = (sampler, q or None, u_accept [W, K], u_next [W])), the
+        committed count (n + 1 for `live` rows), the lengths after it and the read [W, 2 + K] = (n,
+        next, drafts); the cache is mirrored, the lengths not moved (the caller's `advance`). Returns
         (read, n, next, counts, lengths after, verify_in, hidden), or None where the verify is not
-        compiled, or compared (parity modes): the caller then verifies and accepts apart, eagerly."""
+        compiled or is compared (parity modes): the caller then verifies and accepts apart."""
         W, K = drafts.shape
         if self.mode != "on":
             return None
@@ -353,21 +344,16 @@ class CompiledVerifyBank:
         """Per row: does the compiled verify differ from eager (argmax anywhere, or beyond tolerance)?"""
         scale = mx.maximum(mx.abs(ref).max(axis=-1), 1.0)
         diff = (mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max(axis=-1) / scale).max(axis=-1)
-        argmax_differs = (mx.argmax(got, axis=-1) != mx.argmax(ref, axis=-1)).any(axis=-1)
-        bad = argmax_differs | (diff > self._tol(got))
-        return np.array(bad)
+        return np.array((mx.argmax(got, axis=-1) != mx.argmax(ref, axis=-1)).any(axis=-1) | (diff > self._tol(got)))
 
     def _compare_cache(self, got, ref) -> np.ndarray:
         """Per row: does any cache array the compiled program wrote differ from eager's?"""
-        bad = None
+        bad = mx.zeros((got[0].shape[0] if got else 0,), mx.bool_)
         for a, b in zip(got, ref):
-            if a is None or b is None or a.size == 0:
-                continue
-            a32, b32 = a.astype(mx.float32).reshape(a.shape[0], -1), b.astype(mx.float32).reshape(b.shape[0], -1)
-            scale = mx.maximum(mx.abs(b32).max(axis=-1), 1.0)
-            row_bad = mx.abs(a32 - b32).max(axis=-1) / scale > self._tol(a)
-            bad = row_bad if bad is None else bad | row_bad
-        return np.zeros(got[0].shape[0] if got else 0, dtype=bool) if bad is None else np.array(bad)
+            if a is not None and b is not None and a.size:
+                a32, b32 = a.astype(mx.float32).reshape(a.shape[0], -1), b.astype(mx.float32).reshape(b.shape[0], -1)
+                bad = bad | (mx.abs(a32 - b32).max(axis=-1) / mx.maximum(mx.abs(b32).max(axis=-1), 1.0) > self._tol(a))
+        return np.array(bad)
 
     def _describe(self, got, ref, failures) -> str:
         row = int(np.argmax(failures))

@@ -109,8 +109,8 @@ class PrefixStore:
 
 PADDING_WASTE = 0.25  # a padded prefill batch spends at most this fraction more than its real tokens
 # On a GPU a prefill group costs its eager forward's kernel launches and graph builds whatever its
-# padding (SmolLM2 on the H200, session 8: one group per admission cut a width-32 MTP round from 17.5 to
-# 14.6 ms at 128 rows), so rows are grouped while the padded grid stays within 4x their real tokens.
+# padding (SmolLM2 on the H200: one group per admission, a width-32 MTP round 14.6 ms at 128 rows
+# against 17.5), so rows are grouped while the padded grid stays within 4x their real tokens.
 GPU_PADDING_WASTE = 3.0
 
 # On a GPU MLX builds an attention plan (cuDNN) per exact query shape, in every process anew, so a

@@ -1,21 +1,19 @@
 """Decode rounds over the batch's rows: plan, launch, land, one round queued ahead of the one read.
 
-- plan: a round's drafted depth per row, its K and its uniforms (`Plan`), made when it is queued,
-  or with the round before it for a drafter that drafts ahead (MTP: the head's commit of round r
-  and its drafts for round r+1 are then one compiled program, and a round is two programs);
-- launch: queue the round on the device, nothing read: draft, verify [pending, d1..dK] in one
-  forward (graphbank.py; with its acceptance, one program where the bank compiles it), accept per
-  row (sampling.py), commit each row's own count (cache.py). `Flight` is the queued round;
-- land: read it once ([W, 2 + K]: accepted count, next token, drafts), correct the host's
-  lengths, record stats and the depth controller's sample, emit tokens, free finished rows' slots.
-Plain decoding (no drafter) runs the same loop with a lean launch and land of one token a row.
+- plan: a round's drafted depth per row, its K and uniforms (`Plan`), made when it is queued, or
+  with the round before it for a drafter that drafts ahead (MTP: the head's commit of round r and
+  its drafts for round r+1 are one compiled program, so a round is two programs);
+- launch: queue the round, nothing read: draft, verify [pending, d1..dK] (graphbank.py: with the
+  acceptance, one program), accept per row (sampling.py), commit each row's count (cache.py);
+- land: read it once ([W, 2 + K]: accepted count, next token, drafts), correct the host's lengths,
+  record stats and the depth controller's sample, emit tokens, free finished rows' slots.
+Plain decoding (no drafter) runs the same loop with a lean launch and land, one token a row.
 
-`run` launches round r+1 from round r's device arrays before it reads round r, where nothing needs
-the host between rounds (plain decoding, drafters that draft on the device), so building one
-round's graph overlaps running the other. Prompt lookup drafts on the host from what it read: one
-round a call. Two rules live in one place each: when a call returns for admission and whether the
-round in flight is carried across it (`_leaves`, `run`), and which rounds' times feed the depth
-controller (`_priced`).
+`run` launches round r+1 from round r's device arrays before it reads round r where nothing needs
+the host between rounds (plain decoding, drafters on the device), so building one round's graph
+overlaps running the other; prompt lookup drafts on the host from what it read: one round a call.
+When a call returns for admission is `_leaves` (and at full width the round in flight is carried
+across it, `run`); which rounds' times feed the depth controller is `_priced`.
 """
 
 from __future__ import annotations
@@ -35,10 +33,10 @@ from .request import Result, RowStats
 from .sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs, uniforms
 from .scheduler import Scheduler
 
-# With requests waiting, a call returns for admission once 1/REFILL_AT of its slots are free: an
-# admission's prefill costs a GPU tens of ms of launches and graph builds whatever its size (H200,
-# width 32: ~40-80 ms each), so fewer, larger ones (64 / 128 rows at width 32: MTP 1.31x / 1.06x
-# plain at a quarter, 1.25x / 0.88x at an eighth); an idle slot of a wide, launch-bound batch costs ~nothing.
+# With requests waiting, a call returns for admission once 1/REFILL_AT of its slots are free: an admission
+# costs a GPU tens of ms of launches and graph builds whatever its size (H200, width 32: ~40-80 ms), an idle
+# slot of a wide, launch-bound batch ~nothing (64 / 128 rows at width 32: MTP 1.31x / 1.06x plain at a
+# quarter, 1.25x / 0.88x at an eighth).
 REFILL_AT = 4
 
 
@@ -124,10 +122,7 @@ class Rounds:
                 after = (mx.where(mx.array(mask), firsts[mx.array(at)], current.nxt), None)
         landed_at, quiet = self.clock(), True
         while True:
-            # a round after this one only if some row can still be going after it (a row emits at
-            # least one token a round: one that is a token short of max_tokens ends with this round)
-            going = any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
-            following = self.launch(sched, sampler, after[0], 1, after[1]) if going else None
+            following = self.launch(sched, sampler, after[0], 1, after[1]) if _going(slots) else None
             finished = self._land_joined(sched) if self.joining is not None else []  # queued behind `following`
             out = self.read(current)
             seconds = None
@@ -141,23 +136,17 @@ class Rounds:
                 yield from finished
                 current, after = following, (following.nxt, following.plan)
                 continue
-            if following is not None and self.drafter is not None and not sched.drained and len(slots) >= self.max_batch:
-                # At full width the round after `following` stays queued across the admission: `following`
-                # is read (the admission fills the slots both rounds freed), the admitted rows are placed
-                # behind the queued one, and the next call goes on from it: the device is not left idle.
-                going = any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
-                ahead = self.launch(sched, sampler, following.nxt, 1, following.plan) if going else None
+            if following is not None:
+                # At full width with requests waiting, the round after `following` stays queued across
+                # the admission (the admitted rows are placed behind it and the next call goes on from
+                # it: the device is not left idle); else the pipeline empties.
+                carry = self.drafter is not None and not sched.drained and len(slots) >= self.max_batch
+                ahead = self.launch(sched, sampler, following.nxt, 1, following.plan) if carry and _going(slots) else None
                 finished += self.land(sched, following, self.read(following), None)
                 if ahead is not None:
                     ahead.carried = True
                     self.carried = (ahead, sampler)
-                else:
-                    self._settle(sched.cache)
-                yield from finished
-                return
-            if following is not None:
-                finished += self.land(sched, following, self.read(following), None)  # nothing queued behind it
-            if self.drafter is not None:
+            if self.carried is None and self.drafter is not None:
                 self._settle(sched.cache)
             yield from finished
             return
@@ -173,13 +162,12 @@ class Rounds:
 
     def _priced(self, current: Flight, queued: Optional[Flight], quiet: bool) -> bool:
         """The timing rule: whether the time from the read before `current` to its own read is what a
-        round of its depth costs, and so is fed to the depth controller (else it gets None). That
-        interval holds the queueing of the round queued in it (`queued`; the round itself where it is
-        read before another is queued), so only where that one drafts as deep: a cheap round would
-        carry a costly one's queueing, and the last one none. Never over a program's build (its own or
-        the next round's: a compile's time, and on a GPU kernel builds'), a round carried across an
-        admission (the prefill ran meanwhile), or the caller's time with results it was handed (`quiet`
-        false: a job writes rows and commits shards)."""
+        round of its depth costs, and so is fed to the depth controller (else it gets None). That time
+        holds the queueing of the round queued in it (`queued`; the round itself where nothing is
+        queued ahead), so only where that one drafts as deep (a cheap round would carry a costly one's
+        queueing); never over a program's build (a compile's time, and on a GPU kernel builds'), a
+        round carried across an admission (the prefill ran meanwhile), or the caller's work with the
+        results it was handed (not `quiet`: a job writes rows and commits shards)."""
         return (queued is not None and queued.K == current.K and not current.carried and quiet
                 and self.counters.programs_built == current.built)
 
@@ -199,16 +187,12 @@ class Rounds:
 
     # -- plan ----------------------------------------------------------------------------------------
     def _row_depths(self, slots, n_active: int, ahead: int) -> Tuple[np.ndarray, int]:
-        """Each row's drafted tokens in the round being queued (`ahead`: rounds queued before it and
-        not yet read, each of which emits at least one token), and the round's K.
-
-        Greedy rows follow the adaptive depth (their text cannot change), capped by the tokens they
-        can still emit. Sampled rows always draft `speculative.depth` (drafts past their max_tokens
-        are cut off at emit): how far a row has got when a round is queued depends on when the
-        pipeline last drained, which depends on the other rows, and a sampled row's text must
-        depend on its own seed and settings alone. K is the depth a row would draft uncapped: a
-        job's last rounds keep their shape (no program is compiled for a round or two); each row's
-        own depth is its limit in acceptance, so its tokens and stats are a round of its depth's."""
+        """Each row's drafted tokens in the round being queued (`ahead`: rounds queued before it, not
+        read, each emitting at least one token), and the round's K. Greedy rows follow the adaptive
+        depth, capped by the tokens they can still emit; sampled rows draft `speculative.depth`
+        always (a sampled row's text depends on its own seed alone, never on when the pipeline last
+        drained); K is the uncapped depth, so a job's last rounds keep their shape (no program for a
+        round or two), each row's own depth its limit in acceptance."""
         greedy_depth = self.depth.choose(n_active)
         depths = np.zeros(len(slots), dtype=np.int64)
         K = 0
@@ -224,9 +208,9 @@ class Rounds:
         return depths, K
 
     def plan(self, slots, n_active: int, ahead: int, sampler: SamplerBatch) -> Plan:
-        """A round's depths and uniforms. A sampled row draws a fixed number per round (drafts,
-        accepts, next token), whatever K is; the vector waits on the row (`u_next`) until a round
-        uses it, so a row's draws never depend on where a call ended (that depends on its batch)."""
+        """A round's depths and uniforms. A sampled row draws a fixed number a round (drafts, accepts,
+        next token) whatever K is, kept on the row (`u_next`) until a round uses them: its draws never
+        depend on where a call ended (that depends on its batch)."""
         W, D = len(slots), self.max_depth
         depths, K = self._row_depths(slots, n_active, ahead)
         if sampler.all_greedy:  # greedy rows never read their uniforms
@@ -266,7 +250,7 @@ class Rounds:
         proposed = time.perf_counter()
         most = np.where(live, depths + 1, 0)  # a row keeps at most its own drafts, plus the next token
         accept = None if sampler.all_greedy else (sampler, q, u[:, D : D + K], u[:, 2 * D])
-        folded = None if self.bank is None else self.verify_round(pending, drafts, limit, live_d, cache, accept)
+        folded = None if self.bank is None else self.bank.verify_round(pending, drafts, limit, live_d, cache, accept)
         if folded is not None:  # one program: the verify, acceptance, counts and the read
             out, n, nxt, counts, after, verify_in, hidden = folded
             compiled, failures = True, None
@@ -321,11 +305,6 @@ class Rounds:
         cache.set_capturing(False)
         return logits, hidden, False, None
 
-    def verify_round(self, pending, drafts, limit, live, cache: BatchCache, accept):
-        """The round's verify and acceptance as one program (graphbank.verify_round), or None where
-        that does not serve (comparing parity modes, an eager shape)."""
-        return self.bank.verify_round(pending, drafts, limit, live, cache, accept)
-
     def _small(self, values: np.ndarray) -> mx.array:
         """A round's small per-row array (drafts allowed, rows live) on the device, made once per
         value: most rounds repeat the last one's, and each new one is a host-to-device copy."""
@@ -347,9 +326,9 @@ class Rounds:
         return np.array(flight.out)
 
     def land(self, sched: Scheduler, flight: Flight, out: np.ndarray, seconds: Optional[float]) -> List[Result]:
-        """A round that was read: correct the host lengths, record stats, emit tokens. Rows that
-        finished in an earlier round (now None, or another row admitted since into the slot) drop
-        what this round made for them; a row admitted since keeps its own length."""
+        """A round that was read: correct the host lengths, record stats, emit tokens. A slot whose row
+        finished since the round was queued (now idle, or holding a row admitted since) drops what
+        the round made there."""
         if self.drafter is None:
             return self._land_plain(sched, flight, out)
         slots, cache = sched.slots, sched.cache
@@ -472,6 +451,12 @@ class Rounds:
         finished += self.land(sched, carried[0], self.read(carried[0]), None)
         self._settle(sched.cache)
         return finished
+
+
+def _going(slots) -> bool:
+    """Whether a round after the one in flight has a row to serve: a row emits at least one token a
+    round, so one a token short of its max_tokens ends with the round in flight."""
+    return any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
 
 
 def _record_forward(st: RowStats, i: int, compiled: bool, failures) -> None:

@@ -46,8 +46,8 @@ class RowLengths:
 
     def positions(self, L: int) -> mx.array:
         """[B, 1, L, 1]: where a forward of L tokens writes each row's entries (its length + 0..L-1).
-        Built once per forward and shared by its layers: per layer it was two more kernels a layer
-        (an arange and an add; compile does not merge them across layers). From `resident()`: at one
+        Built once per forward and shared by its layers (per layer it would be two more kernels a
+        layer, an arange and an add: compile does not merge them across layers). From `resident()`: at one
         row the [1, 1, 1, 1] positions would otherwise sit in MLX's managed small-array pool."""
         c = self._positions
         if c is None or c[0] is not self.device or c[1] != L:

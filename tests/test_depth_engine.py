@@ -38,7 +38,7 @@ def _costly_engine(bundle, path, clock, verify_s=0.004, step_s=0.005, depth=2, w
     spec = SpeculativeConfig(method="draft", depth=depth, adaptive_depth=True, draft_model=str(path))
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
     eng.rounds.clock = clock
-    verify, propose, folded = eng.rounds.verify, eng.drafter.propose, eng.rounds.verify_round
+    verify, propose, folded = eng.rounds.verify, eng.drafter.propose, eng.bank.verify_round
 
     def timed_verify(*a, **k):
         clock.now += verify_s
@@ -53,7 +53,7 @@ def _costly_engine(bundle, path, clock, verify_s=0.004, step_s=0.005, depth=2, w
         clock.now += step_s * K
         return propose(K, *a, **k)
 
-    eng.rounds.verify, eng.rounds.verify_round, eng.drafter.propose = timed_verify, timed_folded, timed_propose
+    eng.rounds.verify, eng.bank.verify_round, eng.drafter.propose = timed_verify, timed_folded, timed_propose
     chosen, choose = [], eng.depth_control.choose
     eng.depth_control.choose = lambda w, **k: chosen.append(choose(w, **k)) or chosen[-1]
     return eng, chosen
@@ -112,7 +112,7 @@ def test_a_round_that_compiled_never_prices_its_depth(tiny_model, tmp_path):
     eng = _mtp_engine(bundle, head)
     clock = FakeClock()
     eng.rounds.clock = lambda: clock.now + 1.0 * eng.counters.programs_built  # 1 s a program built
-    fed, record, verify, folded = [], eng.depth_control.record, eng.rounds.verify, eng.rounds.verify_round
+    fed, record, verify, folded = [], eng.depth_control.record, eng.rounds.verify, eng.bank.verify_round
 
     def timed_verify(*a, **k):
         clock.now += 0.004
@@ -123,7 +123,7 @@ def test_a_round_that_compiled_never_prices_its_depth(tiny_model, tmp_path):
         clock.now += 0.004 if out is not None else 0.0
         return out
 
-    eng.rounds.verify, eng.rounds.verify_round = timed_verify, timed_folded
+    eng.rounds.verify, eng.bank.verify_round = timed_verify, timed_folded
     eng.depth_control.record = lambda w, d, s, *a, **k: fed.append((d, s)) or record(w, d, s, *a, **k)
     out = {r.key: r.tokens for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
     timed = [(d, s) for d, s in fed if s is not None]
@@ -286,14 +286,14 @@ def test_the_callers_time_with_a_result_never_prices_a_depth(tiny_model, tmp_pat
     clock = FakeClock()
     eng = _mtp_engine(bundle, head, width=4)
     eng.rounds.clock = clock
-    fed, record, folded = [], eng.depth_control.record, eng.rounds.verify_round
+    fed, record, folded = [], eng.depth_control.record, eng.bank.verify_round
 
     def timed_folded(*a, **k):
         out = folded(*a, **k)
         clock.now += 0.004
         return out
 
-    eng.rounds.verify_round = timed_folded
+    eng.bank.verify_round = timed_folded
     eng.depth_control.record = lambda w, d, s, *a, **k: fed.append((d, s)) or record(w, d, s, *a, **k)
     out = {}
     for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)):

@@ -20,7 +20,7 @@ from mtplx.drafting.mtp import MtpDrafter
 from mtplx.drafting.mtp import load as load_mtp
 from mtplx.generation import Engine
 from mtplx.models.loading import load
-from mtplx.drafting.vocab import DraftVocab, frequent_tokens, save_draft_vocab
+from mtplx.drafting.mtp_bank import DraftVocab, frequent_tokens, save_draft_vocab
 from mtplx.request import Request, SamplingParams
 from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
 from test_engine_sampling import PROMPT, SETTINGS, distribution_tests, exact_joint
@@ -222,14 +222,14 @@ def test_sampled_output_with_a_draft_vocab_follows_the_target(tiny_model, tmp_pa
 def test_draft_vocab_reads_plain_rows_bit_for_bit(tiny_model, monkeypatch, kind):
     """Where the head's projection is a plain weight (the tied embedding, an lm_head) the drafting
     vocabulary reads its rows instead of projecting basis vectors, with the same bits."""
-    from mtplx.drafting import vocab as mtp_vocab
+    from mtplx.drafting import mtp_bank
 
     bundle = load(tiny_model(kind))
     head = _init_head(bundle.model, TrainConfig(seed=3))
     ids = [0, 7, 9, 100, 511]
-    assert mtp_vocab.plain_rows(head, mx.array(ids)) is not None
+    assert mtp_bank.plain_rows(head, mx.array(ids)) is not None
     direct = DraftVocab(head, ids, 512)
-    monkeypatch.setattr(mtp_vocab, "plain_rows", lambda head, ids: None)
+    monkeypatch.setattr(mtp_bank, "plain_rows", lambda head, ids: None)
     basis = DraftVocab(head, ids, 512)
     assert mx.array_equal(direct.weight_t, basis.weight_t).item()
     h = mx.random.normal((4, head.fc.weight.shape[0])).astype(head.norm.weight.dtype)
@@ -243,15 +243,15 @@ def test_a_quantized_heads_draft_vocab_dequantizes_its_rows_with_the_basis_proje
     projections give (on this CPU)."""
     import mlx.nn as nn
 
-    from mtplx.drafting import vocab as mtp_vocab
+    from mtplx.drafting import mtp_bank
 
     bundle = load(tiny_model(kind))
     nn.quantize(bundle.model, group_size=32, bits=4)
     head = _init_head(bundle.model, TrainConfig(seed=3))
     ids = [0, 7, 9, 100, 511]
-    assert mtp_vocab.plain_rows(head, mx.array(ids)) is not None
+    assert mtp_bank.plain_rows(head, mx.array(ids)) is not None
     direct = DraftVocab(head, ids, 512)
-    monkeypatch.setattr(mtp_vocab, "plain_rows", lambda head, ids: None)  # the basis projections
+    monkeypatch.setattr(mtp_bank, "plain_rows", lambda head, ids: None)  # the basis projections
     basis = DraftVocab(head, ids, 512)
     assert mx.array_equal(direct.weight_t, basis.weight_t).item()
     assert not direct.has_bias and not basis.has_bias
@@ -266,9 +266,9 @@ def test_a_quantized_heads_draft_projection_has_no_bias_add(tiny_model, tmp_path
     import mlx.nn as nn
 
     from benchmarks.round_graph import graph_primitives
-    from mtplx.drafting import vocab as mtp_vocab
+    from mtplx.drafting import mtp_bank
 
-    monkeypatch.setattr(mtp_vocab, "plain_rows", lambda head, ids: None)
+    monkeypatch.setattr(mtp_bank, "plain_rows", lambda head, ids: None)
 
     bundle = load(tiny_model("qwen3"))
     nn.quantize(bundle.model, group_size=32, bits=4)

@@ -108,15 +108,15 @@ def test_engine_with_quantized_rows_is_token_identical(llama, tmp_path, monkeypa
 
 
 def test_the_drafting_vocabulary_still_reads_the_quantized_rows(llama):
-    """mtp_vocab.plain_rows dequantizes a quantized head's rows: the layers qmm_rows gave
+    """mtp_bank.plain_rows dequantizes a quantized head's rows: the layers qmm_rows gave
     its classes (the tied embedding, an lm_head) are still quantized layers there."""
-    from mtplx.drafting import vocab as mtp_vocab
+    from mtplx.drafting import mtp_bank
     from mtplx.training.train_head import TrainConfig, _init_head
 
     head = _init_head(llama.model, TrainConfig(seed=3))
     ids = mx.array([0, 7, 9, 100, 511])
-    before = mtp_vocab.plain_rows(head, ids)
+    before = mtp_bank.plain_rows(head, ids)
     qmm_rows.install(llama.model)
     assert type(llama.model.lm_head) is qmm_rows.MatrixQuantizedLinear
-    after = mtp_vocab.plain_rows(head, ids)
+    after = mtp_bank.plain_rows(head, ids)
     assert before is not None and after is not None and np.array_equal(np.array(before), np.array(after))

@@ -2,8 +2,8 @@
 
 - ngram.py: prompt lookup on the host;
 - draft_model.py: a smaller model with the target's tokenizer, its K steps one compiled program;
-- mtp.py: the model's MTP head (and prompt lookup on the device beside it), over vocab.py's
-  drafting vocabulary and mtp_bank.py's compiled programs.
+- mtp.py: the model's MTP head (and prompt lookup on the device beside it), over mtp_bank.py's
+  drafting vocabulary and compiled programs.
 A new draft method is one `Drafter` subclass and one line in `DRAFTERS`.
 """
 

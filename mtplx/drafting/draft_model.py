@@ -7,7 +7,7 @@ accepted token needs a forward of its own. After a round the draft cache keeps e
 target keeps, minus that last token (its commit is the target's own counts).
 
 Rounds without drafts (depth 0: drafting does not pay) run no draft step: each row's tokens the
-draft model has not seen wait in a `Backlog`, which a drafting round feeds first, in one forward
+draft model has not seen wait in its backlog, which a drafting round feeds first, in one forward
 (eagerly: it is rare), and which is fed once it holds `MAX_BACKLOG` tokens.
 
 `DraftChainBank`: the K steps (draft forwards, the sampler and its draws) as one compiled program
@@ -97,43 +97,6 @@ def chain_seconds(chain: Callable[[], Optional[mx.array]], clock: Callable[[], f
     return (clock() - started) / repeats
 
 
-class Backlog:
-    """Per row, the tokens the draft cache has not seen yet, before the pending one: one (the last
-    accepted token) after a drafting round, one more after each round without drafts."""
-
-    def __init__(self):
-        self.tokens: Optional[mx.array] = None  # [W, MAX_BACKLOG] int32, the first `size[i]` real
-        self.size = np.zeros(0, dtype=np.int64)
-
-    @staticmethod
-    def row(last_prompt_token: int) -> mx.array:
-        """A new row's backlog: its prompt's last token (the draft model prefilled the others)."""
-        out = np.zeros((1, MAX_BACKLOG), dtype=np.int32)
-        out[0, 0] = int(last_prompt_token)
-        return mx.array(out)
-
-    def after_round(self, last_accepted: mx.array):
-        """A drafting round committed: each row's backlog is its last accepted token [W]."""
-        W = last_accepted.shape[0]
-        self.tokens = mx.concatenate([last_accepted[:, None].astype(mx.int32),
-                                      mx.zeros((W, MAX_BACKLOG - 1), mx.int32)], axis=1)
-        self.size = np.ones(W, dtype=np.int64)
-
-    def append(self, pending: mx.array, live: np.ndarray):
-        """A round without drafts committed the pending token of each live row: it joins the backlog."""
-        at = mx.array(np.where(live, self.size, -1).astype(np.int32))
-        self.tokens = mx.where(mx.arange(MAX_BACKLOG)[None] == at[:, None], pending[:, None].astype(mx.int32),
-                               self.tokens)
-        self.size = self.size + live
-
-    def drop(self, m: np.ndarray):
-        """The first m[i] tokens of each row were fed to the draft model."""
-        shift = mx.array(m.astype(np.int32))
-        idx = mx.minimum(mx.arange(MAX_BACKLOG)[None] + shift[:, None], MAX_BACKLOG - 1)
-        self.tokens = mx.take_along_axis(self.tokens, idx, axis=1)
-        self.size = self.size - m
-
-
 class DraftChainBank:
     """The K draft steps of a round as compiled programs over a shadow of the draft model's cache."""
 
@@ -211,8 +174,11 @@ class DraftModelDrafter(CachedDrafter):
         self.bank = DraftChainBank(draft_model, vocab_size, Programs(self.counters)) if compiled else None
         self.measure = measure
         self.compiled_pays: Dict[tuple, bool] = {}  # (width, K, sampler flags) -> the compiled chain was faster
-        self.extra: List[mx.array] = []  # [backlog tokens [W, MAX_BACKLOG]]
-        self.backlog = Backlog()
+        # Per row, the tokens the draft cache has not seen yet, before the pending one: `extra[0]` [W,
+        # MAX_BACKLOG], its first `backlog[i]` real: the last accepted token after a drafting round, one
+        # more after each round without drafts.
+        self.extra: List[mx.array] = []
+        self.backlog = np.zeros(0, dtype=np.int64)
         self._state_layers: List[RowStateCache] = []
         self._steps: Optional[list] = None  # per token fed this round: each recurrent layer's state
 
@@ -235,7 +201,9 @@ class DraftModelDrafter(CachedDrafter):
                 cache.eval()
             if cut and e == edge and any(isinstance(c, RowStateCache) for c in cache.layers):
                 at_edge = cache.snapshot_row(0)
-        return cache, [Backlog.row(tokens[-1])], at_edge
+        backlog = np.zeros((1, MAX_BACKLOG), dtype=np.int32)
+        backlog[0, 0] = tokens[-1]  # the prompt's last token (the draft model prefilled the others)
+        return cache, [mx.array(backlog)], at_edge
 
     def snapshot(self, state, length, hidden_at_edge=None):
         at_edge = state[2]
@@ -245,26 +213,19 @@ class DraftModelDrafter(CachedDrafter):
 
     def reset(self):
         super().reset()
-        self.backlog = Backlog()
+        self.backlog = np.zeros(0, dtype=np.int64)
 
-    # the backlog tokens are the row state `extra` the shared slot bookkeeping moves
     def extend(self, states):
-        self.extra[:1] = [self.backlog.tokens] if self.extra else []
         super().extend(states)
-        self.backlog.tokens = self.extra[0]
-        self.backlog.size = np.concatenate([self.backlog.size, np.ones(len(states), dtype=np.int64)])
+        self.backlog = np.concatenate([self.backlog, np.ones(len(states), dtype=np.int64)])
 
     def write(self, slot, state):
-        self.extra[0] = self.backlog.tokens
         super().write(slot, state)
-        self.backlog.tokens = self.extra[0]
-        self.backlog.size[slot] = 1
+        self.backlog[slot] = 1
 
     def take(self, keep):
-        self.extra[0] = self.backlog.tokens
         super().take(keep)
-        self.backlog.tokens = self.extra[0]
-        self.backlog.size = self.backlog.size[np.asarray(keep, dtype=np.int64)]
+        self.backlog = self.backlog[np.asarray(keep, dtype=np.int64)]
 
     # -- feeding the draft model eagerly (the reference, and recurrent drafts) ------------------
     def _feed(self, tokens: mx.array, counts: np.ndarray):
@@ -281,13 +242,15 @@ class DraftModelDrafter(CachedDrafter):
 
     def _catch_up(self, keep: int):
         """Feed each row's backlog but its last `keep` tokens, in one forward."""
-        m = np.maximum(self.backlog.size - keep, 0)
+        m = np.maximum(self.backlog - keep, 0)
         if not m.any():
             return
         L = 1 << (int(m.max()) - 1).bit_length()  # few shapes
         self._steps = None
-        self._feed(self.backlog.tokens[:, :L], m)
-        self.backlog.drop(m)
+        self._feed(self.extra[0][:, :L], m)
+        idx = mx.minimum(mx.arange(MAX_BACKLOG)[None] + mx.array(m.astype(np.int32))[:, None], MAX_BACKLOG - 1)
+        self.extra[0] = mx.take_along_axis(self.extra[0], idx, axis=1)  # the fed tokens dropped
+        self.backlog = self.backlog - m
 
     def _restore_states(self, counts: mx.array):
         """Each recurrent layer's state after each row's counts[i] tokens of the round."""
@@ -305,7 +268,7 @@ class DraftModelDrafter(CachedDrafter):
         self._state_layers = [c for c in self.cache.leaves if isinstance(c, RowStateCache)]
         self._steps = None
         self._catch_up(keep=1)
-        feed = mx.concatenate([self.backlog.tokens[:, :1], pending[:, None].astype(mx.int32)], axis=1)
+        feed = mx.concatenate([self.extra[0][:, :1], pending[:, None].astype(mx.int32)], axis=1)
         self.start = self.cache.rows.mark()
         out = self.bank.propose(self.cache, feed, sampler, u, K) if self._compiled_pays(K, feed, sampler, u) else None
         return out if out is not None else self.eager_chain(K, feed, sampler, u)
@@ -359,11 +322,14 @@ class DraftModelDrafter(CachedDrafter):
         """The round's commit: the draft cache keeps each row's counts (the pending token and its
         accepted drafts, less the last of them, plus the token before: the round fed both)."""
         live = np.asarray(most) > 0
-        if verify_in.shape[1] == 1:  # a round without drafts: the pending token joins the backlog
-            self.backlog.append(verify_in[:, 0], live)
+        if verify_in.shape[1] == 1:  # a round without drafts: each live row's pending token joins its backlog
+            at = mx.array(np.where(live, self.backlog, -1).astype(np.int32))
+            self.extra[0] = mx.where(mx.arange(MAX_BACKLOG)[None] == at[:, None], verify_in[:, 0][:, None].astype(mx.int32),
+                                     self.extra[0])
+            self.backlog = self.backlog + live
             W = self.cache.batch  # (nothing fed, but the engine corrects every advance it queued)
             self.cache.rows.advance(mx.zeros(W, mx.int32), np.zeros(W, dtype=np.int64), exact)
-            if self.backlog.size.max() >= MAX_BACKLOG:
+            if self.backlog.max() >= MAX_BACKLOG:
                 self._state_layers = [c for c in self.cache.leaves if isinstance(c, RowStateCache)]
                 self._catch_up(keep=1)
             return
@@ -371,8 +337,9 @@ class DraftModelDrafter(CachedDrafter):
         self.cache.rows.advance(counts, most, exact)
         if self._steps is not None:
             self._restore_states(counts)
-        last = mx.take_along_axis(verify_in, n.astype(mx.int32)[:, None], axis=1)[:, 0]
-        self.backlog.after_round(last)
+        last = mx.take_along_axis(verify_in, n.astype(mx.int32)[:, None], axis=1)  # each row's last accepted token
+        self.extra[0] = mx.concatenate([last.astype(mx.int32), mx.zeros((last.shape[0], MAX_BACKLOG - 1), mx.int32)], axis=1)
+        self.backlog = np.ones(last.shape[0], dtype=np.int64)
 
 
 def load(spec: SpeculativeConfig, bundle: ModelBundle, counters=None) -> DraftModelDrafter:

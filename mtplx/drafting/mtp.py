@@ -1,13 +1,10 @@
 """MTP drafting: the model's multi-token-prediction head drafts from the trunk's hidden state.
 
 `MtpDrafter` keeps the head's cache per row and drafts K tokens a round, recursively (each step
-feeds back its own hidden state and draft). With a `DraftVocab` (vocab.py) it drafts only among
-those tokens (q is zero elsewhere: verification is unchanged); with a `CompiledDraftBank`
-(mtp_bank.py) a commit and the next round's proposal are one compiled call, and the eager code
-here is the reference it must match. A group of rows the trunk prefilled together is prefilled
-through the head together too (`prefill_rows`). With a `LookupFallback` a row whose own context
-has its suffix earlier drafts that continuation instead, chosen on the device, so rounds still run
-one ahead.
+feeds back its own hidden state and draft): among a `DraftVocab`'s tokens where the head has one,
+through a `CompiledDraftBank` (both mtp_bank.py: a commit and the next round's proposal are one
+program; the eager code here is the reference it must match). With a `LookupFallback` a row
+whose context has its suffix earlier drafts that continuation instead, chosen on the device.
 """
 
 from __future__ import annotations
@@ -30,20 +27,17 @@ from ..prefill import prefill_width
 from .base import CachedDrafter
 from .mtp_bank import (CompiledDraftBank, at_accepted, commit_inputs, draft_step, history_append, lookup_drafts, pick,
                        project, stack_drafts)
-from .vocab import DraftVocab, load_draft_vocab
+from .mtp_bank import DraftVocab, load_draft_vocab
 
 HEAD_BEHIND = 64  # rounds without drafts the MTP head may fall behind by before it catches up
 
 
 class MtpDrafter(CachedDrafter):
-    """The head's drafts (the module docstring).
-
-    A round without drafts followed by another (adaptive depth at 0) is not committed: the head
+    """A round without drafts followed by another (adaptive depth at 0) is not committed: the head
     falls behind by it (`behind`, at most HEAD_BEHIND rounds) and catches up with the next round it
     commits, or before rows move, a call ends or it proposes (`_catch_up`), so a round at depth 0
-    costs what a plain decoding round does. The catch-up runs the compiled commit programs over
-    depth + 1 rounds a call (`_commit_behind`): shapes adaptive depth has built, whatever its length.
-    """
+    costs what a plain decoding round does. The catch-up runs the commit programs over depth + 1
+    rounds a call (`_commit_behind`): shapes adaptive depth has built, whatever its length."""
 
     name = "mtp"
     needs_hidden = True
@@ -105,12 +99,10 @@ class MtpDrafter(CachedDrafter):
 
     def prefill_rows(self, prompts: Sequence[Sequence[int]], hiddens: Sequence[mx.array], firsts,
                      prefixes: Optional[Sequence[Optional[tuple]]] = None) -> List[tuple]:
-        """Per row, the state `prefill_row(prompts[b], hiddens[b], firsts[b], prefixes[b])` gives, for a
-        group at once: the rows right-padded to the longest, one head forward and one eval per chunk
-        for the group (but the last: it is evaluated with the round the rows join). Each row writes its
-        own span at its own offset (BatchCache's per-row lengths), so padding never enters a row's
-        entries; a row with a restored prefix starts from its snapshot. `firsts`: ints, or a [B]
-        device array not read yet (it is placed in the grid on the device)."""
+        """`prefill_row` for a group at once: the rows right-padded to the longest, one head forward and
+        one eval per chunk (the last evaluated with the round the rows join). Each row writes its own
+        span at its own offset, so padding never enters its entries; a row with a restored prefix
+        starts from its snapshot. `firsts`: ints, or a [B] device array (placed in the grid unread)."""
         B = len(prompts)
         prefixes = list(prefixes) if prefixes is not None else [None] * B
         hiddens = list(hiddens)
@@ -279,7 +271,7 @@ class MtpDrafter(CachedDrafter):
         return out
 
     def _commit_through(self, verify_in, n, nxt, hidden, plan, lookup):
-        """The commit's outputs: its compiled program where one serves, else the eager ops."""
+        """The commit's outputs: its program where one serves, else the eager ops."""
         out = None if self.bank is None else self.bank.commit(self.cache, hidden, verify_in, n, nxt, plan, lookup)
         return out if out is not None else self._commit_eager(verify_in, n, nxt, hidden, lookup)
 
@@ -334,14 +326,13 @@ class MtpDrafter(CachedDrafter):
 
 
 class LookupFallback:
-    """Prompt lookup inside MTP drafting (`speculative.mtp_lookup`), on the device: each round, a
-    row whose own context (prompt + output, `MtpDrafter.history`) has a suffix of at least
-    `min_match` tokens seen before, followed there by at least the round's depth of tokens,
-    drafts that continuation (mtp_bank.lookup_drafts: what NgramDrafter.match finds on the
-    host); the others draft with the head. The choice is made from the context before the round,
-    and a lookup draft's proposal distribution is the point mass on it, so acceptance (and the
-    output) stays exact. Nothing is read for it: rounds stay one ahead. A row's history is its
-    context after `lead` columns of -1 (`context`), so the match pads nothing per round."""
+    """Prompt lookup inside MTP drafting (`speculative.mtp_lookup`), on the device: each round, a row
+    whose context (prompt + output, `MtpDrafter.history`) has a suffix of at least `min_match` tokens
+    seen before, followed there by at least the round's depth of tokens, drafts that continuation
+    (mtp_bank.lookup_drafts: what NgramDrafter.match finds on the host); the others draft with the
+    head. The choice is made from the context before the round and a lookup draft's q is the point
+    mass on it, so the output stays exact; nothing is read, so rounds stay one ahead. A row's history
+    is its context after `lead` columns of -1 (`context`): the match pads nothing per round."""
 
     FOLD_EVERY = 256  # rounds whose choices wait before they are added up (`record`)
 

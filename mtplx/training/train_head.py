@@ -50,7 +50,7 @@ from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
 from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint, checkpoint_step,  # noqa: F401
                          nextn_weights, resumable_state, save_sidecar, sidecar_meta)  # nextn_weights: exported here too
-from ..drafting.vocab import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
+from ..drafting.mtp_bank import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
 from ..models.mtp import MTPHead, has_trunk_split, project_logits, trunk_probe, trunk_signature
 
 OTHER_FILE = "heldout_other.npz"
