@@ -158,19 +158,6 @@ class RowKVCache:
         self.keys[at, :, :length] = k
         self.values[at, :, :length] = v
 
-    def stack_rows(self, caches: List["RowKVCache"], lengths: Sequence[int]):
-        parts = [c.row_slice(0, n) for c, n in zip(caches, lengths)]
-        real = [p for p in parts if p is not None]
-        if not real:
-            return
-        cap = capacity_bucket(max(lengths) + 1)
-        ks, vs = [], []
-        for p, n in zip(parts, lengths):
-            k, v = p if p is not None else (mx.zeros_like(real[0][0][..., :0, :]), mx.zeros_like(real[0][1][..., :0, :]))
-            ks.append(mx.pad(k, [(0, 0), (0, 0), (0, cap - k.shape[2]), (0, 0)]))
-            vs.append(mx.pad(v, [(0, 0), (0, 0), (0, cap - v.shape[2]), (0, 0)]))
-        self.keys, self.values = mx.concatenate(ks), mx.concatenate(vs)
-
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
@@ -293,14 +280,6 @@ class RowStateCache(ArraysSurface):
             if self.cache[i] is None:
                 self.cache[i] = mx.zeros((batch,) + a.shape[1:], a.dtype)
             self.cache[i][at] = _take_rows(a, rows)
-
-    def stack_rows(self, caches: List["RowStateCache"], lengths: Sequence[int]):
-        for i in range(len(self.cache)):
-            parts = [c.cache[i] for c in caches]
-            real = next((p for p in parts if p is not None), None)
-            if real is None:
-                continue
-            self.cache[i] = mx.concatenate([p if p is not None else mx.zeros_like(real) for p in parts])
 
     @property
     def nbytes(self) -> int:
@@ -430,11 +409,7 @@ class BatchCache:
     @classmethod
     def stack(cls, caches: List["BatchCache"]) -> "BatchCache":
         """One batch cache from single-row caches."""
-        lengths = [int(c.lengths[0]) for c in caches]
-        out = cls(caches[0].kinds, lengths)
-        for i, leaf in enumerate(out.leaves):
-            leaf.stack_rows([c.leaves[i] for c in caches], lengths)
-        return out
+        return cls.gather([CacheRow(c, 0) for c in caches])
 
     def extend(self, other: "BatchCache"):
         """Append the rows of `other` (copies both caches: used only while a batch ramps up)."""

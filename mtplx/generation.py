@@ -127,7 +127,7 @@ class Engine:
                                              prior=self.drafter.acceptance_prior if self.drafter is not None else None)
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
         self.scheduler = Scheduler(self.tokenizer, self.eos, self.max_batch, self.max_context, self.memory_budget,
-                                   self.row_bytes)
+                                   self.row_bytes, self.drafter)
         # one-row plain decoding eagerly (the same logits) where the calibration measured it faster
         self.rounds = Rounds(self.drafter, self.bank, self.runtime, self.depth_control, self.counters, self._progress,
                              self.spec.depth, self.max_batch, self.bank is not None and one_stream_eager(profile))
@@ -221,9 +221,7 @@ class Engine:
                 yield from self.rounds.land_carried(sched)  # narrowing reads exact lengths
                 if not sched.live:
                     continue
-                keep = sched.narrow(sched.narrows(sched.live))
-                if self.drafter is not None:
-                    self.drafter.take(keep)
+                sched.narrow(sched.narrows(sched.live))
             yield from self.rounds.run(sched)
 
     def _admit(self):
@@ -257,7 +255,7 @@ class Engine:
             self.first_token_at = time.perf_counter()  # the startup phases end here
         if behind:
             prefilled, firsts = prefilled
-            self._place(free[: len(rows)], rows, prefilled)
+            sched.place(free, rows, prefilled)
             self.rounds.join(sched, firsts, list(zip(free, rows)))
             return False
         self._progress("decode", sum(1 for _, _, first in prefilled if first not in self.eos))
@@ -270,20 +268,8 @@ class Engine:
                 continue
             row.pending = row.tokens[-1]
             going.append((row, got))
-        self._place(free[: len(going)], [r for r, _ in going], [g for _, g in going])
+        sched.place(free, [r for r, _ in going], [g for _, g in going])
         return finished_early and not sched.drained
-
-    def _place(self, slots, rows, prefilled) -> None:
-        """Rows with their prefilled (cache, drafter state, first token) into `slots`, the drafter's too."""
-        width = len(self.scheduler.slots)
-        self.scheduler.place(slots, rows, [c for c, _, _ in prefilled])
-        if self.drafter is not None:
-            for slot, (_, state, _) in zip(slots, prefilled):
-                if slot < width:
-                    self.drafter.write(slot, state)
-            grown = [state for slot, (_, state, _) in zip(slots, prefilled) if slot >= width]
-            if grown:
-                self.drafter.extend(grown)
 
     def _prefill_stream(self, behind: bool):
         """An admission behind a round in flight prefills on a stream of its own, so the device may run

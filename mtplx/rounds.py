@@ -228,8 +228,8 @@ class Rounds:
     # -- launch --------------------------------------------------------------------------------------
     def launch(self, sched: Scheduler, sampler: SamplerBatch, pending: mx.array, ahead: int,
                plan: Optional[Plan] = None) -> Flight:
-        """Queue one round on the device (nothing is read): draft, verify, accept, commit; a drafter
-        that drafts ahead also drafts the next round (its `Plan`) in its commit."""
+        """Queue one round (nothing is read): draft, verify, accept, commit; a drafter that drafts
+        ahead drafts the next round (its `Plan`) in its commit too."""
         if self.drafter is None:
             return self._launch_plain(sched, sampler, pending)
         slots, cache, D = sched.slots, sched.cache, self.max_depth
@@ -306,8 +306,8 @@ class Rounds:
         return logits, hidden, False, None
 
     def _small(self, values: np.ndarray) -> mx.array:
-        """A round's small per-row array (drafts allowed, rows live) on the device, made once per
-        value: most rounds repeat the last one's, and each new one is a host-to-device copy."""
+        """A round's small per-row array on the device, made once per value: most rounds repeat the
+        last one's, and each new one is a host-to-device copy."""
         key = (values.dtype.str, values.tobytes())
         if key not in self._const:
             self._const[key] = mx.array(values)
@@ -372,7 +372,7 @@ class Rounds:
             if reason is not None:
                 slots[i] = None
                 finished.append(sched.finish(row, reason))
-        self._vacate(sched, [i for i in np.flatnonzero(same) if slots[i] is None])
+        sched.vacate([i for i in np.flatnonzero(same) if slots[i] is None])
         self.progress("decode", emitted)
         return finished
 
@@ -394,39 +394,26 @@ class Rounds:
                 self._ones[i] = 0
                 finished.append(sched.finish(row, reason))
                 vacated.append(i)
-        self._vacate(sched, vacated)
+        sched.vacate(vacated)
         self.counters.rounds += 1
         self.progress("decode", emitted)
         return finished
-
-    def _vacate(self, sched: Scheduler, idle: List[int]) -> None:
-        """Slots whose rows just finished hold no entries: later rounds (until a row is placed there)
-        attend over none of theirs (rows_attention reads a row's keys up to its length only)."""
-        if idle:
-            sched.cache.rows.place(idle, [0] * len(idle))
-            if self.drafter is not None:
-                self.drafter.vacate(idle)
 
     def _settle(self, cache: BatchCache) -> None:
         cache.rows.settle()  # exact host lengths again for admission and narrowing
         self.drafter.settle()
 
     # -- admissions behind the round in flight -------------------------------------------------------
-    def start(self, cache: BatchCache) -> None:
-        """Queue the evaluation of the batch's cache and the drafter's state (nothing is read)."""
-        arrays = [a for c in cache.leaves for a in c.state_arrays() if a is not None]
-        mx.async_eval(arrays + (self.drafter.state_arrays() if self.drafter is not None else []))
-
     def join(self, sched: Scheduler, firsts: mx.array, placed: list) -> None:
         """Rows were placed behind the carried round with their first tokens on the device, not read:
-        the device starts placing them while the host queues the round they join."""
+        the device starts placing them (and the drafter's state) while the host queues the round they join."""
         self.joining = (firsts, placed)
-        self.start(sched.cache)
+        arrays = [a for c in sched.cache.leaves for a in c.state_arrays() if a is not None]
+        mx.async_eval(arrays + (self.drafter.state_arrays() if self.drafter is not None else []))
 
     def _land_joined(self, sched: Scheduler) -> List[Result]:
-        """Read the first tokens of the rows placed behind the carried round (the round they join is
-        queued by now) and emit them: a row that ends at its first token leaves its slot, and the
-        rounds queued with it drop what they made there when they are read (`land`)."""
+        """Read and emit the first tokens of the rows placed behind the carried round (the round they
+        join is queued by now): a row that ends at its first token leaves its slot."""
         (firsts, placed), self.joining = self.joining, None
         got = np.array(firsts).tolist()
         self.progress("decode", sum(1 for f in got if f not in sched.eos))
@@ -438,7 +425,7 @@ class Rounds:
                 sched.slots[slot] = None
                 finished.append(sched.finish(row, reason))
                 idle.append(slot)
-        self._vacate(sched, idle)
+        sched.vacate(idle)
         return finished
 
     def land_carried(self, sched: Scheduler) -> List[Result]:

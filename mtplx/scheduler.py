@@ -1,11 +1,11 @@
 """The rows in flight: slots, the request stream, memory admission, a drained batch's tail.
 
 `Scheduler` holds, for one `Engine.generate` call, the batch's slots (a `Row` each, None where
-idle), its cache and the stream of requests. It decides which requests join (free slots, the
-memory budget: a row that does not fit beside the rows in flight waits for one to finish), where
-they go, and when a drained batch (no request waits) narrows; and it turns tokens into rows'
-text and results (`emit`, `finish`). The engine (generation.py) prefills what it admits; the
-rounds (rounds.py) decode what it holds.
+idle), their cache and the drafter's state of them, and the stream of requests. It decides which
+requests join (free slots, the memory budget: a row that does not fit beside the rows in flight
+waits for one to finish), where they go, and when a drained batch (no request waits) narrows; and
+it turns tokens into rows' text and results (`emit`, `finish`). The engine (generation.py)
+prefills what it admits; the rounds (rounds.py) decode what it holds.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import stops
-from .cache import BatchCache, CacheRow
+from .cache import BatchCache
 from .request import Request, Result, RowStats
 
 
@@ -47,7 +47,8 @@ def tail_keeps_width() -> int:
 
 class Scheduler:
     def __init__(self, tokenizer, eos: Set[int], max_batch: int, max_context: int, memory_budget: int,
-                 row_bytes: Callable[[int, int], int]):
+                 row_bytes: Callable[[int, int], int], drafter=None):
+        self.drafter = drafter
         self.tokenizer = tokenizer
         self.eos = eos
         self.max_batch = max_batch
@@ -133,24 +134,35 @@ class Scheduler:
                 self.waiting.insert(0, req)
         return rows, free
 
-    def place(self, slots: Sequence[int], rows: Sequence[Row], caches: Sequence[CacheRow]) -> None:
-        """Rows, each with its prefilled cache, into `slots`: idle ones filled with one gather per
-        prefill group; slots past the batch's width widen it (copies the batch: only while it ramps up)."""
+    def place(self, slots: Sequence[int], rows: Sequence[Row], prefilled: Sequence[tuple]) -> None:
+        """Rows with what their prefill gave (cache, drafter state, first token) into `slots`: idle
+        ones filled with one gather per prefill group; slots past the batch's width widen it (copies
+        the batch: only while it ramps up)."""
         width = len(self.slots)
-        fills = [(s, c) for s, c in zip(slots, caches) if s < width]
-        for s, row in zip(slots, rows):
-            if s < width:
-                self.slots[s] = row
+        fills = [(s, row, got) for s, row, got in zip(slots, rows, prefilled) if s < width]
+        grow = [(row, got) for s, row, got in zip(slots, rows, prefilled) if s >= width]
+        for s, row, (_, state, _) in fills:
+            self.slots[s] = row
+            if self.drafter is not None:
+                self.drafter.write(s, state)
         if fills:
-            self.cache.put_rows([s for s, _ in fills], [c for _, c in fills])
-        grow = [(row, c) for s, row, c in zip(slots, rows, caches) if s >= width]
+            self.cache.put_rows([s for s, _, _ in fills], [got[0] for _, _, got in fills])
         if grow:
-            new = BatchCache.gather([c for _, c in grow])
+            new = BatchCache.gather([got[0] for _, got in grow])
             if self.cache is None:
                 self.cache = new
             else:
                 self.cache.extend(new)
             self.slots += [row for row, _ in grow]
+            if self.drafter is not None:
+                self.drafter.extend([got[1] for _, got in grow])
+
+    def vacate(self, idle: Sequence[int]) -> None:
+        """Slots whose rows just finished hold no entries: later rounds attend over none of theirs."""
+        if idle:
+            self.cache.rows.place(idle, [0] * len(idle))
+            if self.drafter is not None:
+                self.drafter.vacate(idle)
 
     # -- the tail --------------------------------------------------------------------------------------
     def narrows(self, live: int) -> Optional[int]:
@@ -163,14 +175,14 @@ class Scheduler:
             return 1 << (max(live, 1) - 1).bit_length()
         return None
 
-    def narrow(self, width: int) -> List[int]:
-        """Keep the live rows, then idle slots up to `width`; returns the slots kept, in order."""
+    def narrow(self, width: int) -> None:
+        """Keep the live rows, then idle slots, up to `width`."""
         live = [i for i, s in enumerate(self.slots) if s is not None]
-        spare = [i for i, s in enumerate(self.slots) if s is None][: width - len(live)]
-        keep = sorted(live + spare)
+        keep = sorted(live + [i for i, s in enumerate(self.slots) if s is None][: width - len(live)])
         self.cache.take_rows(keep)
         self.slots = [self.slots[i] for i in keep]
-        return keep
+        if self.drafter is not None:
+            self.drafter.take(keep)
 
     # -- tokens into text ------------------------------------------------------------------------------
     def emit(self, row: Row, new_tokens: Sequence[int]) -> Optional[str]:

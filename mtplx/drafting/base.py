@@ -21,6 +21,7 @@ import numpy as np
 
 from ..cache import BatchCache
 from ..counters import Counters
+from ..graphbank import Programs
 from ..sampling import SamplerBatch
 
 
@@ -150,3 +151,44 @@ class CachedDrafter(Drafter):
 
     def settle(self):
         self.cache.rows.settle()
+
+
+class DraftBank:
+    """A drafter's compiled programs over a shadow of its KV cache (graphbank.py), with the calls that
+    ran eagerly instead counted by reason (`stats`)."""
+
+    def __init__(self, programs: Programs):
+        self.programs = programs
+        self.reserve = 0  # entries a row may reach: a cache grown here holds them at once (one capacity a batch)
+        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "fallback_reasons": {}}
+
+    def eager(self, reason: str) -> None:
+        self.stats["eager_calls"] += 1
+        reasons = self.stats["fallback_reasons"]
+        reasons[reason] = reasons.get(reason, 0) + 1
+
+    def ready(self, cache: BatchCache, L: int) -> Optional[list]:
+        """The cache's arrays with room for L more entries per row, or None where it cannot be compiled
+        over (recurrent layers, or empty)."""
+        if any(k != "kv" for k in cache.kinds) or any(c.keys is None for c in cache.layers):
+            self.eager("cache not compilable (recurrent layers, or empty)")
+            return None
+        for c in cache.layers:
+            c.ensure_capacity(cache.batch, c.keys, c.values, max(cache.rows.max, self.reserve) + L)
+        return [a for c in cache.layers for a in c.state_arrays()]
+
+    def call(self, key, build, *args):
+        """The program's outputs, or None where it runs eagerly (counted, saying why)."""
+        out = self.programs.call(key, build, *args)
+        if out is None:
+            self.eager(self.programs.broken[key])
+            return None
+        self.stats["compiled_calls"] += 1
+        return out
+
+    @staticmethod
+    def mirror(cache: BatchCache, arrays) -> None:
+        """The program's cache arrays into `cache` (keys, values of each layer in turn)."""
+        it = iter(arrays)
+        for layer in cache.layers:
+            layer.keys, layer.values = next(it), next(it)

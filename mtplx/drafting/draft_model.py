@@ -35,7 +35,7 @@ from ..graphbank import Programs, shadow_cache, shadow_outputs
 from ..models.loading import ModelBundle
 from ..recurrent import install_stepping
 from ..sampling import SamplerBatch, sample_from, shaped_probs
-from .base import CachedDrafter
+from .base import CachedDrafter, DraftBank
 
 MAX_BACKLOG = 64  # tokens a row's draft cache may lag behind before a round without drafts feeds them
 # (on a launch-bound GPU a forward of 64 costs little more than one of 1)
@@ -97,21 +97,14 @@ def chain_seconds(chain: Callable[[], Optional[mx.array]], clock: Callable[[], f
     return (clock() - started) / repeats
 
 
-class DraftChainBank:
+class DraftChainBank(DraftBank):
     """The K draft steps of a round as compiled programs over a shadow of the draft model's cache."""
 
     def __init__(self, model, vocab: int, programs: Programs):
+        super().__init__(programs)
         self.model = model
         self.vocab = vocab
-        self.programs = programs
-        self.stats: Dict[str, object] = {"compiled_calls": 0, "eager_calls": 0, "fallback_reasons": {},
-                                         # "width W depth K": (ms compiled, ms eager), DraftModelDrafter's measure
-                                         "measured_ms": {}}
-
-    def eager(self, reason: str):
-        self.stats["eager_calls"] += 1
-        reasons = self.stats["fallback_reasons"]
-        reasons[reason] = reasons.get(reason, 0) + 1
+        self.stats["measured_ms"] = {}  # "width W depth K": (ms compiled, ms eager), DraftModelDrafter's measure
 
     def _build(self, kinds, K: int, flags):
         model, vocab = self.model, self.vocab
@@ -133,23 +126,16 @@ class DraftChainBank:
     def propose(self, cache: BatchCache, feed: mx.array, sampler: SamplerBatch, u: mx.array, K: int):
         """Drafts [W, K] and q (or None), the draft cache's arrays written past each row's length
         (its lengths are not moved: the round's commit does that); None when this runs eagerly."""
-        if any(k != "kv" for k in cache.kinds) or any(c.keys is None for c in cache.layers):
-            self.eager("cache not compilable (recurrent layers, or empty)")
+        arrays = self.ready(cache, feed.shape[1] + K)
+        if arrays is None:
             return None
-        for c in cache.layers:
-            c.ensure_capacity(cache.batch, c.keys, c.values, cache.rows.max + feed.shape[1] + K)
-        arrays = [a for c in cache.layers for a in c.state_arrays()]
         flags = (sampler.all_greedy, sampler.any_top_k, sampler.any_top_p)
         key = (cache.batch, K, arrays[0].shape[2]) + flags
-        out = self.programs.call(key, lambda: self._build(list(cache.kinds), K, flags), feed, u, sampler.temps,
-                                 sampler.top_p, sampler.top_k, cache.rows.device, *arrays)
+        out = self.call(key, lambda: self._build(list(cache.kinds), K, flags), feed, u, sampler.temps, sampler.top_p,
+                        sampler.top_k, cache.rows.device, *arrays)
         if out is None:
-            self.eager(self.programs.broken[key])
             return None
-        it = iter(out[2:])
-        for layer in cache.layers:
-            layer.keys, layer.values = next(it), next(it)
-        self.stats["compiled_calls"] += 1
+        self.mirror(cache, out[2:])
         return out[0], (out[1] if out[1].size else None)
 
 

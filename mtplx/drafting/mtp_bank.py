@@ -31,6 +31,7 @@ from ..graphbank import Programs, shadow_cache, shadow_outputs
 from ..models.mtp import MTPHead, text_model
 from ..rows_attention import padded
 from ..sampling import SamplerBatch, sample_from, shaped_probs
+from .base import DraftBank
 
 
 DRAFT_VOCAB_FILE = "mtp_draft_vocab.npy"
@@ -208,42 +209,18 @@ def at_accepted(h_out: mx.array, n: mx.array) -> mx.array:
     return mx.take_along_axis(h_out, n[:, None, None], axis=1)[:, 0]
 
 
-class CompiledDraftBank:
+class CompiledDraftBank(DraftBank):
     """MTP propose and commit as compiled programs over a shadow of the head's KV cache."""
 
     def __init__(self, head: MTPHead, vocab: Optional[DraftVocab], programs: Programs):
+        super().__init__(programs)
         self.head = head
         self.vocab = vocab
-        self.programs = programs
-        self.reserve = 0  # entries a row may reach: a cache grown here holds them at once (one capacity a batch)
-        self.stats = {"compiled_calls": 0, "eager_calls": 0, "fallback_reasons": {}}
-
-    def _ready(self, cache: BatchCache, L: int) -> Optional[list]:
-        """The cache's arrays with room for L more entries, or None when it cannot be compiled over."""
-        if any(k != "kv" for k in cache.kinds) or any(c.keys is None for c in cache.layers):
-            self._eager("cache not compilable")
-            return None
-        for c in cache.layers:
-            c.ensure_capacity(cache.batch, c.keys, c.values, max(cache.rows.max, self.reserve) + L)
-        return [a for c in cache.layers for a in c.state_arrays()]
-
-    def _eager(self, reason: str):
-        self.stats["eager_calls"] += 1
-        reasons = self.stats["fallback_reasons"]
-        reasons[reason] = reasons.get(reason, 0) + 1
-
-    def _call(self, key, build, *args):
-        out = self.programs.call(key, build, *args)
-        if out is None:  # a program that cannot compile: draft eagerly, say why
-            self._eager(self.programs.broken[key])
-            return None
-        self.stats["compiled_calls"] += 1
-        return out
 
     def propose(self, cache: BatchCache, first_logits, h, sampler: SamplerBatch, u, K: int, lookup=None):
         """Drafts [W, K], q ([W, K, V] or None) and the rows that drafted from their context (or
         None), or None when this shape runs eagerly. `lookup` = (LookupFallback, history [W, C])."""
-        arrays = self._ready(cache, K)
+        arrays = self.ready(cache, K)
         if arrays is None:
             return None
         kinds, head, vocab, finder = list(cache.kinds), self.head, self.vocab, None if lookup is None else lookup[0]
@@ -259,7 +236,7 @@ class CompiledDraftBank:
                 return _packed(*_looked_up(finder, hist, lengths, K, d, q))
             return run
 
-        out = self._call(key, build, first_logits, h, u, sampler.temps, sampler.top_p, sampler.top_k, cache.rows.device,
+        out = self.call(key, build, first_logits, h, u, sampler.temps, sampler.top_p, sampler.top_k, cache.rows.device,
                          *arrays, *([] if lookup is None else [lookup[1]]))
         return None if out is None else _unpacked(out)
 
@@ -275,7 +252,7 @@ class CompiledDraftBank:
         that drafted from their context or None)."""
         K1 = verify_in.shape[1]
         K = following[1] if following is not None else 0
-        arrays = self._ready(cache, K1 + K)
+        arrays = self.ready(cache, K1 + K)
         if arrays is None:
             return None
         kinds, head, vocab, finder = list(cache.kinds), self.head, self.vocab, None if lookup is None else lookup[0]
@@ -312,11 +289,10 @@ class CompiledDraftBank:
         if following is not None:
             counts, _, sampler, u = following
             args += [counts, u, sampler.temps, sampler.top_p, sampler.top_k]
-        out = self._call(key, build, *args)
+        out = self.call(key, build, *args)
         if out is None:
             return None
-        for i, layer in enumerate(cache.layers):
-            layer.keys, layer.values = out[2 + 2 * i], out[3 + 2 * i]
+        self.mirror(cache, out[2 : 2 + n_arrays])
         rest = out[2 + n_arrays:]
         return (out[0], out[1]) + tuple(rest[:1] if lookup is not None else ()) + (
             _unpacked(rest[1 if lookup is not None else 0:]) if following is not None else ())
