@@ -252,10 +252,8 @@ class RowStateCache(ArraysSurface):
         """A copy of one row's state. Recurrent state exists only after the row's last token: it
         cannot be cut back to an earlier `length` (copy it when the row is at that length)."""
         if length != int(self.rows.host[row]):
-            raise ValueError(
-                f"recurrent state of row {row} is at position {int(self.rows.host[row])}, not {length}: "
-                "snapshot it when the row is at that length"
-            )
+            raise ValueError(f"recurrent state of row {row} is at position {int(self.rows.host[row])}, not {length}: "
+                             "snapshot it when the row is at that length")
         return [mx.array(c[row : row + 1]) if c is not None else None for c in self.cache]
 
     def write_row(self, row: int, arrays, batch: int):
@@ -453,8 +451,7 @@ def _kind(c, model):
     raise UnsupportedArchitecture(
         f"architecture {arch!r}: cache type {type(c).__name__}{detail} is not supported by the batched "
         "engine, so the model is refused rather than run (it could give wrong text): use mlx-lm directly, "
-        "or file an issue naming the architecture"
-    )
+        "or file an issue naming the architecture")
 
 
 class UnsupportedArchitecture(ValueError):

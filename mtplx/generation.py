@@ -97,25 +97,17 @@ class Engine:
         self.runtime = _Runtime(self.model, want_hidden=self.drafter is not None and self.drafter.needs_hidden)
         self.weight_bytes = _tree_bytes(self.model.parameters())
         budget = self.schedule.memory_budget
-        self.memory_budget = (
-            int(budget) if str(budget) != "auto" else int(0.6 * device_memory_bytes()) - self.weight_bytes
-        )
+        self.memory_budget = int(budget) if str(budget) != "auto" else int(0.6 * device_memory_bytes()) - self.weight_bytes
         chunk = self.schedule.prefill_chunk
         env_chunk = prefill_chunk_env()  # MTPLX_PREFILL_CHUNK_SIZE wins over schedule.prefill_chunk
         self.prefill_chunk = env_chunk if env_chunk is not None else (
             _prefill_chunk_size(cfg, self.memory_budget) if str(chunk) == "auto" else int(chunk))
         self.sustained_prefill = sustained_prefill_env()
-        self.bank = None
-        if self.spec.compiled_verify != "off":
-            self.bank = CompiledVerifyBank(
-                self.runtime,
-                max_verify_len=self.spec.depth + 1,
-                request_max_tokens=self.max_context,  # narrowed to the rows in flight at admission
-                capture_backend=capture_backend(self.model),
-                parity=self.spec.compiled_verify,
-                growth_limit=self.spec.verify_max_len,
-                counters=self.counters,
-            )
+        self.bank = None if self.spec.compiled_verify == "off" else CompiledVerifyBank(
+            self.runtime, max_verify_len=self.spec.depth + 1,
+            request_max_tokens=self.max_context,  # narrowed to the rows in flight at admission
+            capture_backend=capture_backend(self.model), parity=self.spec.compiled_verify,
+            growth_limit=self.spec.verify_max_len, counters=self.counters)
         self.prefiller = Prefiller(self.runtime, self.prefill_chunk, self.hybrid, self.counters, self._progress,
                                    self.sustained_prefill)
         self._bytes_per_token, self._bytes_per_row = self._measure_cache()

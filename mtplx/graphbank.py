@@ -123,18 +123,10 @@ def shadow_outputs(cache: BatchCache):
 
 
 class CompiledVerifyBank:
-    def __init__(
-        self,
-        runtime,
-        max_verify_len: int = 4,
-        request_max_tokens: int = 8192,
-        capture_backend: Optional[str] = None,
-        parity=False,
-        restored_tokens: int = 0,
-        tolerance: Optional[float] = None,
-        growth_limit: Optional[int] = None,
-        counters: Optional[Counters] = None,
-    ):
+    def __init__(self, runtime, max_verify_len: int = 4, request_max_tokens: int = 8192,
+                 capture_backend: Optional[str] = None, parity=False, restored_tokens: int = 0,
+                 tolerance: Optional[float] = None, growth_limit: Optional[int] = None,
+                 counters: Optional[Counters] = None):
         """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`. `parity`: "on" (or
         False), "parity" (or True: raise on a mismatch), "parity2" (count). `growth_limit`: the longest
         verify compiled (None: MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, max_verify_len)); a mismatched
@@ -148,10 +140,8 @@ class CompiledVerifyBank:
         self.request_max_tokens = int(request_max_tokens)
         used = model_capture_backend(runtime.model)
         if capture_backend != used:
-            raise ValueError(
-                f"capture_backend={capture_backend!r} but the model's layers use {used!r}: pass "
-                f"capture_backend={used!r} (mtplx.architectures.capture_backend(model) reads it)"
-            )
+            raise ValueError(f"capture_backend={capture_backend!r} but the model's layers use {used!r}: pass "
+                             f"capture_backend={used!r} (mtplx.architectures.capture_backend(model) reads it)")
         self.capture_backend = capture_backend
         self.mode = {True: "parity", False: "on", None: "on"}.get(parity, parity)
         if self.mode not in ("on", "parity", "parity2"):
@@ -161,14 +151,9 @@ class CompiledVerifyBank:
         self.tolerance = tolerance
         self.reserve = 0  # entries a row may reach: a cache grown here holds them at once (one capacity a batch)
         self.stats: Dict[str, object] = {
-            "compiled_calls": 0,
-            "fallback_calls": 0,
-            "parity_failures": 0,
-            "fallback_reasons": {} if reason is None else {reason: 0},
-            "capture_backend": capture_backend,
-            "request_max_tokens": self.request_max_tokens,
-            "restored_tokens": int(restored_tokens),
-        }
+            "compiled_calls": 0, "fallback_calls": 0, "parity_failures": 0,
+            "fallback_reasons": {} if reason is None else {reason: 0}, "capture_backend": capture_backend,
+            "request_max_tokens": self.request_max_tokens, "restored_tokens": int(restored_tokens)}
         self._eager_reason = reason
         self.programs = Programs(counters)
 
@@ -273,8 +258,7 @@ class CompiledVerifyBank:
                     raise CompiledVerifyParityError(self._describe(out[0], ref[0], failures))
                 raise CompiledVerifyParityError(
                     f"compiled verify wrote a different cache than eager at row {int(np.argmax(cache_bad))} "
-                    f"(tolerance {self._tol(out[0]):g}; use compiled_verify: parity2 to count instead of raise)"
-                )
+                    f"(tolerance {self._tol(out[0]):g}; use compiled_verify: parity2 to count instead of raise)")
             failures = failures | cache_bad
             self.stats["parity_failures"] += int(failures.sum())
         self._mirror(cache, out[2:])
@@ -359,8 +343,7 @@ class CompiledVerifyBank:
         row = int(np.argmax(failures))
         d = mx.abs(got[row].astype(mx.float32) - ref[row].astype(mx.float32)).max(axis=-1)
         pos = int(mx.argmax(d).item())
-        return (
-            f"compiled verify differs from eager at row {row}, verify position {pos}: "
-            f"max |logit diff| {d[pos].item():.3g}, argmax {int(mx.argmax(got[row, pos]).item())} vs "
-            f"{int(mx.argmax(ref[row, pos]).item())} (tolerance {self._tol(got):g}; use compiled_verify: parity2 to count instead of raise)"
-        )
+        return (f"compiled verify differs from eager at row {row}, verify position {pos}: "
+                f"max |logit diff| {d[pos].item():.3g}, argmax {int(mx.argmax(got[row, pos]).item())} vs "
+                f"{int(mx.argmax(ref[row, pos]).item())} (tolerance {self._tol(got):g}; use compiled_verify: parity2 "
+                "to count instead of raise)")

@@ -86,21 +86,16 @@ class Scheduler:
         """The request as a row, or the error result of one that cannot run."""
         n = len(req.prompt_tokens)
         stats = RowStats(prompt_tokens=n)
-        if n == 0:
-            return None, Result(req.key, [], "", "error", "empty prompt: the row has no tokens", stats, req.seed)
-        if n >= self.max_context:
-            return None, Result(req.key, [], "", "error",
-                                f"prompt has {n} tokens but the model's context is {self.max_context}: shorten the prompt",
-                                stats, req.seed)
         max_tokens = min(req.params.max_tokens, self.max_context - n)
-        need = self.row_bytes(n, max_tokens)
+        error = ("empty prompt: the row has no tokens" if n == 0 else
+                 f"prompt has {n} tokens but the model's context is {self.max_context}: shorten the prompt"
+                 if n >= self.max_context else None)
+        need = self.row_bytes(n, max_tokens) if error is None else 0
         if need > self.memory_budget:
-            return None, Result(
-                req.key, [], "", "error",
-                f"row needs ~{need / 2**20:.0f} MiB of cache ({n} prompt + {max_tokens} new tokens) but "
-                f"schedule.memory_budget is {self.memory_budget / 2**20:.0f} MiB: raise the budget or lower max_tokens",
-                stats, req.seed,
-            )
+            error = (f"row needs ~{need / 2**20:.0f} MiB of cache ({n} prompt + {max_tokens} new tokens) but "
+                     f"schedule.memory_budget is {self.memory_budget / 2**20:.0f} MiB: raise the budget or lower max_tokens")
+        if error is not None:
+            return None, Result(req.key, [], "", "error", error, stats, req.seed)
         return Row(req, np.random.default_rng(req.seed), max_tokens, stats, time.perf_counter(), []), None
 
     def select(self):

@@ -335,13 +335,9 @@ def load(spec: SpeculativeConfig, bundle: ModelBundle, counters=None) -> DraftMo
     from ..models.loading import load as load_model
 
     draft = load_model(spec.draft_model, gguf_mode=bundle.gguf_mode)
-    if draft.tokenizer.vocab_size != bundle.tokenizer.vocab_size and abs(
-        draft.config.get("vocab_size", 0) - bundle.config.get("vocab_size", 0)
-    ) > 1024:
-        raise ValueError(
-            f"draft model {spec.draft_model} has a different tokenizer "
-            f"(vocab {draft.config.get('vocab_size')} vs {bundle.config.get('vocab_size')})"
-        )
+    vocabs = draft.config.get("vocab_size", 0), bundle.config.get("vocab_size", 0)
+    if draft.tokenizer.vocab_size != bundle.tokenizer.vocab_size and abs(vocabs[0] - vocabs[1]) > 1024:
+        raise ValueError(f"draft model {spec.draft_model} has a different tokenizer (vocab {vocabs[0]} vs {vocabs[1]})")
     prepare(draft.model, draft.model_type, bundle.vocab_size)  # batching adapters; refuses what it cannot batch
     decode_paths(draft.model, spec.compiled_verify != "off")  # the target's CUDA decode paths (off CUDA: none)
     return DraftModelDrafter(draft.model, bundle.vocab_size, compiled=spec.compiled_verify != "off", measure=True,
