@@ -220,15 +220,10 @@ class Prefiller:
         # a drafter without a batched prefill takes each row's first token on the host (prefill_row)
         host = read or (drafter is not None and any(st is None for g in groups for st in g[3]))
         device = None if read else self._firsts_in_row_order(out, alone, groups)
-        if groups and host:
-            read_all = np.array(mx.concatenate([g[2] for g in groups])).tolist()
-            at = 0
-            for g, (members, results, firsts, states) in enumerate(groups):
-                groups[g] = (members, results, read_all[at : at + len(members)], states)
-                at += len(members)
-        for members, results, firsts, states in groups:
-            for b, (i, res, state) in enumerate(zip(members, results, states)):
-                first = firsts[b] if isinstance(firsts, list) else None
+        got = iter(np.array(mx.concatenate([g[2] for g in groups])).tolist()) if groups and host else None
+        for members, results, _, states in groups:
+            for i, res, state in zip(members, results, states):
+                first = next(got) if got is not None else None
                 out[i] = self._drafter_prefill(drafter, rows[i], keys[i], res[0], res[1], first, *res[2:], state=state)
         for row in rows:
             row.stats.prompt_tokens = len(row.req.prompt_tokens)
@@ -238,8 +233,7 @@ class Prefiller:
     def _firsts_in_row_order(out, alone, groups) -> mx.array:
         """Every row's first token on the device, in row order: the rows prefilled alone (read
         already) and each group's (not read)."""
-        parts = [mx.array([out[i][2] for i in alone], dtype=mx.int32)] if alone else []
-        parts += [g[2] if isinstance(g[2], mx.array) else mx.array(g[2], dtype=mx.int32) for g in groups]
+        parts = ([mx.array([out[i][2] for i in alone], dtype=mx.int32)] if alone else []) + [g[2] for g in groups]
         if not parts:
             return mx.zeros((0,), mx.int32)
         order = alone + [i for g in groups for i in g[0]]
@@ -259,6 +253,8 @@ class Prefiller:
         return starts, hits
 
     def alone(self, row, key):
+        """Prefill one row in its chunk spans, split at its stable-prefix edge (where a leader's snapshot
+        is taken, recurrent state included). Returns (cache row, hidden, first token, store hit, snapshot)."""
         toks = row.req.prompt_tokens
         n, edge = len(toks), self.edge(row)
         cache = BatchCache.for_model(self.model, 1)

@@ -186,33 +186,23 @@ class Rounds:
         return mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32))
 
     # -- plan ----------------------------------------------------------------------------------------
-    def _row_depths(self, slots, n_active: int, ahead: int) -> Tuple[np.ndarray, int]:
-        """Each row's drafted tokens in the round being queued (`ahead`: rounds queued before it, not
-        read, each emitting at least one token), and the round's K. Greedy rows follow the adaptive
-        depth, capped by the tokens they can still emit; sampled rows draft `speculative.depth`
-        always (a sampled row's text depends on its own seed alone, never on when the pipeline last
-        drained); K is the uncapped depth, so a job's last rounds keep their shape (no program for a
-        round or two), each row's own depth its limit in acceptance."""
+    def plan(self, slots, n_active: int, ahead: int, sampler: SamplerBatch) -> Plan:
+        """A round's depths and uniforms, queued behind `ahead` rounds not read yet (each emits at least
+        one token a row). Greedy rows follow the adaptive depth, capped by the tokens they can still
+        emit; sampled rows draft `speculative.depth` always, and draw a fixed number of uniforms a round
+        (drafts, accepts, next token) kept on the row (`u_next`) until a round uses them: a sampled
+        row's text depends on its own seed alone, never on when the pipeline last drained (that depends
+        on its batch). K is the uncapped depth, so a job's last rounds keep their shape (no program for
+        a round or two), each row's own depth its limit in acceptance."""
+        W, D = len(slots), self.max_depth
         greedy_depth = self.depth.choose(n_active)
-        depths = np.zeros(len(slots), dtype=np.int64)
+        depths = np.zeros(W, dtype=np.int64)
         K = 0
         for i, s in enumerate(slots):
-            if s is None:
-                continue
-            if s.req.params.greedy:
-                depths[i] = max(0, min(greedy_depth, s.max_tokens - len(s.tokens) - ahead - 1))
-                K = max(K, greedy_depth)
-            else:
-                depths[i] = self.max_depth
-                K = max(K, self.max_depth)
-        return depths, K
-
-    def plan(self, slots, n_active: int, ahead: int, sampler: SamplerBatch) -> Plan:
-        """A round's depths and uniforms. A sampled row draws a fixed number a round (drafts, accepts,
-        next token) whatever K is, kept on the row (`u_next`) until a round uses them: its draws never
-        depend on where a call ended (that depends on its batch)."""
-        W, D = len(slots), self.max_depth
-        depths, K = self._row_depths(slots, n_active, ahead)
+            if s is not None:
+                greedy = s.req.params.greedy
+                depths[i] = max(0, min(greedy_depth, s.max_tokens - len(s.tokens) - ahead - 1)) if greedy else D
+                K = max(K, greedy_depth if greedy else D)
         if sampler.all_greedy:  # greedy rows never read their uniforms
             u = self._zeros(W, 2 * D + 1)
         else:

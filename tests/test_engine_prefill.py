@@ -211,12 +211,14 @@ def test_rows_sharing_a_prefix_are_copied_per_group_not_per_row(tiny_model, monk
     shared = list(range(3, 43))
     prompts = [shared + [50 + i] * (1 + i % 3) for i in range(16)]
 
-    def run(max_batch):
-        eng = Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"), ScheduleConfig(max_batch=max_batch))
+    def engine(max_batch):
+        return Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"), ScheduleConfig(max_batch=max_batch))
+
+    def run(eng):
         reqs = [Request(i, p, SamplingParams(max_tokens=4), stable_prefix_len=len(shared)) for i, p in enumerate(prompts)]
         return {r.key: r.tokens for r in eng.generate(reqs)}
 
-    alone = run(1)
+    alone, eng = run(engine(1)), engine(16)  # (the engine made before the count: its model probe places rows too)
     calls = {"write_row": 0, "put_rows": 0}
     for name in calls:
         real = getattr(cache_mod.RowKVCache, name)
@@ -226,7 +228,7 @@ def test_rows_sharing_a_prefix_are_copied_per_group_not_per_row(tiny_model, monk
             return _real(self, *a, **k)
 
         monkeypatch.setattr(cache_mod.RowKVCache, name, counted)
-    assert run(16) == alone
+    assert run(eng) == alone
     assert calls["write_row"] <= layers  # the prefix, stored once
     # leader alone, then the other rows as a few length groups: each group restores its prefix once,
     # and the placement gathers once per group cache
