@@ -2,15 +2,12 @@
 
 mlx-lm's caches share one write position across the batch (left padding). Speculative rounds
 accept a different number of tokens per row, so here each row keeps its own length: a forward
-writes its L new entries at each row's own offset, attention masks out everything past a
-row's length, and `commit(counts)` moves each row's length forward by what it accepted.
-Rejected entries are simply left past the row's length and overwritten later: rollback of
-attention KV is free and nothing is copied.
-
-Recurrent layers (Gated DeltaNet, conv, SSM) cannot be rolled back by moving an index, so
-during a verify forward they capture their state after every position (gdn.py, recurrent.py),
-and `commit` picks each row's state at its accepted position. Sliding-window attention keeps
-every entry and masks by window; mlx-lm's CacheList becomes a RowCacheList of leaf caches.
+writes its new entries at each row's own offset, attention masks out everything past a row's
+length, and `commit(counts)` moves each row's length by what it accepted. Rejected entries stay
+past the row's length until overwritten: rollback of attention KV is free. Recurrent layers
+(Gated DeltaNet, conv, SSM) capture their state after every position during a verify (gdn.py,
+recurrent.py), and `commit` picks each row's at its accepted position. Sliding-window attention
+keeps every entry and masks by window; mlx-lm's CacheList becomes a RowCacheList of leaf caches.
 """
 
 from __future__ import annotations
@@ -48,9 +45,8 @@ class RowKVCache:
         self.rows = lengths
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
-        # How many key positions attention reads. None: the whole capacity bucket, masked.
-        # Shapes then change only when a bucket fills, not every step: on a GPU each new shape
-        # costs kernel builds, which made exact-length attention several times slower.
+        # How many key positions attention reads; None: the whole capacity bucket, masked, so shapes
+        # change only when a bucket fills (on a GPU each new shape costs kernel builds)
         self.attend_len: Optional[int] = None
 
     # -- what mlx-lm model code calls ---------------------------------------------------------
@@ -110,14 +106,13 @@ class RowKVCache:
 
     # -- batch bookkeeping ----------------------------------------------------------------------
     def ensure_capacity(self, B, keys, values, need):
+        """Room for `need` entries a row, in capacity buckets (`keys`, `values`: the shapes to make)."""
         if self.keys is None:
             cap = capacity_bucket(need)
-            self.keys = mx.zeros((B, keys.shape[1], cap, keys.shape[3]), keys.dtype)
-            self.values = mx.zeros((B, values.shape[1], cap, values.shape[3]), values.dtype)
+            self.keys, self.values = (mx.zeros((B, a.shape[1], cap, a.shape[3]), a.dtype) for a in (keys, values))
         elif need > self.keys.shape[2]:
-            grow = capacity_bucket(need) - self.keys.shape[2]
-            self.keys = mx.concatenate([self.keys, mx.zeros(self.keys.shape[:2] + (grow,) + self.keys.shape[3:], self.keys.dtype)], axis=2)
-            self.values = mx.concatenate([self.values, mx.zeros(self.values.shape[:2] + (grow,) + self.values.shape[3:], self.values.dtype)], axis=2)
+            grow = [(0, 0), (0, 0), (0, capacity_bucket(need) - self.keys.shape[2]), (0, 0)]
+            self.keys, self.values = mx.pad(self.keys, grow), mx.pad(self.values, grow)
 
     def state_arrays(self):
         return [self.keys, self.values]

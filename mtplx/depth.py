@@ -1,25 +1,20 @@
 """Adaptive draft depth for greedy rows, from what rounds actually cost and what drafts earn.
 
 A round that drafts k tokens emits 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens per row on average,
-where a_j is the chance that draft j passes once draft j-1 has. An MTP head's a_j fall with depth
-(its depth-2 draft is built on its own depth-1 guess), so the controller keeps a_j per draft
-position, measured; an MTP head starts from the acceptance per position its training run recorded
-on held-out rows (mtp_head.json). What a round costs depends on the device, the model and the
-batch width (on a GPU a verify of 4 tokens can cost what one of 1 does; on a CPU nearly four
-times as much), so the controller measures: per (width bucket, depth) the median of the last
-MEDIAN_OF timed rounds, extrapolating depths it has not tried; it picks the depth with the most
-tokens per second and now and then tries a neighbour (from the deepest depth plain decoding, from
-plain decoding the deepest depth), each width bucket on its own count of rounds. Depth 0 is a
-candidate: when speculation does not pay, it stops. A width with nothing measured starts from the
-nearest measured width's costs; a batch's last rows (nothing left to admit) keep the best depth
-without tries (`explore` off). A calibration profile (calibrate.py) gives each width's cost curve
-measured on this machine, so the controller starts from those ratios, its own round times setting
-the scale.
+where a_j is the chance that draft j passes once draft j-1 has; an MTP head's a_j fall with depth,
+so the controller keeps a_j per position, measured (an MTP head starts from those its training run
+recorded, mtp_head.json). A round's cost depends on the device, the model and the width (on a GPU a
+verify of 4 tokens can cost what one of 1 does; on a CPU nearly four times as much), so the
+controller keeps per (width bucket, depth) the median of the last MEDIAN_OF timed rounds (from a
+calibration profile's cost curve, calibrate.py, or the nearest measured width's, before it has its
+own), extrapolates depths it has not tried, picks the depth with the most tokens per second, and now and then tries a neighbour
+(from the deepest depth plain decoding, from plain decoding the deepest depth), each width bucket
+on its own count. Depth 0 is a candidate: when speculation does not pay, it stops. A batch's last
+rows (nothing left to admit) keep the best depth without tries (`explore` off).
 
-The engine decides which rounds it is fed (rounds.py, `Rounds._priced`); the others come as None.
-Rounds run one ahead, so a try of another depth lasts more than one round: FIRST_TRY's three,
-TRY_ROUNDS for the neighbour tries. Only greedy rows follow the controller (their text cannot
-change); sampled rows keep `speculative.depth`.
+The engine decides which rounds' times it is fed (rounds.py, `Rounds._priced`; the others come as
+None). Rounds run one ahead, so a try lasts more than one round: FIRST_TRY's three, TRY_ROUNDS for
+the neighbour tries. Only greedy rows follow the controller; sampled rows keep `speculative.depth`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """The generation engine: chunked prefill, prefix reuse, and continuous speculative batching.
 
-`Engine` loads what a run needs and holds its collaborators, as nano-vllm's engine does:
-- the scheduler (scheduler.py): the rows in flight in their slots, the request stream, memory
-  admission, a drained batch's narrowing, tokens into text;
-- the prefiller (prefill.py): each admitted row's prompt in chunk spans split at its
-  stable-prefix edge, a prefix shared with earlier rows copied, not recomputed;
-- the rounds (rounds.py): draft K tokens (drafting/) -> verify [pending, d1..dK] in one forward
-  (graphbank.py) -> accept per row (sampling.py) -> commit each row's own count (cache.py) ->
-  emit, one round queued ahead of the one read; K = 0 is plain decoding through the same loop.
+`Engine` loads what a run needs and holds its collaborators, as nano-vllm's engine does: the
+scheduler (scheduler.py: rows in their slots, the request stream, memory admission, narrowing,
+tokens into text), the prefiller (prefill.py: prompts in chunk spans, shared prefixes copied, not
+recomputed) and the rounds (rounds.py: draft K tokens, drafting/ -> verify [pending, d1..dK] in one
+forward, graphbank.py -> accept per row, sampling.py -> commit each row's own count, cache.py ->
+emit, one round queued ahead of the one read; K = 0 is plain decoding through the same loop).
 `generate` alternates admission and rounds: rows join as others finish (continuous batching).
 """
 
@@ -20,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from .architectures import PASSED_FILE, capture_backend, prepare, probe_key
 from .cache import BatchCache, RowKVCache
@@ -45,12 +44,6 @@ def device_memory_bytes() -> int:
         if info.get(key):
             return int(info[key])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _tree_bytes(tree) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(tree))
 
 
 class _Runtime:
@@ -95,7 +88,7 @@ class Engine:
                 and fusion.stacking_pays()):  # as decode_paths stacks
             self.decode_paths.update(self.drafter.fuse_kernels(self.model))
         self.runtime = _Runtime(self.model, want_hidden=self.drafter is not None and self.drafter.needs_hidden)
-        self.weight_bytes = _tree_bytes(self.model.parameters())
+        self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         budget = self.schedule.memory_budget
         self.memory_budget = int(budget) if str(budget) != "auto" else int(0.6 * device_memory_bytes()) - self.weight_bytes
         chunk = self.schedule.prefill_chunk

@@ -1,28 +1,22 @@
 """CompiledVerifyBank: the verify forward as compiled MLX programs, one per shape bucket.
 
-A verify forward reads [last, d1..dk] for every row of the batch. Compiling it with
-`mx.compile` removes per-op host work, but mlx-lm's caches keep their offset as a Python int,
-which a compiled program would freeze at trace time. So the bank runs the model over a
-*shadow cache*: the real cache's arrays and the per-row lengths enter the program as inputs,
-the updated arrays come out, and the bank mirrors them back into the real cache. Everything
-a program depends on is an input or derives from input shapes, so one program per
-(batch width, verify length, capacity bucket) serves every step of that shape.
+A verify forward reads [last, d1..dk] for every row of the batch. `mx.compile` removes per-op
+host work, but mlx-lm's caches keep their offset as a Python int, which a program would freeze at
+trace time. So the bank runs the model over a *shadow cache*: the real cache's arrays and the
+per-row lengths enter the program as inputs, the updated arrays come out and are mirrored back
+into the real cache, and one program per (batch width, verify length, capacity bucket) serves
+every step of that shape. `Programs` keeps them by key (the draft banks, drafting/, use it too).
 
 Modes: `on` (compiled, eager fallback with a recorded reason), `parity` (run both and raise
 `CompiledVerifyParityError` on any difference), `parity2` (compiled is authoritative; an eager
 replay counts divergences in `stats["parity_failures"]`). Models with quantization widths the
 bank does not compile (6-bit) run eager for their whole life (`permanent_eager`).
 
-The seed's other arguments: `request_max_tokens` is the growth budget, the longest context a row
-can reach (prompt + its max_tokens): no capacity bucket, and so no program, is made past what that
-budget plus the verify length needs; a verify past it runs eagerly with the reason recorded.
-`restored_tokens` counts prompt tokens restored from a cached prefix (`note_restored`).
-`capture_backend` names the recurrent-state capture in use ("gdn", "recurrent", or None for
-attention only) and must be what the model's layers use (`architectures.capture_backend`). All
-three are in `stats`.
-
-`Programs` keeps the compiled programs of a bank by key; the draft banks (drafting/) use it too,
-over shadow caches of their own.
+The seed's other arguments, all in `stats`: `request_max_tokens`, the growth budget (the longest
+context a row can reach: no capacity bucket, and so no program, is made past it plus the verify
+length; a verify past it runs eagerly, saying why); `restored_tokens`, prompt tokens restored from
+a cached prefix (`note_restored`); `capture_backend`, the recurrent-state capture in use ("gdn",
+"recurrent", or None), which must be the model's layers' (`architectures.capture_backend`).
 """
 
 from __future__ import annotations
@@ -164,9 +158,7 @@ class CompiledVerifyBank:
         return (logits, hidden if hidden is not None else mx.zeros((0,))) + tuple(shadow_outputs(shadow))
 
     def _run_round(self, kinds, accept, pending, drafts, limit, live, lengths, *rest):
-        """A speculative round's verify and acceptance (`verify_round`): [pending, drafts] through the
-        model over the shadow cache, then each row's accepted count, next token, committed count and
-        length after it, and the round's read [W, 2 + K]."""
+        """The program of `verify_round`."""
         n_arrays = len(rest) - (0 if accept[0] == "greedy" else 5 + accept[3])
         arrays, extra = rest[:n_arrays], rest[n_arrays:]
         verify_in = small_ops.joined([pending], drafts)
@@ -194,12 +186,10 @@ class CompiledVerifyBank:
     def restored_tokens(self) -> int:
         return self.stats["restored_tokens"]
 
-    def note_restored(self, tokens: int) -> None:
-        """`tokens` more prompt tokens were restored from a cached prefix."""
+    def note_restored(self, tokens: int) -> None:  # more prompt tokens restored from a cached prefix
         self.stats["restored_tokens"] += int(tokens)
 
-    def set_budget(self, request_max_tokens: int) -> None:
-        """The growth budget: the longest context a row in flight can reach."""
+    def set_budget(self, request_max_tokens: int) -> None:  # the longest context a row in flight can reach
         self.request_max_tokens = self.stats["request_max_tokens"] = int(request_max_tokens)
 
     def _fallback(self, reason: str):

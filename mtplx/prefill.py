@@ -1,15 +1,12 @@
 """Prefill: prompt tokens into cache, in chunk spans, reusing prefixes shared with earlier rows.
 
 Rows arrive grouped by shared prefix (the pipeline's `prefix` order marks each row's
-`stable_prefix_len`). The first row of a group ("leader") is prefilled alone with its spans
-split at the prefix edge, and the state at the edge is kept: attention KV (a slice), recurrent
-state (captured exactly at the edge) and the drafter's own state. Every later row of the group
-copies that state and prefills only its suffix. Rows that need no snapshot are prefilled
-together in padded batches of similar length (`length_groups`): each row writes its own span at
-its own offset, so padding never enters a row's cache, and grouping by length keeps the padding
-(work spent on no token) to a fraction of the real tokens. The MTP head prefills such a group
-together too (drafting/mtp.py, `MtpDrafter.prefill_rows`): one forward and one eval per chunk for
-the group.
+`stable_prefix_len`). The first row of a group (its leader) is prefilled alone with its spans split
+at the prefix edge, and the state there is kept: attention KV, recurrent state (captured exactly at
+the edge) and the drafter's. Later rows of the group copy it and prefill only their suffix. Rows
+that need no snapshot are prefilled together in padded batches of similar length (`length_groups`):
+each row writes its own span at its own offset, so padding never enters a row's cache; the drafter
+prefills such a group together too (`Drafter.prefill_rows`).
 """
 
 from __future__ import annotations
@@ -151,13 +148,10 @@ def length_groups(lengths: Sequence[int], max_waste: float = PADDING_WASTE) -> L
 
 
 class Prefiller:
-    """Prompts into single-row caches (and the drafter's state), reusing shared prefixes.
-
-    `runtime`: the model and whether hidden states are kept (`split`, `want_hidden`); `chunk`: the
-    prefill span size (0: whole prompts); `hybrid`: recurrent layers, so rows prefill one by one;
-    `counters`: the engine's (prefill_tokens, cached_prompt_tokens added to here); `progress(kind,
-    tokens)`: told of every prefilled span; `sustained`: the sustained layout (chunk spans split
-    at stable-prefix edges), or off: one span per prompt."""
+    """Prompts into caches (and the drafter's state), reusing shared prefixes. `runtime`: the model
+    and whether hidden states are kept; `chunk`: the span size (0: whole prompts); `hybrid`: recurrent
+    layers, so rows prefill one by one; `counters`: the engine's; `progress(kind, tokens)`: told of
+    every span; `sustained`: the sustained layout (spans split at stable-prefix edges), else one span."""
 
     def __init__(self, runtime, chunk: int, hybrid: bool, counters: Counters,
                  progress: Callable[[str, int], None] = lambda kind, tokens: None, sustained: bool = True):
@@ -191,12 +185,10 @@ class Prefiller:
         return sample_from(shaped_probs(logits, sampler)[:, 0], u).astype(mx.int32)
 
     def run(self, rows, drafter=None, read: bool = True):
-        """Prefill `rows`; returns (the row's cache, `drafter`'s state, first token) per row. Rows
-        prefilled together stay in their group's cache (a CacheRow points there) until the engine
-        places them, so each row's KV is copied once, with its group's, not row by row. `read`
-        False: (that list, the rows' first tokens as a [len(rows)] device array), the first tokens
-        not read where nothing here needs them (the engine queues the round the rows join first);
-        a row's third item is then its token where it was read anyway, else None."""
+        """(the row's cache, `drafter`'s state, first token) per row; rows prefilled together stay in
+        their group's cache (a CacheRow) until placed, so their KV is copied once, with the group's.
+        `read` False: (that list, the first tokens as a device array), tokens not read where nothing
+        here needs them (a row's third item is then its token where it was read anyway, else None)."""
         out = [None] * len(rows)
         keys = [PrefixStore.key(r.req.prompt_tokens, self.edge(r)) for r in rows]
         seen = set()

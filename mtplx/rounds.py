@@ -90,9 +90,7 @@ class Rounds:
 
     def reset(self) -> None:
         self.carried: Optional[Tuple[Flight, SamplerBatch]] = None  # the round in flight across an admission
-        # rows placed behind the carried round whose first tokens are not read yet: (those tokens on
-        # the device, [(slot, row)]); read once the round they join is queued (`_land_joined`)
-        self.joining: Optional[tuple] = None
+        self.joining: Optional[tuple] = None  # rows placed behind it, first tokens unread: (firsts, [(slot, row)])
         self._ones: Optional[np.ndarray] = None  # the rows a plain round advances
 
     # -- the loop ------------------------------------------------------------------------------------

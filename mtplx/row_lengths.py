@@ -18,12 +18,9 @@ from . import small_ops
 class RowLengths:
     """Per-row committed lengths, kept on the host (for scheduling) and on the device (for rope).
 
-    `shared` is the one length every row has (always so at width 1), else None; also None while
-    rounds queued before the previous one was read (rounds.py) have advanced the device
-    lengths by counts the host has not seen (`advance`): the host lengths are then upper bounds,
-    good for sizing the cache, until `correct` (the counts were read) or `settle` (read the
-    device's).
-    """
+    `shared` is the one length every row has (always so at width 1), else None; None too while rounds
+    queued ahead (rounds.py) have advanced the device lengths by counts the host has not seen: the host
+    lengths are then upper bounds, good for sizing the cache, until `correct` or `settle`."""
 
     # The plain per-row causal mask RowKVCache.make_mask last built (no window): the layers of one
     # forward share it, and rows_attention.py recognizes it by identity as "keys 0..length + i".

@@ -1,10 +1,7 @@
-"""Draft sources, one per `speculative.method`, behind one base class (base.Drafter).
-
-- ngram.py: prompt lookup on the host;
-- draft_model.py: a smaller model with the target's tokenizer, its K steps one compiled program;
-- mtp.py: the model's MTP head (and prompt lookup on the device beside it), over mtp_bank.py's
-  drafting vocabulary and compiled programs.
-A new draft method is one `Drafter` subclass and one line in `DRAFTERS`.
+"""Draft sources, one per `speculative.method`, behind one base class (base.Drafter): prompt lookup
+on the host (ngram.py), a smaller model with the target's tokenizer (draft_model.py), the model's
+MTP head with prompt lookup on the device beside it (mtp.py, over mtp_bank.py's drafting vocabulary
+and compiled programs). A new draft method is one `Drafter` subclass and one line in `DRAFTERS`.
 """
 
 from __future__ import annotations

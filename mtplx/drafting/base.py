@@ -1,13 +1,12 @@
 """The draft source's interface: every method and attribute the engine uses, nothing else.
 
-A drafter keeps per-slot state that mirrors the engine's batch slots. A row's state is built after
-its prompt is prefilled (`prefill_row`, or `prefill_rows` for a group) and moved in and out of the
-batch with it (`extend`, `write`, `take`, `vacate`). Each round the engine asks for K drafts per row
-(`propose`) and tells the drafter what was kept: `commit` with host arrays where the drafter drafts
-on the host (it reads them), `advance` with device arrays it never reads where it drafts on the
-device (`device_side`), so the engine can queue the next round before it reads this one
-(rounds.py); its cache lengths on the host are then upper bounds until the engine `correct`s them
-or they `settle`.
+A drafter keeps per-slot state that mirrors the engine's batch slots: a row's is built after its
+prompt is prefilled (`prefill_row`, or `prefill_rows` for a group) and moves with it (`extend`,
+`write`, `take`, `vacate`). Each round the engine asks for K drafts per row (`propose`) and tells
+the drafter what was kept: `commit` with host arrays where it drafts on the host, `advance` with
+device arrays it never reads where it drafts on the device (`device_side`), so the engine can queue
+the next round before it reads this one (rounds.py); its host lengths are then upper bounds until
+the engine `correct`s them or they `settle`.
 
 A new draft method is one subclass and one line in `drafting.DRAFTERS`.
 """

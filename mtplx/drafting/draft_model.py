@@ -44,10 +44,8 @@ MAX_BACKLOG = 64  # tokens a row's draft cache may lag behind before a round wit
 def fit_vocab(logits: mx.array, vocab: int) -> mx.array:
     """Draft logits over the target's vocabulary: cut, or padded with -inf (never drafted)."""
     V = logits.shape[-1]
-    if V == vocab:
-        return logits
-    if V > vocab:
-        return logits[..., :vocab]
+    if V >= vocab:
+        return logits[..., :vocab] if V > vocab else logits
     return mx.concatenate([logits, mx.full(logits.shape[:-1] + (vocab - V,), -mx.inf, logits.dtype)], axis=-1)
 
 
@@ -79,9 +77,8 @@ def draft_chain(step: Callable[[mx.array, int], mx.array], feed: mx.array, sampl
 
 def chain_seconds(chain: Callable[[], Optional[mx.array]], clock: Callable[[], float],
                   repeats: int = 3) -> Optional[float]:
-    """Seconds a call of `chain()` (queues a round's draft steps, returns the drafts, or None where
-    it cannot run: then None) takes: one untimed (it builds programs and kernels), then `repeats`
-    queued as rounds are, each read while the next one runs."""
+    """Seconds a call of `chain()` (queues a round's draft steps, returns the drafts, or None where it
+    cannot run: then None) takes: one untimed (it builds), then `repeats` queued as rounds are."""
     last = chain()
     if last is None:
         return None
@@ -140,10 +137,7 @@ class DraftChainBank(DraftBank):
 
 
 class DraftModelDrafter(CachedDrafter):
-    """A smaller model with the same tokenizer drafts K tokens autoregressively (the module docstring).
-
-    `measure`: each (width, depth, sampler kind) drafts through whichever of the compiled chain and
-    the eager steps its first proposal timed faster here (`_compiled_pays`)."""
+    """`measure`: each shape drafts through the chain its first proposal timed faster (`_compiled_pays`)."""
 
     name = "draft"
     device_side = True
@@ -169,9 +163,8 @@ class DraftModelDrafter(CachedDrafter):
         self._steps: Optional[list] = None  # per token fed this round: each recurrent layer's state
 
     def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
-        """(cache of all prompt tokens but the last, [its backlog: the last], snapshot at `edge` or
-        None). The prefill splits at the edge; a hybrid draft's recurrent state is copied there (it
-        cannot be cut back to the edge afterwards)."""
+        """(cache of all prompt tokens but the last, [its backlog: the last], snapshot at `edge` or None):
+        a hybrid draft's recurrent state is copied at the edge (it cannot be cut back to it later)."""
         cache = BatchCache.for_model(self.model, 1)
         start, end = 0, len(tokens) - 1
         if prefix is not None:
@@ -260,17 +253,16 @@ class DraftModelDrafter(CachedDrafter):
         return out if out is not None else self.eager_chain(K, feed, sampler, u)
 
     def eager_chain(self, K, feed, sampler, u):
-        # Recurrent (Gated DeltaNet) layers of a hybrid draft cannot rewind by length: keep their
-        # state after every token of this round, and pick each row's at commit.
+        """The K draft steps eagerly. Recurrent (Gated DeltaNet) layers of a hybrid draft cannot rewind
+        by length: their state after every token of the round is kept, each row's picked at commit."""
         self._steps = [[list(c.cache) for c in self._state_layers]] if self._state_layers else None
         W = self.cache.batch
         step = lambda tokens, j: self._feed(tokens, np.full(W, tokens.shape[1], dtype=np.int64))
         return draft_chain(step, feed, sampler, u, K, self.vocab)
 
     def _compiled_pays(self, K, feed, sampler, u) -> bool:
-        """Whether this round drafts through the compiled chain: with `measure`, what the first
-        proposal of its shape timed (`_seconds`: the same chain both ways, a few times each),
-        else wherever there is a bank (it falls back to eager steps itself where it cannot compile)."""
+        """Whether this round drafts through the compiled chain: with `measure`, what the first proposal
+        of its shape timed, both ways (`_seconds`), else wherever there is a bank."""
         if self.bank is None:
             return False
         if not self.measure or self._state_layers:  # a recurrent draft drafts eagerly anyway
@@ -288,8 +280,7 @@ class DraftModelDrafter(CachedDrafter):
         return self.compiled_pays[key]
 
     def _seconds(self, K, feed, sampler, u, compiled: bool) -> Optional[float]:
-        """Seconds this round's chain takes here, compiled or eager (chain_seconds); the cache
-        lengths are put back after each: what a chain wrote past them is never read."""
+        """Seconds this round's chain takes here (chain_seconds), the cache lengths put back after each."""
         def chain():
             out = self.bank.propose(self.cache, feed, sampler, u, K) if compiled else self.eager_chain(K, feed, sampler, u)
             self.cache.rows.restore(self.start)
@@ -299,12 +290,10 @@ class DraftModelDrafter(CachedDrafter):
 
     def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
         keep = np.where(active, n_accept + 1, 0)
-        self._advance(mx.array(n_accept.astype(np.int32)), mx.array(keep.astype(np.int32)), keep, verify_in, True)
+        self.advance(mx.array(n_accept.astype(np.int32)), None, mx.array(keep.astype(np.int32)), keep, verify_in, None,
+                     exact=True)
 
-    def advance(self, n, nxt, counts, most, verify_in, hidden, following=None):
-        self._advance(n, counts, most, verify_in, False)
-
-    def _advance(self, n, counts, most, verify_in, exact: bool):
+    def advance(self, n, nxt, counts, most, verify_in, hidden, following=None, exact=False):
         """The round's commit: the draft cache keeps each row's counts (the pending token and its
         accepted drafts, less the last of them, plus the token before: the round fed both)."""
         live = np.asarray(most) > 0

@@ -156,8 +156,7 @@ class MtpDrafter(CachedDrafter):
         super().reset()
         self.ready, self.history, self.behind = None, None, []
 
-    def _history_room(self, need: int):
-        """At least `need` history columns, in capacity buckets (few compiled programs)."""
+    def _history_room(self, need: int):  # at least `need` columns, in capacity buckets (few programs)
         have = self.history.shape[1]
         if need > have:
             self.history = mx.pad(self.history, [(0, 0), (0, capacity_bucket(need) - have)])
@@ -243,10 +242,7 @@ class MtpDrafter(CachedDrafter):
                      mx.array(keep.astype(np.int32)), keep, verify_in, hidden, exact=True)
 
     def advance(self, n, nxt, counts, most, verify_in, hidden, following=None):
-        """Commit a verified round; with `following` = (K, sampler, u), also draft the next round
-        from the state after it, in the same compiled program where one serves (`propose` with
-        that K, sampler and u then returns those drafts). A round without drafts and nothing
-        drafted after it waits in `behind` (the class docstring)."""
+        """A round without drafts and nothing drafted after it waits in `behind` (the class docstring)."""
         if following is None and verify_in.shape[1] == 1 and len(self.behind) < HEAD_BEHIND:
             self.ready = None
             self.behind.append((verify_in, hidden, n, nxt, counts, np.asarray(most)))
@@ -352,8 +348,8 @@ class LookupFallback:
         return history_append(history, lengths, committed, self.lead + extra)
 
     def drafts(self, history: mx.array, lengths: mx.array, K: int, extra: int = 0):
-        """(rows that draft from their context [W], nonzero where so, those drafts [W, K]); the contexts
-        are `lengths + extra` tokens long (the head's lengths and 1: the history is a token ahead)."""
+        """(rows that draft from their context [W], nonzero where so, those drafts [W, K]) of contexts
+        `lengths + extra` tokens long."""
         return lookup_drafts(history, lengths, K, self.n, self.min_match, self.lead, extra)
 
     @staticmethod
@@ -372,8 +368,7 @@ class LookupFallback:
         if len(self._rounds) >= self.FOLD_EVERY:
             self._fold()
 
-    def _fold(self):
-        """Add up the rounds waiting, a few ops for each run of rounds of one width."""
+    def _fold(self):  # a few ops for each run of rounds of one width
         rounds, self._rounds = self._rounds, []
         while rounds:
             W = rounds[0][0].shape[0]
@@ -392,8 +387,7 @@ class LookupFallback:
 
 
 def head_acceptance(sidecar: Optional[str]) -> Optional[List[float]]:
-    """The head's held-out acceptance per draft position (P(draft j passes | draft j-1 passed), from
-    its training run's mtp_head.json), or None where it has none: adaptive depth starts from it."""
+    """The head's held-out acceptance per draft position (its training run's mtp_head.json), or None."""
     try:
         got = json.loads((Path(sidecar) / SIDECAR_META).read_text()).get("heldout_acceptance_by_depth")
     except (TypeError, OSError, ValueError):

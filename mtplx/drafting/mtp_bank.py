@@ -1,17 +1,14 @@
 """MTP drafting made cheap: a drafting vocabulary and compiled draft programs, over the eager ops.
 
 A round of MTP drafting runs the head K-1 times (each step feeds back its own hidden state and
-draft) and, after the verify, once more over the verified tokens (the commit). Eagerly that is a
-chain of small kernels per step, and on a 49k-vocabulary model most of each step is the
-projection to the vocabulary. So:
+draft) and, after the verify, once more over the verified tokens (the commit): eagerly a chain of
+small kernels per step, most of each the projection to the vocabulary. So:
 - `DraftVocab` (as FR-Spec does): the head drafts only among the most frequent tokens of its
-  training data (stored beside the head, `mtp_draft_vocab.npy`), its projection a dense slice of
-  the output rows for those ids. q is zero outside the set, which speculative acceptance handles
-  exactly: verification, and so the output, is unchanged.
-- `CompiledDraftBank`: the proposal, and the commit with the next round's proposal, as
-  `mx.compile`d programs over a shadow of the head's KV cache, keyed like the verify bank by
-  (batch width, depth, capacity bucket) plus the sampler's shape flags; the per-row lengths enter
-  as an array, so one program serves every round of its shape.
+  training data (`mtp_draft_vocab.npy` beside the head), its projection a dense slice of the output
+  rows for those ids; q is zero outside the set, which acceptance handles exactly.
+- `CompiledDraftBank`: the proposal, and the commit with the next round's proposal, as compiled
+  programs over a shadow of the head's KV cache, keyed like the verify bank by (batch width, depth,
+  capacity bucket) plus the sampler's shape flags.
 The ops in between are what both paths run (MtpDrafter's eager path is the reference the programs
 must match); the device prompt lookup (`lookup_drafts`, mtp.LookupFallback) runs inside them too.
 """
@@ -241,15 +238,11 @@ class CompiledDraftBank(DraftBank):
         return None if out is None else _unpacked(out)
 
     def commit(self, cache: BatchCache, hidden, verify_in, n, next_tokens, following=None, lookup=None):
-        """Run the head over the verified tokens, mirror its cache: (first logits, head hidden) at
-        each row's accepted position, or None when this shape runs eagerly. With `lookup` =
-        (LookupFallback, history [W, C]) the committed tokens are written into the history, and
-        the result then ends with the new history.
-
-        `following` = (counts, K, sampler, u): also draft the next round's K tokens in the same
-        program, from the head's state after this commit (the lengths advanced by `counts`), with
-        the lookup where it is on; the result then ends with (drafts [W, K], q or None, the rows
-        that drafted from their context or None)."""
+        """The head over the verified tokens, its cache mirrored: (first logits, head hidden) at each
+        row's accepted position, or None where this shape runs eagerly. With `lookup` the committed
+        tokens are written into the history, and the result then ends with the new history. With
+        `following` = (counts, K, sampler, u) the program drafts the next round's K tokens too, from the
+        head's state after this commit; the result then ends with (drafts, q or None, lookup rows or None)."""
         K1 = verify_in.shape[1]
         K = following[1] if following is not None else 0
         arrays = self.ready(cache, K1 + K)

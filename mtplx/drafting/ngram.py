@@ -1,8 +1,7 @@
 """Prompt lookup: match the last n tokens earlier in the row's prompt + output, propose what followed.
 
-It drafts on the host from the tokens it has read, so its rounds are not queued ahead (rounds.py:
-one round a call). MTP's prompt-lookup fallback matches on the device instead (mtp.LookupFallback).
-"""
+It drafts on the host from the tokens it has read: its rounds are not queued ahead (rounds.py).
+MTP's prompt-lookup fallback matches on the device instead (mtp.LookupFallback)."""
 
 from __future__ import annotations
 
