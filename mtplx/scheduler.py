@@ -48,12 +48,8 @@ def tail_keeps_width() -> int:
 class Scheduler:
     def __init__(self, tokenizer, eos: Set[int], max_batch: int, max_context: int, memory_budget: int,
                  row_bytes: Callable[[int, int], int], drafter=None):
-        self.drafter = drafter
-        self.tokenizer = tokenizer
-        self.eos = eos
-        self.max_batch = max_batch
-        self.max_context = max_context
-        self.memory_budget = memory_budget
+        self.tokenizer, self.eos, self.drafter = tokenizer, eos, drafter
+        self.max_batch, self.max_context, self.memory_budget = max_batch, max_context, memory_budget
         self.row_bytes = row_bytes  # cache bytes of a row of (prompt tokens, max_tokens)
         self.start(())
 

@@ -1,4 +1,4 @@
-"""The draft-model method's proposal (mtplx/draft_chain.py, DraftModelDrafter).
+"""The draft-model method's proposal (mtplx/drafting/draft_model.py).
 
 - A round of depth K runs the draft model K times (its cache one token behind the target's), as
   mlx-lm's speculative_generate_step does, and, compiled, is one program call.

@@ -153,7 +153,7 @@ def _rounds(r):
 
 def test_parity2_counts_plain_rounds_per_row(targets):
     """Plain decoding goes through the bank too: each row's parity failures and compiled calls
-    are recorded for every round (they were not recorded at all without drafting)."""
+    are recorded for every round, drafting or not."""
     t = targets("qwen3")
     eng = t.engine("parity2", method="none", perturb=True)
     results = t.run(eng)

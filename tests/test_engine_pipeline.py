@@ -165,7 +165,7 @@ def test_a_pipelined_mtp_round_runs_two_programs(setup):
     rounds, head = eng.counters.rounds, eng.drafter.bank.stats
     assert eng.bank.stats["compiled_calls"] == rounds and head["eager_calls"] == 0
     assert rounds > 2 * calls[0]
-    assert head["compiled_calls"] <= rounds + calls[0], (head, rounds, calls)  # two per round before
+    assert head["compiled_calls"] <= rounds + calls[0], (head, rounds, calls)  # not two per round
 
 
 @pytest.mark.parametrize("method", ["mtp", "draft"])

@@ -166,8 +166,8 @@ def test_length_groups_cover_every_row_once_and_bound_the_padding(lengths, waste
 
 
 def test_rows_of_very_different_lengths_prefill_in_length_groups_with_the_same_output(tiny_model):
-    """Many short prompts and one long one: grouped by length, the long one no longer pads the
-    rest (prefilled slots stay near the real tokens), and every row's text is unchanged."""
+    """Many short prompts and one long one: grouped by length, the long one does not pad the rest
+    (prefilled slots stay near the real tokens), and every row's text is unchanged."""
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine
     from mtplx.models.loading import load
