@@ -12,8 +12,8 @@ Plain decoding (no drafter) runs the same loop with a lean launch and land, one 
 `run` launches round r+1 from round r's device arrays before it reads round r where nothing needs
 the host between rounds (plain decoding, drafters on the device), so building one round's graph
 overlaps running the other; prompt lookup drafts on the host from what it read: one round a call.
-When a call returns for admission is `_leaves` (and at full width the round in flight is carried
-across it, `run`); which rounds' times feed the depth controller is `_priced`.
+When a call returns for admission is `_leaves`, whether a round stays in flight across it `_carries`,
+and which rounds' times feed the depth controller `_priced`.
 """
 
 from __future__ import annotations
@@ -135,11 +135,8 @@ class Rounds:
                 current, after = following, (following.nxt, following.plan)
                 continue
             if following is not None:
-                # At full width with requests waiting, the round after `following` stays queued across
-                # the admission (the admitted rows are placed behind it and the next call goes on from
-                # it: the device is not left idle); else the pipeline empties.
-                carry = self.drafter is not None and not sched.drained and len(slots) >= self.max_batch
-                ahead = self.launch(sched, sampler, following.nxt, 1, following.plan) if carry and _going(slots) else None
+                carry = self._carries(sched) and _going(slots)
+                ahead = self.launch(sched, sampler, following.nxt, 1, following.plan) if carry else None
                 finished += self.land(sched, following, self.read(following), None)
                 if ahead is not None:
                     ahead.carried = True
@@ -157,6 +154,12 @@ class Rounds:
         if sched.drained:
             return not live or sched.narrows(live) is not None
         return width - live >= max(1, width // REFILL_AT)
+
+    def _carries(self, sched: Scheduler) -> bool:
+        """The carry rule, when a call returns: at full width with requests waiting, the round after the
+        one landed last stays queued across the admission (the admitted rows are placed behind it, the
+        next call goes on from it: the device is not left idle); else the pipeline empties."""
+        return self.drafter is not None and not sched.drained and len(sched.slots) >= self.max_batch
 
     def _priced(self, current: Flight, queued: Optional[Flight], quiet: bool) -> bool:
         """The timing rule: whether the time from the read before `current` to its own read is what a
