@@ -2,15 +2,12 @@
 
 mlx-lm's caches share one write position across the batch (left padding). Speculative rounds
 accept a different number of tokens per row, so here each row keeps its own length: a forward
-writes its L new entries at each row's own offset, attention masks out everything past a
-row's length, and `commit(counts)` moves each row's length forward by what it accepted.
-Rejected entries are simply left past the row's length and overwritten later: rollback of
-attention KV is free and nothing is copied.
-
-Recurrent layers (Gated DeltaNet, conv, SSM) cannot be rolled back by moving an index, so
-during a verify forward they capture their state after every position (gdn.py, recurrent.py),
-and `commit` picks each row's state at its accepted position. Sliding-window attention keeps
-every entry and masks by window; mlx-lm's CacheList becomes a RowCacheList of leaf caches.
+writes its new entries at each row's own offset, attention masks out everything past a row's
+length, and `commit(counts)` moves each row's length by what it accepted. Rejected entries stay
+past the row's length until overwritten: rollback of attention KV is free. Recurrent layers
+(Gated DeltaNet, conv, SSM) capture their state after every position during a verify (gdn.py,
+recurrent.py), and `commit` picks each row's at its accepted position. Sliding-window attention
+keeps every entry and masks by window; mlx-lm's CacheList becomes a RowCacheList of leaf caches.
 """
 
 from __future__ import annotations
@@ -25,19 +22,13 @@ from .row_lengths import RowLengths
 CAPACITY_STEP = 256
 
 
-def round_up(n: int, step: int) -> int:
-    return max(step, -(-n // step) * step)
-
-
 def capacity_bucket(n: int) -> int:
-    """Cache capacity for `n` entries: powers of two up to 4096, then multiples of 4096.
-
-    Compiled verify programs are keyed by capacity, so buckets must be few; attention over
-    the unused part of a bucket is masked and costs little next to the weights.
-    """
+    """Cache capacity for `n` entries: powers of two from 256 up to 4096, then multiples of 4096.
+    Compiled programs are keyed by capacity, so buckets must be few; attention over the unused part
+    of a bucket is masked and costs little next to the weights."""
     if n <= 4096:
         return max(CAPACITY_STEP, 1 << (n - 1).bit_length())
-    return round_up(n, 4096)
+    return -(-n // 4096) * 4096
 
 
 class RowKVCache:
@@ -50,21 +41,18 @@ class RowKVCache:
     at its own offset and attention reads the whole capacity bucket under a [B, 1, N, cap] mask.
     """
 
-    exact_when_shared = True  # the benchmark (decode_anatomy) turns it off to measure the masked path
-
     def __init__(self, lengths: RowLengths):
         self.rows = lengths
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
-        # How many key positions attention reads. None: the whole capacity bucket, masked.
-        # Shapes then change only when a bucket fills, not every step: on a GPU each new shape
-        # costs kernel builds, which made exact-length attention several times slower.
+        # How many key positions attention reads; None: the whole capacity bucket, masked, so shapes
+        # change only when a bucket fills (on a GPU each new shape costs kernel builds)
         self.attend_len: Optional[int] = None
 
     # -- what mlx-lm model code calls ---------------------------------------------------------
     def _shared(self) -> Optional[int]:
         """The one length all rows have, when this forward may use it (eager), else None."""
-        return self.rows.shared if self.attend_len is None and self.exact_when_shared else None
+        return self.rows.shared if self.attend_len is None else None
 
     @property
     def offset(self):
@@ -74,7 +62,7 @@ class RowKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, L, _ = keys.shape
         if self.attend_len is None:
-            self._ensure_capacity(B, keys, values, self.rows.max + L)
+            self.ensure_capacity(B, keys, values, self.rows.max + L)
         n = self._shared()
         if n is not None:
             self.keys[..., n : n + L, :] = keys
@@ -83,12 +71,8 @@ class RowKVCache:
                 return self.keys[..., : n + 1, :], self.values[..., : n + 1, :]
             return self.keys, self.values  # several tokens: the bucket under make_mask's mask (see there)
         pos = self.rows.positions(L)
-        self.keys = mx.put_along_axis(
-            self.keys, mx.broadcast_to(pos, keys.shape), keys, axis=2
-        )
-        self.values = mx.put_along_axis(
-            self.values, mx.broadcast_to(pos, values.shape), values, axis=2
-        )
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(pos, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(pos, values.shape), values, axis=2)
         n = self.attend_len or self.keys.shape[2]
         return self.keys[..., :n, :], self.values[..., :n, :]
 
@@ -121,15 +105,14 @@ class RowKVCache:
         return True
 
     # -- batch bookkeeping ----------------------------------------------------------------------
-    def _ensure_capacity(self, B, keys, values, need):
+    def ensure_capacity(self, B, keys, values, need):
+        """Room for `need` entries a row, in capacity buckets (`keys`, `values`: the shapes to make)."""
         if self.keys is None:
             cap = capacity_bucket(need)
-            self.keys = mx.zeros((B, keys.shape[1], cap, keys.shape[3]), keys.dtype)
-            self.values = mx.zeros((B, values.shape[1], cap, values.shape[3]), values.dtype)
+            self.keys, self.values = (mx.zeros((B, a.shape[1], cap, a.shape[3]), a.dtype) for a in (keys, values))
         elif need > self.keys.shape[2]:
-            grow = capacity_bucket(need) - self.keys.shape[2]
-            self.keys = mx.concatenate([self.keys, mx.zeros(self.keys.shape[:2] + (grow,) + self.keys.shape[3:], self.keys.dtype)], axis=2)
-            self.values = mx.concatenate([self.values, mx.zeros(self.values.shape[:2] + (grow,) + self.values.shape[3:], self.values.dtype)], axis=2)
+            grow = [(0, 0), (0, 0), (0, capacity_bucket(need) - self.keys.shape[2]), (0, 0)]
+            self.keys, self.values = mx.pad(self.keys, grow), mx.pad(self.values, grow)
 
     def state_arrays(self):
         return [self.keys, self.values]
@@ -149,7 +132,7 @@ class RowKVCache:
         if kv is None:
             return
         k, v = kv
-        self._ensure_capacity(batch, k, v, k.shape[2])
+        self.ensure_capacity(batch, k, v, k.shape[2])
         self.keys[row : row + 1, :, : k.shape[2]] = k
         self.values[row : row + 1, :, : v.shape[2]] = v
 
@@ -165,23 +148,10 @@ class RowKVCache:
             pad = [(0, 0), (0, 0), (0, cap - length), (0, 0)]
             self.keys, self.values = mx.pad(k, pad), mx.pad(v, pad)
             return
-        self._ensure_capacity(batch, k, v, max(length, reserve))
+        self.ensure_capacity(batch, k, v, max(length, reserve))
         at = _slot_index(slots)
         self.keys[at, :, :length] = k
         self.values[at, :, :length] = v
-
-    def stack_rows(self, caches: List["RowKVCache"], lengths: Sequence[int]):
-        parts = [c.row_slice(0, n) for c, n in zip(caches, lengths)]
-        real = [p for p in parts if p is not None]
-        if not real:
-            return
-        cap = capacity_bucket(max(lengths) + 1)
-        ks, vs = [], []
-        for p, n in zip(parts, lengths):
-            k, v = p if p is not None else (mx.zeros_like(real[0][0][..., :0, :]), mx.zeros_like(real[0][1][..., :0, :]))
-            ks.append(mx.pad(k, [(0, 0), (0, 0), (0, cap - k.shape[2]), (0, 0)]))
-            vs.append(mx.pad(v, [(0, 0), (0, 0), (0, cap - v.shape[2]), (0, 0)]))
-        self.keys, self.values = mx.concatenate(ks), mx.concatenate(vs)
 
     @property
     def nbytes(self) -> int:
@@ -277,10 +247,8 @@ class RowStateCache(ArraysSurface):
         """A copy of one row's state. Recurrent state exists only after the row's last token: it
         cannot be cut back to an earlier `length` (copy it when the row is at that length)."""
         if length != int(self.rows.host[row]):
-            raise ValueError(
-                f"recurrent state of row {row} is at position {int(self.rows.host[row])}, not {length}: "
-                "snapshot it when the row is at that length"
-            )
+            raise ValueError(f"recurrent state of row {row} is at position {int(self.rows.host[row])}, not {length}: "
+                             "snapshot it when the row is at that length")
         return [mx.array(c[row : row + 1]) if c is not None else None for c in self.cache]
 
     def write_row(self, row: int, arrays, batch: int):
@@ -305,14 +273,6 @@ class RowStateCache(ArraysSurface):
             if self.cache[i] is None:
                 self.cache[i] = mx.zeros((batch,) + a.shape[1:], a.dtype)
             self.cache[i][at] = _take_rows(a, rows)
-
-    def stack_rows(self, caches: List["RowStateCache"], lengths: Sequence[int]):
-        for i in range(len(self.cache)):
-            parts = [c.cache[i] for c in caches]
-            real = next((p for p in parts if p is not None), None)
-            if real is None:
-                continue
-            self.cache[i] = mx.concatenate([p if p is not None else mx.zeros_like(real) for p in parts])
 
     @property
     def nbytes(self) -> int:
@@ -400,10 +360,6 @@ class BatchCache:
                 c.commit(counts)
         self.rows.advance(counts, most, exact, after)
 
-    def rewind_to(self, lengths: np.ndarray):
-        """Forget entries past `lengths` (attention layers only; used after speculative drafting)."""
-        self.rows.set(lengths)
-
     def take_rows(self, keep: Sequence[int]):
         idx = mx.array(np.asarray(keep, dtype=np.int32))
         for c in self.leaves:
@@ -446,11 +402,7 @@ class BatchCache:
     @classmethod
     def stack(cls, caches: List["BatchCache"]) -> "BatchCache":
         """One batch cache from single-row caches."""
-        lengths = [int(c.lengths[0]) for c in caches]
-        out = cls(caches[0].kinds, lengths)
-        for i, leaf in enumerate(out.leaves):
-            leaf.stack_rows([c.leaves[i] for c in caches], lengths)
-        return out
+        return cls.gather([CacheRow(c, 0) for c in caches])
 
     def extend(self, other: "BatchCache"):
         """Append the rows of `other` (copies both caches: used only while a batch ramps up)."""
@@ -494,8 +446,7 @@ def _kind(c, model):
     raise UnsupportedArchitecture(
         f"architecture {arch!r}: cache type {type(c).__name__}{detail} is not supported by the batched "
         "engine, so the model is refused rather than run (it could give wrong text): use mlx-lm directly, "
-        "or file an issue naming the architecture"
-    )
+        "or file an issue naming the architecture")
 
 
 class UnsupportedArchitecture(ValueError):

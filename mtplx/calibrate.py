@@ -104,7 +104,7 @@ def _one_stream_seconds(engine, compiled: bool, context: int, steps: int, rng) -
     mx.eval(y)
     start = None
     for i in range(steps + 1):
-        logits = engine._verify(y[:, None], cache, eager=not compiled)[0]
+        logits = engine.rounds.verify(y[:, None], cache, eager=not compiled)[0]
         cache.commit(ones)
         nxt = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
         mx.async_eval(nxt)

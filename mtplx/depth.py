@@ -1,42 +1,20 @@
 """Adaptive draft depth for greedy rows, from what rounds actually cost and what drafts earn.
 
 A round that drafts k tokens emits 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens per row on average,
-where a_j is the chance that draft j passes once draft j-1 has. Prompt lookup's a_j are alike;
-an MTP head's fall with depth (its depth-2 draft is built on its own depth-1 guess), so the
-controller keeps a_j per draft position, measured, and no single per-token figure. What the round costs depends on the device, the model and the batch width:
-on a GPU a verify of 4 tokens can cost what a verify of 1 does, on a CPU it costs nearly four
-times as much. So the controller measures: it keeps the wall time of recent rounds per (width
-bucket, depth), extrapolates depths it has not tried, picks the depth with the most tokens per
-second, and now and then tries a neighbour (from the deepest depth, every other try is plain
-decoding) so the estimates stay honest (every width bucket on its
-own count of rounds: with one count, a width whose rounds fell between another's could never
-explore, and kept the depth it started at). Depth 0 (no drafting) is a candidate: when
-speculation does not pay, it stops speculating. A width with nothing measured yet starts from the
-nearest measured width's costs; a batch's last rows (nothing left to admit)
-keep the best depth without tries (`explore` off).
+where a_j is the chance that draft j passes once draft j-1 has; an MTP head's a_j fall with depth,
+so the controller keeps a_j per position, measured (an MTP head starts from those its training run
+recorded, mtp_head.json). A round's cost depends on the device, the model and the width (on a GPU a
+verify of 4 tokens can cost what one of 1 does; on a CPU nearly four times as much), so the
+controller keeps per (width bucket, depth) the median of the last MEDIAN_OF timed rounds (from a
+calibration profile's cost curve, calibrate.py, or the nearest measured width's, before it has its
+own), extrapolates depths it has not tried, picks the depth with the most tokens per second, and now and then tries a neighbour
+(from the deepest depth plain decoding, from plain decoding the deepest depth), each width bucket
+on its own count. Depth 0 is a candidate: when speculation does not pay, it stops. A batch's last
+rows (nothing left to admit) keep the best depth without tries (`explore` off).
 
-A round over which a compiled program was built (its own, or the next round's queued behind it)
-is not timed either (the engine passes None): its time is a compile's, not the depth's. So a
-try builds its depth's programs at its first round, untimed (with spec_rounds.WARM_DEPTHS, off since
-session 10, the engine built every depth's programs at a new shape's first round instead:
-graphbank.CompiledVerifyBank.warm_lengths, mtp_draft.CompiledDraftBank.warm_depths).
-
-Rounds run one ahead (spec_rounds.py), so the time between two reads also holds the queueing
-of the round after: the engine passes a round's time only when that round drafted what it did
-(else None: a plain round followed by a costly drafting round would carry that round's cost, and
-drafting that loses would look as if it paid). So a try of another depth lasts more than one
-round: FIRST_TRY's three, TRY_ROUNDS for the neighbour tries.
-
-Nor is a round timed over the caller's work with results it was handed (a job's shard writes), and a
-depth's cost is the median of its last few timed rounds (MEDIAN_OF): one slow round moves nothing. An
-MTP head starts the controller from the acceptance per draft position its training run recorded on
-held-out rows (mtp_head.json), not from one guess for every head (HEAD_PRIOR).
-
-A calibration profile (calibrate.py, `mtplx-batch calibrate`) gives the controller the shape of
-each width's cost curve measured on this machine (a verify of k + 1 tokens relative to one of 1),
-so it starts from those ratios instead of an assumed slope; its own round times set the scale.
-
-Only greedy rows follow it (their text cannot change); sampled rows keep `speculative.depth`.
+The engine decides which rounds' times it is fed (rounds.py, `Rounds._priced`; the others come as
+None). Rounds run one ahead, so a try lasts more than one round: FIRST_TRY's three, TRY_ROUNDS for
+the neighbour tries. Only greedy rows follow the controller; sampled rows keep `speculative.depth`.
 """
 
 from __future__ import annotations
@@ -56,19 +34,9 @@ TRY_ROUNDS = 2  # rounds a neighbour try lasts (its last one is followed by anot
 # model's rounds cost more than the verify's slope)
 FIRST_TRY = (3, 4, 5)
 UNTRIED_SLOPE = 0.15  # assumed extra cost per drafted token before it is measured (optimistic)
-# A drafter's recorded acceptance per draft position (an MTP head's held-out figures, mtp_head.json) as
-# the controller's starting a_j, instead of one per-token guess for every position; measured rounds
-# then move them (off: the guess, as before session 9)
-HEAD_PRIOR = True
 # A (width, depth)'s cost is the median of its last MEDIAN_OF timed rounds: one slow round (a host
-# hiccup, a GC pause) moves it not at all. 0: an average that took 0.3 of each round (before session 9:
-# one 40 ms round in a 5.4 ms depth's average made it look 2.5x dearer, and a depth that paid was left
-# for the neighbour, for as many tries as the average took to come back)
+# hiccup, a GC pause) moves it not at all
 MEDIAN_OF = 5
-# From depth 0 (plain decoding), every other try is the deepest depth, not only depth 1: a drafter
-# whose fixed cost (an MTP head's commit) makes depth 1 lose to plain can still pay deeper, and without
-# this a depth that once looked dear was never measured again (off: depth 1 only, as before session 9)
-TRY_DEEPEST_FROM_PLAIN = True
 
 
 class DepthController:
@@ -79,7 +47,7 @@ class DepthController:
         self.adaptive = adaptive
         self.acceptance = acceptance  # per-token, EMA over rounds (the prior for unmeasured positions)
         self.passed: Dict[int, float] = {}  # draft position j -> EMA of P(draft j passes | j-1 passed)
-        if prior and HEAD_PRIOR:  # the drafter's recorded a_j (position 1 first)
+        if prior:  # the drafter's recorded a_j (position 1 first)
             self.passed = {j: float(a) for j, a in enumerate(prior, start=1)}
             self.acceptance = float(prior[0])
         self.seconds: Dict[Tuple[int, int], float] = {}  # (width bucket, depth) -> round time (MEDIAN_OF)
@@ -158,9 +126,9 @@ class DepthController:
             k = best + 1 if w.count % 2 else best - 1  # tries alternate the depths above and below the best
             if k > self.max_depth:
                 k = 0  # at the deepest: plain decoding again, what drafting must beat (one high time stays otherwise)
-            elif k < 0 and TRY_DEEPEST_FROM_PLAIN:
+            elif k < 0:
                 k = self.max_depth  # at plain decoding: the deepest depth again, what drafting can earn at most
-            w.depth, w.until = min(abs(k), self.max_depth), n + TRY_ROUNDS  # (off: below depth 0 is depth 1)
+            w.depth, w.until = k, n + TRY_ROUNDS
         return w.depth if n < w.until else best
 
     def record(self, width: int, depth: int, seconds: Optional[float], accepted: int, tried: int,
@@ -171,14 +139,10 @@ class DepthController:
         key = (self._bucket(width), depth)
         self.seen[key] = self.seen.get(key, 0) + 1
         if self.seen[key] > 1 and seconds is not None:  # a shape's first round compiles and allocates
-            old = self.seconds.get(key)
-            if MEDIAN_OF:
-                recent = self.samples.setdefault(key, [])
-                recent.append(seconds)
-                del recent[:-MEDIAN_OF]
-                self.seconds[key] = statistics.median(recent)
-            else:
-                self.seconds[key] = seconds if old is None else 0.7 * old + 0.3 * seconds
+            recent = self.samples.setdefault(key, [])
+            recent.append(seconds)
+            del recent[:-MEDIAN_OF]
+            self.seconds[key] = statistics.median(recent)
         if tried:
             self.acceptance = 0.8 * self.acceptance + 0.2 * (accepted / tried)
         for j, (r, p) in enumerate(zip(reached or (), passed or ()), start=1):

@@ -1,14 +1,12 @@
 """The generation engine: chunked prefill, prefix reuse, and continuous speculative batching.
 
-One round, for every row in flight at once:
-  draft K tokens (drafters.py) -> verify [pending, d1..dK] in one forward (graphbank.py)
-  -> accept per row (sampling.py) -> commit each row's own count (cache.py) -> emit.
-K = 0 is plain decoding through the same loop, so speculation changes nothing around it.
-Rounds run one ahead where nothing needs the host between them (plain decoding, and drafters
-that draft on the device): round r+1 is queued from round r's device arrays before round r is
-read, so building one round's graph overlaps running the other, and each round is read once.
-Rows join as others finish (continuous batching); each new row is prefilled in chunk spans
-split at its stable-prefix edge, and a prefix shared with earlier rows is copied, not recomputed.
+`Engine` loads what a run needs and holds its collaborators, as nano-vllm's engine does: the
+scheduler (scheduler.py: rows in their slots, the request stream, memory admission, narrowing,
+tokens into text), the prefiller (prefill.py: prompts in chunk spans, shared prefixes copied, not
+recomputed) and the rounds (rounds.py: draft K tokens, drafting/ -> verify [pending, d1..dK] in one
+forward, graphbank.py -> accept per row, sampling.py -> commit each row's own count, cache.py ->
+emit, one round queued ahead of the one read; K = 0 is plain decoding through the same loop).
+`generate` alternates admission and rounds: rows join as others finish (continuous batching).
 """
 
 from __future__ import annotations
@@ -16,31 +14,29 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
-import numpy as np
+from mlx.utils import tree_flatten
 
+from .architectures import PASSED_FILE, capture_backend, prepare, probe_key
 from .cache import BatchCache, RowKVCache
 from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profile, one_stream_eager, profile_path
 from .config import ScheduleConfig, SpeculativeConfig, prefill_chunk_env, sustained_prefill_env
+from .counters import Counters
 from .depth import DepthController
-from .drafters import make_drafter
+from .drafting import Drafter, make_drafter
 from . import kernels
-from .architectures import PASSED_FILE, capture_backend, prepare, probe_key
 from .graphbank import CompiledVerifyBank
 from .models.loading import ModelBundle, cache_dir, context_length, load
 from .models.mtp import has_trunk_split, project_logits, trunk_hidden
 from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
-from . import stops, tail_widths
-from .request import Request, Result, RowStats
-from .spec_rounds import SpeculativeRounds
-from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
+from .request import Request, Result
+from .rounds import Rounds
+from .scheduler import Scheduler
 
-# -- memory ----------------------------------------------------------------------------------------
+
 def device_memory_bytes() -> int:
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     for key in ("memory_size", "total_memory"):
@@ -49,15 +45,8 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _tree_bytes(tree) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(tree))
-
-
-# -- the engine ------------------------------------------------------------------------------------
 class _Runtime:
-    """What a verify forward needs: the model, and whether hidden states are wanted (MTP)."""
+    """What a forward needs: the model, and whether hidden states are wanted (MTP)."""
 
     def __init__(self, model, want_hidden: bool):
         self.model = model
@@ -71,69 +60,14 @@ class _Runtime:
         return self.model(tokens, cache=cache.layers), None
 
 
-@dataclass
-class _Row:
-    req: Request
-    rng: np.random.Generator
-    max_tokens: int
-    stats: RowStats
-    started: float
-    tokens: List[int]
-    pending: int = 0
-    width_sum: int = 0
-    depth_sum: int = 0
-    rounds: int = 0
-    u_next: Optional[np.ndarray] = None  # uniforms drawn for a round not yet queued (Engine._plan)
-
-
-# An admission that fills the batch asks the source for one more request, so a batch whose rows are the job's
-# last ones (the shipped 8-row eval-mtp job at max_batch 8) knows it is drained from its first round: adaptive
-# depth then keeps its best depth without tries and builds no other depth's programs, as it does for any batch's
-# last rows (spec_rounds._explore). Off: drained was known only when a slot freed (before session 10: that job
-# built 4 verify + 19 head programs at its first round and tried plain decoding for 3 rounds, ~40 rounds in all).
-PEEK_SOURCE = True
-# At admission the verify bank's and the MTP head's caches are grown, when they first grow, to hold the longest
-# context a row in flight can reach (prompt + max_tokens + the rounds ahead), so a batch runs at one capacity
-# and its programs (keyed by capacity) are built once. Off: a cache grew a bucket when its longest row got there:
-# the 8-row eval-mtp job crossed 256 entries in its last rounds and built 10 head programs there (CPU count, 56
-# rounds in all); plain decoding, one verify program
-RESERVE_CAPACITY = True
-
-
-class _Batch:
-    """The rows in flight (slots), their cache, and the request stream feeding them."""
-
-    def __init__(self, source):
-        self.source = source
-        self.waiting: List[Request] = []
-        self.exhausted = False
-        self.slots: List[Optional[_Row]] = []
-        self.cache: Optional[BatchCache] = None
-
-    @property
-    def drained(self) -> bool:
-        return self.exhausted and not self.waiting
-
-    def next_request(self) -> Optional[Request]:
-        if self.waiting:
-            return self.waiting.pop(0)
-        req = None if self.exhausted else next(self.source, None)
-        self.exhausted = req is None
-        return req
-
-    def peek(self) -> None:
-        """Learn whether a request waits (it is kept first in `waiting`), so `drained` is known."""
-        if not self.waiting and not self.exhausted:
-            req = self.next_request()
-            if req is not None:
-                self.waiting.insert(0, req)
-
-
-class Engine(SpeculativeRounds):
-    def __init__(self, bundle: ModelBundle, spec: Optional[SpeculativeConfig] = None, schedule: Optional[ScheduleConfig] = None):
+class Engine:
+    def __init__(self, bundle: ModelBundle, spec: Optional[SpeculativeConfig] = None,
+                 schedule: Optional[ScheduleConfig] = None, drafter: Optional[Drafter] = None):
+        """`drafter`: a draft source of one's own (any `Drafter`) in place of the one `spec.method` names."""
         # Progress hook: on_progress("prefill", n) after each prefill span (n prompt tokens), and
         # on_progress("decode", n) after each decode round (n tokens generated over all rows).
         self.on_progress: Optional[Callable[[str, int], None]] = None
+        self.counters = Counters()
         self.bundle = bundle
         self.model = bundle.model
         self.tokenizer = bundle.tokenizer
@@ -147,60 +81,39 @@ class Engine(SpeculativeRounds):
                               remember=self._probe_memory(bundle))
         compiled = self.spec.compiled_verify != "off"
         self.decode_paths = kernels.install(self.model, compiled)  # CUDA only
-        self.drafter = make_drafter(self.spec, bundle)
-        if isinstance(getattr(self.drafter, "head", None), nn.Module):  # the MTP head takes the trunk's paths
-            self.decode_paths.update(kernels.install_head(self.drafter.head, getattr(self.drafter, "vocab", None), compiled))
+        self.drafter = drafter if drafter is not None else make_drafter(self.spec, bundle, self.counters)
+        if self.drafter is not None:  # the drafter's own modules take the trunk's paths
+            self.decode_paths.update(self.drafter.fuse_kernels(compiled))
         self.runtime = _Runtime(self.model, want_hidden=self.drafter is not None and self.drafter.needs_hidden)
-        self.weight_bytes = _tree_bytes(self.model.parameters())
+        self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         budget = self.schedule.memory_budget
-        self.memory_budget = (
-            int(budget) if str(budget) != "auto" else int(0.6 * device_memory_bytes()) - self.weight_bytes
-        )
+        self.memory_budget = int(budget) if str(budget) != "auto" else int(0.6 * device_memory_bytes()) - self.weight_bytes
         chunk = self.schedule.prefill_chunk
         env_chunk = prefill_chunk_env()  # MTPLX_PREFILL_CHUNK_SIZE wins over schedule.prefill_chunk
         self.prefill_chunk = env_chunk if env_chunk is not None else (
             _prefill_chunk_size(cfg, self.memory_budget) if str(chunk) == "auto" else int(chunk))
         self.sustained_prefill = sustained_prefill_env()
-        self.bank = None
-        if self.spec.compiled_verify != "off":
-            self.bank = CompiledVerifyBank(
-                self.runtime,
-                max_verify_len=self.spec.depth + 1,
-                request_max_tokens=self.max_context,  # narrowed to the rows in flight at admission
-                capture_backend=capture_backend(self.model),
-                parity=self.spec.compiled_verify,
-                growth_limit=self.spec.verify_max_len,
-            )
-        self.counters = {"prefill_tokens": 0, "cached_prompt_tokens": 0, "rounds": 0, "host_reads": 0}
-        self._const = {}  # constant device arrays by shape (zero uniforms for all-greedy rounds)
+        self.bank = None if self.spec.compiled_verify == "off" else CompiledVerifyBank(
+            self.runtime, max_verify_len=self.spec.depth + 1,
+            request_max_tokens=self.max_context,  # narrowed to the rows in flight at admission
+            capture_backend=capture_backend(self.model), parity=self.spec.compiled_verify,
+            growth_limit=self.spec.verify_max_len, counters=self.counters)
         self.prefiller = Prefiller(self.runtime, self.prefill_chunk, self.hybrid, self.counters, self._progress,
-                                  self.sustained_prefill)
+                                   self.sustained_prefill)
         self._bytes_per_token, self._bytes_per_row = self._measure_cache()
         self.profile_file, profile = self._calibration(bundle)
         self.max_batch = (auto_max_batch(profile, self.memory_budget, self.row_bytes(AUTO_ROW_TOKENS, 0))
                           if str(self.schedule.max_batch) == "auto" else int(self.schedule.max_batch))
         self.depth_control = DepthController(self.spec.depth if self.drafter is not None else 0, self.spec.adaptive_depth,
                                              shapes=cost_shapes(profile),
-                                             prior=getattr(self.drafter, "acceptance_prior", None))
+                                             prior=self.drafter.acceptance_prior if self.drafter is not None else None)
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
+        self.scheduler = Scheduler(self.tokenizer, self.eos, self.max_batch, self.max_context, self.memory_budget,
+                                   self.row_bytes, self.drafter)
         # one-row plain decoding eagerly (the same logits) where the calibration measured it faster
-        self.one_stream_eager = self.bank is not None and one_stream_eager(profile)
-        # a drained batch's tail at narrower widths, their programs built ahead (tail_widths.py; 0: off)
-        self.tail_narrowest = tail_widths.TAIL_NARROWEST
-
-    # A drained batch (no request waits) narrows to a power of two once half its slots are idle, so a
-    # round computes fewer rows; only while it is wider than this. On a GPU a round of up to 32 rows costs
-    # about what one row's does (SmolLM2 on the H200: a plain round 4.5 ms at 1 row, 6.1 ms at 32), and
-    # every narrower width compiles verify and draft programs of its own for a job's last few rounds.
-    # None: by device (32 on a GPU, else 1: a CPU round's cost follows its width). A GPU batch may still
-    # move to tail widths whose programs were built ahead (`tail_narrowest`, tail_widths.py).
-    TAIL_KEEPS_WIDTH = None
-
-    @property
-    def tail_keeps_width(self) -> int:
-        if self.TAIL_KEEPS_WIDTH is not None:
-            return self.TAIL_KEEPS_WIDTH
-        return 32 if mx.default_device().type == mx.DeviceType.gpu else 1
+        self.rounds = Rounds(self.drafter, self.bank, self.runtime, self.depth_control, self.counters, self._progress,
+                             self.spec.depth, self.max_batch, self.bank is not None and one_stream_eager(profile))
+        self.side_stream = None  # the stream admissions behind a round in flight prefill on (`_prefill_stream`)
 
     @staticmethod
     def _probe_memory(bundle: ModelBundle):
@@ -234,7 +147,7 @@ class Engine(SpeculativeRounds):
         if self.on_progress is not None and tokens:
             self.on_progress(kind, int(tokens))
 
-    # -- memory admission --------------------------------------------------------------------------
+    # -- memory --------------------------------------------------------------------------------------
     def _measure_cache(self) -> Tuple[float, int]:
         """Cache bytes per token (attention) and per row (recurrent state), from a 1-token probe."""
         probe = BatchCache.for_model(self.model, 1)
@@ -257,296 +170,82 @@ class Engine(SpeculativeRounds):
         return 2 * (self.spec.depth + 1) if self.drafter is not None and self.drafter.device_side else 0
 
     # -- generation ----------------------------------------------------------------------------------
-    def _new_row(self, req: Request) -> Tuple[Optional[_Row], Optional[Result]]:
-        n = len(req.prompt_tokens)
-        stats = RowStats(prompt_tokens=n)
-        if n == 0:
-            return None, Result(req.key, [], "", "error", "empty prompt: the row has no tokens", stats, req.seed)
-        if n >= self.max_context:
-            return None, Result(
-                req.key, [], "", "error",
-                f"prompt has {n} tokens but the model's context is {self.max_context}: shorten the prompt",
-                stats, req.seed,
-            )
-        max_tokens = min(req.params.max_tokens, self.max_context - n)
-        need = self.row_bytes(n, max_tokens)
-        if need > self.memory_budget:
-            return None, Result(
-                req.key, [], "", "error",
-                f"row needs ~{need / 2**20:.0f} MiB of cache ({n} prompt + {max_tokens} new tokens) but "
-                f"schedule.memory_budget is {self.memory_budget / 2**20:.0f} MiB: raise the budget or lower max_tokens",
-                stats, req.seed,
-            )
-        rng = np.random.default_rng(req.seed)
-        return _Row(req, rng, max_tokens, stats, time.perf_counter(), []), None
-
-    def _finish(self, row: _Row, reason: str) -> Result:
-        hit = stops.cut(self.tokenizer.decode, row.tokens, row.req.params.stop) if row.req.params.stop else None
-        if hit is not None:  # a round may have emitted past the token that completes the stop string
-            del row.tokens[hit[0]:]
-            text, reason = hit[1], "stop"
-        else:
-            text = self.tokenizer.decode(row.tokens)
-        st = row.stats
-        st.completion_tokens = len(row.tokens)
-        st.decode_seconds = time.perf_counter() - row.started
-        if row.rounds:
-            st.batch_width = int(round(row.width_sum / row.rounds))
-            st.draft_depth = int(round(row.depth_sum / row.rounds))
-        return Result(row.req.key, list(row.tokens), text, reason, None, st, row.req.seed)
-
-    def _emit(self, row: _Row, new_tokens: Sequence[int]) -> Optional[str]:
-        """Append tokens; return a finish reason if the row is done."""
-        for tok in new_tokens:
-            if tok in self.eos:
-                return "stop"
-            row.tokens.append(int(tok))
-            if len(row.tokens) >= row.max_tokens:
-                return "length"
-        if row.req.params.stop and stops.in_tail(self.tokenizer.decode, row.tokens, row.req.params.stop):
-            return "stop"
-        return None
-
     def generate(self, requests: Iterable[Request]) -> Iterator[Result]:
         """Results as rows finish, in any order; `max_batch` rows in flight while rows remain."""
         if self.drafter is not None:
             self.drafter.reset()
-        self._carried = self._joining = None
-        twins = tail_widths.twin_widths(int(self.tail_narrowest or 0), self.max_batch)
-        for bank in (self.bank, getattr(self.drafter, "bank", None)):
-            if bank is not None:
-                bank.twin_widths = twins
-        batch = _Batch(iter(requests))
+        self.rounds.reset()
+        sched = self.scheduler
+        sched.start(requests)
         while True:
             # Fill free slots, then widen up to max_batch; repeat while rows finish at prefill.
-            while (yield from self._admit(batch)):
+            while (yield from self._admit()):
                 pass
-            active = np.array([s is not None for s in batch.slots], dtype=bool)
-            if not active.any():
-                if batch.drained:
+            if not sched.live:
+                if sched.drained:
                     return
                 continue
-            if batch.drained and self._narrows(int(active.sum()), len(batch.slots)):
-                yield from self._land_carried(batch.slots, batch.cache)  # narrowing reads exact lengths
-                active = np.array([s is not None for s in batch.slots], dtype=bool)
-                if not active.any():
+            if sched.drained and sched.narrows(sched.live) is not None:
+                yield from self.rounds.land_carried(sched)  # narrowing reads exact lengths
+                if not sched.live:
                     continue
-                keep = self._compact_keep(active, self._tail_target(int(active.sum()), len(batch.slots)))
-                batch.cache.take_rows(keep)
-                if self.drafter is not None:
-                    self.drafter.take(keep)
-                batch.slots = [batch.slots[i] for i in keep]
-                active = active[keep]
-            if self.drafter is None:
-                yield from self._plain_rounds(batch.slots, active, batch.cache, drained=batch.drained)
-            else:
-                yield from self._round(batch.slots, active, batch.cache, drained=batch.drained)
+                sched.narrow(sched.narrows(sched.live))
+            yield from self.rounds.run(sched)
 
-    def _admit(self, batch: "_Batch"):
-        """One admission pass (a generator: yields error rows). Returns True if it should run again."""
-        slots = batch.slots
-        free = [i for i, s in enumerate(slots) if s is None] + list(range(len(slots), self.max_batch))
-        live = [s for s in slots if s is not None]
-        used_bytes = sum(self.row_bytes(len(s.req.prompt_tokens), s.max_tokens) for s in live)
-        admitted = []
-        while len(admitted) < len(free) and not batch.drained:
-            req = batch.next_request()
-            if req is None:
-                break
-            row, err = self._new_row(req)
-            if err is not None:
-                yield err
-                continue
-            need = self.row_bytes(len(req.prompt_tokens), row.max_tokens)
-            if (live or admitted) and used_bytes + need > self.memory_budget:
-                # Fits alone, not beside the rows in flight: it waits for one to finish, and the
-                # rows admitted so far in this pass run (they were taken from the source).
-                batch.waiting.insert(0, req)
-                break
-            used_bytes += need
-            admitted.append(row)
-        if not admitted:
+    def _admit(self):
+        """One admission pass (a generator: yields the results of rows that cannot run, or that end at
+        their first token). Returns True if it should run again."""
+        sched = self.scheduler
+        rows, free = yield from sched.select()
+        if not rows:
             return False
-        if PEEK_SOURCE and len(admitted) == len(free):  # the batch is full: whether a request waits is not known yet
-            batch.peek()
+        self.counters.admissions += 1
         if self.bank is not None:  # the growth budget: the longest context a row of this call can reach
-            before = self.bank.request_max_tokens if batch.cache is not None else 0
+            before = self.bank.request_max_tokens if sched.cache is not None else 0
             self.bank.set_budget(max([before] + [len(s.req.prompt_tokens) + s.max_tokens + self.ahead_tokens
-                                                 for s in live + admitted]))
-            if RESERVE_CAPACITY:
-                for bank in (self.bank, getattr(self.drafter, "bank", None)):
-                    if hasattr(bank, "reserve"):
-                        bank.reserve = self.bank.request_max_tokens
-        grow, finished_early = [], False
-        # Behind a round in flight (a full batch: every free slot is a vacated one) the first tokens
-        # are not read here: the round the rows join is queued from them on the device first, and
-        # they are read after it (SpeculativeRounds._land_joined), so the device does not wait for
-        # the host between the prefill and that round.
-        defer = self._carried is not None and self.defer_first_read and len(slots) >= self.max_batch
-        with self._prefill_stream(defer):
-            if defer:
-                prefilled, firsts = self.prefiller.run(admitted, self.drafter, read=False)
-            else:
-                prefilled = self.prefiller.run(admitted, self.drafter)
+                                                 for s in sched.slots + rows if s is not None]))
+            # caches grow, when they first grow, to hold it: the batch runs at one capacity and its
+            # programs (keyed by capacity) are built once
+            self.bank.reserve = self.bank.request_max_tokens
+            if self.drafter is not None:
+                self.drafter.reserve(self.bank.request_max_tokens)
+        # Behind a round in flight (a full batch: every free slot is a vacated one) the first tokens are
+        # not read here: the round the rows join is queued from them on the device first, and they are
+        # read after it (Rounds.join), so the device does not wait for the host between the two.
+        behind = self.rounds.carried is not None and len(sched.slots) >= self.max_batch
+        started = time.perf_counter()
+        with self._prefill_stream(behind):
+            prefilled = self.prefiller.run(rows, self.drafter, read=not behind)
+        self.counters.prefill_seconds += time.perf_counter() - started
         if self.bank is not None:
-            self.bank.note_restored(sum(r.stats.cached_prompt_tokens for r in admitted))
+            self.bank.note_restored(sum(r.stats.cached_prompt_tokens for r in rows))
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()  # the startup phases end here
-        if defer:
-            placed = list(zip(free, admitted))
-            for slot, (row, (row_cache, state, _)) in zip(free, zip(admitted, prefilled)):
-                slots[slot] = row
-                if self.drafter is not None:
-                    self.drafter.write(slot, state)
-            batch.cache.put_rows([s for s, _ in placed], [c for c, _, _ in prefilled])
-            self._joining = (firsts, placed)
-            self._start(batch.cache)
+        if behind:
+            prefilled, firsts = prefilled
+            sched.place(free, rows, prefilled)
+            self.rounds.join(sched, firsts, list(zip(free, rows)))
             return False
         self._progress("decode", sum(1 for _, _, first in prefilled if first not in self.eos))
-        fills = []  # (slot, the row's cache): placed together, one gather per prefill group and layer
-        for row, (row_cache, state, first) in zip(admitted, prefilled):
-            reason = self._emit(row, [first])
+        going, finished_early = [], False
+        for row, got in zip(rows, prefilled):
+            reason = sched.emit(row, [got[2]])
             if reason is not None:
                 finished_early = True
-                yield self._finish(row, reason)
+                yield sched.finish(row, reason)
                 continue
             row.pending = row.tokens[-1]
-            slot = free.pop(0)
-            if slot < len(slots):
-                slots[slot] = row
-                fills.append((slot, row_cache))
-                if self.drafter is not None:
-                    self.drafter.write(slot, state)
-            else:
-                grow.append((row, row_cache, state))
-        if fills:
-            batch.cache.put_rows([s for s, _ in fills], [c for _, c in fills])
-            if self._carried is not None:  # behind a round in flight: the device starts placing the rows
-                self._start(batch.cache)  # (and the drafter's prefill of them) while the host queues the next
-        if grow:
-            new = BatchCache.gather([c for _, c, _ in grow])
-            if batch.cache is None:
-                batch.cache = new
-            else:
-                batch.cache.extend(new)
-            slots += [r for r, _, _ in grow]
-            if self.drafter is not None:
-                self.drafter.extend([s for _, _, s in grow])
-        return finished_early and not batch.drained
-
-    # An admission behind a round in flight prefills on a stream of its own, so the device may run it
-    # beside the rounds (a launch-bound round leaves most of a GPU idle) and the rounds' stream keeps its
-    # own work; its results reach the rounds through MLX's cross-stream dependencies. H200, session 8
-    # (width 32, 128 rows): 13.1 ms a round against 17.5 on one stream. benchmarks/round_cost turns it off
-    # (`@prefill_beside=false`) to measure without.
-    prefill_beside = True
-    _side = None
+            going.append((row, got))
+        sched.place(free, [r for r, _ in going], [g for _, g in going])
+        return finished_early and not sched.drained
 
     def _prefill_stream(self, behind: bool):
-        if not (behind and self.prefill_beside):
+        """An admission behind a round in flight prefills on a stream of its own, so the device may run
+        it beside the rounds (a launch-bound round leaves most of a GPU idle) and the rounds' stream
+        keeps its own work; its results reach the rounds through MLX's cross-stream dependencies (H200,
+        width 32: 13.1 ms a round against 17.5 on one stream)."""
+        if not behind:
             return contextlib.nullcontext()
-        if self._side is None:
-            self._side = mx.new_stream(mx.default_device())
-        return mx.stream(self._side)
-
-    def _start(self, cache: BatchCache) -> None:
-        """Queue the evaluation of the batch's cache and the drafter's state (nothing is read)."""
-        arrays = [a for c in cache.leaves for a in c.state_arrays() if a is not None]
-        drafter_cache = getattr(self.drafter, "cache", None)
-        if drafter_cache is not None:
-            arrays += [a for c in drafter_cache.leaves for a in c.state_arrays() if a is not None]
-            arrays += list(getattr(self.drafter, "extra", []))
-        mx.async_eval(arrays)
-
-    @staticmethod
-    def _compact_keep(active: np.ndarray, width: int) -> List[int]:
-        """The slots a batch narrowed to `width` keeps: its live rows, then idle ones up to the width."""
-        live = [int(i) for i in np.nonzero(active)[0]]
-        spare = [int(i) for i in np.nonzero(~active)[0]][: width - len(live)]
-        return sorted(live + spare)
-
-    def _verify(self, tokens: mx.array, cache: BatchCache, eager: bool = False):
-        """The target model over `tokens` [W, L]: (logits, hidden, compiled?, parity failures per row);
-        `eager`: the eager forward even where the compiled bank is on."""
-        if self.bank is not None and not eager:
-            return self.bank.verify(tokens, cache)
-        cache.set_capturing(True)
-        logits, hidden = self.runtime.forward(tokens, cache)
-        cache.set_capturing(False)
-        return logits, hidden, False, None
-
-    @staticmethod
-    def _record_forward(st: RowStats, i: int, compiled: bool, failures) -> None:
-        """Every decode forward of a row (drafting or not, plain rounds too) counts on one path."""
-        if compiled:
-            st.compiled_verify_calls += 1
-        else:
-            st.eager_verify_calls += 1
-        if failures is not None:
-            st.parity_failures += int(failures[i])
-
-    def _plain_rounds(self, slots: List[Optional[_Row]], active: np.ndarray, cache: BatchCache, drained: bool = False):
-        """Decoding without drafts, one round ahead: the next round is queued on the device before
-        this round's tokens are read, so building one graph overlaps running the other (as
-        mlx-lm's generate_step does). Returns, as the speculative rounds do, once finished rows
-        have freed a `refill_at`-th of the slots for admission (at least one; `drained`: no request
-        waits, until half the slots are idle), or no row is left: each return drains the pipeline."""
-        sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
-        ones = active.astype(np.int64)  # the rows a round advances; a finished row's slot stops
-        eager = self.one_stream_eager and len(slots) == 1
-
-        def launch(pending: mx.array):
-            logits, _, compiled, failures = self._verify(pending[:, None], cache, eager)
-            if sampler.all_greedy:  # no uniforms to draw: greedy rows never read their generator
-                nxt = mx.argmax(logits[:, 0], axis=-1).astype(mx.int32)
-            else:
-                u = mx.array(np.array([uniforms(s.rng) if s is not None else 0.0 for s in slots], dtype=np.float32))
-                nxt = sample_from(shaped_probs(logits, sampler)[:, 0], u)
-            cache.commit(ones)
-            mx.async_eval(nxt)
-            return nxt, compiled, failures
-
-        def emit(launched):
-            tokens, compiled, failures = np.array(launched[0]), launched[1], launched[2]
-            finished, emitted, vacated = [], 0, []
-            n_active = sum(s is not None for s in slots)
-            for i, row in enumerate(slots):
-                if row is None:
-                    continue
-                self._record_forward(row.stats, i, compiled, failures)
-                row.rounds += 1
-                row.width_sum += n_active
-                row.pending = int(tokens[i])
-                before = len(row.tokens)
-                reason = self._emit(row, [row.pending])
-                emitted += len(row.tokens) - before
-                if reason is not None:
-                    slots[i] = None
-                    ones[i] = 0
-                    finished.append(self._finish(row, reason))
-                    vacated.append(i)
-            self._vacate(cache, vacated)
-            self.counters["rounds"] += 1
-            self._progress("decode", emitted)
-            return finished
-
-        def leave() -> bool:
-            live = sum(s is not None for s in slots)
-            if drained:  # only where the batch is narrowed next (else no reason to empty the pipeline)
-                return self._narrows(live, len(slots)) or not live
-            return len(slots) - live >= max(1, len(slots) // self.refill_at) or not live
-
-        current = launch(mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32)))
-        while True:
-            # a round after this one only if some row can still be going after it (each round emits
-            # one token per row: a row a token short of max_tokens ends with this one)
-            going = any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
-            following = launch(current[0]) if going else None
-            finished = emit(current)
-            if following is None or (finished and leave()):
-                if following is not None:
-                    finished += emit(following)  # rows that go on keep the round in flight
-                yield from finished
-                return
-            yield from finished
-            current = following
+        if self.side_stream is None:
+            self.side_stream = mx.new_stream(mx.default_device())
+        return mx.stream(self.side_stream)

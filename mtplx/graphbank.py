@@ -1,31 +1,29 @@
 """CompiledVerifyBank: the verify forward as compiled MLX programs, one per shape bucket.
 
-A verify forward reads [last, d1..dk] for every row of the batch. Compiling it with
-`mx.compile` removes per-op host work, but mlx-lm's caches keep their offset as a Python int,
-which a compiled program would freeze at trace time. So the bank runs the model over a
-*shadow cache*: the real cache's arrays and the per-row lengths enter the program as inputs,
-the updated arrays come out, and the bank mirrors them back into the real cache. Everything
-a program depends on is an input or derives from input shapes, so one program per
-(batch width, verify length, capacity bucket) serves every step of that shape.
+A verify forward reads [last, d1..dk] for every row of the batch. `mx.compile` removes per-op
+host work, but mlx-lm's caches keep their offset as a Python int, which a program would freeze at
+trace time. So the bank runs the model over a *shadow cache*: the real cache's arrays and the
+per-row lengths enter the program as inputs, the updated arrays come out and are mirrored back
+into the real cache, and one program per (batch width, verify length, capacity bucket) serves
+every step of that shape. `Programs` keeps them by key (the draft banks, drafting/, use it too).
 
 Modes: `on` (compiled, eager fallback with a recorded reason), `parity` (run both and raise
 `CompiledVerifyParityError` on any difference), `parity2` (compiled is authoritative; an eager
 replay counts divergences in `stats["parity_failures"]`). Models with quantization widths the
 bank does not compile (6-bit) run eager for their whole life (`permanent_eager`).
 
-The design note's other arguments: `request_max_tokens` is the growth budget, the longest
-context a row can reach (prompt + its max_tokens): no capacity bucket, and so no program, is
-made past what that budget plus the verify length needs; a verify past it runs eagerly with the
-reason recorded. `restored_tokens` counts prompt tokens restored from a cached prefix (the
-engine adds what its prefix store restored, `note_restored`). `capture_backend` names the
-recurrent-state capture in use ("gdn", "recurrent", or None for attention only) and must be
-what the model's layers use (`architectures.capture_backend`). All three are in `stats`.
+The seed's other arguments, all in `stats`: `request_max_tokens`, the growth budget (the longest
+context a row can reach: no capacity bucket, and so no program, is made past it plus the verify
+length; a verify past it runs eagerly, saying why); `restored_tokens`, prompt tokens restored from
+a cached prefix (`note_restored`); `capture_backend`, the recurrent-state capture in use ("gdn",
+"recurrent", or None), which must be the model's layers' (`architectures.capture_backend`).
 """
 
 from __future__ import annotations
 
+import time
 from functools import partial
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,8 +34,8 @@ from .architectures import capture_backend as model_capture_backend
 from .cache import BatchCache, RowKVCache
 from .row_lengths import RowLengths
 from .config import verify_max_len_env
+from .counters import Counters
 from .sampling import SamplerBatch, accept_greedy, accept_sampled, shaped_probs
-from .tail_widths import sliced
 
 UNSUPPORTED_BITS = (6,)
 
@@ -54,6 +52,36 @@ def unsupported_quantization(model) -> Optional[str]:
     return None
 
 
+class Programs:
+    """Compiled programs by key, each built (`mx.compile`) at its first call and counted in `counters`
+    (programs built, the seconds of their first calls); a key whose call raises is kept in `broken`,
+    with why, and its shape runs eagerly from then on."""
+
+    def __init__(self, counters: Optional[Counters] = None):
+        self.counters = counters if counters is not None else Counters()
+        self.built: Dict = {}
+        self.broken: Dict = {}
+
+    def call(self, key, build: Callable[[], Callable], *args):
+        """The program of `key` (`build()` gives the function it compiles) over `args`, or None where
+        it does not compile (`broken[key]` says why)."""
+        if key in self.broken:
+            return None
+        fn, started = self.built.get(key), None
+        if fn is None:
+            started = time.perf_counter()
+            fn = self.built[key] = mx.compile(build())
+            self.counters.programs_built += 1
+        try:
+            out = fn(*args)
+        except Exception as e:  # a program that cannot compile: its shape runs eagerly, saying why
+            self.broken[key] = f"compile failed: {type(e).__name__}: {e}"
+            return None
+        if started is not None:
+            self.counters.first_call_seconds += time.perf_counter() - started
+        return out
+
+
 class _ShadowRows(RowLengths):
     def __init__(self, device_lengths: mx.array, resident=None):
         self.device = device_lengths
@@ -63,7 +91,7 @@ class _ShadowRows(RowLengths):
             self._resident = (device_lengths, resident[0], resident[1])
 
 
-def _shadow_cache(kinds, lengths: mx.array, arrays, resident=None) -> BatchCache:
+def shadow_cache(kinds, lengths: mx.array, arrays, resident=None) -> BatchCache:
     """A cache over `arrays` whose rows hold `lengths` entries; `resident`: RowLengths.resident's
     (padded copy, view) of those lengths where the caller made them."""
     cache = BatchCache(kinds, rows=_ShadowRows(lengths, resident))
@@ -78,7 +106,7 @@ def _shadow_cache(kinds, lengths: mx.array, arrays, resident=None) -> BatchCache
     return cache
 
 
-def _shadow_outputs(cache: BatchCache):
+def shadow_outputs(cache: BatchCache):
     out = []
     for layer in cache.leaves:
         if isinstance(layer, RowKVCache):
@@ -89,27 +117,14 @@ def _shadow_outputs(cache: BatchCache):
 
 
 class CompiledVerifyBank:
-    def __init__(
-        self,
-        runtime,
-        max_verify_len: int = 4,
-        request_max_tokens: int = 8192,
-        capture_backend: Optional[str] = None,
-        parity=False,
-        restored_tokens: int = 0,
-        tolerance: Optional[float] = None,
-        growth_limit: Optional[int] = None,
-        warm_lengths: Tuple[int, ...] = (),
-    ):
-        """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`. `parity`:
-        "on" (or False), "parity" (or True: raise on a mismatch), "parity2" (count mismatches).
-        `growth_limit`: the longest verify compiled (None: MTPLX_COMPILED_VERIFY_MAX_LEN, else
-        max(8, max_verify_len)); a longer one is verified eagerly. `request_max_tokens`: the
-        longest context a row can reach (the growth budget). `capture_backend`: what the model's
-        recurrent layers use ("gdn", "recurrent", None); a mismatch is a ValueError.
-        `restored_tokens`: prompt tokens already restored from a cached prefix. `warm_lengths`: the
-        verify lengths built together when a (width, capacity) is first met (adaptive depth: every
-        depth it may try), so a depth tried later finds its program ready (`_warm`)."""
+    def __init__(self, runtime, max_verify_len: int = 4, request_max_tokens: int = 8192,
+                 capture_backend: Optional[str] = None, parity=False, restored_tokens: int = 0,
+                 tolerance: Optional[float] = None, growth_limit: Optional[int] = None,
+                 counters: Optional[Counters] = None):
+        """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`. `parity`: "on" (or
+        False), "parity" (or True: raise on a mismatch), "parity2" (count). `growth_limit`: the longest
+        verify compiled (None: MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, max_verify_len)); a mismatched
+        `capture_backend` is a ValueError; `counters`: where its programs count (the engine's)."""
         self.runtime = runtime
         self.max_verify_len = max_verify_len
         env = verify_max_len_env()
@@ -119,10 +134,8 @@ class CompiledVerifyBank:
         self.request_max_tokens = int(request_max_tokens)
         used = model_capture_backend(runtime.model)
         if capture_backend != used:
-            raise ValueError(
-                f"capture_backend={capture_backend!r} but the model's layers use {used!r}: pass "
-                f"capture_backend={used!r} (mtplx.architectures.capture_backend(model) reads it)"
-            )
+            raise ValueError(f"capture_backend={capture_backend!r} but the model's layers use {used!r}: pass "
+                             f"capture_backend={used!r} (mtplx.architectures.capture_backend(model) reads it)")
         self.capture_backend = capture_backend
         self.mode = {True: "parity", False: "on", None: "on"}.get(parity, parity)
         if self.mode not in ("on", "parity", "parity2"):
@@ -130,35 +143,22 @@ class CompiledVerifyBank:
         reason = unsupported_quantization(runtime.model)
         self.permanent_eager = reason is not None
         self.tolerance = tolerance
-        self.warm_lengths = tuple(warm_lengths)
-        self.reserve = 0  # entries a row may reach that a cache grown here holds at once (the engine's RESERVE_CAPACITY)
+        self.reserve = 0  # entries a row may reach: a cache grown here holds them at once (one capacity a batch)
         self.stats: Dict[str, object] = {
-            "compiled_calls": 0,
-            "fallback_calls": 0,
-            "parity_failures": 0,
-            "programs": 0,
-            "warmed": 0,  # programs built ahead by `_warm`
-            "twins": 0,  # programs built ahead at narrower tail widths (`_twins`)
-            "fallback_reasons": {} if reason is None else {reason: 0},
-            "capture_backend": capture_backend,
-            "request_max_tokens": self.request_max_tokens,
-            "restored_tokens": int(restored_tokens),
-        }
+            "compiled_calls": 0, "fallback_calls": 0, "parity_failures": 0,
+            "fallback_reasons": {} if reason is None else {reason: 0}, "capture_backend": capture_backend,
+            "request_max_tokens": self.request_max_tokens, "restored_tokens": int(restored_tokens)}
         self._eager_reason = reason
-        self._programs: Dict[Tuple, Callable] = {}
-        self._broken: Dict[Tuple, str] = {}
-        self.twin_widths: Tuple[int, ...] = ()  # tail widths (tail_widths.py): each program's twins built with it
+        self.programs = Programs(counters)
 
     # -- the program ------------------------------------------------------------------------------
     def _run_shadow(self, kinds, tokens, lengths, *arrays):
-        shadow = _shadow_cache(kinds, lengths, arrays)
+        shadow = shadow_cache(kinds, lengths, arrays)
         logits, hidden = self.runtime.forward(tokens, shadow)
-        return (logits, hidden if hidden is not None else mx.zeros((0,))) + tuple(_shadow_outputs(shadow))
+        return (logits, hidden if hidden is not None else mx.zeros((0,))) + tuple(shadow_outputs(shadow))
 
     def _run_round(self, kinds, accept, pending, drafts, limit, live, lengths, *rest):
-        """A speculative round's verify and acceptance (`verify_round`): [pending, drafts] through the
-        model over the shadow cache, then each row's accepted count, next token, committed count and
-        length after it, and the round's read [W, 2 + K]."""
+        """The program of `verify_round`."""
         n_arrays = len(rest) - (0 if accept[0] == "greedy" else 5 + accept[3])
         arrays, extra = rest[:n_arrays], rest[n_arrays:]
         verify_in = small_ops.joined([pending], drafts)
@@ -175,29 +175,21 @@ class CompiledVerifyBank:
         read = small_ops.joined([n, nxt], drafts)
         return (read, n, nxt, counts, lengths + counts, verify_in, hidden) + tuple(cache_out)
 
-    def _program(self, key, kinds):
-        """The program of `key`: (W, L, capacity) verifies; a fourth entry, the acceptance
-        (`_accept_key`), makes it a round's verify and acceptance (`verify_round`)."""
-        fn = self._programs.get(key)
-        if fn is None:
-            if len(key) > 3:
-                fn = mx.compile(partial(self._run_round, kinds, key[3]))
-            else:
-                fn = mx.compile(lambda tokens, lengths, *arrays: self._run_shadow(kinds, tokens, lengths, *arrays))
-            self._programs[key] = fn
-            self.stats["programs"] = len(self._programs)
-        return fn
+    def _build(self, key, kinds) -> Callable[[], Callable]:
+        """The function the program of `key` compiles: (W, L, capacity) verifies; a fourth entry, the
+        acceptance (`_accept_key`), makes it a round's verify and acceptance (`verify_round`)."""
+        if len(key) > 3:
+            return lambda: partial(self._run_round, kinds, key[3])
+        return lambda: partial(self._run_shadow, kinds)
 
     @property
     def restored_tokens(self) -> int:
         return self.stats["restored_tokens"]
 
-    def note_restored(self, tokens: int) -> None:
-        """`tokens` more prompt tokens were restored from a cached prefix."""
+    def note_restored(self, tokens: int) -> None:  # more prompt tokens restored from a cached prefix
         self.stats["restored_tokens"] += int(tokens)
 
-    def set_budget(self, request_max_tokens: int) -> None:
-        """The growth budget: the longest context a row in flight can reach."""
+    def set_budget(self, request_max_tokens: int) -> None:  # the longest context a row in flight can reach
         self.request_max_tokens = self.stats["request_max_tokens"] = int(request_max_tokens)
 
     def _fallback(self, reason: str):
@@ -230,34 +222,20 @@ class CompiledVerifyBank:
         need = max(longest, min(self.reserve, self.request_max_tokens)) + L
         if kv and need > min(c.keys.shape[2] for c in kv):  # room for L more entries, in capacity buckets
             for c in kv:
-                c._ensure_capacity(W, c.keys, c.values, need)
+                c.ensure_capacity(W, c.keys, c.values, need)
             arrays = [a for c in cache.leaves for a in c.state_arrays()]
-        key = (W, L, max((c.keys.shape[2] for c in kv), default=0))
-        if key in self._broken:
-            return None, self._broken[key]
-        return key, arrays
+        return (W, L, max((c.keys.shape[2] for c in kv), default=0)), arrays
 
     def verify(self, tokens: mx.array, cache: BatchCache):
         """Forward `tokens` [W, L] over `cache`. Returns (logits, hidden, compiled?, parity failures per row)."""
         W, L = tokens.shape
         key, arrays = self._compiled(W, L, cache)
-        if key is None:
-            self._fallback(arrays)
-            logits, hidden = self.eager(tokens, cache)
-            return logits, hidden, False, None
         lengths = cache.rows.device
-        fresh = key not in self._programs
-        try:
-            out = self._program(key, cache.kinds)(tokens, lengths, *arrays)
-        except Exception as e:  # a program that cannot compile: verify eagerly, say why
-            self._broken[key] = f"compile failed: {type(e).__name__}: {e}"
-            self._fallback(self._broken[key])
+        out = None if key is None else self.programs.call(key, self._build(key, cache.kinds), tokens, lengths, *arrays)
+        if out is None:  # verified eagerly, saying why
+            self._fallback(arrays if key is None else self.programs.broken[key])
             logits, hidden = self.eager(tokens, cache)
             return logits, hidden, False, None
-        if fresh and self.warm_lengths:
-            self._warm(key, cache.kinds, tokens.dtype, lengths, arrays)
-        if self.twin_widths:
-            self._twins(key, cache.kinds, [tokens, lengths, *arrays])
         failures = None
         if self.mode != "on":
             ref = self._run_shadow(cache.kinds, tokens, lengths, *arrays)
@@ -270,8 +248,7 @@ class CompiledVerifyBank:
                     raise CompiledVerifyParityError(self._describe(out[0], ref[0], failures))
                 raise CompiledVerifyParityError(
                     f"compiled verify wrote a different cache than eager at row {int(np.argmax(cache_bad))} "
-                    f"(tolerance {self._tol(out[0]):g}; use compiled_verify: parity2 to count instead of raise)"
-                )
+                    f"(tolerance {self._tol(out[0]):g}; use compiled_verify: parity2 to count instead of raise)")
             failures = failures | cache_bad
             self.stats["parity_failures"] += int(failures.sum())
         self._mirror(cache, out[2:])
@@ -281,14 +258,13 @@ class CompiledVerifyBank:
 
     def verify_round(self, pending: mx.array, drafts: mx.array, limit: mx.array, live: mx.array, cache: BatchCache,
                      accept=None):
-        """A speculative round's verify and acceptance as one compiled program (mode "on"): the
-        verify of [pending, drafts] ([W], [W, K] int32), each row's accepted count n of its `limit`
-        drafts and next token (greedy, or `accept` = (sampler, q or None, u_accept [W, K], u_next
-        [W]): sampling.accept_sampled), the committed count (n + 1 for `live` rows, else 0), the
-        lengths after it, and the read [W, 2 + K] = (n, next token, drafts); the program's cache is
-        mirrored, the lengths not moved (the caller's `advance`). Returns
+        """A speculative round's verify and acceptance as one compiled program (mode "on"): the verify
+        of [pending, drafts] ([W], [W, K] int32), each row's accepted count n of its `limit` drafts and
+        next token (greedy, or `accept` = (sampler, q or None, u_accept [W, K], u_next [W])), the
+        committed count (n + 1 for `live` rows), the lengths after it and the read [W, 2 + K] = (n,
+        next, drafts); the cache is mirrored, the lengths not moved (the caller's `advance`). Returns
         (read, n, next, counts, lengths after, verify_in, hidden), or None where the verify is not
-        compiled, or compared (parity modes): the caller then verifies and accepts apart, eagerly."""
+        compiled or is compared (parity modes): the caller then verifies and accepts apart."""
         W, K = drafts.shape
         if self.mode != "on":
             return None
@@ -297,21 +273,13 @@ class CompiledVerifyBank:
             return None
         akey, extra = self._accept_key(accept)
         key = key + (akey,)
-        if key in self._broken:
+        if key in self.programs.broken:
             return None
-        lengths = cache.rows.device
-        fresh = key not in self._programs
-        args = [pending, drafts, limit, live, lengths, *arrays, *extra]
-        try:
-            out = self._program(key, cache.kinds)(*args)
-        except Exception as e:  # a program that cannot compile: the round runs apart, saying why
-            self._broken[key] = f"compile failed: {type(e).__name__}: {e}"
-            self._fallback(self._broken[key])
+        out = self.programs.call(key, self._build(key, cache.kinds), pending, drafts, limit, live, cache.rows.device,
+                                 *arrays, *extra)
+        if out is None:  # the round runs apart, saying why
+            self._fallback(self.programs.broken[key])
             return None
-        if fresh and self.warm_lengths:
-            self._warm(key, cache.kinds, pending.dtype, lengths, arrays, extra)
-        if self.twin_widths:
-            self._twins(key, cache.kinds, args)
         self._mirror(cache, out[7:])
         self.stats["compiled_calls"] += 1
         return tuple(out[:6]) + ((out[6] if out[6].size else None),)
@@ -324,48 +292,6 @@ class CompiledVerifyBank:
         sampler, q, u_accept, u_next = accept
         key = ("sampled", sampler.any_top_k, sampler.any_top_p, q is not None)
         return key, [sampler.temps, sampler.top_p, sampler.top_k, u_accept, u_next] + ([] if q is None else [q])
-
-    def _warm(self, key, kinds, dtype, lengths: mx.array, arrays, extra=None) -> None:
-        """Build the programs of the other `warm_lengths` at this width and capacity (and, for a
-        round program, acceptance) now, each run once over zero tokens and evaluated (so the device
-        builds its kernels too), the outputs dropped: the real cache is an input, never written.
-        Rows sit at most where a verify of that length still fits the capacity; the values are
-        never read. `extra`: a round program's acceptance inputs (`_accept_key`)."""
-        W, _, cap = key[:3]
-        for n in self.warm_lengths:
-            other = (W, n, cap) + key[3:]
-            if other in self._programs or other in self._broken or n > self.growth_limit:
-                continue
-            room = mx.minimum(lengths, max(cap - n, 0)) if cap else lengths
-            if len(key) > 3:
-                k = n - 1
-                args = [mx.zeros((W,), mx.int32), mx.zeros((W, k), mx.int32), mx.zeros((W,), mx.int32),
-                        mx.zeros((W,), mx.bool_), room, *arrays]
-                if extra:  # sampled: sampler rows as they are, zero uniforms (and q) of k drafts
-                    args += list(extra[:3]) + [mx.zeros((W, k), mx.float32), extra[4]]
-                    args += [mx.zeros((W, k, extra[5].shape[-1]), extra[5].dtype)] if len(extra) > 5 else []
-            else:
-                args = [mx.zeros((W, n), dtype), room, *arrays]
-            try:
-                mx.eval(self._program(other, kinds)(*args))
-            except Exception as e:  # its first real call then verifies eagerly, saying why
-                self._broken[other] = f"compile failed: {type(e).__name__}: {e}"
-            self.stats["warmed"] += 1
-
-    def _twins(self, key, kinds, args) -> None:
-        """The program of `key` at each narrower tail width (`twin_widths`), built now and run once
-        over the first rows of this call's inputs, the outputs dropped (the real cache is never
-        written): a drained batch moved to that width (tail_widths.py) finds it built."""
-        W = key[0]
-        for w in self.twin_widths:
-            other = (w,) + key[1:]
-            if w >= W or other in self._programs or other in self._broken:
-                continue
-            try:
-                mx.eval(self._program(other, kinds)(*sliced(args, W, w)))
-            except Exception as e:  # its first real call then verifies eagerly, saying why
-                self._broken[other] = f"compile failed: {type(e).__name__}: {e}"
-            self.stats["twins"] += 1
 
     def eager(self, tokens, cache: BatchCache):
         cache.set_capturing(True)
@@ -392,28 +318,22 @@ class CompiledVerifyBank:
         """Per row: does the compiled verify differ from eager (argmax anywhere, or beyond tolerance)?"""
         scale = mx.maximum(mx.abs(ref).max(axis=-1), 1.0)
         diff = (mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max(axis=-1) / scale).max(axis=-1)
-        argmax_differs = (mx.argmax(got, axis=-1) != mx.argmax(ref, axis=-1)).any(axis=-1)
-        bad = argmax_differs | (diff > self._tol(got))
-        return np.array(bad)
+        return np.array((mx.argmax(got, axis=-1) != mx.argmax(ref, axis=-1)).any(axis=-1) | (diff > self._tol(got)))
 
     def _compare_cache(self, got, ref) -> np.ndarray:
         """Per row: does any cache array the compiled program wrote differ from eager's?"""
-        bad = None
+        bad = mx.zeros((got[0].shape[0] if got else 0,), mx.bool_)
         for a, b in zip(got, ref):
-            if a is None or b is None or a.size == 0:
-                continue
-            a32, b32 = a.astype(mx.float32).reshape(a.shape[0], -1), b.astype(mx.float32).reshape(b.shape[0], -1)
-            scale = mx.maximum(mx.abs(b32).max(axis=-1), 1.0)
-            row_bad = mx.abs(a32 - b32).max(axis=-1) / scale > self._tol(a)
-            bad = row_bad if bad is None else bad | row_bad
-        return np.zeros(got[0].shape[0] if got else 0, dtype=bool) if bad is None else np.array(bad)
+            if a is not None and b is not None and a.size:
+                a32, b32 = a.astype(mx.float32).reshape(a.shape[0], -1), b.astype(mx.float32).reshape(b.shape[0], -1)
+                bad = bad | (mx.abs(a32 - b32).max(axis=-1) / mx.maximum(mx.abs(b32).max(axis=-1), 1.0) > self._tol(a))
+        return np.array(bad)
 
     def _describe(self, got, ref, failures) -> str:
         row = int(np.argmax(failures))
         d = mx.abs(got[row].astype(mx.float32) - ref[row].astype(mx.float32)).max(axis=-1)
         pos = int(mx.argmax(d).item())
-        return (
-            f"compiled verify differs from eager at row {row}, verify position {pos}: "
-            f"max |logit diff| {d[pos].item():.3g}, argmax {int(mx.argmax(got[row, pos]).item())} vs "
-            f"{int(mx.argmax(ref[row, pos]).item())} (tolerance {self._tol(got):g}; use compiled_verify: parity2 to count instead of raise)"
-        )
+        return (f"compiled verify differs from eager at row {row}, verify position {pos}: "
+                f"max |logit diff| {d[pos].item():.3g}, argmax {int(mx.argmax(got[row, pos]).item())} vs "
+                f"{int(mx.argmax(ref[row, pos]).item())} (tolerance {self._tol(got):g}; use compiled_verify: parity2 "
+                "to count instead of raise)")

@@ -1,27 +1,26 @@
 """Prefill: prompt tokens into cache, in chunk spans, reusing prefixes shared with earlier rows.
 
 Rows arrive grouped by shared prefix (the pipeline's `prefix` order marks each row's
-`stable_prefix_len`). The first row of a group ("leader") is prefilled alone with its spans
-split at the prefix edge, and the state at the edge is kept: attention KV (a slice), recurrent
-state (captured exactly at the edge) and the drafter's own state. Every later row of the group
-copies that state and prefills only its suffix. Rows that need no snapshot are prefilled
-together in padded batches of similar length (`length_groups`): each row writes its own span at
-its own offset, so padding never enters a row's cache, and grouping by length keeps the padding
-(work spent on no token) to a fraction of the real tokens. The MTP head prefills such a group
-together too (head_prefill.py): one forward and one eval per chunk for the group.
+`stable_prefix_len`). The first row of a group (its leader) is prefilled alone with its spans split
+at the prefix edge, and the state there is kept: attention KV, recurrent state (captured exactly at
+the edge) and the drafter's. Later rows of the group copy it and prefill only their suffix. Rows
+that need no snapshot are prefilled together in padded batches of similar length (`length_groups`):
+each row writes its own span at its own offset, so padding never enters a row's cache; the drafter
+prefills such a group together too (`Drafter.prefill_rows`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import BatchCache, CacheRow, capacity_bucket
 from .config import prefill_chunk_env, sustained_prefill_env
+from .counters import Counters
 from .models.mtp import project_logits, trunk_hidden
 from .sampling import SamplerBatch, sample_from, shaped_probs, uniforms
 
@@ -107,23 +106,23 @@ class PrefixStore:
 
 PADDING_WASTE = 0.25  # a padded prefill batch spends at most this fraction more than its real tokens
 # On a GPU a prefill group costs its eager forward's kernel launches and graph builds whatever its
-# padding (SmolLM2 on the H200, session 8: one group per admission cut a width-32 MTP round from 17.5 to
-# 14.6 ms at 128 rows), so rows are grouped while the padded grid stays within 4x their real tokens.
+# padding (SmolLM2 on the H200: one group per admission, a width-32 MTP round 14.6 ms at 128 rows
+# against 17.5), so rows are grouped while the padded grid stays within 4x their real tokens.
 GPU_PADDING_WASTE = 3.0
 
 # On a GPU MLX builds an attention plan (cuDNN) per exact query shape, in every process anew, so a
 # job whose prompts have many lengths builds one per prefill forward. There a batched prefill's
 # query length is rounded up (to a multiple of 32, or of a sixteenth of its power of two past 512:
 # at most 1/8 more work past 256 tokens), so a job's prompts make few shapes; the padding is computed and
-# never enters a row's cache (each row commits its own length). None: by device (off a GPU the
-# padding would be real work for nothing).
-PAD_QUERIES: Optional[bool] = None
+# never enters a row's cache (each row commits its own length). Off a GPU the padding would be
+# real work for nothing.
+def pads_queries() -> bool:
+    return mx.default_device().type == mx.DeviceType.gpu
 
 
 def prefill_width(n: int, room: Optional[int] = None) -> int:
     """The query length a batched prefill forward of `n` tokens runs at (at most `room`)."""
-    pad = PAD_QUERIES if PAD_QUERIES is not None else mx.default_device().type == mx.DeviceType.gpu
-    if not pad or n <= 0:
+    if n <= 0 or not pads_queries():
         return n
     step = max(32, 1 << max(0, n.bit_length() - 4))
     width = -(-n // step) * step
@@ -149,15 +148,12 @@ def length_groups(lengths: Sequence[int], max_waste: float = PADDING_WASTE) -> L
 
 
 class Prefiller:
-    """Prompts into single-row caches (and the drafter's state), reusing shared prefixes.
+    """Prompts into caches (and the drafter's state), reusing shared prefixes. `runtime`: the model
+    and whether hidden states are kept; `chunk`: the span size (0: whole prompts); `hybrid`: recurrent
+    layers, so rows prefill one by one; `counters`: the engine's; `progress(kind, tokens)`: told of
+    every span; `sustained`: the sustained layout (spans split at stable-prefix edges), else one span."""
 
-    `runtime`: the model and whether hidden states are kept (`split`, `want_hidden`); `chunk`: the
-    prefill span size (0: whole prompts); `hybrid`: recurrent layers, so rows prefill one by one;
-    `counters`: the engine's prefill_tokens / cached_prompt_tokens, added to here; `progress(kind,
-    tokens)`: told of every prefilled span; `sustained`: the sustained layout (chunk spans split
-    at stable-prefix edges), or off: one span per prompt."""
-
-    def __init__(self, runtime, chunk: int, hybrid: bool, counters: Dict[str, int],
+    def __init__(self, runtime, chunk: int, hybrid: bool, counters: Counters,
                  progress: Callable[[str, int], None] = lambda kind, tokens: None, sustained: bool = True):
         self.runtime = runtime
         self.model = runtime.model
@@ -169,19 +165,17 @@ class Prefiller:
         self.store = PrefixStore()
         # how much padding a batched group may add (length_groups)
         self.padding_waste = GPU_PADDING_WASTE if mx.default_device().type == mx.DeviceType.gpu else PADDING_WASTE
-        # An admission's groups are queued one after another and their first tokens read once at the
-        # end (a read per group left the device idle while the host queued the next one); False: a
-        # read per group, before its head prefill (benchmarks/round_cost measures both)
-        self.one_read = True
 
-    def _edge(self, row) -> int:
+    def edge(self, row) -> int:
+        """Where the row's stable prefix ends (its snapshot is taken there)."""
         n = len(row.req.prompt_tokens)
         return min(max(int(row.req.stable_prefix_len or 0), 0), n - 1)
 
-    def _hidden(self, tokens: mx.array, cache: BatchCache) -> mx.array:
+    def hidden(self, tokens: mx.array, cache: BatchCache) -> mx.array:
+        """The trunk over `tokens`: its hidden states (MTP), or the logits (only the last is used)."""
         if self.runtime.split:
             return trunk_hidden(self.model, tokens, cache.layers)
-        return self.model(tokens, cache=cache.layers)  # logits stand in; only the last is used
+        return self.model(tokens, cache=cache.layers)
 
     def _first_tokens(self, rows, last: mx.array) -> mx.array:
         """The rows' first tokens [B] on the device (not read)."""
@@ -191,14 +185,12 @@ class Prefiller:
         return sample_from(shaped_probs(logits, sampler)[:, 0], u).astype(mx.int32)
 
     def run(self, rows, drafter=None, read: bool = True):
-        """Prefill `rows`; returns (the row's cache, `drafter`'s state, first token) per row. Rows
-        prefilled together stay in their group's cache (a CacheRow points there) until the engine
-        places them, so each row's KV is copied once, with its group's, not row by row. `read`
-        False: (that list, the rows' first tokens as a [len(rows)] device array), the first tokens
-        not read where nothing here needs them (the engine queues the round the rows join first);
-        a row's third item is then its token where it was read anyway, else None."""
+        """(the row's cache, `drafter`'s state, first token) per row; rows prefilled together stay in
+        their group's cache (a CacheRow) until placed, so their KV is copied once, with the group's.
+        `read` False: (that list, the first tokens as a device array), tokens not read where nothing
+        here needs them (a row's third item is then its token where it was read anyway, else None)."""
         out = [None] * len(rows)
-        keys = [PrefixStore.key(r.req.prompt_tokens, self._edge(r)) for r in rows]
+        keys = [PrefixStore.key(r.req.prompt_tokens, self.edge(r)) for r in rows]
         seen = set()
         alone, together = [], []
         for i, (row, key) in enumerate(zip(rows, keys)):
@@ -206,29 +198,24 @@ class Prefiller:
             seen.add(key)
             (alone if leader or self.hybrid else together).append(i)
         for i in alone:  # leaders first: their prefixes are stored for the rows after them
-            out[i] = self._drafter_prefill(drafter, rows[i], keys[i], *self._one(rows[i], keys[i]))
-        todo = [len(rows[i].req.prompt_tokens) - (self._edge(rows[i]) if self.store.get(keys[i]) else 0)
+            out[i] = self._drafter_prefill(drafter, rows[i], keys[i], *self.alone(rows[i], keys[i]))
+        todo = [len(rows[i].req.prompt_tokens) - (self.edge(rows[i]) if self.store.get(keys[i]) else 0)
                 for i in together]
-        groups = []  # every group's forwards queued before their first tokens are read, together, once
+        # every group's forwards queued before their first tokens are read, together, once (a read per
+        # group would leave the device idle while the host queues the next one)
+        groups = []
         for group in length_groups(todo, self.padding_waste):
             members = [together[g] for g in group]
-            results, firsts = self._many([rows[i] for i in members], [keys[i] for i in members])
-            if not self.one_read:  # each group read before the next is queued (the path before session 8)
-                firsts = np.array(firsts).tolist()
+            results, firsts = self.group([rows[i] for i in members], [keys[i] for i in members])
             states = self._head_states(drafter, [rows[i] for i in members], results, firsts)
             groups.append((members, results, firsts, states))
         # a drafter without a batched prefill takes each row's first token on the host (prefill_row)
         host = read or (drafter is not None and any(st is None for g in groups for st in g[3]))
         device = None if read else self._firsts_in_row_order(out, alone, groups)
-        if groups and host and self.one_read:
-            read_all = np.array(mx.concatenate([g[2] for g in groups])).tolist()
-            at = 0
-            for g, (members, results, firsts, states) in enumerate(groups):
-                groups[g] = (members, results, read_all[at : at + len(members)], states)
-                at += len(members)
-        for members, results, firsts, states in groups:
-            for b, (i, res, state) in enumerate(zip(members, results, states)):
-                first = firsts[b] if isinstance(firsts, list) else None
+        got = iter(np.array(mx.concatenate([g[2] for g in groups])).tolist()) if groups and host else None
+        for members, results, _, states in groups:
+            for i, res, state in zip(members, results, states):
+                first = next(got) if got is not None else None
                 out[i] = self._drafter_prefill(drafter, rows[i], keys[i], res[0], res[1], first, *res[2:], state=state)
         for row in rows:
             row.stats.prompt_tokens = len(row.req.prompt_tokens)
@@ -238,8 +225,7 @@ class Prefiller:
     def _firsts_in_row_order(out, alone, groups) -> mx.array:
         """Every row's first token on the device, in row order: the rows prefilled alone (read
         already) and each group's (not read)."""
-        parts = [mx.array([out[i][2] for i in alone], dtype=mx.int32)] if alone else []
-        parts += [g[2] if isinstance(g[2], mx.array) else mx.array(g[2], dtype=mx.int32) for g in groups]
+        parts = ([mx.array([out[i][2] for i in alone], dtype=mx.int32)] if alone else []) + [g[2] for g in groups]
         if not parts:
             return mx.zeros((0,), mx.int32)
         order = alone + [i for g in groups for i in g[0]]
@@ -258,9 +244,11 @@ class Prefiller:
                 row.stats.cached_prompt_tokens = start
         return starts, hits
 
-    def _one(self, row, key):
+    def alone(self, row, key):
+        """Prefill one row in its chunk spans, split at its stable-prefix edge (where a leader's snapshot
+        is taken, recurrent state included). Returns (cache row, hidden, first token, store hit, snapshot)."""
         toks = row.req.prompt_tokens
-        n, edge = len(toks), self._edge(row)
+        n, edge = len(toks), self.edge(row)
         cache = BatchCache.for_model(self.model, 1)
         (start,), (hit,) = self._restore(cache, [row], [key], reserve=n + 1)
         snap, hiddens, h = None, [], None
@@ -268,7 +256,7 @@ class Prefiller:
             if e <= start:
                 continue
             s = max(s, start)
-            h = self._hidden(mx.array(toks[s:e], dtype=mx.int32)[None], cache)
+            h = self.hidden(mx.array(toks[s:e], dtype=mx.int32)[None], cache)
             cache.commit([e - s])
             if self.runtime.want_hidden:
                 hiddens.append(h)
@@ -283,7 +271,7 @@ class Prefiller:
         hidden = mx.concatenate(hiddens, axis=1) if hiddens else None
         return CacheRow(cache, 0), hidden, first, hit, snap
 
-    def _many(self, rows, keys):
+    def group(self, rows, keys):
         """Prefill rows together: each row's suffix padded to the longest, in chunk spans. Returns
         (cache row, hidden, store hit, prefix snapshot) per row, and their first tokens on the device."""
         B = len(rows)
@@ -302,7 +290,7 @@ class Prefiller:
                 part = row.req.prompt_tokens[starts[b] + c : starts[b] + c + width]
                 grid[b, : len(part)] = part
                 counts[b] = len(part)
-            h = self._hidden(mx.array(grid), cache)
+            h = self.hidden(mx.array(grid), cache)
             cache.commit(counts)
             if c + width < max(todo):  # the last chunk is read with the first tokens
                 mx.eval(h, [a for layer in cache.leaves for a in layer.state_arrays() if a is not None])
@@ -319,36 +307,33 @@ class Prefiller:
         out = []
         for b, row in enumerate(rows):
             hidden = mx.concatenate(hiddens[b], axis=1) if hiddens[b] else None
-            snap = cache.snapshot_row(b, self._edge(row)) if keys[b] and hits[b] is None else None
+            snap = cache.snapshot_row(b, self.edge(row)) if keys[b] and hits[b] is None else None
             out.append((CacheRow(cache, b), hidden, hits[b], snap))
         return out, firsts
 
     def _count(self, n, start):
-        self.counters["prefill_tokens"] += n - start
-        self.counters["cached_prompt_tokens"] += start
+        self.counters.prefill_tokens += n - start
+        self.counters.cached_prompt_tokens += start
 
     @staticmethod
     def _head_states(drafter, rows, results, firsts) -> List[Optional[tuple]]:
-        """The MTP head's states of a group prefilled together, in one batched head prefill
-        (a drafter's `prefill_rows`, where it has one), rows with a restored prefix included
-        (each starts from the prefix's head snapshot); None where there is none (a row takes
-        `prefill_row`)."""
+        """The drafter's states of a group prefilled together, in one batched prefill (its
+        `prefill_rows`), rows with a restored prefix included (each starts from the prefix's
+        snapshot); None where it prefills row by row (each row then takes `prefill_row`)."""
         at = [b for b, res in enumerate(results) if res[1] is not None]
         states = [None] * len(rows)
-        together = getattr(drafter, "prefill_rows", None)
-        if together is not None and at:  # one row too: its forward then runs at a padded width (prefill_width)
-            pick = (firsts[mx.array(at)] if len(at) < len(rows) else firsts) if isinstance(firsts, mx.array) \
-                else [firsts[b] for b in at]
-            got = together([rows[b].req.prompt_tokens for b in at], [results[b][1] for b in at],
-                           pick, [results[b][2][1] if results[b][2] is not None else None for b in at])
-            for b, state in zip(at, got):
+        if drafter is not None and at:  # one row too: its forward then runs at a padded width (prefill_width)
+            pick = firsts[mx.array(at)] if len(at) < len(rows) else firsts
+            got = drafter.prefill_rows([rows[b].req.prompt_tokens for b in at], [results[b][1] for b in at],
+                                       pick, [results[b][2][1] if results[b][2] is not None else None for b in at])
+            for b, state in zip(at, got or ()):
                 states[b] = state
         return states
 
     def _drafter_prefill(self, drafter, row, key, cache, hidden, first, hit, target_snap, state=None):
         """(cache, the drafter's state, first token), storing the prefix snapshot (target +
         drafter) if this row leads. `state`: the drafter's state, already built (`_head_states`)."""
-        toks, edge = row.req.prompt_tokens, self._edge(row)
+        toks, edge = row.req.prompt_tokens, self.edge(row)
         drafter_snap = None
         if drafter is not None:
             if state is None:

@@ -67,12 +67,9 @@ class RowStats:
 
 
 def tokens_per_verify(accepted_tokens: int, verify_calls: int) -> Optional[float]:
-    """Tokens committed per drafting verify: its accepted drafts plus the one token the target
-    model adds, (accepted + verifies) / verifies. Only verifies that drafted count (the prefill
-    token and rounds that drafted nothing are not verifies of a draft); None without any.
-
-    The one definition behind the `tokens_per_verify` column, `status`, `report` and progress.
-    """
+    """Tokens committed per drafting verify, (accepted + verifies) / verifies: only verifies that
+    drafted count; None without any. The one definition behind the `tokens_per_verify` column,
+    `status`, `report` and progress."""
     return (accepted_tokens + verify_calls) / verify_calls if verify_calls else None
 
 

@@ -19,12 +19,9 @@ from .kernels.device import padded
 class RowLengths:
     """Per-row committed lengths, kept on the host (for scheduling) and on the device (for rope).
 
-    `shared` is the one length every row has (always so at width 1), else None; also None while
-    rounds queued before the previous one was read (generation.py) have advanced the device
-    lengths by counts the host has not seen (`advance`): the host lengths are then upper bounds,
-    good for sizing the cache, until `correct` (the counts were read) or `settle` (read the
-    device's).
-    """
+    `shared` is the one length every row has (always so at width 1), else None; None too while rounds
+    queued ahead (rounds.py) have advanced the device lengths by counts the host has not seen: the host
+    lengths are then upper bounds, good for sizing the cache, until `correct` or `settle`."""
 
     # The plain per-row causal mask RowKVCache.make_mask last built (no window): the layers of one
     # forward share it, and rows_attention.py recognizes it by identity as "keys 0..length + i".
@@ -47,8 +44,8 @@ class RowLengths:
 
     def positions(self, L: int) -> mx.array:
         """[B, 1, L, 1]: where a forward of L tokens writes each row's entries (its length + 0..L-1).
-        Built once per forward and shared by its layers: per layer it was two more kernels a layer
-        (an arange and an add; compile does not merge them across layers). From `resident()`: at one
+        Built once per forward and shared by its layers (per layer it would be two more kernels a
+        layer, an arange and an add: compile does not merge them across layers). From `resident()`: at one
         row the [1, 1, 1, 1] positions would otherwise sit in MLX's managed small-array pool."""
         c = self._positions
         if c is None or c[0] is not self.device or c[1] != L:
@@ -81,7 +78,7 @@ class RowLengths:
 
     def expect(self, rounds: int):
         """`rounds` more (or, negative, fewer) rounds whose counts are not read and not advanced
-        yet: a drafter that puts off committing a round (drafters.py: MtpDrafter.behind) is
+        yet: a drafter that puts off committing a round (drafting/mtp.py: MtpDrafter.behind) is
         corrected for it when the engine reads it, before or after it advances by it."""
         self.unread += rounds
         self._share()

@@ -1,7 +1,7 @@
 """An admission behind the round in flight reads its rows' first tokens after the round they join is queued.
 
 At full width with requests waiting, rows are admitted while a round is carried across the
-admission (spec_rounds.py). Their first tokens stay on the device (prefill.py, `read=False`): the
+admission (rounds.py). Their first tokens stay on the device (prefill.py, `read=False`): the
 round they join is queued from them, and only then are they read (`_land_joined`), so the device
 does not wait for the host between the prefill and that round. A row that ends at its first
 token (max_tokens 1 here) leaves its slot then, and the round queued with it drops what it made
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.counters import Counters
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
@@ -33,21 +34,18 @@ def setup(tiny_model, tmp_path_factory):
     return bundle, str(head), str(tiny_model("llama", seed=1)), rows
 
 
-def _engine(setup, method, width, defer, beside=True):
+def _engine(setup, method, width):
     bundle, head, draft, _ = setup
     spec = SpeculativeConfig(method=method.split("-")[0], depth=3, adaptive_depth=False, mtp_head=head if method != "draft" else None,
                              draft_model=draft if method == "draft" else None, mtp_lookup=2 if method == "mtp-lookup" else 0)
-    eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
-    eng.defer_first_read = defer
-    eng.prefill_beside = beside
-    return eng
+    return Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
 
 
 def _trace(eng):
     """Events in order: ('prefill', keys) per admission, 'launch' per queued round, ('first', key)
     when a row's first token reaches the host."""
     events = []
-    run, launch, emit = eng.prefiller.run, eng._launch, eng._emit
+    run, launch, emit = eng.prefiller.run, eng.rounds.launch, eng.scheduler.emit
 
     def prefill(rows, *a, **k):
         events.append(("prefill", [r.req.key for r in rows]))
@@ -59,8 +57,8 @@ def _trace(eng):
         return emit(row, tokens)
 
     eng.prefiller.run = prefill
-    eng._launch = lambda *a, **k: (events.append("launch"), launch(*a, **k))[1]
-    eng._emit = emitted
+    eng.rounds.launch = lambda *a, **k: (events.append("launch"), launch(*a, **k))[1]
+    eng.scheduler.emit = emitted
     return events
 
 
@@ -83,27 +81,23 @@ def _launches_before_first_tokens(events):
 def test_first_tokens_are_read_after_the_round_they_join_is_queued(setup, method):
     bundle, _, _, rows = setup
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
-    seen = {}
-    for defer in (True, False):
-        eng = _engine(setup, method, 6, defer)
-        events = _trace(eng)
-        out = {r.key: r.tokens for r in eng.generate(reqs)}
-        for i, (p, m) in enumerate(rows):
-            assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), (defer, i)
-        seen[defer] = _launches_before_first_tokens(events)
-        cache = eng.drafter.cache
-        assert np.array_equal(cache.rows.host, np.array(cache.rows.device))
-    # deferred: each admission behind a round in flight queued the round its rows join before reading
-    # them; read at once (before): none did, the device waited for the host to queue it
-    assert sum(n >= 1 for n in seen[True]) >= 4, seen
-    assert not any(seen[False]), seen
+    eng = _engine(setup, method, 6)
+    events = _trace(eng)
+    out = {r.key: r.tokens for r in eng.generate(reqs)}
+    for i, (p, m) in enumerate(rows):
+        assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i
+    seen = _launches_before_first_tokens(events)
+    cache = eng.drafter.cache
+    assert np.array_equal(cache.rows.host, np.array(cache.rows.device))
+    # each admission behind a round in flight queued the round its rows join before reading them
+    assert sum(n >= 1 for n in seen) >= 4, seen
 
 
 def test_rows_that_end_at_their_first_token_behind_a_carried_round(setup):
     """Rows of max_tokens 1 admitted behind the round in flight: one token each, their slots refilled."""
     bundle, _, _, rows = setup
     many = [(rows[i % 9][0], 1 if i % 2 else 12) for i in range(30)]
-    eng = _engine(setup, "mtp", 4, True)
+    eng = _engine(setup, "mtp", 4)
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(many)]
     res = {r.key: r for r in eng.generate(reqs)}
     assert sorted(res) == list(range(30))
@@ -114,13 +108,13 @@ def test_rows_that_end_at_their_first_token_behind_a_carried_round(setup):
 
 @pytest.mark.parametrize("method", ["mtp", "draft"])
 def test_an_admission_prefilled_on_a_stream_of_its_own_gives_the_same_text(setup, method):
-    """`prefill_beside`: the admission behind a round in flight prefills on its own stream (MLX orders
+    """The admission behind a round in flight prefills on its own stream (MLX orders
     the rounds after it through the arrays they share): the text stays plain decoding's."""
     bundle, _, _, rows = setup
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
-    eng = _engine(setup, method, 6, True, beside=True)
+    eng = _engine(setup, method, 6)
     out = {r.key: r.tokens for r in eng.generate(reqs)}
-    assert eng._side is not None
+    assert eng.side_stream is not None
     for i, (p, m) in enumerate(rows):
         assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i
 
@@ -137,10 +131,10 @@ def test_on_a_gpu_an_admission_pads_its_rows_into_fewer_groups(monkeypatch):
     class Runtime:
         model, split, want_hidden = None, False, False
 
-    cpu = prefill_mod.Prefiller(Runtime(), 512, False, {})
+    cpu = prefill_mod.Prefiller(Runtime(), 512, False, Counters())
     assert len(prefill_mod.length_groups(lengths, cpu.padding_waste)) == 2
     monkeypatch.setattr(prefill_mod.mx, "default_device", lambda: mx.Device(mx.gpu))
-    gpu = prefill_mod.Prefiller(Runtime(), 512, False, {})
+    gpu = prefill_mod.Prefiller(Runtime(), 512, False, Counters())
     assert len(prefill_mod.length_groups(lengths, gpu.padding_waste)) == 1
     assert len(prefill_mod.length_groups([16] + [600] * 3, gpu.padding_waste)) == 1
     assert len(prefill_mod.length_groups([10] * 4 + [600], gpu.padding_waste)) == 2  # 5 x 600 > 4 x 640

@@ -122,7 +122,7 @@ def test_one_controller_drafts_deep_at_one_stream_and_shallow_at_width_32():
 
 
 def pipelined(ctrl, cost, rates, rounds, width=1, noisy=None):
-    """Feed `ctrl` as the engine does (spec_rounds.py): a round's depth is chosen two rounds before
+    """Feed `ctrl` as the engine does (rounds.py): a round's depth is chosen two rounds before
     the round is read, and its time, cost[k] (or noisy(k, i) for the i-th timed round at depth k,
     where given), comes only when the round queued after it drafts as deep (None otherwise).
     Drafts pass with conditional rates by position. Returns the depths of the rounds."""
@@ -203,7 +203,7 @@ def test_no_tries_when_not_exploring():
 
 
 def test_one_stream_where_mtp_loses_settles_on_plain():
-    """The H200's width-1 GSM8K rounds (session 7, window 1): a plain round 2.6 ms (with the head
+    """The H200's width-1 GSM8K rounds: a plain round 2.6 ms (with the head
     left behind at depth 0, what plain decoding costs), depth 3 5.4 ms at ~1.55 tokens a verify
     (depth 1 4.0 ms, depth 2 4.7 ms): 0.38 tokens a ms plain against at most 0.36 drafting. The
     controller, fed as the engine feeds it, settles on plain decoding and still tries drafting."""
@@ -255,8 +255,8 @@ MTP_COST = {0: 3.0e-3, 1: 4.8e-3, 2: 5.1e-3, 3: 5.4e-3}
 def test_one_slow_round_does_not_move_the_depth_that_pays():
     """Depth 3 pays (2.44 tokens for 5.4 ms against depth 2's 2.14 for 5.1). One round of it timed
     40 ms (a host hiccup): the depth's cost is the median of its last rounds, so the controller stays
-    (before: an average taking 0.3 of each round put depth 3 at 15.8 ms, and depth 2 ran until tries
-    of depth 3 had brought the average back)."""
+    (an average taking 0.3 of each round would put depth 3 at 15.8 ms, and run depth 2 until tries of
+    depth 3 brought the average back)."""
     prior = [0.68] * 4
     ctrl = DepthController(3, prior=prior)
     chosen = _mtp_rounds(ctrl, MTP_COST, 200, slow={60: 0.040}, a=0.68)
@@ -268,7 +268,7 @@ def test_from_plain_decoding_the_deepest_depth_is_tried_again():
     """Depth 3 timed high once while it was the only drafting depth measured (the device busy
     elsewhere), so plain decoding looks best. Depth 1 loses to plain (the head's commit is a fixed
     cost), and tries from plain decoding alternate depth 1 and the deepest depth: depth 3 is
-    measured again and the controller goes back to it (before: tries of depth 1 only, plain for good)."""
+    measured again and the controller goes back to it (with tries of depth 1 only, plain for good)."""
     from mtplx import depth
 
     ctrl = DepthController(3, prior=[0.68] * 4)

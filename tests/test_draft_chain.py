@@ -1,4 +1,4 @@
-"""The draft-model method's proposal (mtplx/draft_chain.py, DraftModelDrafter).
+"""The draft-model method's proposal (mtplx/drafting/draft_model.py).
 
 - A round of depth K runs the draft model K times (its cache one token behind the target's), as
   mlx-lm's speculative_generate_step does, and, compiled, is one program call.
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.draft_chain import MAX_BACKLOG
-from mtplx.draft_model import DraftModelDrafter
+from mtplx.drafting.draft_model import MAX_BACKLOG
+from mtplx.drafting.draft_model import DraftModelDrafter
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
@@ -81,7 +81,7 @@ def test_compiled_drafts_equal_eager_drafts_round_after_round(pair, sampled):
         assert np.array_equal(eager.cache.rows.host, compiled.cache.rows.host)
         pending = mx.array(nxt)
     assert compiled.bank.stats["compiled_calls"] == 3 and compiled.bank.stats["eager_calls"] == 0
-    assert compiled.bank.stats["programs"] == 1  # one program serves every round of its shape
+    assert len(compiled.bank.programs.built) == 1  # one program serves every round of its shape
 
 
 def test_a_round_of_depth_k_runs_the_draft_model_k_times(pair):
@@ -140,7 +140,7 @@ def test_rounds_without_drafts_feed_nothing_and_greedy_output_stays_plain(tiny_m
     if compiled == "on" and draft_arch == "llama":
         assert eng.drafter.bank.stats["compiled_calls"] > 0
     # forwards: prefills, one per drafting step, and backlog catch-ups: far fewer than rounds
-    assert counting.calls < eng.counters["rounds"] / 2, (counting.calls, eng.counters["rounds"])
+    assert counting.calls < eng.counters.rounds / 2, (counting.calls, eng.counters.rounds)
     cache = eng.drafter.cache
     assert np.array_equal(cache.rows.host, np.array(cache.rows.device))
 
@@ -178,7 +178,7 @@ def test_each_shape_drafts_through_the_chain_measured_faster(tiny_model, compile
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=2, order="input"))
     d, now = eng.drafter, [0.0]
     d.clock = lambda: now[0]
-    propose, eager = d.bank.propose, d._eager_chain
+    propose, eager = d.bank.propose, d.eager_chain
 
     def charged(fn, ms):
         def run(*a, **k):
@@ -186,7 +186,7 @@ def test_each_shape_drafts_through_the_chain_measured_faster(tiny_model, compile
             return fn(*a, **k)
         return run
 
-    d.bank.propose, d._eager_chain = charged(propose, compiled_ms), charged(eager, eager_ms)
+    d.bank.propose, d.eager_chain = charged(propose, compiled_ms), charged(eager, eager_ms)
     out = {r.key: r for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
     for i, (p, m) in enumerate(rows):
         assert out[i].tokens == reference_tokens(bundle.model, p, m, eos), i

@@ -5,9 +5,9 @@ finish at different times and new rows take their slots. Widths (`schedule.max_b
 7 and 32, every method, on the hybrid qwen3_next (the hardest cache: recurrent state plus
 attention KV per row) and on llama. The reference is mlx-lm's `generate_step`, one row alone.
 
-The engine is observed through a subclass that records, before every decode round, how many
-rows are in flight and whether a request waits (the round's `drained`, known since the engine
-reads a request ahead when an admission fills the batch: generation.PEEK_SOURCE): while requests
+The engine's rounds are observed before every call: how many rows are in flight and whether a
+request waits (`drained`, known since the scheduler reads a request ahead when an admission fills
+the batch): while requests
 remain, every slot must be busy (a finished row's slot is refilled before the next round).
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.drafters import NgramDrafter
+from mtplx.drafting.ngram import NgramDrafter
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
@@ -31,20 +31,11 @@ NARROW_ROWS = 8  # rows used at widths 1 and 2 (each round is one or two rows: k
 
 
 
-class RecordingEngine(Engine):
-    """Logs (rows in flight, batch width, whether a request waits) before every decode round."""
-
-    def generate(self, requests):
-        self.log = []
-        return super().generate(requests)
-
-    def _round(self, slots, active, cache, **kw):
-        self.log.append((int(active.sum()), len(slots), not kw.get("drained")))
-        return super()._round(slots, active, cache, **kw)
-
-    def _plain_rounds(self, slots, active, cache, **kw):  # no drafter: rounds run one ahead until rows end
-        self.log.append((int(active.sum()), len(slots), not kw.get("drained")))
-        return super()._plain_rounds(slots, active, cache, **kw)
+def recording(eng: Engine) -> Engine:
+    """Logs (rows in flight, batch width, whether a request waits) in `eng.log` before every call of rounds."""
+    eng.log, run = [], eng.rounds.run
+    eng.rounds.run = lambda sched: (eng.log.append((sched.live, len(sched.slots), not sched.drained)), run(sched))[1]
+    return eng
 
 
 class OracleDrafter(NgramDrafter):
@@ -103,11 +94,11 @@ class Family:
             method="ngram" if method == "oracle" else method, depth=3, compiled_verify="on",
             draft_model=str(self.draft_path) if method == "draft" else None,
         )
-        eng = RecordingEngine(self.bundle, spec, ScheduleConfig(max_batch=width))
+        drafter = None
         if method == "oracle":
             vocab = self.bundle.model.model.embed_tokens.weight.shape[0]
-            eng.drafter = OracleDrafter({tuple(p): r for (p, _), r in zip(self.rows, self.long_refs)}, vocab)
-        return eng
+            drafter = OracleDrafter({tuple(p): r for (p, _), r in zip(self.rows, self.long_refs)}, vocab)
+        return recording(Engine(self.bundle, spec, ScheduleConfig(max_batch=width), drafter=drafter))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mtplx.cache import BatchCache
+from mtplx.cache import BatchCache, layer_kinds
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.graphbank import CompiledVerifyBank, CompiledVerifyParityError
@@ -60,20 +60,20 @@ class Target:
             assert r.error is None and r.tokens == ref
 
 
+def _compiled_outputs(bank, change):
+    """Make every compiled program of `bank` return `change(its outputs)`."""
+    real = bank.programs.call
+
+    def call(key, build, *args):
+        out = real(key, build, *args)
+        return None if out is None else change(list(out))
+
+    bank.programs.call = call
+
+
 def _perturb(bank):
     """Make every compiled program return slightly scaled logits (the argmax is unchanged)."""
-    real = bank._program
-
-    def program(key, kinds):
-        fn = real(key, kinds)
-
-        def noisy(*args):
-            out = fn(*args)
-            return (out[0] * (1 + 1e-3),) + tuple(out[1:])
-
-        return noisy
-
-    bank._program = program
+    _compiled_outputs(bank, lambda out: (out[0] * (1 + 1e-3),) + tuple(out[1:]))
 
 
 @pytest.fixture(scope="module")
@@ -115,20 +115,14 @@ def test_parity_raises_when_the_compiled_program_writes_a_different_cache(target
     the program writes as well."""
     t = targets(family)
     eng = t.engine("parity")
-    real = eng.bank._program
+    kinds = len(layer_kinds(eng.model))
 
-    def program(key, kinds):
-        fn = real(key, kinds)
+    def bad_cache(out):
+        for i in range(kinds):
+            out[2 + 2 * i + 1] = out[2 + 2 * i + 1] * 1.05  # values (kv) or states (gdn)
+        return tuple(out)
 
-        def bad_cache(*args):
-            out = list(fn(*args))
-            for i in range(len(kinds)):
-                out[2 + 2 * i + 1] = out[2 + 2 * i + 1] * 1.05  # values (kv) or states (gdn)
-            return tuple(out)
-
-        return bad_cache
-
-    eng.bank._program = program
+    _compiled_outputs(eng.bank, bad_cache)
     with pytest.raises(CompiledVerifyParityError, match="cache"):
         t.run(eng)
 
@@ -159,7 +153,7 @@ def _rounds(r):
 
 def test_parity2_counts_plain_rounds_per_row(targets):
     """Plain decoding goes through the bank too: each row's parity failures and compiled calls
-    are recorded for every round (they were not recorded at all without drafting)."""
+    are recorded for every round, drafting or not."""
     t = targets("qwen3")
     eng = t.engine("parity2", method="none", perturb=True)
     results = t.run(eng)
@@ -277,7 +271,7 @@ def test_a_verify_past_the_growth_budget_compiles_no_larger_program(targets):
         assert bank.stats["request_max_tokens"] == budget
         logits, _, compiled, _ = bank.verify(verify, cache)
         assert compiled is compiled_expected and logits.shape[:2] == (1, 4)
-        assert bank.stats["programs"] == (1 if compiled_expected else 0)
+        assert len(bank.programs.built) == (1 if compiled_expected else 0)
         if not compiled_expected:
             assert any("growth budget" in r for r in bank.stats["fallback_reasons"]), bank.stats
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.drafters import NgramDrafter
+from mtplx.drafting.ngram import NgramDrafter
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
@@ -76,9 +76,7 @@ class Ctx:
             method=method, depth=depth, adaptive_depth=False, compiled_verify=compiled,
             draft_model=str(draft_model) if draft_model else None,
         )
-        eng = Engine(self.bundle, spec, ScheduleConfig(max_batch=max_batch))
-        if drafter is not None:
-            eng.drafter = drafter
+        eng = Engine(self.bundle, spec, ScheduleConfig(max_batch=max_batch), drafter=drafter)
         results = {r.key: r for r in eng.generate(self.requests())}
         assert sorted(results) == list(range(len(PROMPTS)))
         return eng, [results[i] for i in range(len(PROMPTS))]
@@ -280,12 +278,13 @@ def test_greedy_identity_when_rows_stop_at_eos(tiny_model, method):
             method="ngram" if method == "oracle" else method, depth=depth, adaptive_depth=False,
             compiled_verify="off", draft_model=str(target) if method == "draft" else None,
         )
-        eng = Engine(bundle, spec, ScheduleConfig(max_batch=5))
+        drafter = None
         if method == "oracle":  # right up to (and through) eos, then wrong
             fake = Ctx.__new__(Ctx)
             fake.prompts, fake.long_refs, fake.bundle = prompts, through_eos, bundle
             fake.max_tokens = [max_tokens] * len(prompts)
-            eng.drafter = OracleDrafter(fake, lambda rnd, slot, K: K)
+            drafter = OracleDrafter(fake, lambda rnd, slot, K: K)
+        eng = Engine(bundle, spec, ScheduleConfig(max_batch=5), drafter=drafter)
         reqs = [Request(i, p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
         got = {r.key: r for r in eng.generate(reqs)}
         for i, ref in enumerate(refs):

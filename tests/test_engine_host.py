@@ -1,10 +1,10 @@
 """Host work per decode step: what the plain decoding loop does on the host besides the forward."""
 
-import mtplx.generation as generation
+import mtplx.rounds as rounds_mod
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.models.loading import load
-from mtplx.spec_rounds import REFILL_AT
+from mtplx.rounds import REFILL_AT
 from mtplx.request import Request, SamplingParams
 from tiny_models import reference_tokens
 
@@ -16,12 +16,12 @@ def _requests(n, temperature=0.0):
 
 def test_greedy_plain_rounds_draw_no_uniforms_and_keep_the_text(tiny_model, monkeypatch):
     """All-greedy plain decoding draws nothing from the rows' generators (a numpy round trip per
-    row and step before), and its tokens are still mlx-lm's own greedy ones; sampled rows draw."""
+    row and step), and its tokens are still mlx-lm's own greedy ones; sampled rows draw."""
     bundle = load(tiny_model("llama"))
     engine = Engine(bundle, SpeculativeConfig(method="none"), ScheduleConfig(max_batch=4))
     calls = []
-    real = generation.uniforms
-    monkeypatch.setattr(generation, "uniforms", lambda rng: (calls.append(1), real(rng))[1])
+    real = rounds_mod.uniforms
+    monkeypatch.setattr(rounds_mod, "uniforms", lambda rng: (calls.append(1), real(rng))[1])
     out = {r.key: r.tokens for r in engine.generate(_requests(4))}
     assert not calls
     for req in _requests(4):
@@ -37,10 +37,10 @@ def test_no_plain_round_is_queued_past_the_last_rows_length(tiny_model):
     bundle = load(tiny_model("llama"))
     for width, compiled in ((1, "on"), (1, "off"), (3, "on")):
         engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify=compiled), ScheduleConfig(max_batch=width))
-        engine.eos = set()  # every row runs to max_tokens
+        engine.eos.clear()  # every row runs to max_tokens
         forwards = []
-        real = engine._verify
-        engine._verify = lambda tokens, cache, *a: (forwards.append(tokens.shape[0]), real(tokens, cache, *a))[1]
+        real = engine.rounds.verify
+        engine.rounds.verify = lambda tokens, cache, *a: (forwards.append(tokens.shape[0]), real(tokens, cache, *a))[1]
         reqs = _requests(3)
         out = {r.key: r for r in engine.generate(reqs)}
         assert all(r.finish_reason == "length" and len(r.tokens) == 12 for r in out.values())
@@ -60,13 +60,13 @@ def test_with_requests_waiting_plain_rounds_refill_several_slots_at_once(tiny_mo
         engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify=compiled), ScheduleConfig(max_batch=16))
         many = [Request(key=i, prompt_tokens=[3 + i % 7, 17, 9, 40 + i % 5], params=SamplingParams(max_tokens=4 + (i * 7) % 23))
                 for i in range(40)]
-        freed, inner = [], engine._plain_rounds
+        freed, inner = [], engine.rounds.run
 
-        def counted(slots, active, cache, drained=False):
-            yield from inner(slots, active, cache, drained=drained)
-            freed.append((drained, sum(s is None for s in slots), sum(s is not None for s in slots), len(slots)))
+        def counted(sched):
+            yield from inner(sched)
+            freed.append((sched.drained, sum(s is None for s in sched.slots), sched.live, len(sched.slots)))
 
-        engine._plain_rounds = counted
+        engine.rounds.run = counted
         out = {r.key: r.tokens for r in engine.generate(many)}
         for req in many:
             assert out[req.key] == reference_tokens(bundle.model, req.prompt_tokens, req.params.max_tokens, engine.eos)

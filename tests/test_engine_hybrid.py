@@ -142,7 +142,7 @@ def test_hybrid_draft_model_rolls_back_after_a_partial_accept(tiny_model):
     """A hybrid draft model (DraftModelDrafter) must also drop the rejected drafts from its
     recurrent state: after a partial accept its next proposal equals the proposal of a draft
     that only ever saw the accepted text."""
-    from mtplx.draft_model import DraftModelDrafter
+    from mtplx.drafting.draft_model import DraftModelDrafter
     from mtplx.request import SamplingParams
     from mtplx.sampling import SamplerBatch
 
@@ -181,7 +181,7 @@ def test_hybrid_draft_model_prefix_sharing_snapshots_at_the_edge(tiny_model, tar
     """Rows sharing a stable prefix start the draft model from the leader's state at the prefix
     edge, not after the leader's whole prompt. The draft is the hybrid qwen3_next itself: its
     drafts are the target's own greedy tokens when its state is right, so every draft of every
-    row is accepted (with a state from past the edge, followers' drafts were mostly rejected).
+    row is accepted (with a state from past the edge, followers' drafts would mostly be rejected).
     The recurrent state cannot be cut back to the edge afterwards: asking for it is an error."""
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine

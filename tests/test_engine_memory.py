@@ -3,8 +3,8 @@
 A row that fits alone but not beside the rows in flight waits for a slot; the rows admitted
 before it in the same pass still run (they were taken from the source). Budgets from 1 to 8
 rows' worth, rows of mixed prompt lengths and max_tokens, plain and speculative decoding. The
-engine is observed through a subclass that records the rows in flight before every round: their
-cache estimate never exceeds the budget.
+engine's rounds are observed before every call: the rows in flight's cache estimate never exceeds
+the budget.
 """
 
 from __future__ import annotations
@@ -20,20 +20,17 @@ from mtplx.request import Request, SamplingParams
 from tiny_models import reference_tokens
 
 
-class InFlightEngine(Engine):
-    """Logs (rows in flight, their cache bytes) before every decode round."""
+def in_flight(eng: Engine) -> Engine:
+    """Logs (rows in flight, their cache bytes) in `eng.log` before every call of rounds."""
+    eng.log, run = [], eng.rounds.run
 
-    def _log(self, slots):
-        live = [s for s in slots if s is not None]
-        self.log.append((len(live), sum(self.row_bytes(len(s.req.prompt_tokens), s.max_tokens) for s in live)))
+    def logged(sched):
+        live = [s for s in sched.slots if s is not None]
+        eng.log.append((len(live), sum(eng.row_bytes(len(s.req.prompt_tokens), s.max_tokens) for s in live)))
+        return run(sched)
 
-    def _round(self, slots, active, cache, **kw):
-        self._log(slots)
-        return super()._round(slots, active, cache, **kw)
-
-    def _plain_rounds(self, slots, active, cache, **kw):
-        self._log(slots)
-        return super()._plain_rounds(slots, active, cache, **kw)
+    eng.rounds.run = logged
+    return eng
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +58,7 @@ def test_every_row_comes_back_once_under_a_memory_budget(setup, method, rows_wor
     probe = Engine(bundle, spec, ScheduleConfig(max_batch=8))
     sizes = [probe.row_bytes(len(p), m) for p, m in rows]
     budget = rows_worth * max(sizes)
-    eng = InFlightEngine(bundle, spec, ScheduleConfig(max_batch=8, memory_budget=budget))
-    eng.log = []
+    eng = in_flight(Engine(bundle, spec, ScheduleConfig(max_batch=8, memory_budget=budget)))
     requests = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
     keys = [r.key for r in eng.generate(requests)]
     assert sorted(keys) == list(range(len(rows))), f"rows lost or doubled at {rows_worth} rows' worth: {sorted(keys)}"

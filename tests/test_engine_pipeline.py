@@ -17,7 +17,8 @@ import pytest
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.models.loading import load
-from mtplx.spec_rounds import REFILL_AT
+from mtplx import rounds as rounds_mod
+from mtplx.rounds import REFILL_AT
 from mtplx.request import Request, SamplingParams
 from tiny_models import reference_tokens, untrained_head
 
@@ -47,33 +48,25 @@ def _requests(rows):
     return [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
 
 
-def _count_folded(eng, events):
-    """A round's verify folded with its acceptance (spec_rounds._verify_round) is a verify too."""
-    folded = eng._verify_round
-
-    def counted(*a):
-        out = folded(*a)
-        if out is not None:
-            events.append("verify")
-        return out
-    eng._verify_round = counted
+def _trace(eng, events):
+    """Events in order: "queue" for every round queued (launched), "read" for every round read."""
+    launch, read = eng.rounds.launch, eng.rounds.read
+    eng.rounds.launch = lambda *a, **k: (events.append("queue"), launch(*a, **k))[1]
+    eng.rounds.read = lambda f: (events.append("read"), read(f))[1]
 
 
 @pytest.mark.parametrize("method", ["mtp", "mtp-lookup", "draft"])
 def test_the_next_round_is_queued_before_this_one_is_read(setup, method):
     eng = _engine(setup, method, 4)
     events = []
-    verify, read = eng._verify, eng._read
-    eng._verify = lambda *a: (events.append("verify"), verify(*a))[1]
-    _count_folded(eng, events)
-    eng._read = lambda f: (events.append("read"), read(f))[1]
+    _trace(eng, events)
     list(eng.generate(_requests(setup[3])))
     queued, ahead = 0, []
     for e in events:
-        queued += 1 if e == "verify" else -1
+        queued += 1 if e == "queue" else -1
         if e == "read":
             ahead.append(queued)  # rounds still queued, unread, after this read
-    assert len(ahead) == eng.counters["rounds"] == eng.counters["host_reads"]
+    assert len(ahead) == eng.counters.rounds == eng.counters.host_reads
     assert min(ahead) >= 0 and max(ahead) == 1
     # every read but the last of each call (the pipeline drains when a row's slot can be refilled)
     # finds the following round already queued
@@ -97,8 +90,8 @@ def test_a_decode_round_reads_the_device_once(setup, method, monkeypatch):
     real = mx.eval
     monkeypatch.setattr(mx, "eval", lambda *a, **k: (evals.append(in_prefill[0]), real(*a, **k))[1])
     list(eng.generate(_requests(setup[3])))
-    assert eng.counters["rounds"] > 5
-    assert eng.counters["host_reads"] == eng.counters["rounds"]
+    assert eng.counters.rounds > 5
+    assert eng.counters.host_reads == eng.counters.rounds
     assert not [e for e in evals if not e], "mx.eval in a decode round"
 
 
@@ -151,8 +144,8 @@ def test_synchronous_mtp_rounds_keep_exact_lengths(setup, lookup):
     d = eng.drafter
     d.__class__ = type("SynchronousMtpDrafter", (type(d),), {"device_side": False})
     rounds = []
-    land = eng._land
-    eng._land = lambda *a: (rounds.append(eng.drafter.cache.rows.unread), land(*a))[1]
+    land = eng.rounds.land
+    eng.rounds.land = lambda *a: (rounds.append(eng.drafter.cache.rows.unread), land(*a))[1]
     out = {r.key: r.tokens for r in eng.generate(_requests(rows))}
     assert [out[i] for i in range(len(rows))] == refs
     assert rounds and set(rounds) == {0}
@@ -165,14 +158,14 @@ def test_a_pipelined_mtp_round_runs_two_programs(setup):
     _, _, _, rows, refs = setup
     eng = _engine(setup, "mtp", 4)
     calls = [0]
-    inner = eng._round
-    eng._round = lambda *a, **k: (calls.__setitem__(0, calls[0] + 1), (yield from inner(*a, **k)))[1]
+    inner = eng.rounds.run
+    eng.rounds.run = lambda sched: (calls.__setitem__(0, calls[0] + 1), (yield from inner(sched)))[1]
     out = {r.key: r.tokens for r in eng.generate(_requests(rows))}
     assert [out[i] for i in range(len(rows))] == refs
-    rounds, head = eng.counters["rounds"], eng.drafter.bank.stats
+    rounds, head = eng.counters.rounds, eng.drafter.bank.stats
     assert eng.bank.stats["compiled_calls"] == rounds and head["eager_calls"] == 0
     assert rounds > 2 * calls[0]
-    assert head["compiled_calls"] <= rounds + calls[0], (head, rounds, calls)  # two per round before
+    assert head["compiled_calls"] <= rounds + calls[0], (head, rounds, calls)  # not two per round
 
 
 @pytest.mark.parametrize("method", ["mtp", "draft"])
@@ -185,71 +178,50 @@ def test_no_round_is_queued_past_the_last_rows_length(setup, method):
     assert [out[i].tokens for i in range(len(rows))] == refs
     forwards = sum(r.stats.compiled_verify_calls + r.stats.eager_verify_calls for r in out.values())
     at_eos = sum(r.finish_reason == "stop" for r in out.values())
-    assert forwards <= eng.counters["rounds"] <= forwards + at_eos, (forwards, eng.counters["rounds"], at_eos)
+    assert forwards <= eng.counters.rounds <= forwards + at_eos, (forwards, eng.counters.rounds, at_eos)
 
 
 @pytest.mark.parametrize("method", ["mtp", "mtp-lookup", "draft"])
 def test_an_admission_happens_behind_the_round_in_flight(setup, method, monkeypatch):
     """At full width with requests waiting, rows are admitted while the round queued before the
     admission is still unread: the pipeline runs empty (a read with no round queued behind it)
-    only where the batch drains at its end and narrows, not once per admission (it did before:
-    28 of 28 at width 8 here). The admitted rows' slots drop what that round made for the rows
-    that left them, and the text stays plain decoding's. An admission of prompts shorter than a
-    prefill chunk syncs only where it reads its first tokens: no mx.eval at all (before: 72, the
-    trunk's chunk and the drafter's per admission)."""
+    only where the batch drains at its end and narrows, not once per admission. The admitted rows'
+    slots drop what that round made for the rows that left them, and the text stays plain
+    decoding's. An admission of prompts shorter than a prefill chunk syncs only where it reads its
+    first tokens: no mx.eval at all."""
     bundle, _, _, rows, _ = setup
     eng = _engine(setup, method, 8)
-    eng.refill_at = 8  # an admission at every freed slot of width 8: many admissions (the default admits at 2)
+    monkeypatch.setattr(rounds_mod, "REFILL_AT", 8)  # an admission at every freed slot of width 8: many admissions
     evals, real = [0], mx.eval
     monkeypatch.setattr(mx, "eval", lambda *a, **k: (evals.__setitem__(0, evals[0] + 1), real(*a, **k))[1])
-    idle_lengths, launch = [], eng._launch  # a slot whose row has finished holds no entries (nothing to attend over)
+    events, idle_lengths = [], []  # a slot whose row has finished holds no entries (nothing to attend over)
+    _trace(eng, events)
+    launch = eng.rounds.launch
 
-    def launched(slots, cache, *a, **k):
-        idle_lengths.extend(int(cache.rows.host[i]) for i, s in enumerate(slots) if s is None)
-        idle_lengths.extend(int(eng.drafter.cache.rows.host[i]) for i, s in enumerate(slots) if s is None)
-        return launch(slots, cache, *a, **k)
+    def launched(sched, *a, **k):
+        idle = [i for i, s in enumerate(sched.slots) if s is None]
+        idle_lengths.extend(int(sched.cache.rows.host[i]) for i in idle)
+        idle_lengths.extend(int(eng.drafter.cache.rows.host[i]) for i in idle)
+        return launch(sched, *a, **k)
 
-    eng._launch = launched
+    eng.rounds.launch = launched
     many = [(rows[i % len(rows)][0], 4 + (i * 7) % 23) for i in range(40)]
-    events, admissions = [], [0]
-    verify, read, admit = eng._verify, eng._read, eng._admit
-    eng._verify = lambda *a: (events.append("verify"), verify(*a))[1]
-    _count_folded(eng, events)
-    eng._read = lambda f: (events.append("read"), read(f))[1]
-
-    def counted(batch):
-        before = sum(s is not None for s in batch.slots)
-        again = yield from admit(batch)
-        admissions[0] += sum(s is not None for s in batch.slots) > before
-        return again
-
-    eng._admit = counted
     out = {r.key: r.tokens for r in eng.generate(_requests(many))}
     monkeypatch.setattr(mx, "eval", real)
     for i, (p, m) in enumerate(many):
         assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i
     queued, emptied = 0, 0
     for e in events:
-        queued += 1 if e == "verify" else -1
+        queued += 1 if e == "queue" else -1
         emptied += e == "read" and queued == 0
-    assert admissions[0] >= 20
+    assert eng.counters.admissions >= 20
     # the end (one read) and narrowing 8 -> 4 -> 2 -> 1 (a CPU narrows a drained batch), a round or two
     # where no row could go on past the one in flight
-    assert emptied <= 6, (emptied, admissions)
+    assert emptied <= 6, (emptied, eng.counters.admissions)
     assert evals[0] == 0
     assert idle_lengths and set(idle_lengths) == {0}, idle_lengths
     cache = eng.drafter.cache
     assert np.array_equal(cache.rows.host, np.array(cache.rows.device))
-    if method == "mtp":  # the old path, kept for benchmarks (round_cost's 'd'): every admission empties it
-        eng.carry_admissions = False
-        events.clear()
-        admissions[0] = 0
-        assert {r.key: r.tokens for r in eng.generate(_requests(many))} == out
-        queued, emptied = 0, 0
-        for e in events:
-            queued += 1 if e == "verify" else -1
-            emptied += e == "read" and queued == 0
-        assert emptied >= admissions[0] - 1 >= 20
 
 
 @pytest.mark.parametrize("method", ["mtp", "draft"])
@@ -259,8 +231,8 @@ def test_a_batch_that_narrows_after_an_admission_reads_the_carried_round_first(s
     bundle, _, _, rows, _ = setup
     eng = _engine(setup, method, 8)
     many = [(rows[i][0], 2) for i in range(7)] + [(rows[7][0], 24), (rows[8][0], 9)]
-    landed, inner = [], eng._land_carried
-    eng._land_carried = lambda slots, cache: (landed.append(eng._carried is not None), inner(slots, cache))[1]
+    landed, inner = [], eng.rounds.land_carried
+    eng.rounds.land_carried = lambda sched: (landed.append(eng.rounds.carried is not None), inner(sched))[1]
     out = {r.key: r.tokens for r in eng.generate(_requests(many))}
     for i, (p, m) in enumerate(many):
         assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i
@@ -276,13 +248,13 @@ def test_with_requests_waiting_a_wide_batch_refills_several_slots_at_once(setup)
     bundle, head, _, rows, _ = setup
     eng = _engine(setup, "mtp", 16)
     many = [(rows[i % len(rows)][0], 4 + (i * 7) % 23) for i in range(40)]
-    freed, inner = [], eng._round
+    freed, inner = [], eng.rounds.run
 
-    def counted(slots, active, cache, drained=False):
-        yield from inner(slots, active, cache, drained=drained)
-        freed.append((drained, sum(s is None for s in slots), any(s is not None for s in slots)))
+    def counted(sched):
+        yield from inner(sched)
+        freed.append((sched.drained, sum(s is None for s in sched.slots), sched.live > 0))
 
-    eng._round = counted
+    eng.rounds.run = counted
     out = {r.key: r.tokens for r in eng.generate(_requests(many))}
     for i, (p, m) in enumerate(many):
         assert out[i] == reference_tokens(bundle.model, p, m, eng.eos), i

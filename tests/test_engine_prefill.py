@@ -166,8 +166,8 @@ def test_length_groups_cover_every_row_once_and_bound_the_padding(lengths, waste
 
 
 def test_rows_of_very_different_lengths_prefill_in_length_groups_with_the_same_output(tiny_model):
-    """Many short prompts and one long one: grouped by length, the long one no longer pads the
-    rest (prefilled slots stay near the real tokens), and every row's text is unchanged."""
+    """Many short prompts and one long one: grouped by length, the long one does not pad the rest
+    (prefilled slots stay near the real tokens), and every row's text is unchanged."""
     from mtplx.config import ScheduleConfig, SpeculativeConfig
     from mtplx.generation import Engine
     from mtplx.models.loading import load
@@ -179,13 +179,13 @@ def test_rows_of_very_different_lengths_prefill_in_length_groups_with_the_same_o
 
     def run(max_batch):
         eng = Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"), ScheduleConfig(max_batch=max_batch))
-        many = eng.prefiller._many
+        group = eng.prefiller.group
 
         def counting(rows, keys):  # the padded slots each batched prefill spends
             slots.append(len(rows) * max(len(r.req.prompt_tokens) for r in rows))
-            return many(rows, keys)
+            return group(rows, keys)
 
-        eng.prefiller._many = counting
+        eng.prefiller.group = counting
         reqs = [Request(i, p, SamplingParams(max_tokens=8)) for i, p in enumerate(prompts)]
         return {r.key: r.tokens for r in eng.generate(reqs)}
 
@@ -211,12 +211,14 @@ def test_rows_sharing_a_prefix_are_copied_per_group_not_per_row(tiny_model, monk
     shared = list(range(3, 43))
     prompts = [shared + [50 + i] * (1 + i % 3) for i in range(16)]
 
-    def run(max_batch):
-        eng = Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"), ScheduleConfig(max_batch=max_batch))
+    def engine(max_batch):
+        return Engine(bundle, SpeculativeConfig(method="none", compiled_verify="off"), ScheduleConfig(max_batch=max_batch))
+
+    def run(eng):
         reqs = [Request(i, p, SamplingParams(max_tokens=4), stable_prefix_len=len(shared)) for i, p in enumerate(prompts)]
         return {r.key: r.tokens for r in eng.generate(reqs)}
 
-    alone = run(1)
+    alone, eng = run(engine(1)), engine(16)  # (the engine made before the count: its model probe places rows too)
     calls = {"write_row": 0, "put_rows": 0}
     for name in calls:
         real = getattr(cache_mod.RowKVCache, name)
@@ -226,7 +228,7 @@ def test_rows_sharing_a_prefix_are_copied_per_group_not_per_row(tiny_model, monk
             return _real(self, *a, **k)
 
         monkeypatch.setattr(cache_mod.RowKVCache, name, counted)
-    assert run(16) == alone
+    assert run(eng) == alone
     assert calls["write_row"] <= layers  # the prefix, stored once
     # leader alone, then the other rows as a few length groups: each group restores its prefix once,
     # and the placement gathers once per group cache

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import mtplx.graphbank
-import mtplx.spec_rounds
+import mtplx.rounds
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.models.loading import load
@@ -123,7 +123,7 @@ def setup(tiny_model, tmp_path_factory):
 def run_rows(bundle, draft, method, seed_base, rows=ROWS_PER_SETTING):
     """`method`-compiled: with the compiled programs (the verify, the draft model's proposal);
     `method`-refilled: compiled, 32 rows in flight, so rows stream in as others finish and each
-    admission happens behind a round still in flight (spec_rounds.py: `_carried`)."""
+    admission happens behind a round still in flight (rounds.py: `Rounds.carried`)."""
     refilled = method.endswith("-refilled")
     method, compiled = method.split("-")[0], "on" if method.endswith(("-compiled", "-refilled")) else "off"
     spec = SpeculativeConfig(
@@ -131,9 +131,9 @@ def run_rows(bundle, draft, method, seed_base, rows=ROWS_PER_SETTING):
         draft_model=draft["draft"] if method == "draft" else None, mtp_head=draft["mtp"] if method == "mtp" else None,
     )
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=32 if refilled else 128))
-    carried, land = [0], eng._land
-    eng._land = lambda slots, cache, flight, *a: (carried.__setitem__(0, carried[0] + any(
-        s is not None and s is not r for s, r in zip(slots, flight.rows))), land(slots, cache, flight, *a))[1]
+    carried, land = [0], eng.rounds.land
+    eng.rounds.land = lambda sched, flight, *a: (carried.__setitem__(0, carried[0] + any(
+        s is not None and s is not r for s, r in zip(sched.slots, flight.rows))), land(sched, flight, *a))[1]
     requests = []
     for name, params in SETTINGS.items():
         for i in range(rows):
@@ -149,7 +149,7 @@ def run_rows(bundle, draft, method, seed_base, rows=ROWS_PER_SETTING):
     stats["compiled_proposals"] = bank.stats["compiled_calls"] if bank is not None else 0
     stats["landed_past_an_admission"] = carried[0]  # rounds read after rows joined behind them
     # rounds whose verify and sampled acceptance were one program (graphbank.verify_round)
-    stats["folded_programs"] = sum(len(k) > 3 and k[3][0] == "sampled" for k in eng.bank._programs) if eng.bank else 0
+    stats["folded_programs"] = sum(len(k) > 3 and k[3][0] == "sampled" for k in eng.bank.programs.built) if eng.bank else 0
     return samples, stats
 
 
@@ -188,7 +188,7 @@ def _wrong_residual(p, drafts, q, u_accept, u_next, limit=None):
 @pytest.mark.parametrize("method", ["ngram", "draft", "mtp", "draft-compiled", "mtp-compiled"])
 def test_a_wrong_residual_is_detected(setup, method, monkeypatch):
     bundle, draft, exact = setup
-    monkeypatch.setattr(mtplx.spec_rounds, "accept_sampled", _wrong_residual)
+    monkeypatch.setattr(mtplx.rounds, "accept_sampled", _wrong_residual)
     monkeypatch.setattr(mtplx.graphbank, "accept_sampled", _wrong_residual)  # the round program's (verify_round)
     samples, _ = run_rows(bundle, draft, method, SEEDS[method], rows=WRONG_ROWS_PER_SETTING)
     worst = {name: min(p for _, _, _, p in distribution_tests(samples[name], exact[name])) for name in SETTINGS}

@@ -3,7 +3,7 @@
 On a CPU a round's cost follows its width, so a drained batch narrows to a power of two once half
 its slots are idle. On a GPU a round of up to 32 rows costs about what one row's does, and every
 narrower width compiles verify and draft programs of its own for a job's last few rounds (a short
-job's fixed cost): there the batch keeps its width (`Engine.TAIL_KEEPS_WIDTH`, by device). Either
+job's fixed cost): there the batch keeps its width (`tail_keeps_width`, by device). Either
 way the output is plain decoding's, token for token. And when every row in flight is within the
 round's depth of its max_tokens, each drafts only what it can still emit but the round keeps its
 shape, so the last rounds compile no shorter verify or draft programs.
@@ -35,27 +35,29 @@ def setup(tiny_model, tmp_path_factory):
     return bundle, str(head), rows, [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
 
 
-def _run(setup, method, keeps):
+def _run(setup, method, keeps, monkeypatch):
+    from mtplx import scheduler
+
     bundle, head, rows, refs = setup
+    monkeypatch.setattr(scheduler, "tail_keeps_width", lambda: keeps)
     spec = SpeculativeConfig(method=method, depth=3, adaptive_depth=False, mtp_head=head if method == "mtp" else None)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=WIDTH, order="input"))
-    eng.TAIL_KEEPS_WIDTH = keeps
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
     out = {r.key: r.tokens for r in eng.generate(reqs)}
     assert [out[i] for i in range(len(rows))] == refs  # plain decoding's tokens either way
-    widths = {key[0] for key in eng.bank._programs}
+    widths = {key[0] for key in eng.bank.programs.built}
     head_bank = getattr(eng.drafter, "bank", None)
-    head_widths = {key[1] for key in head_bank._programs} if head_bank is not None else set()
-    lengths = {key[1] for key in eng.bank._programs}
+    head_widths = {key[1] for key in head_bank.programs.built} if head_bank is not None else set()
+    lengths = {key[1] for key in eng.bank.programs.built}
     return widths, head_widths, lengths
 
 
 @pytest.mark.parametrize("method", ["none", "ngram", "mtp"])
-def test_a_drained_batch_keeps_its_width_where_narrowing_does_not_pay(setup, method):
-    widths, head_widths, _ = _run(setup, method, keeps=WIDTH)
+def test_a_drained_batch_keeps_its_width_where_narrowing_does_not_pay(setup, method, monkeypatch):
+    widths, head_widths, _ = _run(setup, method, WIDTH, monkeypatch)
     assert widths == {WIDTH}, widths  # no program compiled for a narrower tail
     assert head_widths <= {WIDTH}
-    narrowed, head_narrowed, _ = _run(setup, method, keeps=1)  # the CPU rule: the tail narrows
+    narrowed, head_narrowed, _ = _run(setup, method, 1, monkeypatch)  # the CPU rule: the tail narrows
     assert min(narrowed) < WIDTH and WIDTH in narrowed, narrowed
     if method == "mtp":
         assert min(head_narrowed) < WIDTH
@@ -64,28 +66,23 @@ def test_a_drained_batch_keeps_its_width_where_narrowing_does_not_pay(setup, met
 def test_the_rule_follows_the_device():
     import mlx.core as mx
 
-    expected = 32 if mx.default_device().type == mx.DeviceType.gpu else 1
-    assert Engine.TAIL_KEEPS_WIDTH is None
-    assert Engine.tail_keeps_width.fget(Engine.__new__(Engine)) == expected
+    from mtplx import scheduler
+
+    assert scheduler.tail_keeps_width() == (32 if mx.default_device().type == mx.DeviceType.gpu else 1)
 
 
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
-def test_the_last_rounds_keep_the_rounds_shape(setup, method):
+def test_the_last_rounds_keep_the_rounds_shape(setup, method, monkeypatch):
     """Rows within the depth of their max_tokens draft fewer (their own limit), but the round keeps
     its K: a fixed depth compiles verify programs of one length only, whatever the rows' ends."""
-    _, _, lengths = _run(setup, method, keeps=WIDTH)
+    _, _, lengths = _run(setup, method, WIDTH, monkeypatch)
     assert lengths == {4}, lengths  # depth 3: [pending, d1, d2, d3]
 
 
-@pytest.mark.parametrize("reserve", [False, True])
-def test_the_mtp_lookup_history_and_the_head_cache_cross_a_capacity_bucket_together(setup, monkeypatch, reserve):
+def test_the_mtp_lookup_history_and_the_head_cache_cross_a_capacity_bucket_together(setup):
     """With `mtp_lookup` the head's programs are keyed by the head cache's capacity and the row
-    history's: they grow in one step, so no program is compiled for the one round where only one
-    of the two had crossed a bucket. Both grown at once to what the rows can reach
-    (generation.RESERVE_CAPACITY): one capacity, both."""
-    from mtplx import generation
-
-    monkeypatch.setattr(generation, "RESERVE_CAPACITY", reserve)
+    history's: both are grown at admission to what the rows can reach, so every program has one
+    capacity, the same for both."""
     bundle, head, _, _ = setup
     rng = np.random.default_rng(4)
     rows = [(rng.integers(3, 400, n).tolist(), m) for n, m in [(220, 40), (226, 36), (231, 30), (240, 24)]]
@@ -95,6 +92,6 @@ def test_the_mtp_lookup_history_and_the_head_cache_cross_a_capacity_bucket_toget
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
     out = {r.key: r.tokens for r in eng.generate(reqs)}
     assert [out[i] for i in range(len(rows))] == [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
-    keys = list(eng.drafter.bank._programs)
-    assert {k[3] for k in keys} == ({512} if reserve else {256, 512}), keys  # the rows crossed a bucket
+    keys = list(eng.drafter.bank.programs.built)
+    assert {k[3] for k in keys} == {512}, keys  # the rows cross 256 entries: grown to 512 at once
     assert all(k[3] == k[-1] for k in keys), keys  # head cache capacity == history capacity in every program

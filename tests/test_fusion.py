@@ -230,7 +230,7 @@ def test_the_drafting_vocabularys_projection_keeps_its_values_as_a_vector_produc
     CUDA a one-row projection is then MLX's gemv, not a cuBLAS GEMM): the same logits."""
     import mtplx.kernels.fusion as fusion
     from mtplx.models.mtp import load_head
-    from mtplx.mtp_draft import DraftVocab
+    from mtplx.drafting.mtp_bank import DraftVocab
 
     from tiny_models import untrained_head
 

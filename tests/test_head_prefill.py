@@ -1,4 +1,4 @@
-"""The MTP head's prefill of a length group in one batched forward per chunk (head_prefill.py).
+"""The MTP head's prefill of a length group in one batched forward per chunk (MtpDrafter.prefill_rows).
 
 - Each row's state equals what `MtpDrafter.prefill_row` builds for it alone: head KV over the
   row's length, first-draft logits, head hidden, and (with lookup) its context; over several
@@ -16,7 +16,6 @@ import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
-from mtplx.head_prefill import head_prefill_rows
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
 from test_mtp_draft import _sidecar
@@ -36,11 +35,11 @@ def test_batched_head_prefill_equals_prefill_row(tiny_model, tmp_path, lookup):
     d.chunk = 16  # several head chunks; rows end in different ones
     rng = np.random.default_rng(3)
     prompts = [rng.integers(5, 200, int(n)).tolist() for n in (40, 33, 5, 17, 16)]
-    rows = [eng._new_row(Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=4)))[0]
+    rows = [eng.scheduler.new_row(Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=4)))[0]
             for i, p in enumerate(prompts)]
-    results, firsts = eng.prefiller._many(rows, [None] * len(rows))
+    results, firsts = eng.prefiller.group(rows, [None] * len(rows))
     # the first tokens as the prefiller hands them over (on the device, not read); prefill_row gets ints
-    got = head_prefill_rows(d, prompts, [r[1] for r in results], firsts)
+    got = d.prefill_rows(prompts, [r[1] for r in results], firsts)
     for p, res, first, state in zip(prompts, results, np.array(firsts).tolist(), got):
         ref = d.prefill_row(p, res[1], first)
         assert int(state[0].lengths[0]) == int(ref[0].lengths[0]) == len(p)
@@ -83,7 +82,7 @@ def test_greedy_output_is_plain_decoding_at_widths(tiny_model, tmp_path, width):
 
 
 def _prefix_rows(eng, shared, suffixes):
-    return [eng._new_row(Request(key=i, prompt_tokens=shared + s, params=SamplingParams(max_tokens=6),
+    return [eng.scheduler.new_row(Request(key=i, prompt_tokens=shared + s, params=SamplingParams(max_tokens=6),
                                  stable_prefix_len=len(shared)))[0] for i, s in enumerate(suffixes)]
 
 
@@ -99,14 +98,14 @@ def test_batched_head_prefill_of_restored_prefix_rows_equals_prefill_row(tiny_mo
     shared = rng.integers(5, 200, 20).tolist()
     eng.prefiller.run(_prefix_rows(eng, shared, [[7, 8]]), d)  # the leader: stores the prefix
     rows = _prefix_rows(eng, shared, [rng.integers(5, 200, int(n)).tolist() for n in (3, 11, 1, 17)])
-    rows.append(eng._new_row(Request(key=9, prompt_tokens=rng.integers(5, 200, 14).tolist(),
+    rows.append(eng.scheduler.new_row(Request(key=9, prompt_tokens=rng.integers(5, 200, 14).tolist(),
                                      params=SamplingParams(max_tokens=6)))[0])  # no prefix
-    keys = [eng.prefiller.store.key(r.req.prompt_tokens, eng.prefiller._edge(r)) for r in rows]
-    results, firsts = eng.prefiller._many(rows, keys)
+    keys = [eng.prefiller.store.key(r.req.prompt_tokens, eng.prefiller.edge(r)) for r in rows]
+    results, firsts = eng.prefiller.group(rows, keys)
     assert [res[2] is not None for res in results] == [True] * 4 + [False]
     prefixes = [res[2][1] if res[2] is not None else None for res in results]
     firsts = np.array(firsts).tolist()
-    got = head_prefill_rows(d, [r.req.prompt_tokens for r in rows], [r[1] for r in results], firsts, prefixes)
+    got = d.prefill_rows([r.req.prompt_tokens for r in rows], [r[1] for r in results], firsts, prefixes)
     for row, res, first, prefix, state in zip(rows, results, firsts, prefixes, got):
         p = row.req.prompt_tokens
         ref = d.prefill_row(p, res[1], first, prefix)
@@ -138,7 +137,7 @@ def test_rows_sharing_a_restored_prefix_prefill_the_head_together(tiny_model, tm
     out = {r.key: r.tokens for r in eng.generate(reqs)}
     for i, p in enumerate(prompts):
         assert out[i] == reference_tokens(bundle.model, p, 6, eng.eos)
-    assert eng.counters["cached_prompt_tokens"] == (N - 1) * len(shared)
+    assert eng.counters.cached_prompt_tokens == (N - 1) * len(shared)
     assert (N - 1) in forwards, forwards  # the seven rows after the leader, in one head forward
     # the leader: its two trunk spans (split at the edge) and its head chunk; the group: one trunk and one head chunk
     assert len(calls) <= 5 < 2 + 1 + 1 + (N - 1), calls
@@ -148,11 +147,11 @@ def _count_prefill_evals(eng, monkeypatch) -> list:
     """A list that gets one entry per mx.eval made inside the engine's prefills."""
     calls, run = [], eng.prefiller.run
 
-    def counted(rows, drafter=None):
+    def counted(rows, drafter=None, **kw):
         real = mx.eval
         monkeypatch.setattr(mx, "eval", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
         try:
-            return run(rows, drafter)
+            return run(rows, drafter, **kw)
         finally:
             monkeypatch.setattr(mx, "eval", real)
 
@@ -162,8 +161,8 @@ def _count_prefill_evals(eng, monkeypatch) -> list:
 
 def test_an_admissions_length_groups_are_read_once(tiny_model, tmp_path, monkeypatch):
     """Rows of three length groups admitted together: every group's trunk and head forwards are
-    queued before the first tokens are read, in one read (a read per group left the device idle
-    while the host queued the next group); the text is plain decoding's either way."""
+    queued before the first tokens are read, in one read (a read per group would leave the device
+    idle while the host queues the next group); the text is plain decoding's."""
     import mtplx.prefill as prefill_mod
 
     bundle = load(tiny_model("llama"))
@@ -182,12 +181,9 @@ def test_an_admissions_length_groups_are_read_once(tiny_model, tmp_path, monkeyp
             return np.array(x, *args, **kwargs)
 
     monkeypatch.setattr(prefill_mod, "np", CountingNumpy())
-    for one_read, expect in ((True, 1), (False, 3)):
-        eng = _engine(bundle, _sidecar(bundle, tmp_path / "head"), len(prompts))
-        eng.prefiller.one_read = one_read
-        reads.clear()
-        out = {r.key: r.tokens for r in eng.generate([Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=6))
-                                                     for i, p in enumerate(prompts)])}
-        assert len(reads) == expect, (one_read, reads)
-        for i, p in enumerate(prompts):
-            assert out[i] == reference_tokens(bundle.model, p, 6, eng.eos)
+    eng = _engine(bundle, _sidecar(bundle, tmp_path / "head"), len(prompts))
+    out = {r.key: r.tokens for r in eng.generate([Request(key=i, prompt_tokens=p, params=SamplingParams(max_tokens=6))
+                                                 for i, p in enumerate(prompts)])}
+    assert len(reads) == 1, reads
+    for i, p in enumerate(prompts):
+        assert out[i] == reference_tokens(bundle.model, p, 6, eng.eos)

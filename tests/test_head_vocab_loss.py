@@ -11,7 +11,7 @@ import pytest
 
 from mtplx.models.loading import load
 from mtplx.models.mtp import MTPHead, project_logits
-from mtplx.mtp_draft import DraftVocab
+from mtplx.drafting.mtp_bank import DraftVocab
 from mtplx.training.head_eval import _causal
 from mtplx.training.train_head import _loss
 

@@ -1,4 +1,4 @@
-"""Cheap MTP drafting (mtplx/mtp_draft.py): compiled draft programs and a reduced drafting vocabulary.
+"""Cheap MTP drafting (mtplx/drafting/mtp_bank.py, vocab.py): compiled draft programs and a reduced drafting vocabulary.
 
 - Compiled drafting gives the drafts (and draft distributions q) the eager head gives, round by
   round, over growing caches, changing batch widths, greedy and sampled rows; and the bank really
@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.drafters import MtpDrafter
+from mtplx.drafting.mtp import MtpDrafter
+from mtplx.drafting.mtp import load as load_mtp
 from mtplx.generation import Engine
 from mtplx.models.loading import load
-from mtplx.mtp_draft import DraftVocab, frequent_tokens, save_draft_vocab
+from mtplx.drafting.mtp_bank import DraftVocab, frequent_tokens, save_draft_vocab
 from mtplx.request import Request, SamplingParams
 from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
 from test_engine_sampling import PROMPT, SETTINGS, distribution_tests, exact_joint
@@ -88,10 +89,10 @@ class _Checked(MtpDrafter):
         self.checks["propose"] += 1
         return drafts, q
 
-    def advance(self, n, nxt, counts, most, verify_in=None, hidden=None, exact=False, following=None):
+    def advance(self, n, nxt, counts, most, verify_in, hidden, following=None):
         saved = [(c.keys, c.values) for c in self.cache.layers], self.cache.rows.mark(), self.history
         before = self.bank.stats["compiled_calls"]
-        super().advance(n, nxt, counts, most, verify_in, hidden, exact, following)
+        super().advance(n, nxt, counts, most, verify_in, hidden, following)
         assert self.bank.stats["compiled_calls"] == before + 1  # one program, drafting or not
         got, ready, history = [np.array(a) for a in self.extra], self.ready, self.history
         for c, (k, v) in zip(self.cache.layers, saved[0]):
@@ -99,7 +100,7 @@ class _Checked(MtpDrafter):
         self.cache.rows.restore(saved[1])
         self.history = saved[2]
         bank, self.bank = self.bank, None
-        super().advance(n, nxt, counts, most, verify_in, hidden, exact, following)
+        super().advance(n, nxt, counts, most, verify_in, hidden, following)
         self.bank = bank
         for a, b in zip(got, self.extra):
             self.commit_diff = max(self.commit_diff, float(np.abs(a - np.array(b)).max()))
@@ -114,9 +115,8 @@ class _Checked(MtpDrafter):
 
 
 def _run(bundle, spec, prompts, params, max_batch=3, check=False):
-    eng = Engine(bundle, spec, ScheduleConfig(max_batch=max_batch, order="input"))
-    if check:
-        eng.drafter = _Checked(eng.drafter)
+    drafter = _Checked(load_mtp(spec, bundle)) if check else None
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=max_batch, order="input"), drafter=drafter)
     reqs = [Request(key=i, prompt_tokens=p, params=params[i % len(params)], seed=i) for i, p in enumerate(prompts)]
     out = {r.key: r for r in eng.generate(reqs)}
     return [out[i] for i in range(len(reqs))], eng
@@ -145,13 +145,13 @@ def test_compiled_drafts_equal_eager_drafts(tiny_model, tmp_path, family, lookup
     d = eng.drafter
     if vocab:
         assert d.vocab is not None and d.vocab.step_table(d.head) is not None
-    print(f"\n{family}: {d.checks} checked, programs {d.bank.stats['programs']}, max |q diff| {d.q_diff:.2g}, "
+    print(f"\n{family}: {d.checks} checked, programs {len(d.bank.programs.built)}, max |q diff| {d.q_diff:.2g}, "
           f"max commit diff {d.commit_diff:.2g}")
     assert d.checks["propose"] >= 3 and d.checks["commit"] >= 10
     assert d.checks["commit+propose"] >= 10 and d.checks["drafted ahead"] >= 10
     assert d.draft_diffs == 0
     assert d.q_diff < 1e-5 and d.commit_diff < 1e-4
-    assert d.bank.stats["programs"] >= 2 and d.bank.stats["eager_calls"] == 0
+    assert len(d.bank.programs.built) >= 2 and d.bank.stats["eager_calls"] == 0
     greedy = [r for i, r in enumerate(results) if i % 2 == 0]
     for i, r in zip(range(0, len(prompts), 2), greedy):
         assert r.tokens == reference_tokens(bundle.model, prompts[i], 30, eng.eos)
@@ -222,14 +222,14 @@ def test_sampled_output_with_a_draft_vocab_follows_the_target(tiny_model, tmp_pa
 def test_draft_vocab_reads_plain_rows_bit_for_bit(tiny_model, monkeypatch, kind):
     """Where the head's projection is a plain weight (the tied embedding, an lm_head) the drafting
     vocabulary reads its rows instead of projecting basis vectors, with the same bits."""
-    from mtplx import mtp_draft
+    from mtplx.drafting import mtp_bank
 
     bundle = load(tiny_model(kind))
     head = _init_head(bundle.model, TrainConfig(seed=3))
     ids = [0, 7, 9, 100, 511]
-    assert mtp_draft.plain_rows(head, mx.array(ids)) is not None
+    assert mtp_bank.plain_rows(head, mx.array(ids)) is not None
     direct = DraftVocab(head, ids, 512)
-    monkeypatch.setattr(mtp_draft, "plain_rows", lambda head, ids: None)
+    monkeypatch.setattr(mtp_bank, "plain_rows", lambda head, ids: None)
     basis = DraftVocab(head, ids, 512)
     assert mx.array_equal(direct.weight_t, basis.weight_t).item()
     h = mx.random.normal((4, head.fc.weight.shape[0])).astype(head.norm.weight.dtype)
@@ -239,20 +239,19 @@ def test_draft_vocab_reads_plain_rows_bit_for_bit(tiny_model, monkeypatch, kind)
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_a_quantized_heads_draft_vocab_dequantizes_its_rows_with_the_basis_projections_bits(tiny_model, monkeypatch, kind):
     """A quantized trunk (the GGUF trunk on a GPU): the drafting vocabulary dequantizes the quantized
-    projection's rows for its ids (mtp_draft.QUANTIZED_ROWS; off, or before session 10: quantized matmuls of
-    basis vectors), and gets the bits the basis projections give (on this CPU)."""
+    projection's rows for its ids (not quantized matmuls of basis vectors), and gets the bits the basis
+    projections give (on this CPU)."""
     import mlx.nn as nn
 
-    from mtplx import mtp_draft
+    from mtplx.drafting import mtp_bank
 
     bundle = load(tiny_model(kind))
     nn.quantize(bundle.model, group_size=32, bits=4)
     head = _init_head(bundle.model, TrainConfig(seed=3))
     ids = [0, 7, 9, 100, 511]
-    assert mtp_draft.plain_rows(head, mx.array(ids)) is not None
+    assert mtp_bank.plain_rows(head, mx.array(ids)) is not None
     direct = DraftVocab(head, ids, 512)
-    monkeypatch.setattr(mtp_draft, "QUANTIZED_ROWS", False)
-    assert mtp_draft.plain_rows(head, mx.array(ids)) is None
+    monkeypatch.setattr(mtp_bank, "plain_rows", lambda head, ids: None)  # the basis projections
     basis = DraftVocab(head, ids, 512)
     assert mx.array_equal(direct.weight_t, basis.weight_t).item()
     assert not direct.has_bias and not basis.has_bias
@@ -261,15 +260,15 @@ def test_a_quantized_heads_draft_vocab_dequantizes_its_rows_with_the_basis_proje
 
 
 def test_a_quantized_heads_draft_projection_has_no_bias_add(tiny_model, tmp_path, monkeypatch):
-    """A quantized tied head's projection read off by projecting basis vectors (QUANTIZED_ROWS off): the
-    projection of zeros (the bias) is exactly zero, so each draft step's logits are one product, no add
-    kernel, with the values the product plus that zero bias give."""
+    """A quantized tied head's projection read off by projecting basis vectors (where its rows are not
+    read directly): the projection of zeros (the bias) is exactly zero, so each draft step's logits are
+    one product, no add kernel, with the values the product plus that zero bias give."""
     import mlx.nn as nn
 
     from graphkit import graph_primitives
-    from mtplx import mtp_draft
+    from mtplx.drafting import mtp_bank
 
-    monkeypatch.setattr(mtp_draft, "QUANTIZED_ROWS", False)
+    monkeypatch.setattr(mtp_bank, "plain_rows", lambda head, ids: None)
 
     bundle = load(tiny_model("qwen3"))
     nn.quantize(bundle.model, group_size=32, bits=4)
@@ -289,7 +288,7 @@ def test_a_draft_step_off_the_vocabularys_table_is_the_heads_own_step(tiny_model
     graph has no embedding, norm of it or concatenation left."""
     from graphkit import graph_primitives
     from mtplx.cache import BatchCache
-    from mtplx.mtp_draft import draft_step
+    from mtplx.drafting.mtp_bank import draft_step
 
     bundle = load(tiny_model("llama"))
     head = _init_head(bundle.model, TrainConfig(seed=3))
@@ -297,9 +296,6 @@ def test_a_draft_step_off_the_vocabularys_table_is_the_heads_own_step(tiny_model
     vocab = DraftVocab(head, ids, 512)
     table = vocab.step_table(head)
     assert table is not None and table[0].shape == (len(ids), head.fc.weight.shape[0])
-    off = DraftVocab(head, ids, 512)
-    off.use_table = False  # (benchmarks' switch: draft steps run the head over the token)
-    assert off.step_table(head) is None
     idx = mx.array([0, 5, 40, len(ids) - 1], dtype=mx.int32)
     tok = vocab.ids[idx]
     h = mx.random.normal((4, head.fc.weight.shape[0]))
@@ -331,7 +327,7 @@ def test_a_rounds_drafts_map_to_token_ids_and_the_whole_vocabulary_once(tiny_mod
     token ids with one gather and (sampled) their q over the whole vocabulary with one scatter,
     not one of each per step."""
     from graphkit import graph_primitives
-    from mtplx.mtp_draft import draft_chain
+    from mtplx.drafting.mtp_bank import draft_chain
     from mtplx.sampling import SamplerBatch
 
     bundle, head, vocab, cache, arrays, h, first = _chain_inputs(tiny_model, rows=2)
@@ -347,9 +343,10 @@ def test_a_rounds_drafts_map_to_token_ids_and_the_whole_vocabulary_once(tiny_mod
 
 def test_greedy_picks_are_not_cast_before_their_gathers(tiny_model, monkeypatch):
     """A greedy draft chain's picks stay argmax's index into the step table and the drafting vocabulary:
-    no cast a draft step (a kernel of its own each on CUDA), the same drafts as with the casts."""
+    no cast a draft step (a kernel of its own each on CUDA): a chain of 1 draft has no cast at all, and
+    the drafts are int32 token ids."""
     from graphkit import graph_primitives
-    from mtplx import mtp_draft
+    from mtplx.drafting import mtp_bank
     from mtplx.sampling import SamplerBatch
 
     bundle, head, vocab, cache, arrays, h, first = _chain_inputs(tiny_model, rows=2)
@@ -357,36 +354,34 @@ def test_greedy_picks_are_not_cast_before_their_gathers(tiny_model, monkeypatch)
     u = mx.zeros((2, 3))
     mx.eval(arrays, h, first)
     got = {}
-    for cast in (True, False):
-        monkeypatch.setattr(mtp_draft, "CAST_PICKS", cast)
-        drafts, q = mtp_draft.draft_chain(head, vocab, list(cache.kinds), first, h, sampler, u, cache.rows.device, arrays, 3)
-        got[cast] = (graph_primitives([drafts])["AsType"], np.array(drafts).tolist(), drafts.dtype)
-    assert got[True][0] - got[False][0] == 3, got  # one cast fewer a draft
-    assert got[True][1] == got[False][1] and got[False][2] == mx.int32
+    for K in (1, 3):
+        drafts, q = mtp_bank.draft_chain(head, vocab, list(cache.kinds), first, h, sampler, u, cache.rows.device, arrays, K)
+        got[K] = (graph_primitives([drafts]).get("AsType", 0), drafts.dtype)
+    assert got[1][0] == 0, got
+    assert got[1][1] == got[3][1] == mx.int32
 
 
 def test_draft_steps_take_their_lengths_from_one_padded_copy(tiny_model, monkeypatch, tmp_path):
     """Where one row's lengths are padded out of MLX's small-array pool (CUDA, kernels.device.padded), the
-    draft chain pads them once, not once a step, and its first step adds no 0: the same drafts, a kernel
-    fewer a step (small_ops' pad is a gather; without it three: a fill and a concatenation of two copies);
-    the compiled draft programs build over it (no eager fallback) and greedy text stays plain's."""
+    draft chain pads them once, not once a step: the same drafts as unpadded lengths, with at most one
+    kernel more for a chain of 4 (three steps); the compiled draft programs build over it (no eager
+    fallback) and greedy text stays plain's."""
     from graphkit import VIEWS, graph_primitives
-    from mtplx import mtp_draft
     from mtplx.kernels import device
+    from mtplx.drafting import mtp_bank
     from mtplx.sampling import SamplerBatch
 
-    monkeypatch.setattr(device, "pads", lambda: True)
     bundle, head, vocab, cache, arrays, h, first = _chain_inputs(tiny_model, rows=1)
     mx.eval(arrays, h, first)
     got = {}
-    for once in (False, True):
-        monkeypatch.setattr(mtp_draft, "STEP_ROWS_ONCE", once)
-        drafts, _ = mtp_draft.draft_chain(head, vocab, list(cache.kinds), first, h, SamplerBatch.from_params([SamplingParams()]),
+    for pads in (False, True):
+        monkeypatch.setattr(device, "pads", lambda p=pads: p)
+        drafts, _ = mtp_bank.draft_chain(head, vocab, list(cache.kinds), first, h, SamplerBatch.from_params([SamplingParams()]),
                                           mx.zeros((1, 4)), cache.rows.device, arrays, 4)
         kernels = sum(n for name, n in graph_primitives([drafts]).items() if name not in VIEWS)
-        got[once] = (kernels, np.array(drafts).tolist())
+        got[pads] = (kernels, np.array(drafts).tolist())
     assert got[True][1] == got[False][1]
-    assert got[True][0] <= got[False][0] - 3, got  # 3 steps: one pad, not three, and two additions
+    assert got[True][0] <= got[False][0] + 1, got  # one pad, not one a step
 
     prompt = [5, 17, 230, 41, 9, 77]
     ref = reference_tokens(bundle.model, prompt, 12, set())

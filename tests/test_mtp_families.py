@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from mtplx.cache import BatchCache
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.drafters import MtpDrafter
+from mtplx.drafting.mtp import MtpDrafter
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.models.mtp import MTPHeadStack, load_head, project_logits, trunk_hidden

@@ -1,4 +1,4 @@
-"""Prompt lookup inside MTP drafting (`speculative.mtp_lookup`, drafters.LookupFallback).
+"""Prompt lookup inside MTP drafting (`speculative.mtp_lookup`, drafting/mtp.py: LookupFallback).
 
 - Each round a row drafts its context's continuation where its suffix was seen before (and is
   followed by the round's depth of tokens), else the head's drafts; both kinds of round really
@@ -16,9 +16,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtplx import mtp_draft
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.drafters import LookupFallback, NgramDrafter
+from mtplx.drafting.mtp import LookupFallback
+from mtplx.drafting.ngram import NgramDrafter
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
@@ -55,26 +55,23 @@ def test_lookup_fallback_keeps_greedy_output_identical(tiny_model, tmp_path, com
 
 
 @pytest.mark.parametrize("width", [1, 4])
-def test_compact_lookup_drafts_and_decodes_as_the_loop(tiny_model, tmp_path, monkeypatch, width):
-    """Greedy, widths 1 and 4: the compact lookup (mtp_draft.COMPACT_LOOKUP) gives plain decoding's
-    text, and drafts by lookup in exactly the row-rounds the loop does (its tally, added up when the
-    call ends rather than every round, counts the same)."""
+def test_the_lookup_tally_counts_the_same_added_up_mid_call(tiny_model, tmp_path, monkeypatch, width):
+    """Greedy, widths 1 and 4: plain decoding's text, and the row-rounds drafted by lookup counted the
+    same whether the tally is added up every few rounds or when the call ends."""
     bundle = load(tiny_model("llama"))
     prompts = _repetitive_prompts(np.random.default_rng(11))
     head = _sidecar(bundle, tmp_path / "head")
     spec = SpeculativeConfig(method="mtp", mtp_head=head, depth=3, adaptive_depth=False, mtp_lookup=2)
     got = {}
-    monkeypatch.setattr(LookupFallback, "FOLD_EVERY", 3)  # the compact tally added up mid-call too
-    for compact in (False, True):
-        monkeypatch.setattr(mtp_draft, "COMPACT_LOOKUP", compact)
+    for every in (3, LookupFallback.FOLD_EVERY):
+        monkeypatch.setattr(LookupFallback, "FOLD_EVERY", every)
         results, eng = _run(bundle, spec, prompts, [SamplingParams(max_tokens=30)], max_batch=width)
-        assert eng.drafter.lookup.compact == compact
-        got[compact] = ([r.tokens for r in results], eng.drafter.lookup.counts,
-                        [r.stats.accepted_tokens for r in results])
-    print(f"\nrow-rounds drafted: {got[True][1]}")
-    assert got[True] == got[False]
-    assert got[True][1]["lookup"] >= 5 and got[True][1]["head"] >= 5
-    for p, toks in zip(prompts, got[True][0]):
+        got[every] = ([r.tokens for r in results], eng.drafter.lookup.counts, [r.stats.accepted_tokens for r in results])
+    first, second = got.values()
+    print(f"\nrow-rounds drafted: {first[1]}")
+    assert first == second
+    assert first[1]["lookup"] >= 5 and first[1]["head"] >= 5
+    for p, toks in zip(prompts, first[0]):
         assert toks == reference_tokens(bundle.model, p, 30, eng.eos)
 
 
@@ -99,35 +96,34 @@ def test_lookup_needs_a_match_and_a_long_enough_continuation():
     assert np.array(use).tolist() == [True, False, False] and np.array(drafts[0]).tolist() == [4, 9, 1, 2, 3]
 
 
-@pytest.mark.parametrize("compact", [True, False])
 @pytest.mark.parametrize("n,min_match", [(3, 2), (3, 1), (4, 3), (1, 1)])
-def test_device_lookup_finds_what_the_host_lookup_finds(n, min_match, compact, monkeypatch):
+def test_device_lookup_finds_what_the_host_lookup_finds(n, min_match):
     """On random short-alphabet histories (many repeats, matches at the history's very start), the
     device match is NgramDrafter.match's: the longest suffix seen before, its latest earlier place, and
-    whether K tokens follow there; the compact match (mtp_draft.COMPACT_LOOKUP) and the loop alike."""
-    monkeypatch.setattr(mtp_draft, "COMPACT_LOOKUP", compact)
+    whether K tokens follow there."""
     rng = np.random.default_rng(n * 10 + min_match)
     rows = [rng.integers(0, 4, int(rng.integers(1, 40))).tolist() for _ in range(64)]
     rows += [[0, 1, 2, 0, 1], [1, 1], [2], [0, 1, 0, 1, 0, 1]]
     host = NgramDrafter(n)
     lk = LookupFallback(n, min_match)
-    assert lk.compact == compact and lk.lead == (lk.n if compact else 0)
+    assert lk.lead == lk.n
     hist, lengths = _history(rows, lk)
     for K in (1, 3, 5):
         use, drafts = lk.drafts(hist, lengths, K)
         use, drafts = np.array(use), np.array(drafts)
         for i, r in enumerate(rows):
-            size, cont = host.match(r, host._index(r), K)
+            size, cont = host.match(r, host.prefill_row(r[:-1], None, r[-1])[1], K)
             want = size >= min_match and len(cont) >= K
             assert use[i] == want, (r, K)
             if want:
                 assert drafts[i].tolist() == cont, (r, K)
 
 
-def test_the_compact_lookup_hands_the_device_fewer_kernels():
-    """A round's lookup (history append, match, mix) inside a compiled program: the compact match is
-    fewer than half the loop's kernels (11 against 27 on MLX's CPU graph, two of them the adds of the
-    lengths this test makes), the same drafts."""
+def test_the_lookup_hands_the_device_few_kernels():
+    """A round's lookup (history append, match, mix) inside a compiled program: 11 kernels on MLX's CPU
+    graph (two of them the adds of the lengths this test makes), whatever the suffix length (one
+    gather of the suffix, one fused comparison over the history, one reduction, one gather of the
+    drafts; the history kept behind a pad of its own, so no pad per round)."""
     from graphkit import VIEWS, graph_primitives
 
     def kernels(arrays):
@@ -135,27 +131,18 @@ def test_the_compact_lookup_hands_the_device_fewer_kernels():
 
     rng = np.random.default_rng(3)
     rows = [rng.integers(0, 5, 300).tolist(), rng.integers(0, 5, 120).tolist()]
-    got = {}
-    for compact in (True, False):
-        mtp_draft.COMPACT_LOOKUP = compact
-        try:
-            lk = LookupFallback(3, 2)
-        finally:
-            mtp_draft.COMPACT_LOOKUP = True
-        hist, lengths = _history(rows, lk, extra=200)
-        committed, head = mx.array([[1, 2, 3, 4]] * 2, dtype=mx.int32), mx.zeros((2, 3), mx.int32)
-        mx.eval(hist, lengths, committed, head)
+    lk = LookupFallback(3, 2)
+    hist, lengths = _history(rows, lk, extra=200)
+    committed, head = mx.array([[1, 2, 3, 4]] * 2, dtype=mx.int32), mx.zeros((2, 3), mx.int32)
+    mx.eval(hist, lengths, committed, head)
 
-        def rnd(hist, lengths, committed, head):  # as the head's program calls it: its lengths, a token short
-            hist = lk.append(hist, lengths - 1, committed, extra=1)
-            use, looked = lk.drafts(hist, lengths + 3, 3, extra=1)
-            return (hist, use) + lk.mix(use, looked, head, None)[:1]
+    def rnd(hist, lengths, committed, head):  # as the head's program calls it: its lengths, a token short
+        hist = lk.append(hist, lengths - 1, committed, extra=1)
+        use, looked = lk.drafts(hist, lengths + 3, 3, extra=1)
+        return (hist, use) + lk.mix(use, looked, head, None)[:1]
 
-        out = mx.compile(rnd)(hist, lengths, committed, head)
-        got[compact] = (kernels(out), [np.array(out[1] != 0).tolist(), np.array(out[2]).tolist()])
-    assert got[True][1] == got[False][1]
-    print(f"\nkernels: compact {got[True][0]}, loop {got[False][0]}")
-    assert 2 * got[True][0] < got[False][0], got
+    out = mx.compile(rnd)(hist, lengths, committed, head)
+    assert kernels(out) <= 11, kernels(out)
 
 
 class _HeadQForLookupRows(LookupFallback):

@@ -1,12 +1,11 @@
-"""What a fresh MTP run builds that it does not run (session 10): each program a compiled bank builds is
-a trace, a graph and, on a GPU, kernel loads, paid again in every process.
+"""What a fresh MTP run builds: each program a compiled bank builds is a trace, a graph and, on a GPU,
+kernel loads, paid again in every process, so a run builds only what its rounds run.
 
 - a batch holding a job's last rows (an 8-row job at max_batch 8) knows from its first round that it is
-  drained, and adaptive depth tries no other depth there (generation.PEEK_SOURCE);
-- adaptive depth builds a depth's programs when a round first runs it, none ahead (spec_rounds.WARM_DEPTHS off);
-- a batch's caches are grown once, to what its rows can reach, so its programs have one capacity
-  (generation.RESERVE_CAPACITY);
-- the head's commits of rounds without drafts run in the deepest round's commit program (drafters.PAD_PLAIN_COMMITS).
+  drained (an admission that fills the batch reads a request ahead), and adaptive depth tries no
+  other depth there;
+- a batch's caches are grown once, to what its rows can reach, so its programs have one capacity;
+- the head's commits of rounds without drafts run in the deepest round's commit program.
 Every run gives plain decoding's text.
 """
 
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtplx import generation, spec_rounds
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.models.loading import load
@@ -44,17 +42,14 @@ def _rows(n, prompt=6, tokens=30, seed=5):
 
 
 def _keys(eng) -> list:
-    return list(eng.bank._programs) + list(eng.drafter.bank._programs)
+    return list(eng.bank.programs.built) + list(eng.drafter.bank.programs.built)
 
 
 def test_a_batch_of_the_jobs_last_rows_tries_no_other_depth(tiny_model, tmp_path):
-    """Two rows at width 2, all of the job: no round tries plain decoding or another depth, and nothing
-    is built ahead (before: the source was found empty only when a row finished, so the first rounds
-    explored: plain decoding at rounds 3-5, and with WARM_DEPTHS every depth's programs at round 1)."""
+    """Two rows at width 2, all of the job: no round tries plain decoding or another depth."""
     eng, chosen = _mtp_run(tiny_model, tmp_path, _rows(2), width=2)
     assert eng.depth_control.widths == {}, eng.depth_control.widths  # no try was ever scheduled
     assert 0 not in chosen[:8], chosen
-    assert eng.bank.stats["warmed"] == 0 and eng.drafter.bank.stats["warmed"] == 0
 
 
 def test_the_peek_keeps_the_rows_and_their_order(tiny_model, tmp_path):
@@ -64,41 +59,25 @@ def test_the_peek_keeps_the_rows_and_their_order(tiny_model, tmp_path):
     assert eng.depth_control.widths, "rows were waiting: adaptive depth explores"
 
 
-def test_adaptive_depth_builds_only_the_programs_its_rounds_run(tiny_model, tmp_path, monkeypatch):
-    """Five rows at width 2 (the first batch explores): no program is built ahead of a round that runs it,
-    and fewer are built than with every depth built at a shape's first round (WARM_DEPTHS on)."""
-    lazy, _ = _mtp_run(tiny_model, tmp_path, _rows(5), width=2)
-    assert lazy.bank.stats["warmed"] == 0 and lazy.drafter.bank.stats["warmed"] == 0
-    monkeypatch.setattr(spec_rounds, "WARM_DEPTHS", True)
-    warm, _ = _mtp_run(tiny_model, tmp_path, _rows(5), width=2)
-    assert warm.bank.stats["warmed"] > 0
-    assert len(_keys(lazy)) < len(_keys(warm)), (len(_keys(lazy)), len(_keys(warm)))
-
-
 def _capacities(eng) -> set:
     """The cache capacities of the programs built (verify keys: (W, L, capacity, ...); head keys:
     (kind, W, K or K1, capacity, ...))."""
-    return {k[2] for k in eng.bank._programs} | {k[3] for k in eng.drafter.bank._programs}
+    return {k[2] for k in eng.bank.programs.built} | {k[3] for k in eng.drafter.bank.programs.built}
 
 
-def test_a_batch_runs_at_one_capacity_when_its_rows_cross_a_bucket(tiny_model, tmp_path, monkeypatch):
+def test_a_batch_runs_at_one_capacity_when_its_rows_cross_a_bucket(tiny_model, tmp_path):
     """Rows of 200 prompt tokens and 80 new ones cross 256 cache entries mid-run: the caches are grown at
-    the first round to what the rows can reach, so every program has one capacity (before, and with
-    RESERVE_CAPACITY off: programs at 256, then all again at 512)."""
+    the first round to what the rows can reach, so every program has one capacity (not 256, then all
+    again at 512)."""
     rows = _rows(2, prompt=200, tokens=80)
     eng, _ = _mtp_run(tiny_model, tmp_path, rows, width=2, adaptive=False)
     assert _capacities(eng) == {512}, _keys(eng)
-    monkeypatch.setattr(generation, "RESERVE_CAPACITY", False)
-    before, _ = _mtp_run(tiny_model, tmp_path, rows, width=2, adaptive=False)
-    assert _capacities(before) == {256, 512}, _keys(before)
 
 
-def test_commits_of_rounds_without_drafts_run_in_the_deepest_rounds_program(tiny_model, tmp_path, monkeypatch):
+def test_commits_of_rounds_without_drafts_run_in_the_deepest_rounds_program(tiny_model, tmp_path):
     """Depth 3 with stretches at depth 0 (adaptive depth's tries of plain decoding): the head's catch-ups
     and the rounds that draft again after them commit through the programs of a depth-3 round's commit
-    (4 verified tokens), padded (drafters.PAD_PLAIN_COMMITS; off: programs of 1, 2 and 3 tokens too), and
-    the text is plain decoding's."""
-    from mtplx import drafters
+    (4 verified tokens), padded (no programs of 1, 2 and 3 tokens), and the text is plain decoding's."""
     from test_mtp_draft import _sidecar
 
     bundle = load(tiny_model("llama"))
@@ -114,8 +93,6 @@ def test_commits_of_rounds_without_drafts_run_in_the_deepest_rounds_program(tiny
         out = {r.key: r.tokens for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
         for i, (p, m) in enumerate(rows):
             assert out[i] == reference_tokens(bundle.model, p, m, eos), i
-        return {k[2] for k in eng.drafter.bank._programs if k[0] != "propose"}
+        return {k[2] for k in eng.drafter.bank.programs.built if k[0] != "propose"}
 
     assert run() == {4}
-    monkeypatch.setattr(drafters, "PAD_PLAIN_COMMITS", False)
-    assert run() > {4}

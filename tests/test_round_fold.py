@@ -3,7 +3,7 @@
 With the compiled verify on, a round's verify of [pending, drafts], its acceptance (greedy or
 sampled), the committed counts, the lengths after them and the round's read [W, 2 + K] are one
 program: no acceptance op runs eagerly. The text is plain decoding's (greedy; the sampled side is
-test_engine_sampling's chi-square, `mtp-compiled`), and the same as with the fold off.
+test_engine_sampling's chi-square, `mtp-compiled`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import mtplx.spec_rounds
+import mtplx.rounds
 from mtplx.config import ScheduleConfig, SpeculativeConfig
 from mtplx.generation import Engine
 from mtplx.models.loading import load
@@ -30,12 +30,11 @@ def setup(tiny_model, tmp_path_factory):
     return bundle, str(head), str(path), rows, [reference_tokens(bundle.model, p, m, eos) for p, m in rows]
 
 
-def _run(setup, method, width, fold=True, adaptive=False, lookup=0):
+def _run(setup, method, width, adaptive=False, lookup=0):
     bundle, head, path, rows, _ = setup
     spec = SpeculativeConfig(method=method, depth=3, adaptive_depth=adaptive, compiled_verify="on", mtp_lookup=lookup,
                              mtp_head=head if method == "mtp" else None, draft_model=path if method == "draft" else None)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
-    eng.fold_accept = fold
     reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)]
     return eng, {r.key: list(r.tokens) for r in eng.generate(reqs)}
 
@@ -43,8 +42,8 @@ def _run(setup, method, width, fold=True, adaptive=False, lookup=0):
 def _no_eager_acceptance(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("acceptance ran eagerly, outside the round's program")
-    monkeypatch.setattr(mtplx.spec_rounds, "accept_greedy", refuse)
-    monkeypatch.setattr(mtplx.spec_rounds, "accept_sampled", refuse)
+    monkeypatch.setattr(mtplx.rounds, "accept_greedy", refuse)
+    monkeypatch.setattr(mtplx.rounds, "accept_sampled", refuse)
 
 
 @pytest.mark.parametrize("method,width,adaptive,lookup", [("mtp", 1, False, 0), ("mtp", 4, False, 0), ("mtp", 3, True, 0),
@@ -55,19 +54,11 @@ def test_a_folded_round_accepts_inside_its_program_and_decodes_as_plain(setup, m
     refs = setup[4]
     for i, ref in enumerate(refs):
         assert out[i] == ref, i
-    folded = [k for k in eng.bank._programs if len(k) > 3]
-    assert folded and all(k[3] == ("greedy",) for k in folded), list(eng.bank._programs)
+    folded = [k for k in eng.bank.programs.built if len(k) > 3]
+    assert folded and all(k[3] == ("greedy",) for k in folded), list(eng.bank.programs.built)
     # every decode round's verify was a folded program: the bank's plain verifies are the first
     # tokens' and depth-0 rounds' only where the fold does not serve (none here)
-    assert eng.bank.stats["compiled_calls"] >= eng.counters["rounds"]
-
-
-def test_the_fold_off_gives_the_same_tokens_and_stats(setup):
-    eng_on, on = _run(setup, "mtp", 2)
-    eng_off, off = _run(setup, "mtp", 2, fold=False)
-    assert on == off
-    assert not any(len(k) > 3 for k in eng_off.bank._programs)
-    assert eng_on.counters["rounds"] == eng_off.counters["rounds"]
+    assert eng.bank.stats["compiled_calls"] >= eng.counters.rounds
 
 
 def test_parity_modes_compare_the_verify_apart(setup):
@@ -78,4 +69,4 @@ def test_parity_modes_compare_the_verify_apart(setup):
     out = {r.key: list(r.tokens) for r in eng.generate(
         [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)])}
     assert all(out[i] == refs[i] for i in range(len(rows)))
-    assert not any(len(k) > 3 for k in eng.bank._programs)
+    assert not any(len(k) > 3 for k in eng.bank.programs.built)

@@ -61,10 +61,10 @@ def _run(setup, method, width, count=False):
     out = {r.key: list(r.tokens) for r in eng.generate(reqs)}
     if not count:
         return out, None
-    r0 = eng.counters["rounds"]
+    r0 = eng.counters.rounds
     with GraphCounter() as g:
         list(eng.generate(reqs))
-    rounds = eng.counters["rounds"] - r0
+    rounds = eng.counters.rounds - r0
     return out, {k: g.primitives[k] / rounds for k in ("Arange", "Concatenate", "Gather")}
 
 

@@ -140,7 +140,7 @@ class MTPHead(nn.Module):
             x = layer(x, mask, c)
         return self.norm(x)
 
-    # -- a draft step with the embedding's share of fc read off a table (mtp_draft.DraftVocab.step_table)
+    # -- a draft step with the embedding's share of fc read off a table (drafting/mtp_bank.py: DraftVocab.step_table)
     def _fc_halves(self):
         """fc's weight as (the embedding's columns, the hidden state's), or None where fc is not a
         plain bias-free Linear (a quantized head computes its fc as trained)."""

@@ -39,7 +39,7 @@ from ..models.loading import ModelBundle, load
 from ..process import prepare_process
 from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint, checkpoint_step,  # noqa: F401
                          nextn_weights, resumable_state, save_sidecar, sidecar_meta)  # nextn_weights: exported here too
-from ..mtp_draft import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
+from ..drafting.mtp_bank import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
 from ..models.mtp import MTPHead, has_trunk_split, project_logits, trunk_probe, trunk_signature
 
 OTHER_FILE = "heldout_other.npz"
