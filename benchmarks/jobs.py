@@ -92,9 +92,10 @@ def peer_input(job_file: str, overrides) -> dict:
 
 def tokens_per_verify(run_dir: Path):
     """(accepted + verifies) / verifies over the run's committed rows; '' when nothing was verified."""
-    manifest = json.loads((run_dir / "manifest.json").read_text())
+    from pipelines.io.checkpoint import read_manifest
+
     accepted = verifies = 0
-    for shard in manifest["shards"]:
+    for shard in read_manifest(str(run_dir))["shards"]:
         t = pq.read_table(run_dir / shard["file"], columns=["accepted_tokens", "verify_calls"]).to_pydict()
         accepted += sum(v or 0 for v in t["accepted_tokens"])
         verifies += sum(v or 0 for v in t["verify_calls"])

@@ -23,7 +23,7 @@ It also runs where a model is loaded (`models.loading.load`) and a head is train
 the mlx-lm deferral for an `Engine.load` however mtplx was imported.
 
 One more process-wide change is made with the CUDA kernels, when a model's decode paths are
-installed (`fusion.decode_paths` -> `rows_attention.install`): the mlx-lm model modules that model
+installed (`kernels.install` -> `rows_attention.install`): the mlx-lm model modules that model
 uses get `rows_attention.attention` as their `scaled_dot_product_attention`, which calls mlx-lm's
 own function for every cache but the engine's row caches.
 """

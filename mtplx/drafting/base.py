@@ -102,8 +102,9 @@ class Drafter:
     def settle(self) -> None:
         """Exact host lengths again (a call of rounds ends)."""
 
-    def fuse_kernels(self, trunk) -> Dict[str, int]:
-        """The trunk's decode kernels for the drafter's own modules (CUDA); what was done, by name."""
+    def fuse_kernels(self, compiled: bool) -> Dict[str, int]:
+        """The trunk's CUDA decode paths for the drafter's own modules (`compiled`: decode steps are
+        compiled); what was installed, by name."""
         return {}
 
 

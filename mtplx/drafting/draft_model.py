@@ -320,7 +320,7 @@ class DraftModelDrafter(CachedDrafter):
 def load(spec: SpeculativeConfig, bundle: ModelBundle, counters=None) -> DraftModelDrafter:
     """The drafter for `speculative.draft_model`, checked against the target's tokenizer."""
     from ..architectures import prepare
-    from ..fusion import decode_paths
+    from ..kernels import install
     from ..models.loading import load as load_model
 
     draft = load_model(spec.draft_model, gguf_mode=bundle.gguf_mode)
@@ -328,6 +328,7 @@ def load(spec: SpeculativeConfig, bundle: ModelBundle, counters=None) -> DraftMo
     if draft.tokenizer.vocab_size != bundle.tokenizer.vocab_size and abs(vocabs[0] - vocabs[1]) > 1024:
         raise ValueError(f"draft model {spec.draft_model} has a different tokenizer (vocab {vocabs[0]} vs {vocabs[1]})")
     prepare(draft.model, draft.model_type, bundle.vocab_size)  # batching adapters; refuses what it cannot batch
-    decode_paths(draft.model, spec.compiled_verify != "off")  # the target's CUDA decode paths (off CUDA: none)
+    # the target's CUDA decode paths but the layer kernels, which the engine installs on the target alone
+    install(draft.model, spec.compiled_verify != "off", layers=False)
     return DraftModelDrafter(draft.model, bundle.vocab_size, compiled=spec.compiled_verify != "off", measure=True,
                              counters=counters)

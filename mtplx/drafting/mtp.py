@@ -59,15 +59,12 @@ class MtpDrafter(CachedDrafter):
         self.history: Optional[mx.array] = None  # [W, C] each row's prompt + output (lookup only)
         self.behind: list = []  # rounds not committed yet: (verify_in, hidden, n, nxt, counts, most)
 
-    def fuse_kernels(self, trunk) -> Dict[str, int]:
-        """The head's blocks take the trunk's kernels: quantized where the trunk is, its float products
-        of a few rows as matrix-vector products, and the stacked one-row products (its draft steps)."""
-        from ..fusion import DECODE_GROUPS, fuse_projections, head_gemv, quantize_head
+    def fuse_kernels(self, compiled):
+        """The head's blocks take the trunk's paths: its few-row float products as vector products and
+        its stacked one-row products (its draft steps)."""
+        from ..kernels import install_head
 
-        if not isinstance(self.head, nn.Module):
-            return {}
-        return {"head_quantized": quantize_head(self.head, trunk), "head_gemv": head_gemv(self.head, self.vocab),
-                "head_stacked_projections": fuse_projections(self.head, DECODE_GROUPS)}
+        return install_head(self.head, self.vocab, compiled) if isinstance(self.head, nn.Module) else {}
 
     def reserve(self, entries):
         if self.bank is not None:

@@ -17,7 +17,7 @@ def install(model, compiled: bool, layers: bool = True) -> dict:
 
 def install_head(head, vocab, compiled: bool) -> dict:
     """The MTP head's paths where `install` stacks: its few-row float products as vector products, then its
-    projections stacked (its draft steps are one-row products). `vocab`: mtp_draft.DraftVocab or None."""
+    projections stacked (its draft steps are one-row products). `vocab`: drafting.mtp_bank.DraftVocab or None."""
     from . import fusion
 
     if not (compiled and fusion.stacking_pays()):

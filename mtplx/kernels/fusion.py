@@ -159,7 +159,7 @@ class RowsLinear(nn.Linear):
 
 def head_gemv(head, vocab=None) -> int:
     """Make the MTP head's float Linear layers (its blocks' and fc) RowsLinear, before fuse_projections (whose
-    stacked layers keep the class), and the drafting vocabulary's projection (mtp_draft.DraftVocab) a
+    stacked layers keep the class), and the drafting vocabulary's projection (drafting.mtp_bank.DraftVocab) a
     matrix-vector product at one row. Returns how many layers."""
     if vocab is not None:
         vocab.as_vector_product()
