@@ -211,17 +211,23 @@ class DraftModelDrafter(_CachedDrafter):
         self.backlog.after_round(last)
 
 
+def check_draft_vocab(name, draft_tokenizer, draft_config: dict, tokenizer, config: dict) -> None:
+    """Refuse a draft model whose tokenizer is not the target's; needs only the tokenizers and
+    configs, so a job can be refused before any weights load."""
+    if draft_tokenizer.vocab_size != tokenizer.vocab_size and abs(
+        draft_config.get("vocab_size", 0) - config.get("vocab_size", 0)
+    ) > 1024:
+        raise ValueError(
+            f"draft model {name} has a different tokenizer "
+            f"(vocab {draft_config.get('vocab_size')} vs {config.get('vocab_size')})"
+        )
+
+
 def load_drafter(spec: SpeculativeConfig, bundle: ModelBundle) -> DraftModelDrafter:
     from .models.loading import load
 
     draft = load(spec.draft_model, gguf_mode=bundle.gguf_mode)
-    if draft.tokenizer.vocab_size != bundle.tokenizer.vocab_size and abs(
-        draft.config.get("vocab_size", 0) - bundle.config.get("vocab_size", 0)
-    ) > 1024:
-        raise ValueError(
-            f"draft model {spec.draft_model} has a different tokenizer "
-            f"(vocab {draft.config.get('vocab_size')} vs {bundle.config.get('vocab_size')})"
-        )
+    check_draft_vocab(spec.draft_model, draft.tokenizer, draft.config, bundle.tokenizer, bundle.config)
     from .architectures import prepare
 
     prepare(draft.model, draft.model_type, bundle.vocab_size)  # batching adapters; refuses what it cannot batch

@@ -55,6 +55,91 @@ def test_unreadable_input_refused_before_model_load(tmp_path, job_file, no_weigh
     assert out.exit_code == 2 and "matched no parquet files" in out.output
 
 
+@pytest.fixture(scope="module")
+def llama_head(llama, tmp_path_factory):
+    from mtplx.models.loading import load
+    from tiny_models import untrained_head
+
+    return untrained_head(load(llama), tmp_path_factory.mktemp("head") / "head")
+
+
+def _foreign_head(path: Path) -> Path:
+    path.mkdir()
+    (path / "mtp_head.json").write_text(json.dumps({"trunk": {"model_type": "qwen3", "hidden_size": 64}}))
+    (path / "mtp_head.safetensors").write_bytes(b"")
+    return path
+
+
+def _with_config(src: Path, dst: Path, **changes) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **changes}))
+    return dst
+
+
+def _without_chat_template(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_what_cannot_work_is_refused_before_the_model_loads(tmp_path, job_file, llama, tiny_model, no_weights,
+                                                          monkeypatch):
+    """Each of these used to load the model and fail with a traceback and exit 1 ("run the same
+    command again"); `run` and `validate` refuse them with exit 2, naming the key, and a relative
+    path names the directory it was looked up in."""
+    monkeypatch.chdir(tmp_path)
+    cases = [
+        (["speculative.method=mtp", "speculative.mtp_head=heads/none"],
+         f"speculative.mtp_head: 'heads/none' (relative to the working directory {tmp_path}"),
+        (["speculative.method=mtp", f"speculative.mtp_head={tmp_path}"],
+         "has no mtp_head.json and no mtp_head.safetensors"),
+        (["speculative.method=mtp", f"speculative.mtp_head={_foreign_head(tmp_path / 'foreign')}"],
+         "speculative.mtp_head: MTP head was trained for a different trunk (model_type: head 'qwen3' vs model 'llama'"),
+        (["speculative.method=mtp"], "speculative.method: mtp: model"),  # no head of its own, none given
+        (["speculative.method=draft", "speculative.draft_model=drafts/none"],
+         f"speculative.draft_model: 'drafts/none' (relative to the working directory {tmp_path}"),
+        (["speculative.method=draft", f"speculative.draft_model={tiny_model('llama', vocab_size=2048)}"],
+         "speculative.draft_model: draft model"),
+        ([f"model.path={_with_config(llama, tmp_path / 'odd', model_type='no_such_arch')}"],
+         "model.path: " + str(tmp_path / "odd") + ": Model type no_such_arch not supported"),
+        (["schedule.calibration=profiles/none.json"],
+         f"schedule.calibration: '{tmp_path}/profiles/none.json' does not exist"),
+        ([f"model.path={_without_chat_template(llama, tmp_path / 'plain')}", "input.chat_template=on"],
+         "input.chat_template: on, but the model's tokenizer has no chat template"),
+    ]
+    for overrides, message in cases:
+        args = [a for o in overrides for a in ("--set", o)]
+        for command in ("run", "validate"):
+            out = cli(command, job_file, *args)
+            assert out.exit_code == 2, (command, overrides, out.output)
+            assert message in out.output and "Traceback" not in out.output, (command, out.output)
+        assert not (tmp_path / "run").exists(), overrides
+
+
+def test_a_head_or_draft_model_that_fits_passes_and_relative_paths_resolve(tmp_path, job_file, llama, llama_head,
+                                                                           tiny_model, no_weights, monkeypatch):
+    import shutil
+
+    shutil.copytree(llama_head, tmp_path / "heads" / "mine")
+    monkeypatch.chdir(tmp_path)
+    out = cli("validate", job_file, "--set", "speculative.method=mtp", "--set", "speculative.mtp_head=heads/mine")
+    assert out.exit_code == 0, out.output
+    from pipelines.job.config import load_job
+
+    job = load_job(job_file, ["speculative.mtp_head=heads/mine", f"speculative.draft_model={llama}"])
+    assert job.speculative.mtp_head == str(tmp_path / "heads" / "mine")  # pinned: resume works from anywhere
+    out = cli("validate", job_file, "--set", "speculative.method=draft",
+              "--set", f"speculative.draft_model={tiny_model('llama', seed=1)}")
+    assert out.exit_code == 0, out.output
+
+
 def test_validate_exit_codes(tmp_path, job_file, no_weights):
     out = cli("validate", job_file)
     assert out.exit_code == 0, out.output

@@ -158,6 +158,13 @@ def _abspath_if_local(p: str) -> str:
     return os.path.abspath(expanded) if os.path.exists(expanded) else p
 
 
+def path_note(p: str) -> str:
+    """A job path for a message; a relative one names the base it was looked up from."""
+    if os.path.isabs(os.path.expanduser(p)):
+        return repr(p)
+    return f"{p!r} (relative to the working directory {os.getcwd()}, as every path in a job file is)"
+
+
 def build_job(raw: Any, default_name: str = "job") -> JobConfig:
     s = check_job_dict(raw, SECTIONS, default_name)
     name = s["name"]
@@ -198,6 +205,9 @@ def build_job(raw: Any, default_name: str = "job") -> JobConfig:
             problems.append(f"output.keep_columns: {col!r} clashes with an output column; rename it in the input")
     try:
         spec = SpeculativeConfig(**s["speculative"])
+        for key in ("mtp_head", "draft_model"):  # resolved as input.path is
+            if getattr(spec, key):
+                setattr(spec, key, _abspath_if_local(getattr(spec, key)))
     except ValueError as e:
         problems.append(str(e))
         spec = None
