@@ -43,7 +43,7 @@ from mtplx.request import SamplingParams
 from ..io.columns import OUTPUT_COLUMNS, output_schema
 from ..io.prompts import PromptRenderer, RowError
 from ..io.rows import Item, check_context, content_id, row_id
-from ..job.config import GenerationConfig, InputConfig
+from ..job.config import GenerationConfig, InputConfig, section_config
 from .ordering import order_window
 from .work import Work, engine_rows
 
@@ -55,17 +55,6 @@ PARAMS_COL = "_mtplx_params"  # JSON of a row's own SamplingParams (openai-batch
 SEED_COL = "_mtplx_seed"  # a row's own job seed (openai-batch `seed`), or null
 
 Batch = Union[Dict[str, np.ndarray], pa.Table]
-
-
-def _as(cls, value):
-    """A config dataclass from an instance, a mapping of its fields, or None (defaults)."""
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, dict):
-        return cls(**value)
-    raise TypeError(f"expected a {cls.__name__} or a dict of its fields, got {type(value).__name__}")
 
 
 def _py(v: Any) -> Any:
@@ -115,9 +104,12 @@ class MTPLXPredictor:
                  template: Optional[str] = None, chat_template: str = "auto", tokens_column: str = "token_ids",
                  id_column: Optional[str] = "id", keep_input_columns: bool = True, trust_remote_code: bool = False,
                  gguf_mode: str = "auto", engine=None):
-        self.speculative = _as(SpeculativeConfig, speculative)
-        self.generation = _as(GenerationConfig, generation)
-        self.schedule = _as(ScheduleConfig, schedule)
+        # the job file's checks: n=0, top_p=0 or an unknown key is refused here as in a job file
+        self.speculative = section_config(SpeculativeConfig, "speculative", speculative)
+        self.generation = section_config(GenerationConfig, "generation", generation)
+        self.schedule = section_config(ScheduleConfig, "schedule", schedule)
+        self.inp = InputConfig(path=str(model_path), prompt_column=prompt_column, messages_column=messages_column,
+                               template=template, chat_template=chat_template)
         if engine is None:
             from mtplx import cuda_graphs
 
@@ -128,8 +120,6 @@ class MTPLXPredictor:
                                  gguf_mode=gguf_mode)
         self.engine = engine
         self.params = self.generation.sampling_params()
-        self.inp = InputConfig(path=str(model_path), prompt_column=prompt_column, messages_column=messages_column,
-                               template=template, chat_template=chat_template)
         self._renderer: Optional[PromptRenderer] = None  # built on first text batch (may refuse the config)
         self.tokens_column = tokens_column
         self.id_column = id_column
