@@ -210,6 +210,21 @@ def test_sampled_resume_refuses_changed_speculative_settings(tmp_path, job_file)
     assert out.exit_code == 0, out.output
 
 
+def test_error_rows_are_counted_and_a_run_of_only_errors_fails(tmp_path, llama):
+    rows = sample_rows(4)
+    rows[2]["prompt"] = None
+    some = write_job(tmp_path / "some.yaml", job_dict(llama, write_parquet(tmp_path / "some.parquet", rows),
+                                                      tmp_path / "some"))
+    out = cli("run", some)
+    assert out.exit_code == 0 and "4 rows written (error rows: 1)" in out.output, out.output
+    assert "3 done, 1 errored, 0 left" in cli("status", tmp_path / "some").output
+    bad = write_parquet(tmp_path / "bad.parquet", [{**r, "prompt": None} for r in rows])
+    job = write_job(tmp_path / "bad.yaml", job_dict(llama, bad, tmp_path / "bad"))
+    out = cli("run", job)
+    assert out.exit_code == 1 and "every one of the 4 output rows is an error row (row 0: " in out.output
+    assert "FAILED: every row is an error row" in cli("status", tmp_path / "bad").output
+
+
 def test_partial_run_status_shows_rows_left(tmp_path, job_file):
     assert cli("run", job_file, "--limit", "5", "-q").exit_code == 0
     st = json.loads(cli("status", tmp_path / "run", "--json").output)

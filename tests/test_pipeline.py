@@ -65,7 +65,7 @@ def test_template_rendering_and_row_errors(tokenizer):
 def test_prompt_column_row_errors(tokenizer):
     r = renderer(tokenizer, prompt_column="p", chat_template="off")
     assert r.tokens({"p": "hi there"}) == tokenizer.encode("hi there")
-    for value, reason in [(None, "is null"), (7, "is a int, not a string"), ("   ", "prompt is empty"),
+    for value, reason in [(None, "is null"), (7, "is an int, not a string"), ("   ", "prompt is empty"),
                           ("bad \udcff", "undecodable"), (b"caf\xe9", "not UTF-8")]:
         with pytest.raises(RowError, match=reason):
             r.tokens({"p": value})
@@ -221,7 +221,7 @@ def test_each_bad_row_kind_becomes_an_error_row(tmp_path, tiny_model):
     assert len(out) == len(lines) and summary.errors == len(lines) - 2
     by_row = {r["row"]: r for r in out}
     assert by_row[0]["finish_reason"] != "error" and by_row[10]["finish_reason"] != "error"
-    expected = {1: "is null", 2: "is a int", 3: "prompt is empty", 4: "context holds 64",
+    expected = {1: "is null", 2: "is an int", 3: "prompt is empty", 4: "context holds 64",
                 5: "duplicate id 'ok'", 6: "not valid JSON", 7: "not UTF-8", 8: "undecodable",
                 9: "no id column 'id'"}
     for row, reason in expected.items():

@@ -23,6 +23,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from jobkit import job_dict, read_output, sample_rows, write_job, write_jsonl, write_parquet  # noqa: E402
+from pipelines.errors import RunError  # noqa: E402
 from pipelines.job.config import build_job  # noqa: E402
 from pipelines.execution.ray_engine import MTPLXPredictor  # noqa: E402
 from pipelines.execution.session import run_job  # noqa: E402
@@ -117,13 +118,13 @@ def test_bad_rows_stay_rows_and_the_schema_is_fixed(tmp_path, tiny_model, ray_ad
                for e in json.loads((ray_dir / "manifest.json").read_text())["shards"])
 
 
-def test_engine_errors_are_rows_not_a_failed_job(tmp_path, llama, ray_address):
+def test_engine_errors_are_rows_and_a_run_of_only_errors_fails(tmp_path, llama, ray_address):
     data = write_parquet(tmp_path / "in.parquet", sample_rows(4))
     job = build_job(job_dict(llama, data, tmp_path / "run", executor="ray", schedule={"memory_budget": 4096}))
-    summary = run_job(job)
-    out = read_output(job.output.dir)
-    assert summary.errors == len(out) == 4
-    assert all(r["finish_reason"] == "error" and "memory_budget" in r["error"] for r in out)
+    with pytest.raises(RunError, match="every one of the 4 output rows is an error row"):
+        run_job(job)
+    out = read_output(job.output.dir)  # committed all the same
+    assert len(out) == 4 and all(r["finish_reason"] == "error" and "memory_budget" in r["error"] for r in out)
 
 
 # ------------------------------------------------------------------ kill -9, then resume

@@ -142,7 +142,7 @@ def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool =
         sys.exit(1)
     if not quiet and not log_json:
         click.echo(
-            f"done: {summary.outputs} rows written ({summary.errors} errors), {summary.skipped} already done, "
+            f"done: {summary.outputs} rows written (error rows: {summary.errors}), {summary.skipped} already done, "
             f"{summary.completion_tokens} tokens in {summary.seconds:.1f}s "
             f"({summary.tokens_per_second:.1f} tok/s), peak memory {summary.peak_rss_bytes / 1e9:.2f} GB "
             f"-> {summary.run_dir}",

@@ -49,12 +49,18 @@ def _limited(st: Dict) -> str:
     return f" (limit: the first {st['limit']} of {st['input_rows']} input rows)"
 
 
+def _done(st: Dict) -> str:
+    if not st["complete"]:
+        return ""
+    return "  FAILED: every row is an error row" if st["rows_errored"] and not st["rows_done"] else "  COMPLETE"
+
+
 def format_status(st: Dict) -> str:
     left = "unknown" if st["rows_left"] is None else st["rows_left"]
     acc = "n/a (no drafting)" if st["acceptance_rate"] is None else f"{st['acceptance_rate']:.1%}"
     tpv = "" if st["tokens_per_verify"] is None else f", {st['tokens_per_verify']:.2f} tokens/verify"
     return "\n".join([
-        f"run: {st['run_dir']} ({st['shards']} shards){'  COMPLETE' if st['complete'] else ''}",
+        f"run: {st['run_dir']} ({st['shards']} shards){_done(st)}",
         f"rows: {st['rows_done']} done, {st['rows_errored']} errored, {left} left{_limited(st)}",
         f"tokens: {st['prompt_tokens']} prompt, {st['completion_tokens']} generated",
         f"acceptance: {acc}{tpv}",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 from ..errors import RunError
-from ..io.checkpoint import PROGRESS_FILE, RunDir
+from ..io.checkpoint import PROGRESS_FILE, RunDir, totals
 from ..io.columns import output_schema
 from ..io.job_input import Prepared, open_job
 from ..io.sink import ShardWriter
@@ -145,6 +145,18 @@ class Session:
         self.progress.start(run_dir=self.run.path, job=self.job.name, cuda_graphs=graphs.get("line"), **fields)
 
 
+def all_errors(run: RunDir, example: Optional[Tuple[int, str]] = None) -> Optional[RunError]:
+    """The failure of a run whose every committed output row is an error row (nothing was
+    generated), or None. `example`: (row, error) of one of them."""
+    t = totals(run.manifest)
+    if not t["rows"] or t["errors"] < t["rows"]:
+        return None
+    seen = f" (row {example[0]}: {example[1]})" if example else ""
+    return RunError(f"every one of the {t['rows']} output rows is an error row{seen}: nothing was generated. "
+                    f"They are committed in {run.path} (`mtplx-batch report {run.path}` lists them); fix the "
+                    "cause and run again with --restart")
+
+
 def executor_rows(job: JobConfig, engine=None) -> Callable[[Session], Rows]:
     """The executor the job names (`engine` given: that engine, here)."""
     if engine is not None or job.executor.type == "local":
@@ -203,6 +215,9 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
         if graphs["set"] and graphs["line"] and not log_json:  # --log-json: in the start line (Session.begin)
             log(graphs["line"])
         if s.finished:  # checked before any model loads
+            failed = all_errors(run)
+            if failed is not None:
+                raise failed
             log(f"finished: all {s.wanted} output rows are committed in {run.path}; nothing to do "
                 "(--restart starts over)")
             summary.measure_memory()
@@ -220,6 +235,7 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
 
         sink = ShardWriter(run, output_schema(prep.keep_types), job.output.shard_rows, on_commit)
         added = 0
+        example = None  # (row, error) of an error row, for the message of a run that is all errors
         status, error = "failed", None
         try:
             with contextlib.closing(rows(s)) as stream:
@@ -227,11 +243,17 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
                     sink.add(row)
                     s.progress.finished(row, via_engine)
                     added += 1
+                    if example is None and row["finish_reason"] == "error":
+                        example = (row["row"], row["error"])
             s.report_startup()
             missing = (s.wanted or 0) - s.done_before - added
             if s.wanted is not None and missing > 0:
                 raise RunError(f"the run ended with {missing} rows missing; they were not committed "
                                "and a resume will generate them")
+            sink.flush()
+            failed = all_errors(run, example)
+            if failed is not None:
+                raise failed
             status = "done"
         except KeyboardInterrupt:
             status = "interrupted"
