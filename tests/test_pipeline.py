@@ -271,7 +271,8 @@ def test_engine_crash_keeps_finished_rows_and_resume_completes(tmp_path, llama, 
 def test_engine_error_results_become_error_rows(tmp_path, llama):
     job = make_job(tmp_path, llama, schedule={"memory_budget": 4096})
     eng = Engine.load(llama, job.speculative, job.schedule)
-    run_job(job, engine=eng)
+    with pytest.raises(RunError, match="every one of the 12 output rows is an error row"):  # committed, and a failure
+        run_job(job, engine=eng)
     out = read_output(job.output.dir)
     assert len(out) == 12 and all(r["finish_reason"] == "error" and "memory_budget" in r["error"] for r in out)
 
