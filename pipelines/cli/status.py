@@ -7,6 +7,7 @@ from typing import Dict, Optional
 from mtplx.request import tokens_per_verify
 
 from ..io.checkpoint import planned_outputs, read_manifest, totals
+from ..io.figures import acceptance_rate, eta_seconds, per_second
 
 
 def run_status(run_dir: str) -> Dict:
@@ -14,7 +15,9 @@ def run_status(run_dir: str) -> Dict:
     t = totals(m)
     expected = planned_outputs(m)
     left = None if expected is None else max(expected - t["rows"], 0)
-    rate = t["rows"] / t["elapsed"] if t["elapsed"] else 0.0
+    rate = per_second(t["rows"], t["elapsed"])
+    generated = t["rows"] - t["errors"]
+    row_seconds = t["decode_seconds"] / generated if generated else None
     return {
         "run_dir": run_dir,
         "shards": len(m.get("shards", [])),
@@ -26,12 +29,12 @@ def run_status(run_dir: str) -> Dict:
         "limit": m.get("limit"),
         "prompt_tokens": t["prompt_tokens"],
         "completion_tokens": t["completion_tokens"],
-        "acceptance_rate": t["accepted_tokens"] / t["drafted_tokens"] if t["drafted_tokens"] else None,
+        "acceptance_rate": acceptance_rate(t["accepted_tokens"], t["drafted_tokens"]),
         "tokens_per_verify": tokens_per_verify(t["accepted_tokens"], t["verify_calls"]),
-        "tokens_per_second": t["completion_tokens"] / t["elapsed"] if t["elapsed"] else 0.0,
+        "tokens_per_second": per_second(t["completion_tokens"], t["elapsed"]),
         "rows_per_second": rate,
         "active_seconds": t["elapsed"],
-        "eta_seconds": (left / rate) if (left is not None and rate) else None,
+        "eta_seconds": None if left is None else eta_seconds(left, [], row_seconds, rate),
         "complete": left == 0,
     }
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 from ..errors import RunError
 from ..io.checkpoint import PROGRESS_FILE, RunDir, totals
 from ..io.columns import output_schema
+from ..io.figures import per_second
 from ..io.job_input import Prepared, open_job
 from ..io.sink import ShardWriter
 from ..job.config import JobConfig
@@ -46,7 +47,7 @@ class RunSummary:
     errors: int = 0  # of those, error rows
     skipped: int = 0  # (row, sample) pairs already committed by an earlier session
     completion_tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # active seconds: the `elapsed` of the shards this session committed (figures.py)
     shards: int = 0  # shards committed by this session
     peak_rss_bytes: int = 0  # the process's peak resident memory (what the OS counts)
     peak_mlx_bytes: int = 0  # MLX's own peak: weights, caches, activations (0 before MLX loads)
@@ -54,7 +55,7 @@ class RunSummary:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.completion_tokens / self.seconds if self.seconds else 0.0
+        return per_second(self.completion_tokens, self.seconds)
 
     def measure_memory(self) -> None:
         self.peak_rss_bytes = peak_rss_bytes()
@@ -68,6 +69,7 @@ class RunSummary:
         self.outputs += entry["rows"]
         self.errors += entry["errors"]
         self.completion_tokens += entry["completion_tokens"]
+        self.seconds += entry["elapsed"]
 
 
 def cuda_graph_note() -> Dict[str, Any]:
@@ -103,6 +105,7 @@ class Session:
     started: float = field(default_factory=time.monotonic)
     startup: Startup = field(default_factory=Startup)
     bars: Optional[Callable[[Progress], Any]] = None  # draws the progress (run_job's `bars`)
+    sink: Optional[ShardWriter] = None  # its active time starts with `begin`
 
     def report_startup(self) -> None:
         """With --log-json: the `startup` line, once the first token is out."""
@@ -140,6 +143,8 @@ class Session:
     def begin(self, **fields: Any) -> None:
         """Generation starts now (the engine or the cluster is up): the clock and the progress."""
         self.started = time.monotonic()
+        if self.sink is not None:
+            self.sink.start_clock()
         self.progress = self._new_progress()
         graphs = self.run.manifest.get("cuda_graphs") or {}  # (run_job's cuda_graph_note)
         self.progress.start(run_dir=self.run.path, job=self.job.name, cuda_graphs=graphs.get("line"), **fields)
@@ -233,7 +238,7 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
             if s.progress is not None:
                 s.progress.committed(entry)
 
-        sink = ShardWriter(run, output_schema(prep.keep_types), job.output.shard_rows, on_commit)
+        sink = s.sink = ShardWriter(run, output_schema(prep.keep_types), job.output.shard_rows, on_commit)
         added = 0
         example = None  # (row, error) of an error row, for the message of a run that is all errors
         status, error = "failed", None
@@ -268,7 +273,6 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
                 status, error = "failed", error or f"{type(e).__name__}: {e}"
                 raise
             finally:
-                summary.seconds = time.monotonic() - s.started
                 summary.measure_memory()
                 if s.progress is None:  # stopped before generation began: still one summary
                     s.progress = s._new_progress()
