@@ -39,6 +39,48 @@ def test_help_teaches_with_examples():
     assert "--set" in cli("run", "--help").output and "Exit codes" in cli("--help").output
 
 
+def test_the_set_examples_in_help_work_as_shown(job_file):
+    """Every `--set 'generation.stop=...'` that `run --help` shows, split as a shell splits it,
+    gives the stop string it says (a newline, not a backslash and an n)."""
+    import shlex
+
+    from pipelines.job.config import load_job
+
+    shown = [line for line in cli("run", "--help").output.splitlines() if "generation.stop=" in line]
+    assert len(shown) >= 2
+    for line in shown:
+        value = next(w for w in shlex.split(line.split("#")[0], posix=True) if w.startswith("generation.stop="))
+        stop = load_job(job_file, [value]).generation.stop
+        assert stop and all("\\" not in s and "\n" in s for s in stop), (line, stop)
+    assert load_job(job_file, [shlex.split("generation.stop=['\\n']")[0]]).generation.stop == ["\\n"]  # as help warns
+
+
+def test_ctrl_c_exits_130_and_commits_finished_rows(tmp_path, job_file, monkeypatch):
+    monkeypatch.setenv("MTPLX_FAULT_POINT", "row.emitted:6:int")  # a real SIGINT after the 6th finished row
+    out = cli("run", job_file)
+    assert out.exit_code == 130 and "interrupted: finished rows are committed" in out.output, out.output
+    assert len(read_output(tmp_path / "run")) >= 5  # the first shard (5 rows), at least
+    monkeypatch.delenv("MTPLX_FAULT_POINT")
+
+
+def test_ctrl_c_exits_130_in_every_command(tmp_path):
+    """`validate` blocked reading its job file (a FIFO) gets a real SIGINT: 130, not click's 'Aborted!' and 1."""
+    import threading
+
+    fifo = tmp_path / "job.yaml"
+    os.mkfifo(fifo)
+
+    def interrupt():
+        with open(fifo, "w"):  # returns once the command has opened the file to read it
+            os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt)
+    thread.start()
+    out = cli("validate", fifo)
+    thread.join()
+    assert out.exit_code == 130 and "interrupted" in out.output and "Aborted" not in out.output, out.output
+
+
 def test_malformed_job_refused_before_model_load(tmp_path, job_file, no_weights):
     text = job_file.read_text().replace("max_tokens: 8", "max_tokens: lots")
     job_file.write_text(text)
@@ -302,7 +344,7 @@ def test_sigkill_at_several_points_then_resume_matches_uninterrupted(tmp_path, l
 
 
 @pytest.mark.slow
-def test_sigterm_commits_finished_rows_and_exits_1(tmp_path, llama):
+def test_sigterm_commits_finished_rows_and_exits_130(tmp_path, llama):
     data = write_parquet(tmp_path / "in.parquet", sample_rows(30))
     job = write_job(tmp_path / "job.yaml", job_dict(llama, data, tmp_path / "run", generation={"max_tokens": 12},
                                                     output={"shard_rows": 1000}))
@@ -313,7 +355,7 @@ def test_sigterm_commits_finished_rows_and_exits_1(tmp_path, llama):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "MTPLX_FAULT_POINT": "row.emitted:10:term"})
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and b"interrupted" in err, err
+    assert proc.returncode == 130 and b"interrupted" in err, err
     done = read_output(tmp_path / "run")
     assert len(done) >= 10  # the rows finished before the signal are committed
     final = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(job), "-q"], cwd=REPO)
