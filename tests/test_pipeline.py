@@ -325,3 +325,36 @@ def test_job_yaml_in_run_dir_is_the_resolved_job(tmp_path, llama, monkeypatch):
         run_job(job)
     stored = yaml.safe_load((tmp_path / "run" / "job.yaml").read_text())
     assert build_job(stored) == job
+
+
+@needs_engine
+def test_one_engine_loop_serves_callers_without_draining_between_them(llama):
+    """EngineLoop (the Ray actors' engine): a second caller's rows join the generate() the first
+    caller's rows run in, so the first caller's odd last row shares its rounds with the second
+    caller's first row instead of running alone; every caller gets exactly its own rows."""
+    import threading
+
+    from mtplx.request import SamplingParams
+    from pipelines.execution.ray_engine import EngineLoop
+    from pipelines.execution.work import Work
+    from pipelines.io.rows import Item
+
+    gate = threading.Event()
+    engine = Engine.load(llama, SpeculativeConfig(), ScheduleConfig(max_batch=2))
+    loop = EngineLoop(lambda: gate.wait() and engine, SamplingParams(max_tokens=10), seed=0)
+
+    def work(tag, n):
+        return [Work(Item(index=i, id=f"{tag}{i}", tokens=[5 + i, 7, 9, 11 + i]), [0]) for i in range(n)]
+
+    first, second = loop.rows(work("a", 3)), loop.rows(work("b", 3))  # both queued before the engine is up
+    gate.set()
+    assert loop.ready() is engine
+    got = {}
+    reader = threading.Thread(target=lambda: got.setdefault("b", [r for chunk in second for r in chunk]))
+    reader.start()
+    got["a"] = [r for chunk in first for r in chunk]
+    reader.join()
+    for tag in "ab":
+        assert sorted((r["row"], r["id"]) for r in got[tag]) == [(i, f"{tag}{i}") for i in range(3)]
+    width = {r["id"]: r["batch_width"] for r in got["a"] + got["b"]}
+    assert width["a2"] == 2, width  # drained between callers, a2 would have run alone (width 1)
