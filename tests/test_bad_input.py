@@ -55,7 +55,7 @@ def parquet(rows: List[Dict[str, Any]], schema: Optional[pa.Schema] = None) -> b
 class Case:
     kind: str
     files: Dict[str, bytes]  # name -> content; the input path is the file, or the dir for several
-    expect: str  # "row": error rows at `bad`; "refused": exit 2; "ok": all rows generated
+    expect: str  # "row": error rows at `bad`; "refused": exit 2; "ok": all rows generated; "failed": all errors, exit 1
     message: str = ""  # in each bad row's error, or in the refusal
     bad: Sequence[int] = (1,)
     rows: Optional[int] = None  # input rows (default: lines/records in the files)
@@ -72,7 +72,7 @@ CASES = [
     Case("empty prompt", {"in.jsonl": jsonl(GOOD_A, row(prompt=""), GOOD_B)}, "row", "the prompt is empty"),
     Case("whitespace-only prompt", {"in.jsonl": jsonl(GOOD_A, row(prompt=" \n\t "), GOOD_B)}, "row",
          "the prompt is empty"),
-    Case("integer prompt", {"in.jsonl": jsonl(GOOD_A, row(prompt=42), GOOD_B)}, "row", "is a int, not a string"),
+    Case("integer prompt", {"in.jsonl": jsonl(GOOD_A, row(prompt=42), GOOD_B)}, "row", "is an int, not a string"),
     Case("boolean prompt", {"in.jsonl": jsonl(GOOD_A, row(prompt=True), GOOD_B)}, "row", "is a bool, not a string"),
     Case("list prompt", {"in.jsonl": jsonl(GOOD_A, row(prompt=["a", "b"]), GOOD_B)}, "row", "is a list, not a string"),
     Case("object prompt", {"in.jsonl": jsonl(GOOD_A, row(prompt={"text": "hi"}), GOOD_B)}, "row",
@@ -122,7 +122,7 @@ CASES = [
     Case("csv field not UTF-8", {"in.csv": b"id,prompt\na,hello\nx,caf\xe9\nb,bye\n"}, "row",
          "column 'prompt' is not UTF-8", fmt="csv"),
     Case("schema changes between jsonl files (per row)",
-         {"a.jsonl": jsonl(GOOD_A), "b.jsonl": jsonl(row(prompt=7), GOOD_B)}, "row", "is a int, not a string"),
+         {"a.jsonl": jsonl(GOOD_A), "b.jsonl": jsonl(row(prompt=7), GOOD_B)}, "row", "is an int, not a string"),
     Case("keep column changes type (jsonl)", {"in.jsonl": jsonl(GOOD_A, row(n="seven"), GOOD_B)}, "refused",
          "output.keep_columns: column 'n' mixes value types", output={"keep_columns": ["n"]}),
     # ---- templates over columns
@@ -174,6 +174,18 @@ CASES = [
     Case("keep column clashes with an output column", {"in.jsonl": jsonl(GOOD_A)}, "refused",
          "output.keep_columns: 'completion' clashes", output={"keep_columns": ["completion"]}),
     Case("input path missing", {}, "refused", "does not exist"),
+    # ---- a source that cannot be read at all (exit 2), or rows that all fail (exit 1)
+    Case("parquet file given as jsonl", {"in.jsonl": parquet([GOOD_A, GOOD_B])}, "refused",
+         "in.jsonl: is a Parquet file (input.format: parquet), not jsonl text"),
+    Case("parquet file given as csv", {"in.csv": parquet([GOOD_A, GOOD_B])}, "refused",
+         "in.csv: is a Parquet file (input.format: parquet), not csv text", fmt="csv"),
+    Case("a JSON array, not JSON lines", {"in.jsonl": json.dumps([GOOD_A, GOOD_B], indent=1).encode()}, "refused",
+         "in.jsonl: none of its 32 lines is a JSON object"),
+    Case("prompt column missing, rows keyed by content (parquet)", {"in.parquet": parquet([{"text": "hi"}])},
+         "refused", "input.prompt_column: the input has no column 'prompt' (has: text)", fmt="parquet",
+         input={"id_column": None}),
+    Case("every row an error row", {"in.jsonl": jsonl(row(prompt=None), row(id="y", prompt=""))}, "failed",
+         "every one of the 2 output rows is an error row (row 0: prompt column 'prompt' is null)"),
 ]
 
 
@@ -205,7 +217,7 @@ def cli(*args):
 
 def test_the_table_covers_enough_kinds():
     assert len({c.kind for c in CASES}) == len(CASES) >= 40
-    assert {c.expect for c in CASES} == {"row", "refused", "ok"}
+    assert {c.expect for c in CASES} == {"row", "refused", "ok", "failed"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.kind for c in CASES])
@@ -226,6 +238,12 @@ def test_bad_input(case: Case, tmp_path, model, one_engine):
         assert case.message in out.output, out.output
         assert not (tmp_path / "run" / "manifest.json").exists()
         assert checked.exit_code == 2 and case.message in checked.output, checked.output
+        return
+    if case.expect == "failed":  # the error rows are committed, and the run says it failed
+        assert out.exit_code == 1 and case.message in out.output, out.output
+        assert all(r["finish_reason"] == "error" for r in read_output(tmp_path / "run"))
+        assert cli("run", job_file, "-q").exit_code == 1  # and says so again, with nothing left to do
+        assert checked.exit_code == 1, checked.output
         return
     assert out.exit_code == 0, out.output
     rows = read_output(tmp_path / "run")

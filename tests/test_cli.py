@@ -40,6 +40,48 @@ def test_help_teaches_with_examples():
     assert "--set" in cli("run", "--help").output and "Exit codes" in cli("--help").output
 
 
+def test_the_set_examples_in_help_work_as_shown(job_file):
+    """Every `--set 'generation.stop=...'` that `run --help` shows, split as a shell splits it,
+    gives the stop string it says (a newline, not a backslash and an n)."""
+    import shlex
+
+    from pipelines.job.config import load_job
+
+    shown = [line for line in cli("run", "--help").output.splitlines() if "generation.stop=" in line]
+    assert len(shown) >= 2
+    for line in shown:
+        value = next(w for w in shlex.split(line.split("#")[0], posix=True) if w.startswith("generation.stop="))
+        stop = load_job(job_file, [value]).generation.stop
+        assert stop and all("\\" not in s and "\n" in s for s in stop), (line, stop)
+    assert load_job(job_file, [shlex.split("generation.stop=['\\n']")[0]]).generation.stop == ["\\n"]  # as help warns
+
+
+def test_ctrl_c_exits_130_and_commits_finished_rows(tmp_path, job_file, monkeypatch):
+    monkeypatch.setenv("MTPLX_FAULT_POINT", "row.emitted:6:int")  # a real SIGINT after the 6th finished row
+    out = cli("run", job_file)
+    assert out.exit_code == 130 and "interrupted: finished rows are committed" in out.output, out.output
+    assert len(read_output(tmp_path / "run")) >= 5  # the first shard (5 rows), at least
+    monkeypatch.delenv("MTPLX_FAULT_POINT")
+
+
+def test_ctrl_c_exits_130_in_every_command(tmp_path):
+    """`validate` blocked reading its job file (a FIFO) gets a real SIGINT: 130, not click's 'Aborted!' and 1."""
+    import threading
+
+    fifo = tmp_path / "job.yaml"
+    os.mkfifo(fifo)
+
+    def interrupt():
+        with open(fifo, "w"):  # returns once the command has opened the file to read it
+            os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=interrupt)
+    thread.start()
+    out = cli("validate", fifo)
+    thread.join()
+    assert out.exit_code == 130 and "interrupted" in out.output and "Aborted" not in out.output, out.output
+
+
 def test_malformed_job_refused_before_model_load(tmp_path, job_file, no_weights):
     text = job_file.read_text().replace("max_tokens: 8", "max_tokens: lots")
     job_file.write_text(text)
@@ -54,6 +96,106 @@ def test_malformed_job_refused_before_model_load(tmp_path, job_file, no_weights)
 def test_unreadable_input_refused_before_model_load(tmp_path, job_file, no_weights):
     out = cli("run", job_file, "--set", f"input.path={tmp_path}/nothing-*.parquet")
     assert out.exit_code == 2 and "matched no parquet files" in out.output
+
+
+@pytest.fixture(scope="module")
+def llama_head(llama, tmp_path_factory):
+    from mtplx.models.loading import load
+    from tiny_models import untrained_head
+
+    return untrained_head(load(llama), tmp_path_factory.mktemp("head") / "head")
+
+
+def _foreign_head(path: Path) -> Path:
+    path.mkdir()
+    (path / "mtp_head.json").write_text(json.dumps({"trunk": {"model_type": "qwen3", "hidden_size": 64}}))
+    (path / "mtp_head.safetensors").write_bytes(b"")
+    return path
+
+
+def _with_config(src: Path, dst: Path, **changes) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **changes}))
+    return dst
+
+
+def _without_chat_template(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _with_swapped_tokens(src: Path, dst: Path) -> Path:
+    """A copy of a model whose tokenizer has the same size but two tokens' ids swapped."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    tok = json.loads((dst / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (dst / "tokenizer.json").write_text(json.dumps(tok))
+    return dst
+
+
+def test_what_cannot_work_is_refused_before_the_model_loads(tmp_path, job_file, llama, tiny_model, no_weights,
+                                                          monkeypatch):
+    """Each of these used to load the model and fail with a traceback and exit 1 ("run the same
+    command again"); `run` and `validate` refuse them with exit 2, naming the key, and a relative
+    path names the directory it was looked up in."""
+    monkeypatch.chdir(tmp_path)
+    cases = [
+        (["speculative.method=mtp", "speculative.mtp_head=heads/none"],
+         f"speculative.mtp_head: 'heads/none' (relative to the working directory {tmp_path}"),
+        (["speculative.method=mtp", f"speculative.mtp_head={tmp_path}"],
+         "has no mtp_head.json and no mtp_head.safetensors"),
+        (["speculative.method=mtp", f"speculative.mtp_head={_foreign_head(tmp_path / 'foreign')}"],
+         "speculative.mtp_head: MTP head was trained for a different trunk (model_type: head 'qwen3' vs model 'llama'"),
+        (["speculative.method=mtp"], "speculative.method: mtp: model"),  # no head of its own, none given
+        (["speculative.method=draft", "speculative.draft_model=drafts/none"],
+         f"speculative.draft_model: 'drafts/none' (relative to the working directory {tmp_path}"),
+        (["speculative.method=draft", f"speculative.draft_model={tiny_model('llama', vocab_size=2048)}"],
+         "speculative.draft_model: draft model"),
+        (["speculative.method=draft", f"speculative.draft_model={_with_swapped_tokens(llama, tmp_path / 'swapped')}"],
+         "has a different tokenizer: 2 of its"),  # one size, other tokens
+        ([f"model.path={_with_config(llama, tmp_path / 'odd', model_type='no_such_arch')}"],
+         "model.path: " + str(tmp_path / "odd") + ": Model type no_such_arch not supported"),
+        (["schedule.calibration=profiles/none.json"],
+         f"schedule.calibration: '{tmp_path}/profiles/none.json' does not exist"),
+        ([f"model.path={_without_chat_template(llama, tmp_path / 'plain')}", "input.chat_template=on"],
+         "input.chat_template: on, but the model's tokenizer has no chat template"),
+    ]
+    for overrides, message in cases:
+        args = [a for o in overrides for a in ("--set", o)]
+        for command in ("run", "validate"):
+            out = cli(command, job_file, *args)
+            assert out.exit_code == 2, (command, overrides, out.output)
+            assert message in out.output and "Traceback" not in out.output, (command, out.output)
+        assert not (tmp_path / "run").exists(), overrides
+
+
+def test_a_head_or_draft_model_that_fits_passes_and_relative_paths_resolve(tmp_path, job_file, llama, llama_head,
+                                                                           tiny_model, no_weights, monkeypatch):
+    import shutil
+
+    shutil.copytree(llama_head, tmp_path / "heads" / "mine")
+    monkeypatch.chdir(tmp_path)
+    out = cli("validate", job_file, "--set", "speculative.method=mtp", "--set", "speculative.mtp_head=heads/mine")
+    assert out.exit_code == 0, out.output
+    from pipelines.job.config import load_job
+
+    job = load_job(job_file, ["speculative.mtp_head=heads/mine", f"speculative.draft_model={llama}"])
+    assert job.speculative.mtp_head == str(tmp_path / "heads" / "mine")  # pinned: resume works from anywhere
+    out = cli("validate", job_file, "--set", "speculative.method=draft",
+              "--set", f"speculative.draft_model={tiny_model('llama', seed=1)}")
+    assert out.exit_code == 0, out.output
 
 
 def test_validate_exit_codes(tmp_path, job_file, no_weights):
@@ -124,6 +266,21 @@ def test_sampled_resume_refuses_changed_speculative_settings(tmp_path, job_file)
     assert cli("run", job_file, "--set", f"output.dir={greedy}", "--limit", "4", "-q").exit_code == 0
     out = cli("run", job_file, "--set", f"output.dir={greedy}", "--set", "speculative.method=ngram")
     assert out.exit_code == 0, out.output
+
+
+def test_error_rows_are_counted_and_a_run_of_only_errors_fails(tmp_path, llama):
+    rows = sample_rows(4)
+    rows[2]["prompt"] = None
+    some = write_job(tmp_path / "some.yaml", job_dict(llama, write_parquet(tmp_path / "some.parquet", rows),
+                                                      tmp_path / "some"))
+    out = cli("run", some)
+    assert out.exit_code == 0 and "4 rows written (error rows: 1)" in out.output, out.output
+    assert "3 done, 1 errored, 0 left" in cli("status", tmp_path / "some").output
+    bad = write_parquet(tmp_path / "bad.parquet", [{**r, "prompt": None} for r in rows])
+    job = write_job(tmp_path / "bad.yaml", job_dict(llama, bad, tmp_path / "bad"))
+    out = cli("run", job)
+    assert out.exit_code == 1 and "every one of the 4 output rows is an error row (row 0: " in out.output
+    assert "FAILED: every row is an error row" in cli("status", tmp_path / "bad").output
 
 
 def test_partial_run_status_shows_rows_left(tmp_path, job_file):
@@ -203,7 +360,7 @@ def test_sigkill_at_several_points_then_resume_matches_uninterrupted(tmp_path, l
 
 
 @pytest.mark.slow
-def test_sigterm_commits_finished_rows_and_exits_1(tmp_path, llama):
+def test_sigterm_commits_finished_rows_and_exits_130(tmp_path, llama):
     data = write_parquet(tmp_path / "in.parquet", sample_rows(30))
     job = write_job(tmp_path / "job.yaml", job_dict(llama, data, tmp_path / "run", generation={"max_tokens": 12},
                                                     output={"shard_rows": 1000}))
@@ -214,7 +371,7 @@ def test_sigterm_commits_finished_rows_and_exits_1(tmp_path, llama):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "MTPLX_FAULT_POINT": "row.emitted:10:term"})
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and b"interrupted" in err, err
+    assert proc.returncode == 130 and b"interrupted" in err, err
     done = read_output(tmp_path / "run")
     assert len(done) >= 10  # the rows finished before the signal are committed
     final = subprocess.run([sys.executable, "-m", "pipelines.cli", "run", str(job), "-q"], cwd=REPO)

@@ -161,6 +161,47 @@ def test_keep_column_may_not_shadow_output_column():
     refused(data, "output.keep_columns: 'completion' clashes")
 
 
+PREDICTOR_REFUSALS = [
+    (dict(generation={"n": 0}), "generation.n: expected an integer >= 1, got 0"),
+    (dict(generation={"top_p": 0}), "generation.top_p: expected a number > 0.0 and <= 1.0, got 0"),
+    (dict(generation={"max_token": 3}), "generation.max_token: unknown key (did you mean 'max_tokens'?)"),
+    (dict(speculative={"depth": 0}), "speculative.depth: expected an integer in 1..16, got 0"),
+    (dict(schedule={"order": "fastest"}), "schedule.order: expected one of prefix | length | input, got 'fastest'"),
+    (dict(template="{q}", prompt_column="q"), "input.template: give only one of template and prompt_column"),
+    (dict(chat_template="maybe"), "input.chat_template: expected one of auto | on | off, got 'maybe'"),
+]
+
+
+@pytest.mark.parametrize("settings,message", PREDICTOR_REFUSALS, ids=[m.split(":")[0] for _, m in PREDICTOR_REFUSALS])
+def test_the_predictor_refuses_what_a_job_file_refuses(settings, message):
+    """MTPLXPredictor's settings go through the job file's checks (before any weights load), with
+    the same message a job file gets."""
+    from pipelines.execution.ray_engine import MTPLXPredictor
+
+    with pytest.raises((JobError, ValueError)) as got:
+        MTPLXPredictor("models/none", **settings)
+    assert message in str(got.value)
+    data = raw()
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            data[key] = {**(data.get(key) or {}), **value}
+        else:
+            data["input"][key] = value
+    refused(data, message)
+
+
+def test_a_config_changed_after_construction_is_checked_again():
+    from pipelines.execution.ray_engine import MTPLXPredictor
+    from pipelines.job.config import GenerationConfig
+
+    with pytest.raises(ValueError, match="generation.n: expected an integer >= 1, got 0"):
+        GenerationConfig(n=0)
+    gen = GenerationConfig()
+    gen.top_p = 0.0
+    with pytest.raises(ValueError, match="generation.top_p"):
+        MTPLXPredictor("models/none", generation=gen)
+
+
 def test_overrides_parse_as_yaml_and_go_through_checks(tmp_path):
     assert parse_override('generation.stop=["\\n", "."]') == (["generation", "stop"], ["\n", "."])
     assert parse_override("generation.temperature=0.7")[1] == 0.7

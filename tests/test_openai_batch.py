@@ -135,7 +135,7 @@ def test_requests_run_with_their_own_settings(batch_run):
     assert "body.tools" in out[6]["error"] and "only /v1/chat/completions" in out[7]["error"]
     assert "not valid JSON" in out[8]["error"]
     assert "duplicate id 'short'" in out[9]["error"]
-    assert "'image_url' part" in out[10]["error"]
+    assert "a part of type 'image_url'" in out[10]["error"]
     # ignored fields are named once in the log
     assert any("body.model ('gpt-4o-mini') is ignored" in m for m in log)
     assert sum("body.user is ignored" in m for m in log) == 1

@@ -65,7 +65,7 @@ def test_template_rendering_and_row_errors(tokenizer):
 def test_prompt_column_row_errors(tokenizer):
     r = renderer(tokenizer, prompt_column="p", chat_template="off")
     assert r.tokens({"p": "hi there"}) == tokenizer.encode("hi there")
-    for value, reason in [(None, "is null"), (7, "is a int, not a string"), ("   ", "prompt is empty"),
+    for value, reason in [(None, "is null"), (7, "is an int, not a string"), ("   ", "prompt is empty"),
                           ("bad \udcff", "undecodable"), (b"caf\xe9", "not UTF-8")]:
         with pytest.raises(RowError, match=reason):
             r.tokens({"p": value})
@@ -221,7 +221,7 @@ def test_each_bad_row_kind_becomes_an_error_row(tmp_path, tiny_model):
     assert len(out) == len(lines) and summary.errors == len(lines) - 2
     by_row = {r["row"]: r for r in out}
     assert by_row[0]["finish_reason"] != "error" and by_row[10]["finish_reason"] != "error"
-    expected = {1: "is null", 2: "is a int", 3: "prompt is empty", 4: "context holds 64",
+    expected = {1: "is null", 2: "is an int", 3: "prompt is empty", 4: "context holds 64",
                 5: "duplicate id 'ok'", 6: "not valid JSON", 7: "not UTF-8", 8: "undecodable",
                 9: "no id column 'id'"}
     for row, reason in expected.items():
@@ -271,7 +271,8 @@ def test_engine_crash_keeps_finished_rows_and_resume_completes(tmp_path, llama, 
 def test_engine_error_results_become_error_rows(tmp_path, llama):
     job = make_job(tmp_path, llama, schedule={"memory_budget": 4096})
     eng = Engine.load(llama, job.speculative, job.schedule)
-    run_job(job, engine=eng)
+    with pytest.raises(RunError, match="every one of the 12 output rows is an error row"):  # committed, and a failure
+        run_job(job, engine=eng)
     out = read_output(job.output.dir)
     assert len(out) == 12 and all(r["finish_reason"] == "error" and "memory_budget" in r["error"] for r in out)
 
@@ -324,3 +325,36 @@ def test_job_yaml_in_run_dir_is_the_resolved_job(tmp_path, llama, monkeypatch):
         run_job(job)
     stored = yaml.safe_load((tmp_path / "run" / "job.yaml").read_text())
     assert build_job(stored) == job
+
+
+@needs_engine
+def test_one_engine_loop_serves_callers_without_draining_between_them(llama):
+    """EngineLoop (the Ray actors' engine): a second caller's rows join the generate() the first
+    caller's rows run in, so the first caller's odd last row shares its rounds with the second
+    caller's first row instead of running alone; every caller gets exactly its own rows."""
+    import threading
+
+    from mtplx.request import SamplingParams
+    from pipelines.execution.ray_engine import EngineLoop
+    from pipelines.execution.work import Work
+    from pipelines.io.rows import Item
+
+    gate = threading.Event()
+    engine = Engine.load(llama, SpeculativeConfig(), ScheduleConfig(max_batch=2))
+    loop = EngineLoop(lambda: gate.wait() and engine, SamplingParams(max_tokens=10), seed=0)
+
+    def work(tag, n):
+        return [Work(Item(index=i, id=f"{tag}{i}", tokens=[5 + i, 7, 9, 11 + i]), [0]) for i in range(n)]
+
+    first, second = loop.rows(work("a", 3)), loop.rows(work("b", 3))  # both queued before the engine is up
+    gate.set()
+    assert loop.ready() is engine
+    got = {}
+    reader = threading.Thread(target=lambda: got.setdefault("b", [r for chunk in second for r in chunk]))
+    reader.start()
+    got["a"] = [r for chunk in first for r in chunk]
+    reader.join()
+    for tag in "ab":
+        assert sorted((r["row"], r["id"]) for r in got[tag]) == [(i, f"{tag}{i}") for i in range(3)]
+    width = {r["id"]: r["batch_width"] for r in got["a"] + got["b"]}
+    assert width["a2"] == 2, width  # drained between callers, a2 would have run alone (width 1)

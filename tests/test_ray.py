@@ -9,6 +9,7 @@ subprocess attaches to it through `executor.address`, and the resume starts its 
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from jobkit import job_dict, read_output, records, sample_rows, write_job, write_jsonl, write_parquet  # noqa: E402
-from pipelines.errors import JobError  # noqa: E402
+from pipelines.errors import JobError, RunError  # noqa: E402
 from pipelines.job.config import build_job  # noqa: E402
 from pipelines.execution.ray_engine import MTPLXPredictor  # noqa: E402
 from pipelines.execution.session import run_job  # noqa: E402
@@ -117,13 +118,31 @@ def test_bad_rows_stay_rows_and_the_schema_is_fixed(tmp_path, tiny_model, ray_ad
                for e in records(ray_dir))
 
 
-def test_engine_errors_are_rows_not_a_failed_job(tmp_path, llama, ray_address):
+def test_engine_errors_are_rows_and_a_run_of_only_errors_fails(tmp_path, llama, ray_address):
     data = write_parquet(tmp_path / "in.parquet", sample_rows(4))
     job = build_job(job_dict(llama, data, tmp_path / "run", executor="ray", schedule={"memory_budget": 4096}))
-    summary = run_job(job)
-    out = read_output(job.output.dir)
-    assert summary.errors == len(out) == 4
-    assert all(r["finish_reason"] == "error" and "memory_budget" in r["error"] for r in out)
+    with pytest.raises(RunError, match="every one of the 4 output rows is an error row"):
+        run_job(job)
+    out = read_output(job.output.dir)  # committed all the same
+    assert len(out) == 4 and all(r["finish_reason"] == "error" and "memory_budget" in r["error"] for r in out)
+
+
+def test_the_reader_hands_the_actors_a_batch_at_a_time(tmp_path, llama, ray_address):
+    """Ray Data joins what a task yields into blocks of up to 128 MiB by default: the reader's
+    whole output was one block, so one actor task ran every row, whatever executor.concurrency
+    said, and its rows came back only at its end. The job's blocks are about a batch each."""
+    from pipelines.execution.ray_executor import ray_data_context, actor_batch_rows, build_dataset
+
+    data = write_parquet(tmp_path / "in.parquet", sample_rows(64))
+    job = build_job(job_dict(llama, data, tmp_path / "run", executor="ray", generation={"max_tokens": 4},
+                             schedule={"max_batch": 4}))
+    with ray_data_context(quiet=True):
+        ds = build_dataset(job, set())
+        rows = [r for t in ds.iter_batches(batch_format="pyarrow", batch_size=None) for r in t.to_pylist()]
+        stats = ds.stats()
+    assert sorted((r["row"], r["sample"]) for r in rows) == [(i, 0) for i in range(64)]
+    tasks = int(re.search(r"MapBatches\(JobPredictor\): (\d+) tasks executed", stats).group(1))
+    assert tasks >= 64 // (2 * actor_batch_rows(job)), stats  # batches of 16 rows: about one or two a task
 
 
 # ------------------------------------------------------------------ kill -9, then resume

@@ -178,19 +178,22 @@ class Clock:
         return self.t
 
 
-def test_progress_bars_show_tokens_acceptance_and_token_eta():
+def test_progress_bars_show_tokens_acceptance_and_eta():
     stream, clock = io.StringIO(), Clock()
     p = Progress(total=10, initial=2, stream=stream, clock=clock, view=Bars)
+    clock.t = 0.5
+    p.engine_event("prefill", 200)
     for i in range(4):
-        p.submitted(50)
+        p.submitted((i, 0), 50)
         clock.t += 1.0
-        p.finished({"finish_reason": "length", "prompt_tokens": 50, "completion_tokens": 20, "drafted_tokens": 10,
-                    "accepted_tokens": 5, "verify_calls": 10})
-    p.finished({"finish_reason": "error", "prompt_tokens": 0, "completion_tokens": 0}, via_engine=False)
+        p.finished({"row": i, "sample": 0, "finish_reason": "length", "prompt_tokens": 50, "completion_tokens": 20,
+                    "drafted_tokens": 10, "accepted_tokens": 5, "verify_calls": 10})
+    p.finished({"row": 4, "sample": 0, "finish_reason": "error", "prompt_tokens": 0, "completion_tokens": 0},
+               via_engine=False)
     assert p.acceptance_rate == 0.5 and p.tokens_per_verify == 1.5
-    # 3 rows left x 16 tokens per finished row (80 / 5) at 20 tok/s (recent) = 2.4 s
-    assert p.eta_seconds() == pytest.approx(3 * 16 / 20)
-    assert re.search(r"\d+\.\d tok/s, acc 50%, 1\.50 tok/verify, 1 err, ETA 2s", p.view.postfix()), p.view.postfix()
+    # 3 rows left, one at a time, 1 s each as every row so far; the last one a half row's time behind
+    assert p.eta_seconds() == pytest.approx(3 + 0.5)
+    assert re.search(r"\d+\.\d tok/s, acc 50%, 1\.50 tok/verify, 1 err, ETA 4s", p.view.postfix()), p.view.postfix()
     p.close()
     text = stream.getvalue()
     assert "prefill" in text and "decode" in text and "prompt tok/s" in text and "acc 50%" in text

@@ -317,6 +317,18 @@ class DraftModelDrafter(CachedDrafter):
         self.backlog = np.ones(last.shape[0], dtype=np.int64)
 
 
+def check_draft_vocab(name, draft_tokenizer, tokenizer) -> None:
+    """Refuse a draft model whose tokenizer is not the target's: every token of the draft's vocabulary
+    must have the target's id (a draft's token id is verified as the target's token of that id), so
+    two tokenizers of one size but other tokens are refused too. Needs only the tokenizers, so a job
+    is refused before any weights load."""
+    mine, theirs = draft_tokenizer.get_vocab(), tokenizer.get_vocab()
+    differ = [t for t, i in mine.items() if theirs.get(t) != i]
+    if differ:
+        raise ValueError(f"draft model {name} has a different tokenizer: {len(differ)} of its {len(mine)} tokens "
+                         f"have another id in the target's (e.g. {differ[0]!r})")
+
+
 def load(spec: SpeculativeConfig, bundle: ModelBundle, counters=None) -> DraftModelDrafter:
     """The drafter for `speculative.draft_model`, checked against the target's tokenizer."""
     from ..architectures import prepare
@@ -324,9 +336,7 @@ def load(spec: SpeculativeConfig, bundle: ModelBundle, counters=None) -> DraftMo
     from ..models.loading import load as load_model
 
     draft = load_model(spec.draft_model, gguf_mode=bundle.gguf_mode)
-    vocabs = draft.config.get("vocab_size", 0), bundle.config.get("vocab_size", 0)
-    if draft.tokenizer.vocab_size != bundle.tokenizer.vocab_size and abs(vocabs[0] - vocabs[1]) > 1024:
-        raise ValueError(f"draft model {spec.draft_model} has a different tokenizer (vocab {vocabs[0]} vs {vocabs[1]})")
+    check_draft_vocab(spec.draft_model, draft.tokenizer, bundle.tokenizer)
     prepare(draft.model, draft.model_type, bundle.vocab_size)  # batching adapters; refuses what it cannot batch
     # the target's CUDA decode paths but the layer kernels, which the engine installs on the target alone
     install(draft.model, spec.compiled_verify != "off", layers=False)

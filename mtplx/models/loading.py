@@ -76,6 +76,13 @@ def _get_classes(config: dict):
     return arch.Model, arch.ModelArgs
 
 
+def check_model_type(config: dict) -> None:
+    """Refuse, from config.json alone (no weights load), a model type mlx-lm has no module for."""
+    if not isinstance(config.get("model_type"), str):
+        raise ValueError("config.json names no model_type")
+    _get_classes(config)
+
+
 def _classes_without_mtp(config: dict):
     model_class, args_class = _get_classes(config)
 

@@ -397,8 +397,18 @@ def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
 
 
 def trunk_signature(bundle: ModelBundle) -> dict:
-    cfg = text_config(bundle.config)
-    return {k: cfg.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
+    return config_signature(bundle.config)
+
+
+def config_signature(config: dict) -> dict:
+    """The trunk shape a sidecar head is trained for, from the model's config alone."""
+    cfg = text_config(config)
+    return {
+        "model_type": cfg.get("model_type"),
+        "hidden_size": cfg.get("hidden_size"),
+        "num_hidden_layers": cfg.get("num_hidden_layers"),
+        "vocab_size": cfg.get("vocab_size"),
+    }
 
 
 PROBE_TOKENS = 16  # token ids whose embeddings fingerprint a trunk's weights
@@ -426,12 +436,31 @@ def _probe_matches(want: list, have: list) -> bool:
     return bool(denom > 0 and (a * b).sum() / denom > 0.9)
 
 
-def check_sidecar_trunk(meta: dict, bundle: ModelBundle):
-    want, have = meta.get("trunk", {}), trunk_signature(bundle)
+def _check_trunk_shape(meta: dict, config: dict) -> None:
+    want, have = meta.get("trunk", {}), config_signature(config)
     diff = {k: (want.get(k), have[k]) for k in have if want.get(k) != have[k]}
     if diff:
         details = ", ".join(f"{k}: head {a!r} vs model {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"MTP head was trained for a different trunk ({details}); train one for this model")
+
+
+def check_sidecar(sidecar, config: dict) -> None:
+    """Refuse, from its files and the model's config alone (no weights load), a sidecar head
+    directory that is incomplete or was trained for a trunk of another shape."""
+    path = Path(sidecar)
+    missing = [name for name in (SIDECAR_META, SIDECAR_WEIGHTS) if not (path / name).is_file()]
+    if missing:
+        raise ValueError(f"{path} has no {' and no '.join(missing)}: not a head directory written by "
+                         "`mtplx-batch train-head`")
+    try:
+        meta = json.loads((path / SIDECAR_META).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path / SIDECAR_META} is unreadable ({e}); train the head again")
+    _check_trunk_shape(meta, config)
+
+
+def check_sidecar_trunk(meta: dict, bundle: ModelBundle):
+    _check_trunk_shape(meta, bundle.config)
     if meta.get("trunk_probe") is not None and not _probe_matches(meta["trunk_probe"], trunk_probe(bundle)):
         raise ValueError(f"MTP head was trained for a different trunk (same shape, other weights: its embedding "
                          f"fingerprint does not match {bundle.path}); train one for this model with "

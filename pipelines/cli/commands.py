@@ -1,26 +1,33 @@
 """`mtplx-batch`: run, resume, inspect and validate batch generation jobs.
 
-Exit codes: 0 success, 1 the run failed, 2 the job is invalid or a resume was refused.
+Exit codes: 0 success, 1 the run failed, 2 the job is invalid or a resume was refused, 130
+interrupted (Ctrl-C, or SIGTERM for run and resume; finished rows are committed).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from typing import Optional, Sequence
 
 import click
 
 from ..errors import JobError, RunError
+from .interrupt import INTERRUPTED, Group, stop_on_sigterm
 
 EPILOG_RUN = """\b
 Examples:
   mtplx-batch run jobs/eval.yaml
   mtplx-batch run jobs/eval.yaml --set generation.max_tokens=64 --set schedule.order=length
+  mtplx-batch run jobs/eval.yaml --set 'generation.stop=["\\n\\n"]'   # stop at a blank line
+  mtplx-batch run jobs/eval.yaml --set input.chat_template=off   # prompts as they are, no chat template
   mtplx-batch run jobs/eval.yaml --limit 20          # try the first 20 input rows
   mtplx-batch run jobs/eval.yaml --restart           # move the old run aside, start over
   mtplx-batch run jobs/eval.yaml --log-json 2>>run.log   # for cron: JSON lines, no bars
+
+\b
+--set values are YAML: 'generation.stop=["\\n"]' (double quotes) is a newline, while ['\\n'] or
+an unquoted \\n is a backslash and an n.
 
 \b
 Running the same job again continues where it stopped: rows already in committed shards are
@@ -29,12 +36,14 @@ settings, input files) is refused with the changed keys named, unless --restart.
 Speed settings (speculative, schedule, executor) may change between resumes.
 
 \b
-Progress: on a terminal, two bars: "prefill" (rows handed to the engine, prompt tok/s) and
-"decode" (rows finished, generated tok/s, draft acceptance, tokens per verify, and an ETA from
-rows left x mean tokens per row / recent tok/s). --quiet shows nothing but errors.
---log-json writes one JSON object per line to stderr instead: start, log, startup (seconds by phase, once
-the first token is out), shard (each commit), progress (every --log-every seconds), summary (status
-done|interrupted|failed), error.
+Progress: on a terminal, two bars: "prefill" (rows handed to the engine, prompt tok/s while
+prefilling) and "decode" (rows finished, generated tok/s since generation began, draft
+acceptance, tokens per verify, and an ETA from how long rows take, rows in flight counted).
+The last tok/s is the summary's and `status`'s. --quiet shows nothing but errors.
+Ctrl-C (or SIGTERM) commits the finished rows and exits 130.
+--log-json writes one JSON object per line to stderr instead: start, log, startup
+(seconds by phase, once the first token is out), shard (each commit), progress (every --log-every seconds),
+summary (status done|interrupted|failed), error.
 """
 
 EPILOG_GROUP = """\b
@@ -61,7 +70,8 @@ top_p, stop and seed; custom_id is the row id:
   then: mtplx-batch export runs/NAME --format openai-batch --out results.jsonl
 
 \b
-Exit codes: 0 success, 1 the run failed, 2 invalid job or refused resume.
+Exit codes: 0 success, 1 the run failed, 2 invalid job or refused resume, 130 interrupted
+(Ctrl-C; SIGTERM too for run and resume, which commit the finished rows first).
 """
 
 
@@ -91,17 +101,12 @@ def _blas_notice(log_json: bool, quiet: bool) -> None:
         click.echo(note, err=True)
 
 
-def _terminate_as_interrupt(signum, frame):
-    # SIGTERM (a scheduler stopping us) takes the same path as Ctrl-C: finished rows get committed.
-    raise KeyboardInterrupt
-
-
 def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool = False,
          log_every: float = 30.0) -> None:
     from ..execution.session import run_job
     from .progress import terminal_bars
 
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    stop_on_sigterm()  # finished rows get committed, as on Ctrl-C
     if log_json:
         log = None  # the runner writes {"event": "log"} lines
     else:
@@ -118,10 +123,10 @@ def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool =
         if log_json:
             from ..execution.progress import json_line
 
-            json_line("error", message=msg, exit_code=1)
+            json_line("error", message=msg, exit_code=INTERRUPTED)
         else:
             click.echo(msg, err=True)
-        sys.exit(1)
+        sys.exit(INTERRUPTED)
     except Exception as e:  # an engine or I/O failure: say so plainly, keep the traceback for a bug report
         import traceback
 
@@ -142,7 +147,7 @@ def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool =
         sys.exit(1)
     if not quiet and not log_json:
         click.echo(
-            f"done: {summary.outputs} rows written ({summary.errors} errors), {summary.skipped} already done, "
+            f"done: {summary.outputs} rows written (error rows: {summary.errors}), {summary.skipped} already done, "
             f"{summary.completion_tokens} tokens in {summary.seconds:.1f}s "
             f"({summary.tokens_per_second:.1f} tok/s), peak memory {summary.peak_rss_bytes / 1e9:.2f} GB "
             f"-> {summary.run_dir}",
@@ -150,7 +155,7 @@ def _run(job, restart: bool, limit: Optional[int], quiet: bool, log_json: bool =
         )
 
 
-@click.group(epilog=EPILOG_GROUP, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, epilog=EPILOG_GROUP, context_settings={"help_option_names": ["-h", "--help"]})
 def main():
     """Batch offline LLM generation on MLX, resumable, with speculative decoding.
 
@@ -165,7 +170,9 @@ def main():
 @main.command(epilog=EPILOG_RUN)
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
-              help="Override a job setting; the value is read as YAML (e.g. generation.stop=['\\n']). Repeatable.")
+              help="Override a job setting; the value is read as YAML, so quote it for the shell and write "
+                   "escapes in YAML's double quotes: --set 'generation.stop=[\"\\n\\n\"]' stops at a blank line. "
+                   "Repeatable.")
 @click.option("--restart", is_flag=True, help="Move an existing run in output.dir aside and start over.")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
               help="Run in this process (local) or as a Ray Data pipeline (ray, see docs/ray.md); "

@@ -3,9 +3,10 @@
 Two bars, both counted in rows (one row = one (input row, sample) generation):
     prefill   rows handed to the engine; the engine prefills a row as it takes it, so this bar
               runs ahead of decode by about one batch. Postfix: prompt tokens prefilled and
-              their rate, live while a long prompt is still being prefilled span by span.
+              their rate while prefilling, live while a long prompt is prefilled span by span.
     decode    rows finished. Postfix, live from the first decode round: generated tokens,
-              tokens/s (recent), acceptance, tokens per verify, and the token-based ETA.
+              tokens/s, acceptance, tokens per verify, and the ETA. Its last tokens/s is the
+              summary line's and `status`'s (the figures are Progress's, pipelines/io/figures.py).
 """
 
 from __future__ import annotations
@@ -51,13 +52,13 @@ class Bars:
 
     def prefill_postfix(self) -> str:
         p = self.progress
-        el = p.clock() - p.started
-        tokens = p.prefilled if p.prefilled else p.prompt_tokens_in
-        return f"{tokens} prompt tokens, {tokens / el if el > 0 else 0:.0f} prompt tok/s"
+        if not p.prefilled:  # the engine does not report its prefill (a Ray actor's)
+            return f"{p.prompt_tokens_in} prompt tokens"
+        return f"{p.prefilled} prompt tokens, {p.prefill_tokens_per_second():.0f} prompt tok/s"
 
     def postfix(self) -> str:
         p = self.progress
-        parts = [f"{p.generated_tokens} tok", f"{p.recent_rate():.1f} tok/s"]
+        parts = [f"{p.generated_tokens} tok", f"{p.tokens_per_second():.1f} tok/s"]
         if p.drafted:
             parts.append(f"acc {p.accepted / p.drafted:.0%}")
             parts.append(f"{p.tokens_per_verify:.2f} tok/verify")
@@ -86,5 +87,7 @@ class Bars:
             self.decode.refresh()
 
     def close(self) -> None:
+        """The last postfix has the session's committed figures (Progress closed)."""
+        self.decode.set_postfix_str(self.postfix(), refresh=False)
         self.prefill.close()
         self.decode.close()

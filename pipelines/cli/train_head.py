@@ -5,13 +5,13 @@ Registered in `pipelines/cli/commands.py` as `main.add_command(train_head)`; see
 
 from __future__ import annotations
 
-import signal
 import sys
 from typing import Optional
 
 import click
 
 from .assets import gguf_mode_option
+from .interrupt import INTERRUPTED, stop_on_sigterm
 
 EPILOG = """\b
 Examples:
@@ -36,10 +36,6 @@ Use the head in a job with:  speculative: {method: mtp, mtp_head: HEAD_DIR}
 Exit codes: 0 success, 1 training failed, 2 invalid arguments or data, or a checkpoint made with
 other settings (use --restart), 130 interrupted (the checkpoint is kept).
 """
-
-
-def _terminate_as_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 @click.command("train-head", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
@@ -149,7 +145,7 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
                       hidden_weight=hidden_weight, draft_vocab=draft_vocab, max_seconds=max_seconds,
                       fit_steps=fit_steps)
     log = None if quiet else (lambda m: click.echo(m, err=True))
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    stop_on_sigterm()
     try:
         res = run_training(model, data, out_dir, cfg, restart=restart, quiet=quiet, log=log, read=read_train_data,
                            gguf_mode=gguf_mode)
@@ -163,7 +159,7 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
         step = checkpoint_step(out_dir)
         where = f"checkpoint at step {step}" if step is not None else "no checkpoint yet"
         click.echo(f"interrupted ({where}): run the same command again to continue", err=True)
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
     import json
     from pathlib import Path
 

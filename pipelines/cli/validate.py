@@ -50,6 +50,10 @@ class ValidationReport:
 def validate_job(job: JobConfig, limit: Optional[int] = None) -> ValidationReport:
     if limit is None:
         limit = job.input.limit
+    if job.executor.type == "ray":  # as `run` refuses it
+        from ..execution.ray_executor import check_ray
+
+        check_ray()
     tokenizer = load_tokenizer(job)
     prep = open_job(job, tokenizer)
     prep.source.count_rows()  # a file that cannot be read to the end is refused, as `run` refuses it

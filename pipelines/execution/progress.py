@@ -4,11 +4,15 @@
 Counted in rows (one row = one (input row, sample) generation) and tokens: rows handed to the
 engine (`submitted`) and finished (`finished`), prompt tokens prefilled and tokens generated, live
 from the first decode round (the engine reports every prefill span and every round through
-`Engine.on_progress`, wired to `engine_event`). The ETA is token-based:
-    (rows left x expected tokens per row - tokens of rows in flight) / recent tok/s
-Expected tokens per row: the mean of finished rows, generation.max_tokens before any row has
-finished. The rate is taken over the last RATE_WINDOW seconds, so a slow start (compiling, the
-first wide prefill) fades out of the estimate.
+`Engine.on_progress`, wired to `engine_event`). The figures are pipelines/io/figures.py's:
+    tok/s      generated tokens per second since generation began; once the session closes, its
+               committed tokens over its active seconds, the summary line's and `status`'s figure
+    prefill    prompt tokens per second of prefilling (the time up to each prefill report)
+    ETA        from the rows' own durations: each row in flight is expected to run as long as the
+               recent rows that outlasted its age did (a row older than all of them: up to
+               generation.max_tokens at the rows' token pace), the rows not started yet as long
+               as the recent rows' mean, the batch's width of them at a time (figures.eta_seconds).
+               Before any row has finished, every row is taken to run to max_tokens.
 
 Progress over time is also recorded in RUN_DIR/progress.jsonl (one line per RECORD_EVERY
 seconds: session start, elapsed, cumulative generated / prefilled tokens, rows done), from which
@@ -21,9 +25,9 @@ With `log_json`, every line written to stderr is one JSON object with an `event`
     shard     a shard committed: file, rows, errors, completion_tokens, rows_committed
     progress  after the first decode round, then every `log_every` seconds (from a timer
               thread, so it also marks liveness while long rows decode): rows_done, rows_total,
-              rows_errored, prompt_tokens, prefill_tokens, completion_tokens (generated so far,
-              rows in flight included), tokens_per_second, acceptance_rate, tokens_per_verify,
-              eta_seconds, elapsed_seconds
+              rows_errored, prompt_tokens, prefill_tokens, prefill_tokens_per_second,
+              completion_tokens (generated so far, rows in flight included), tokens_per_second,
+              acceptance_rate, tokens_per_verify, eta_seconds, elapsed_seconds
     summary   once at the end: status (done | interrupted | failed), outputs, errors, skipped,
               completion_tokens, seconds, tokens_per_second, shards, run_dir, peak_rss_bytes,
               peak_mlx_bytes (+ error)
@@ -33,17 +37,18 @@ Every object also has `time` (ISO 8601, UTC) and `ts` (Unix seconds).
 
 from __future__ import annotations
 
-import collections
 import datetime
 import json
 import sys
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, Optional, TextIO, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, TextIO
 
 from mtplx.request import tokens_per_verify
 
-RATE_WINDOW = 30.0  # seconds of history behind the tokens/s used by the ETA
+from ..io import figures
+from ..io.figures import RowDurations, acceptance_rate, per_second
+
 DEFAULT_LOG_EVERY = 30.0
 RECORD_EVERY = 2.0  # seconds between lines of RUN_DIR/progress.jsonl
 
@@ -107,12 +112,19 @@ class Progress:
         self.live = False  # the engine reports tokens as they are generated (engine_event)
         self.generated = 0  # generated tokens reported by the engine, rows in flight included
         self.prefilled = 0  # prompt tokens prefilled, reported by the engine
-        self.finished_generated = 0  # of `generated`, the share of rows that finished
+        self.prefill_seconds = 0.0  # the time up to each prefill report, since the engine's last report
+        self._last_event: Optional[float] = None  # the engine's last report (None: none yet, use `started`)
+        self._in_flight: Dict[Hashable, float] = {}  # key -> when it was handed to the engine
+        self.width = 0  # the most rows in flight at once
+        self.durations = RowDurations()
+        self.row_seconds = 0.0  # summed durations of finished rows
+        self.committed_tokens = 0  # completion tokens of this session's committed shards
+        self.active_seconds = 0.0  # their `elapsed`, summed
+        self.closed = False
         self._first_round_logged = False
         self.record_path = record_path
         self._last_record: Optional[float] = None
         self._session_ts = time.time()
-        self._recent: Deque[Tuple[float, int]] = collections.deque()  # (time, cumulative tokens)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -134,28 +146,26 @@ class Progress:
         with self._lock:
             if kind == "prefill":
                 self.prefilled += tokens
+                self.prefill_seconds += now - (self.started if self._last_event is None else self._last_event)
             elif kind == "decode":
                 self.live = True
                 self.generated += tokens
-                self._add_recent(now, self.generated)
                 first_round = not self._first_round_logged
                 self._first_round_logged = True
+            self._last_event = now
         if first_round and self.mode == "json" and self.log_every and self.log_every > 0:
             json_line("progress", self.stream, **self.snapshot())
         self._maybe_record(now)
         if self.view is not None:
             self.view.engine_event(now, first_round)
 
-    def _add_recent(self, now: float, cumulative: int) -> None:
-        self._recent.append((now, cumulative))
-        while len(self._recent) > 2 and now - self._recent[1][0] > RATE_WINDOW:
-            self._recent.popleft()
-
-    def submitted(self, prompt_tokens: int) -> None:
-        """A request was handed to the engine (which prefills it next)."""
+    def submitted(self, key: Hashable, prompt_tokens: int) -> None:
+        """A request (output row `key`: (row, sample)) was handed to the engine, which prefills it next."""
         with self._lock:
             self.submitted_rows += 1
             self.prompt_tokens_in += prompt_tokens
+            self._in_flight[key] = self.clock()
+            self.width = max(self.width, len(self._in_flight))
         if self.view is not None:
             self.view.submitted()
 
@@ -172,16 +182,20 @@ class Progress:
             self.drafted += row.get("drafted_tokens") or 0
             self.accepted += row.get("accepted_tokens") or 0
             self.verify_calls += row.get("verify_calls") or 0
-            if self.live:
-                self.finished_generated += row.get("completion_tokens") or 0
-            else:
-                self._add_recent(now, self.completion_tokens)
+            # its duration: timed here when it was handed to the engine here, else the engine's own
+            began = self._in_flight.pop((row.get("row"), row.get("sample")), None)
+            seconds = now - began if began is not None else row.get("decode_seconds")
+            if seconds and row.get("finish_reason") != "error":
+                self.durations.add(seconds)
+                self.row_seconds += seconds
         self._maybe_record(now)
         if self.view is not None:
             self.view.finished(via_engine)
 
     def committed(self, entry: Dict[str, Any]) -> None:
         self.rows_committed += entry.get("rows", 0)
+        self.committed_tokens += entry.get("completion_tokens", 0)
+        self.active_seconds += entry.get("elapsed", 0.0)
         if self.mode == "json":
             json_line("shard", self.stream, file=entry.get("file"), rows=entry.get("rows"),
                       errors=entry.get("errors"), completion_tokens=entry.get("completion_tokens"),
@@ -194,6 +208,7 @@ class Progress:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        self.closed = True  # the figures are the committed rows' from here on
         if self.view is not None:
             self.view.close()
             self.view = None
@@ -212,7 +227,8 @@ class Progress:
     # ------------------------------------------------------------------ numbers
     @property
     def acceptance_rate(self) -> Optional[float]:
-        return round(self.accepted / self.drafted, 4) if self.drafted else None
+        rate = acceptance_rate(self.accepted, self.drafted)
+        return None if rate is None else round(rate, 4)
 
     @property
     def tokens_per_verify(self) -> Optional[float]:
@@ -224,44 +240,47 @@ class Progress:
         """Tokens generated in this session: live from the engine, else those of finished rows."""
         return self.generated if self.live else self.completion_tokens
 
-    def recent_rate(self) -> float:
-        """Generated tokens per second over about the last RATE_WINDOW seconds."""
-        now = self.clock()
-        with self._lock:
-            if len(self._recent) >= 2 and now - self._recent[0][0] > 0:
-                t0, k0 = self._recent[0]
-                return (self.generated_tokens - k0) / (now - t0)
-        el = now - self.started
-        return self.generated_tokens / el if el > 0 else 0.0
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second since generation began; once closed, the committed tokens
+        per active second (the summary line's and `status`'s figure)."""
+        if self.closed:
+            return per_second(self.committed_tokens, self.active_seconds)
+        return per_second(self.generated_tokens, self.clock() - self.started)
+
+    def prefill_tokens_per_second(self) -> float:
+        return per_second(self.prefilled, self.prefill_seconds)
 
     def eta_seconds(self) -> Optional[float]:
-        """(Rows left x expected tokens per row - tokens of rows in flight) / recent tokens/s."""
+        """Seconds until the session's last row is done (see the module doc); None while unknown."""
         if self.total is None:
             return None
-        left = max(self.total - self.initial - self.rows, 0)
-        if left == 0:
-            return 0.0
-        if self.rows:
-            per_row = self.completion_tokens / self.rows
-        elif self.live and self.max_tokens:
-            per_row = float(self.max_tokens)  # no row finished yet: at most max_tokens each
-        else:
-            return None
-        in_flight = max(self.generated - self.finished_generated, 0) if self.live else 0
-        rate = self.recent_rate()
-        if rate <= 0:
-            return None
-        tokens_left = left * per_row - in_flight
-        if tokens_left <= 0:
-            return None  # rows in flight already ran past the estimate: unknown, not "0s"
-        return tokens_left / rate
+        now = self.clock()
+        with self._lock:
+            ages = [now - t for t in self._in_flight.values()]
+            waiting = max(self.total - self.initial - self.rows - len(ages), 0)
+            if not ages and not waiting:
+                return 0.0
+            # a row's token pace: tokens over the seconds rows spent running (in flight included when live)
+            pace = per_second(self.generated if self.live else self.completion_tokens,
+                              self.row_seconds + (sum(ages) if self.live else 0.0))
+            longest = self.max_tokens / pace if pace and self.max_tokens else None
+            if not self.durations.recent and longest is None:
+                return None  # nothing finished, nothing generated: no pace yet
+            left, mean = self.durations.predict(ages, longest)
+            left = left.tolist()
+            if self.width:  # rows decode here: `width` of them at a time, each for about `mean`
+                rows_per_second = per_second(self.width, mean)
+            else:  # rows come back from elsewhere (Ray): at the pace they came back so far
+                rows_per_second = per_second(self.rows, now - self.started)
+        return figures.eta_seconds(waiting, left, mean, rows_per_second)
 
     def snapshot(self) -> Dict[str, Any]:
         eta = self.eta_seconds()
         return dict(rows_done=self.initial + self.rows, rows_total=self.total, rows_errored=self.errors,
                     rows_submitted=self.submitted_rows, prompt_tokens=self.prompt_tokens,
-                    prefill_tokens=self.prefilled, completion_tokens=self.generated_tokens,
-                    tokens_per_second=round(self.recent_rate(), 3), acceptance_rate=self.acceptance_rate,
+                    prefill_tokens=self.prefilled, prefill_tokens_per_second=round(self.prefill_tokens_per_second(), 3),
+                    completion_tokens=self.generated_tokens,
+                    tokens_per_second=round(self.tokens_per_second(), 3), acceptance_rate=self.acceptance_rate,
                     tokens_per_verify=self.tokens_per_verify,
                     eta_seconds=None if eta is None else round(eta, 1),
                     elapsed_seconds=round(self.clock() - self.started, 3))

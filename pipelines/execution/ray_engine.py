@@ -23,16 +23,25 @@ stats, ...) plus the input columns passed through. A row that cannot run (null p
 longer than the context, engine refusal) becomes a row with `finish_reason == "error"` and the
 reason in `error`; it never fails the batch.
 
+The engine runs on a thread of its own (`EngineLoop`), in one long `engine.generate()` fed from
+every batch the actor is handed: where Ray Data runs two calls on an actor at once (the
+executor's setting, `ray_executor.actor_compute`), the next batch's rows fill the slots the last
+rows of a batch leave, instead of the batch draining before the next call starts. MLX runs on
+that thread alone (its streams belong to the thread that made them).
+
 The `mtplx-batch` Ray executor (pipelines/execution/ray_executor.py) runs `JobPredictor`, a subclass that
 takes rows already prepared by the job's own reader (row index, id, tokens, per-row errors), so a
-job gives the same rows on Ray as it does locally.
+job gives the same rows on Ray as it does locally; it yields its output rows as they finish.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+import queue
+import threading
+import time
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import pyarrow as pa
@@ -43,7 +52,7 @@ from mtplx.request import SamplingParams
 from ..io.columns import OUTPUT_COLUMNS, output_schema
 from ..io.prompts import PromptRenderer, RowError
 from ..io.rows import Item, check_context, content_id, row_id
-from ..job.config import GenerationConfig, InputConfig
+from ..job.config import GenerationConfig, InputConfig, section_config
 from .ordering import order_window
 from .work import Work, engine_rows
 
@@ -57,15 +66,101 @@ SEED_COL = "_mtplx_seed"  # a row's own job seed (openai-batch `seed`), or null
 Batch = Union[Dict[str, np.ndarray], pa.Table]
 
 
-def _as(cls, value):
-    """A config dataclass from an instance, a mapping of its fields, or None (defaults)."""
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, dict):
-        return cls(**value)
-    raise TypeError(f"expected a {cls.__name__} or a dict of its fields, got {type(value).__name__}")
+STREAM_EVERY = 0.5  # seconds: rows that finish within this of the first go out together
+
+
+class EngineLoop:
+    """One engine on a thread of its own, generating for every caller.
+
+    `rows(work)` hands the engine a caller's Work and returns that caller's output rows, in lists
+    as they finish; callers on other threads may do the same meanwhile. One `engine.generate()`
+    runs as long as requests keep coming (continuous batching across the callers' batches) and
+    ends when none waits and its rows are done; the next request starts another. `load()` builds
+    the engine on the thread, so every MLX stream belongs to it; `ready()` waits for it."""
+
+    def __init__(self, load: Callable[[], Any], params: SamplingParams, seed: int):
+        self._todo: "queue.Queue[List[Work]]" = queue.Queue()
+        self._owners: Dict[int, list] = {}  # key -> [caller's inbox, caller's own index, samples left]
+        self._next_key = 0
+        self._lock = threading.Lock()
+        self._failed: Optional[BaseException] = None
+        self._loaded = threading.Event()
+        self.engine = None
+        threading.Thread(target=self._serve, args=(load, params, seed), name="mtplx-engine", daemon=True).start()
+
+    def ready(self):
+        """The engine, once loaded; a failed load raises here."""
+        self._loaded.wait()
+        if self.engine is None:
+            raise self._failed
+        return self.engine
+
+    def rows(self, work: List[Work]) -> Iterator[List[Dict[str, Any]]]:
+        """The output rows of `work` (their `row`: the Work's own item.index), in lists as they
+        finish. The work is queued at once, the rows are read as the iterator is."""
+        inbox: "queue.Queue" = queue.Queue()
+        with self._lock:
+            if self._failed is not None:
+                raise RuntimeError(f"the engine failed earlier: {self._failed}") from self._failed
+            for w in work:  # keys unique across callers; each row goes back under its own index
+                self._owners[self._next_key] = [inbox, w.item.index, len(w.samples)]
+                w.item.index = self._next_key
+                self._next_key += 1
+        self._todo.put(work)
+        return self._read(inbox, sum(len(w.samples) for w in work))
+
+    @staticmethod
+    def _read(inbox: "queue.Queue", left: int) -> Iterator[List[Dict[str, Any]]]:
+        while left:
+            got = [inbox.get()]
+            until = time.monotonic() + STREAM_EVERY
+            while len(got) < left:
+                try:
+                    got.append(inbox.get(timeout=max(0.0, until - time.monotonic())))
+                except queue.Empty:
+                    break
+            for row in got:
+                if isinstance(row, BaseException):
+                    raise row
+            left -= len(got)
+            yield got
+
+    def _serve(self, load, params: SamplingParams, seed: int) -> None:
+        try:
+            self.engine = load()
+        except BaseException as e:
+            self._failed = e
+            return
+        finally:
+            self._loaded.set()
+        while True:
+            first = self._todo.get()  # idle: nothing in flight, nothing waiting
+            try:
+                for row, _ in engine_rows(self.engine, self._feed(first), params, seed):
+                    with self._lock:
+                        owner = self._owners[row["row"]]
+                        owner[2] -= 1
+                        if not owner[2]:
+                            del self._owners[row["row"]]
+                    row["row"] = owner[1]
+                    owner[0].put(row)
+            except BaseException as e:  # every caller waiting on the engine hears of it
+                with self._lock:
+                    self._failed = e
+                    inboxes = {id(o[0]): o[0] for o in self._owners.values()}
+                    self._owners.clear()
+                for inbox in inboxes.values():
+                    inbox.put(e)
+                return
+
+    def _feed(self, first: List[Work]) -> Iterator[Work]:
+        yield from first
+        while True:
+            try:
+                work = self._todo.get_nowait()
+            except queue.Empty:
+                return  # none waits: this generate() ends once its rows are done
+            yield from work
 
 
 def _py(v: Any) -> Any:
@@ -115,25 +210,30 @@ class MTPLXPredictor:
                  template: Optional[str] = None, chat_template: str = "auto", tokens_column: str = "token_ids",
                  id_column: Optional[str] = "id", keep_input_columns: bool = True, trust_remote_code: bool = False,
                  gguf_mode: str = "auto", engine=None):
-        self.speculative = _as(SpeculativeConfig, speculative)
-        self.generation = _as(GenerationConfig, generation)
-        self.schedule = _as(ScheduleConfig, schedule)
-        if engine is None:
-            from mtplx.process import prepare_process
-
-            prepare_process()  # here, not at import: the process is Ray's worker (mtplx/process.py)
-            from mtplx.generation import Engine
-
-            engine = Engine.load(model_path, self.speculative, self.schedule, trust_remote_code=trust_remote_code,
-                                 gguf_mode=gguf_mode)
-        self.engine = engine
-        self.params = self.generation.sampling_params()
+        # the job file's checks: n=0, top_p=0 or an unknown key is refused here as in a job file
+        self.speculative = section_config(SpeculativeConfig, "speculative", speculative)
+        self.generation = section_config(GenerationConfig, "generation", generation)
+        self.schedule = section_config(ScheduleConfig, "schedule", schedule)
         self.inp = InputConfig(path=str(model_path), prompt_column=prompt_column, messages_column=messages_column,
                                template=template, chat_template=chat_template)
+        self.params = self.generation.sampling_params()
+        load = (lambda: engine) if engine is not None else (lambda: self._load(model_path, trust_remote_code, gguf_mode))
+        self.loop = EngineLoop(load, self.params, self.generation.seed)
+        self.engine = self.loop.ready()
         self._renderer: Optional[PromptRenderer] = None  # built on first text batch (may refuse the config)
         self.tokens_column = tokens_column
         self.id_column = id_column
         self.keep_input_columns = keep_input_columns
+
+    def _load(self, model_path: str, trust_remote_code: bool, gguf_mode: str):
+        """The engine, built on the engine loop's thread."""
+        from mtplx.process import prepare_process
+
+        prepare_process()  # here, not at import: the process is Ray's worker (mtplx/process.py)
+        from mtplx.generation import Engine
+
+        return Engine.load(model_path, self.speculative, self.schedule, trust_remote_code=trust_remote_code,
+                           gguf_mode=gguf_mode)
 
     # ------------------------------------------------------------------ batch -> work
     @property
@@ -182,8 +282,8 @@ class MTPLXPredictor:
     def generate_work(self, work: Iterable[Work]) -> List[Dict[str, Any]]:
         """Output rows (DESIGN.md columns, `row` = item.index) for every (item, sample), ordered
         by (item.index, sample). Per-row problems are error rows; an engine crash raises."""
-        rows = engine_rows(self.engine, work, self.params, self.generation.seed)
-        return sorted((row for row, _ in rows), key=lambda r: (r["row"], r["sample"]))
+        rows = (row for chunk in self.loop.rows(list(work)) for row in chunk)
+        return sorted(rows, key=lambda r: (r["row"], r["sample"]))
 
     def __call__(self, batch: Batch) -> Batch:
         names, rows = _batch_rows(batch)
@@ -234,21 +334,25 @@ class JobPredictor(MTPLXPredictor):
     """The Ray executor's actor: one engine per actor, fed rows the job's reader prepared.
 
     Input (pyarrow): `row`, `id`, `error`, `_mtplx_tokens`, `_mtplx_samples`, `_mtplx_prefix`,
-    then the job's keep_columns. Output: the shard schema (`output_schema(keep_types)`), one row
-    per (row, sample), built by the same `engine_rows` the local executor runs.
+    then the job's keep_columns. Output: tables of the shard schema (`output_schema(keep_types)`),
+    one row per (row, sample), yielded as the rows finish, built by the same `engine_rows` the
+    local executor runs.
     """
 
     def __init__(self, job, max_context: int):
-        from .opening import load_engine
-
-        engine = load_engine(job)
-        if engine.max_context != max_context:
+        self.job = job
+        super().__init__(job.model.path, job.speculative, job.generation, job.schedule)
+        if self.engine.max_context != max_context:
             raise RuntimeError(f"the reader checked prompts against a context of {max_context} tokens, "
-                               f"the engine has {engine.max_context}; report this as a bug")
-        super().__init__(job.model.path, job.speculative, job.generation, job.schedule, engine=engine)
+                               f"the engine has {self.engine.max_context}; report this as a bug")
         self.keep = list(job.output.keep_columns)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def _load(self, *_):
+        from .opening import load_engine
+
+        return load_engine(self.job)
+
+    def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         cols = {c: batch.column(c).to_pylist()
                 for c in ("row", "id", "error", TOKENS_COL, SAMPLES_COL, PREFIX_COL, PARAMS_COL, SEED_COL)}
         work = []
@@ -256,12 +360,12 @@ class JobPredictor(MTPLXPredictor):
             item = Item(index=i, id=cols["id"][i], tokens=cols[TOKENS_COL][i], error=cols["error"][i])
             params = params_from_json(cols[PARAMS_COL][i])
             work.append(Work(item, cols[SAMPLES_COL][i], cols[PREFIX_COL][i], params, cols[SEED_COL][i]))
-        out = self.generate_work(work)
-        pos = pa.array([r["row"] for r in out], type=pa.int64())
         rows = cols["row"]
-        for r in out:
-            r["row"] = rows[r["row"]]  # batch position -> the input row index
-        table = pa.Table.from_pylist(out, schema=output_schema())
-        for c in self.keep:
-            table = table.append_column(batch.schema.field(c), batch.column(c).take(pos))
-        return table
+        for out in self.loop.rows(work):
+            pos = pa.array([r["row"] for r in out], type=pa.int64())
+            for r in out:
+                r["row"] = rows[r["row"]]  # batch position -> the input row index
+            table = pa.Table.from_pylist(out, schema=output_schema())
+            for c in self.keep:
+                table = table.append_column(batch.schema.field(c), batch.column(c).take(pos))
+            yield table

@@ -2,8 +2,11 @@
 
     read + prepare (1 task)  ->  map_batches(JobPredictor, actor pool)  ->  driver
     row index, id, tokens,       one Engine per actor (`concurrency`     ShardWriter: writes and
-    per-row errors, order;       actors, `num_gpus` each); returns       commits shards through
-    committed keys skipped       output rows, writes nothing             RunDir (manifest.json)
+    per-row errors, order;       actors, `num_gpus` each), one long      commits shards through
+    committed keys skipped       generate() fed from the batches it      RunDir (manifest.json)
+                                 is handed, two at once; streams out
+                                 output rows as they finish, writes
+                                 nothing
 
 Who writes what: the driver (this process) is the only writer of the run directory. The job
 session (session.py) opens the run and commits shards, the same code as on the local executor;
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -45,7 +49,13 @@ from .opening import load_tokenizer, model_max_context
 from .ray_engine import PARAMS_COL, PREFIX_COL, SAMPLES_COL, SEED_COL, TOKENS_COL, JobPredictor, params_to_json
 from .work import plan
 
-READ_BLOCK_ROWS = 256  # prepared rows per block handed from the reader to the actors
+READ_BLOCK_ROWS = 256  # prepared rows per table the reader yields
+# Ray Data joins what a task yields into blocks of up to this many bytes (its default: 128 MiB) and
+# hands a block on only once it is full or the task ends: at that size the reader's whole output
+# was one block, so one actor got every row, and an actor's rows left it only with its batch. At
+# this size prepared rows reach the actors as they are read, spread over all of them, and output
+# rows stream back a few dozen at a time.
+BLOCK_BYTES = 16 * 1024
 READER_CPUS = 0.5  # differs from the actors' 1 CPU on purpose: Ray does not fuse the two stages
 
 
@@ -54,6 +64,23 @@ def check_ray() -> None:
         importlib.import_module("ray.data")
     except ImportError as e:
         raise JobError(f"executor: ray needs Ray Data ({e}): pip install 'mtplx-batch[ray]'")
+
+
+CALLS_PER_ACTOR = 2  # batches an actor works on at once (see actor_compute)
+
+
+def actor_compute(actors: int):
+    """The actor pool: `actors` engines, each handed CALLS_PER_ACTOR batches at once, so the next
+    batch's rows join the engine's one long generate() while the last rows of a batch finish
+    (ray_engine.EngineLoop). A Ray Data without concurrent calls (before 2.5x) runs an actor's
+    batches one after another: the same rows, each batch draining before the next starts."""
+    import ray.data
+
+    options = inspect.signature(ray.data.ActorPoolStrategy).parameters
+    if {"max_concurrent_calls_per_actor", "enable_true_multi_threading"} <= set(options):
+        return ray.data.ActorPoolStrategy(size=actors, max_concurrent_calls_per_actor=CALLS_PER_ACTOR,
+                                          enable_true_multi_threading=True)
+    return ray.data.ActorPoolStrategy(size=actors)
 
 
 def actor_batch_rows(job: JobConfig) -> int:
@@ -120,8 +147,8 @@ def build_dataset(job: JobConfig, committed_keys, limit: Optional[int] = None):
         actor_args["num_gpus"] = ex.num_gpus
     return prepared.map_batches(
         JobPredictor, fn_constructor_kwargs={"job": job, "max_context": max_context},
-        batch_size=actor_batch_rows(job), batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=int(ex.concurrency)), **actor_args,
+        batch_size=actor_batch_rows(job), batch_format="pyarrow", compute=actor_compute(int(ex.concurrency)),
+        **actor_args,
     )
 
 
@@ -171,12 +198,14 @@ def ray_session(ex: ExecutorConfig, quiet: bool, log: Callable[[str], None]):
 
 
 @contextlib.contextmanager
-def _quiet_ray_data(quiet: bool):
+def ray_data_context(quiet: bool):
+    """Ray Data's settings for a run, put back afterwards: no bars of its own, and small blocks."""
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
-    bars = ctx.enable_progress_bars
+    bars, block_bytes = ctx.enable_progress_bars, ctx.target_max_block_size
     ctx.enable_progress_bars = False  # the session's own progress bar shows rows and tok/s
+    ctx.target_max_block_size = BLOCK_BYTES
     logger = logging.getLogger("ray.data")
     level = logger.level
     if quiet:
@@ -184,7 +213,7 @@ def _quiet_ray_data(quiet: bool):
     try:
         yield
     finally:
-        ctx.enable_progress_bars = bars
+        ctx.enable_progress_bars, ctx.target_max_block_size = bars, block_bytes
         logger.setLevel(level)
 
 
@@ -195,7 +224,7 @@ def ray_rows(session) -> Iterator[tuple]:
     seen = set(session.committed)
     repeats = 0
     try:
-        with ray_session(job.executor, session.quiet, log), _quiet_ray_data(session.quiet):
+        with ray_session(job.executor, session.quiet, log), ray_data_context(session.quiet):
             ds = build_dataset(job, session.committed, session.limit)
             session.begin(executor="ray")
             for table in ds.iter_batches(batch_format="pyarrow", batch_size=None):

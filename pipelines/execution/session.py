@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 from ..errors import RunError
-from ..io.checkpoint import PROGRESS_FILE, RunDir
+from ..io.checkpoint import PROGRESS_FILE, RunDir, totals
 from ..io.columns import output_schema
+from ..io.figures import per_second
 from ..io.job_input import Prepared, open_job
 from ..io.sink import ShardWriter
 from ..job.config import JobConfig
@@ -46,14 +47,14 @@ class RunSummary:
     errors: int = 0  # of those, error rows
     skipped: int = 0  # (row, sample) pairs already committed by an earlier session
     completion_tokens: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # active seconds: the `elapsed` of the shards this session committed (figures.py)
     shards: int = 0  # shards committed by this session
     peak_rss_bytes: int = 0  # the process's peak resident memory (what the OS counts)
     peak_mlx_bytes: int = 0  # MLX's own peak: weights, caches, activations (0 before MLX loads)
 
     @property
     def tokens_per_second(self) -> float:
-        return self.completion_tokens / self.seconds if self.seconds else 0.0
+        return per_second(self.completion_tokens, self.seconds)
 
     def measure_memory(self) -> None:
         self.peak_rss_bytes = peak_rss_bytes()
@@ -67,6 +68,7 @@ class RunSummary:
         self.outputs += entry["rows"]
         self.errors += entry["errors"]
         self.completion_tokens += entry["completion_tokens"]
+        self.seconds += entry["elapsed"]
 
 
 def peak_rss_bytes() -> int:
@@ -95,6 +97,7 @@ class Session:
     started: float = field(default_factory=time.monotonic)
     startup: Startup = field(default_factory=Startup)
     bars: Optional[Callable[[Progress], Any]] = None  # draws the progress (run_job's `bars`)
+    sink: Optional[ShardWriter] = None  # its active time starts with `begin`
 
     def report_startup(self) -> None:
         """With --log-json: the `startup` line, once the first token is out."""
@@ -132,8 +135,22 @@ class Session:
     def begin(self, **fields: Any) -> None:
         """Generation starts now (the engine or the cluster is up): the clock and the progress."""
         self.started = time.monotonic()
+        if self.sink is not None:
+            self.sink.start_clock()
         self.progress = self._new_progress()
         self.progress.start(run_dir=self.run.path, job=self.job.name, **fields)
+
+
+def all_errors(run: RunDir, example: Optional[Tuple[int, str]] = None) -> Optional[RunError]:
+    """The failure of a run whose every committed output row is an error row (nothing was
+    generated), or None. `example`: (row, error) of one of them."""
+    t = totals(run.manifest)
+    if not t["rows"] or t["errors"] < t["rows"]:
+        return None
+    seen = f" (row {example[0]}: {example[1]})" if example else ""
+    return RunError(f"every one of the {t['rows']} output rows is an error row{seen}: nothing was generated. "
+                    f"They are committed in {run.path} (`mtplx-batch report {run.path}` lists them); fix the "
+                    "cause and run again with --restart")
 
 
 def executor_rows(job: JobConfig, engine=None) -> Callable[[Session], Rows]:
@@ -188,6 +205,9 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
         startup.lap("config")
         summary = RunSummary(run_dir=run.path, skipped=len(committed))
         if s.finished:  # checked before any model loads
+            failed = all_errors(run)
+            if failed is not None:
+                raise failed
             log(f"finished: all {s.wanted} output rows are committed in {run.path}; nothing to do "
                 "(--restart starts over)")
             summary.measure_memory()
@@ -203,8 +223,9 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
             if s.progress is not None:
                 s.progress.committed(entry)
 
-        sink = ShardWriter(run, output_schema(prep.keep_types), job.output.shard_rows, on_commit)
+        sink = s.sink = ShardWriter(run, output_schema(prep.keep_types), job.output.shard_rows, on_commit)
         added = 0
+        example = None  # (row, error) of an error row, for the message of a run that is all errors
         status, error = "failed", None
         try:
             with contextlib.closing(rows(s)) as stream:
@@ -212,11 +233,17 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
                     sink.add(row)
                     s.progress.finished(row, via_engine)
                     added += 1
+                    if example is None and row["finish_reason"] == "error":
+                        example = (row["row"], row["error"])
             s.report_startup()
             missing = (s.wanted or 0) - s.done_before - added
             if s.wanted is not None and missing > 0:
                 raise RunError(f"the run ended with {missing} rows missing; they were not committed "
                                "and a resume will generate them")
+            sink.flush()
+            failed = all_errors(run, example)
+            if failed is not None:
+                raise failed
             status = "done"
         except KeyboardInterrupt:
             status = "interrupted"
@@ -231,7 +258,6 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
                 status, error = "failed", error or f"{type(e).__name__}: {e}"
                 raise
             finally:
-                summary.seconds = time.monotonic() - s.started
                 summary.measure_memory()
                 if s.progress is None:  # stopped before generation began: still one summary
                     s.progress = s._new_progress()

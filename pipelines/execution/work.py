@@ -55,12 +55,13 @@ def plan(job: JobConfig, prep: Prepared, committed: Collection[Tuple[int, int]],
 
 
 def engine_rows(engine, work: Iterable[Work], params: SamplingParams, seed: int,
-                on_submit: Optional[Callable[[int], None]] = None) -> Iterator[Tuple[Dict[str, Any], bool]]:
+                on_submit: Optional[Callable[[Tuple[int, int], int], None]] = None
+                ) -> Iterator[Tuple[Dict[str, Any], bool]]:
     """(output row, reached the engine) for every (item, sample) of `work`, in completion order.
 
-    `params` / `seed` apply where a Work carries none of its own. `on_submit(prompt_tokens)` runs
-    for every request the engine takes. An engine that stops with requests unanswered, or answers
-    one it was never given, is a RunError (nothing of those rows is written)."""
+    `params` / `seed` apply where a Work carries none of its own. `on_submit((row, sample),
+    prompt_tokens)` runs for every request the engine takes. An engine that stops with requests
+    unanswered, or answers one it was never given, is a RunError (nothing of those rows is written)."""
     inflight: Dict[Tuple[int, int], Tuple[Item, int]] = {}
     ready: collections.deque = collections.deque()  # error rows met while the engine pulled requests
 
@@ -75,7 +76,7 @@ def engine_rows(engine, work: Iterable[Work], params: SamplingParams, seed: int,
                     continue
                 inflight[(item.index, s)] = (item, row_seed)
                 if on_submit is not None:
-                    on_submit(len(item.tokens))
+                    on_submit((item.index, s), len(item.tokens))
                 yield Request(key=(item.index, s), prompt_tokens=item.tokens,
                               params=params if w.params is None else w.params,
                               seed=row_seed, stable_prefix_len=w.prefix)

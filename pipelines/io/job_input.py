@@ -41,10 +41,11 @@ def open_job(job: JobConfig, tokenizer) -> Prepared:
     source = open_source(job.input, columns)
     schema = source.schema()
     if schema is not None:
-        missing = [c for c in keep if c not in schema.names]
-        if missing:
-            raise JobError(f"output.keep_columns: the input has no column {missing[0]!r} "
-                           f"(has: {', '.join(schema.names)})")
+        prompt_key = {"messages": "messages_column", "template": "template"}.get(job.input.prompt_mode, "prompt_column")
+        for key, wanted in ((f"input.{prompt_key}", renderer.columns), ("output.keep_columns", keep)):
+            missing = [c for c in wanted if c not in schema.names]
+            if missing:  # every row would be an error row
+                raise JobError(f"{key}: the input has no column {missing[0]!r} (has: {', '.join(schema.names)})")
     keep_types = [(c, source.column_type(c)) for c in keep]
     check_keep = keep_checker(keep_types) if schema is None and keep_types else None
     return Prepared(source, renderer, keep_types, check_keep, tokenizer)

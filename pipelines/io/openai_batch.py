@@ -177,7 +177,8 @@ def _content(value: Any, i: int) -> Any:
             texts.append(part["text"])
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise RowError(f"openai-batch: messages[{i}].content has a {kind!r} part; only text parts are supported")
+            raise RowError(f"openai-batch: messages[{i}].content has a part of type {kind!r}; only text parts are "
+                           "supported")
     return "\n".join(texts)
 
 

@@ -22,6 +22,12 @@ class RowError(Exception):
         self.reason = reason
 
 
+def a_type(value: Any) -> str:
+    """`value`'s type name with its article, for messages: "an int", "a list"."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def check_text(value: Any, what: str) -> str:
     """A usable piece of prompt text from a cell, or RowError."""
     if value is None:
@@ -32,7 +38,7 @@ def check_text(value: Any, what: str) -> str:
         except UnicodeDecodeError as e:
             raise RowError(f"{what} holds bytes that are not UTF-8 (at byte {e.start}); re-encode the input as UTF-8")
     if not isinstance(value, str):
-        raise RowError(f"{what} is a {type(value).__name__}, not a string")
+        raise RowError(f"{what} is {a_type(value)}, not a string")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -54,7 +60,7 @@ def _template_value(row: Dict[str, Any], name: str) -> str:
             raise RowError(f"{what} is {v}; fill or drop non-finite values in the input")
         return repr(v)
     if isinstance(v, (list, dict, tuple)):
-        raise RowError(f"{what} is a {type(v).__name__}; templates take scalar columns only")
+        raise RowError(f"{what} is {a_type(v)}; templates take scalar columns only")
     return check_text(v, what)
 
 

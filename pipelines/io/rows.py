@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import pyarrow as pa
 
-from .prompts import PromptRenderer, RowError
+from .prompts import PromptRenderer, RowError, a_type
 from .sources import SourceRow, plain_type
 
 
@@ -58,7 +58,7 @@ def row_id(data: Dict[str, Any], id_column: Optional[str]) -> str:
     if v is None:
         raise RowError(f"id column {id_column!r} is null; every row needs an id")
     if isinstance(v, bool) or not isinstance(v, (str, int)):
-        raise RowError(f"id column {id_column!r} is a {type(v).__name__}; ids must be strings or integers")
+        raise RowError(f"id column {id_column!r} is {a_type(v)}; ids must be strings or integers")
     v = str(v)
     if not v:
         raise RowError(f"id column {id_column!r} is empty; every row needs an id")

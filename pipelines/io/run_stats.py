@@ -7,7 +7,7 @@ Reading is streamed shard by shard, with only the columns needed.
 
 Numbers, and where they come from:
 - wall time: the sum of the shards' `elapsed` (active time, gaps between sessions excluded);
-  rows/s and tok/s divide by it, like `mtplx-batch status`.
+  rows/s and tok/s divide by it, like `mtplx-batch status` (figures.py defines both).
 - acceptance by depth: sum over rows of `accepted_by_depth[d]` (verifies in which the drafted
   token at depth d+1 was accepted) / sum of `verify_calls`; "given depth d-1" divides by the
   count at the previous depth instead.
@@ -32,6 +32,7 @@ from mtplx.request import tokens_per_verify
 from ..errors import JobError
 from ..job.columns import REPORT_COLUMNS
 from .checkpoint import JOB_FILE, PROGRESS_FILE, Committed, planned_outputs, read_manifest, verify_shards
+from .figures import acceptance_rate, per_second
 
 TOP_SLOW = 20  # the slowest rows kept
 
@@ -108,15 +109,15 @@ class RunStats:
     # ------------------------------------------------------------------ derived
     @property
     def rows_per_second(self) -> float:
-        return self.rows / self.active_seconds if self.active_seconds else 0.0
+        return per_second(self.rows, self.active_seconds)
 
     @property
     def tokens_per_second(self) -> float:
-        return self.completion_tokens / self.active_seconds if self.active_seconds else 0.0
+        return per_second(self.completion_tokens, self.active_seconds)
 
     @property
     def acceptance_rate(self) -> Optional[float]:
-        return self.accepted / self.drafted if self.drafted else None
+        return acceptance_rate(self.accepted, self.drafted)
 
     @property
     def tokens_per_verify(self) -> Optional[float]:

@@ -65,6 +65,10 @@ class ShardWriter:
         self._since = time.monotonic()
         self.rows_written = 0
 
+    def start_clock(self) -> None:
+        """Generation starts now: the first shard's `elapsed` counts from here (figures.py: active seconds)."""
+        self._since = time.monotonic()
+
     def add(self, row: Dict[str, Any]) -> None:
         self.buffer.append(row)
         faults.hit("row.emitted")

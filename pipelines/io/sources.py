@@ -6,7 +6,9 @@ index over all files (files in sorted order), so no dataset is ever held in memo
 
 What is fatal and what is per-row:
 - fatal (`JobError`, exit 2, checked before the model loads): no file matches, a file cannot be
-  opened, a file lacks a column the job reads, or a read column changes type between files;
+  opened, a file lacks a column the job reads, a read column changes type between files, or a
+  file cannot be read as its format at all (a Parquet file given as jsonl or csv, a jsonl file
+  none of whose lines is a JSON object);
 - per row (an error row, the job goes on): a jsonl line that is not valid JSON / UTF-8 or not an
   object, a csv record with the wrong number of fields or undecodable bytes. Those rows still
   take their row index, so resumes and reruns agree on numbering.
@@ -104,6 +106,32 @@ def expand_paths(path: str, fmt: str) -> List[str]:
 
 def _open_text(path: str) -> io.BufferedIOBase:
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+# Leading bytes of files that are not text, and what they are: a text reader would turn every line
+# of them into an error row.
+BINARY_MAGIC = {b"PAR1": "a Parquet file (input.format: parquet)", b"ARROW1": "an Arrow IPC file (input.format: arrow)",
+                b"\xff\xff\xff\xff": "an Arrow IPC stream (input.format: arrow)",
+                b"\x1f\x8b": "gzip-compressed (name it *.gz)", b"PK\x03\x04": "a zip archive (unpack it first)"}
+
+
+def check_text_file(path: str, fmt: str) -> None:
+    """Refuse a file a text reader (jsonl, csv) cannot read at all: unopenable, or a known binary format."""
+    try:
+        with _open_text(path) as f:
+            head = f.read(8)
+    except READ_ERRORS as e:
+        raise JobError(f"input file {path}: cannot read it ({e})")
+    kind = next((what for magic, what in BINARY_MAGIC.items() if head.startswith(magic)), None)
+    if kind is not None:
+        raise JobError(f"input file {path}: is {kind}, not {fmt} text; no row of it could be read as input.format: {fmt}")
+
+
+def is_json_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line.decode("utf-8")), dict)
+    except (UnicodeDecodeError, ValueError):
+        return False
 
 
 class Source:
@@ -251,21 +279,28 @@ class JsonlSource(Source):
         super().__init__(inp, columns)
         self.files = expand_paths(inp.path, "jsonl")
         for path in self.files:
-            try:
-                with _open_text(path) as f:
-                    f.read(1)
-            except READ_ERRORS as e:
-                raise JobError(f"input file {path}: cannot read it ({e})")
+            check_text_file(path, "jsonl")
 
     def count_rows(self):
+        """Rows in every file, read to the end; a file none of whose lines is a JSON object is refused
+        (one broken line is an error row, a file of them is the wrong file or format)."""
         n = 0
         for path in self.files:
+            rows, readable = 0, False
             try:
                 with _open_text(path) as f:
-                    n += sum(1 for i, line in enumerate(f)
-                             if (line[3:] if i == 0 and line.startswith(b"\xef\xbb\xbf") else line).strip())
+                    for i, line in enumerate(f):
+                        line = line[3:] if i == 0 and line.startswith(b"\xef\xbb\xbf") else line
+                        if line.strip():
+                            rows += 1
+                            readable = readable or is_json_object(line)
             except READ_ERRORS as e:  # e.g. a truncated .gz: refused before any work
                 raise JobError(f"input file {path}: cannot read it to the end ({type(e).__name__}: {e})")
+            if rows and not readable:
+                raise JobError(f"input file {path}: none of its {rows} lines is a JSON object, so no row can be "
+                               "read; input.format: jsonl takes one JSON object per line (a JSON array or a "
+                               "pretty-printed file is not JSONL)")
+            n += rows
         return n
 
     def _shape(self, data: Dict[str, Any]) -> Dict[str, Any]:
@@ -330,6 +365,7 @@ class CsvSource(Source):
         csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # prompts can be far longer than 128 KiB
         self._header = None
         for path in self.files:
+            check_text_file(path, "csv")
             try:
                 with self._reader(path) as (_, reader):
                     header = next(reader, None)

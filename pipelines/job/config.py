@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
-from mtplx.checks import (BOOL_VERIFY, boolean, checks_of, integer, number, one_of, optional, setting, string,
-                          string_list)
+from mtplx.checks import (BOOL_VERIFY, boolean, check_fields, checks_of, integer, number, one_of, optional, setting,
+                          string, string_list)
 from mtplx.config import GGUF_MODES, ScheduleConfig, SpeculativeConfig
 from mtplx.request import SamplingParams
 
@@ -39,6 +39,9 @@ class ModelConfig:
     # a GGUF model: auto | dequantize | quantized (pinned: each mode resolves to its own directory)
     gguf_mode: str = setting(one_of(*GGUF_MODES), "auto")
 
+    def __post_init__(self):
+        check_fields(self, "model")
+
 
 @dataclass
 class InputConfig:
@@ -51,6 +54,32 @@ class InputConfig:
     template: Optional[str] = pinned(optional(string), None)
     chat_template: str = pinned(one_of("auto", "on", "off", aliases=BOOL_VERIFY), "auto")  # auto | on | off
     limit: Optional[int] = setting(optional(integer(1)), None)  # only the first N input rows (a CLI --limit wins)
+
+    def __post_init__(self):
+        check_fields(self, "input")
+        problems = []
+        if self.format == "openai-batch":
+            # OpenAI Batch API request files: custom_id is the id, body.messages the prompt (openai_batch.py)
+            self.id_column = self.id_column or "custom_id"
+            self.messages_column = self.messages_column or "messages"
+            if self.id_column != "custom_id" or self.messages_column != "messages":
+                problems.append("input.format: openai-batch reads custom_id as the id and body.messages as the "
+                                "prompt; remove input.id_column / input.messages_column")
+            if self.prompt_column or self.template is not None:
+                problems.append("input.format: openai-batch takes the prompt from body.messages; remove "
+                                "input.prompt_column / input.template")
+        if self.messages_column and (self.template is not None or self.prompt_column):
+            problems.append("input.messages_column: give only one of messages_column, template, prompt_column")
+        if self.template is not None and self.prompt_column:
+            problems.append("input.template: give only one of template and prompt_column "
+                            "(a template reads any columns by name: '{question}')")
+        if self.template is not None:
+            try:
+                parse_template(self.template)
+            except ValueError as e:
+                problems.append(f"input.template: {e}, got {self.template!r}")
+        if problems:
+            raise ValueError("\n  ".join(problems))
 
     @property
     def prompt_mode(self) -> str:
@@ -73,6 +102,9 @@ class GenerationConfig:
     stop: List[str] = pinned(string_list, default_factory=list)
     n: int = pinned(integer(1), 1)
 
+    def __post_init__(self):
+        check_fields(self, "generation")
+
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_tokens,
@@ -89,6 +121,9 @@ class OutputConfig:
     shard_rows: int = setting(integer(1), 1000)
     keep_columns: List[str] = pinned(string_list, default_factory=list)  # they change the shard schema
 
+    def __post_init__(self):
+        check_fields(self, "output")
+
 
 @dataclass
 class OrderingConfig:
@@ -97,6 +132,9 @@ class OrderingConfig:
     window_rows: int = setting(integer(1), 4096)  # rows ordered together; bounds memory, see ordering.py
     min_prefix_tokens: int = setting(integer(1), 16)  # shorter shared prefixes are not worth a prefill edge
 
+    def __post_init__(self):
+        check_fields(self, "schedule")
+
 
 @dataclass
 class ExecutorConfig:
@@ -104,6 +142,9 @@ class ExecutorConfig:
     address: Optional[str] = setting(optional(string), None)
     concurrency: int = setting(integer(1), 1)
     num_gpus: float = setting(number(0.0), 0)
+
+    def __post_init__(self):
+        check_fields(self, "executor")
 
 
 @dataclass
@@ -158,34 +199,22 @@ def _abspath_if_local(p: str) -> str:
     return os.path.abspath(expanded) if os.path.exists(expanded) else p
 
 
+def path_note(p: str) -> str:
+    """A job path for a message; a relative one names the base it was looked up from."""
+    if os.path.isabs(os.path.expanduser(p)):
+        return repr(p)
+    return f"{p!r} (relative to the working directory {os.getcwd()}, as every path in a job file is)"
+
+
 def build_job(raw: Any, default_name: str = "job") -> JobConfig:
     s = check_job_dict(raw, SECTIONS, default_name)
     name = s["name"]
-    inp = InputConfig(**s["input"])
     problems = []
-    if inp.format == "openai-batch":
-        # OpenAI Batch API request files: custom_id is the id, body.messages the prompt (openai_batch.py)
-        if inp.id_column is None:
-            inp.id_column = "custom_id"
-        if inp.messages_column is None:
-            inp.messages_column = "messages"
-        if inp.id_column != "custom_id" or inp.messages_column != "messages":
-            problems.append("input.format: openai-batch reads custom_id as the id and body.messages as the "
-                            "prompt; remove input.id_column / input.messages_column")
-        if inp.prompt_column or inp.template is not None:
-            problems.append("input.format: openai-batch takes the prompt from body.messages; remove "
-                            "input.prompt_column / input.template")
-    if inp.messages_column and (inp.template is not None or inp.prompt_column):
-        problems.append("input.messages_column: give only one of messages_column, template, prompt_column")
-    if inp.template is not None and inp.prompt_column:
-        problems.append("input.template: give only one of template and prompt_column "
-                        "(a template reads any columns by name: '{question}')")
-    if inp.template is not None:
-        try:
-            parse_template(inp.template)
-        except ValueError as e:
-            problems.append(f"input.template: {e}, got {inp.template!r}")
-    inp.path = _abspath_if_local(inp.path)
+    try:
+        inp = InputConfig(**s["input"])
+        inp.path = _abspath_if_local(inp.path)
+    except ValueError as e:
+        problems.append(str(e))
     sched = dict(s["schedule"])
     if sched.get("calibration"):
         sched["calibration"] = os.path.abspath(os.path.expanduser(sched["calibration"]))
@@ -198,6 +227,9 @@ def build_job(raw: Any, default_name: str = "job") -> JobConfig:
             problems.append(f"output.keep_columns: {col!r} clashes with an output column; rename it in the input")
     try:
         spec = SpeculativeConfig(**s["speculative"])
+        for key in ("mtp_head", "draft_model"):  # resolved as input.path is
+            if getattr(spec, key):
+                setattr(spec, key, _abspath_if_local(getattr(spec, key)))
     except ValueError as e:
         problems.append(str(e))
         spec = None
@@ -221,6 +253,18 @@ def build_job(raw: Any, default_name: str = "job") -> JobConfig:
         ordering=ordering,
         executor=ExecutorConfig(**s["executor"]),
     )
+
+
+def section_config(cls, section: str, value: Any):
+    """`value` as the `cls` of the job file's `section:` (e.g. GenerationConfig, "generation"),
+    checked as the job file is: a mapping key by key (unknown keys named), an instance field by
+    field. For settings given in Python rather than in a job file (MTPLXPredictor)."""
+    if isinstance(value, cls):
+        check_fields(value, section)  # fields may have been set after construction
+        return value
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"{section}: expected a {cls.__name__} or a dict of its fields, got {type(value).__name__}")
+    return cls(**check_job_dict({section: value or {}}, {section: checks_of(cls)})[section])
 
 
 def parse_override(text: str) -> tuple:
