@@ -146,12 +146,12 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
                  samples: Union[int, Sequence[int]] = 0, temperature: float = 0.8, seed: int = 0,
                  seconds: Optional[float] = None, log: Optional[Callable[[str], None]] = None,
                  deadline: Optional[float] = None) -> TrainData:
-    """Each prompt with the model's own greedy continuation of `max_new_tokens` (one count, or one per
-    prompt), plus `samples` sampled ones (one count, or one per prompt; seeded) that show the head
-    other paths the trunk takes; scored from the first
-    generated token on. `seconds`: generation stops that long after the first continuation (a fresh
-    GPU host's kernel builds do not count), keeping what finished (prompts run in order);
-    `deadline` (time.monotonic()) stops it regardless. `log` gets a progress line every ~15 s."""
+    """Each prompt with the model's own greedy continuation of `max_new_tokens` (one count, or one
+    per prompt), plus `samples` sampled ones (one count, or one per prompt; seeded) that show the
+    head other paths the trunk takes; scored from the first generated token on. `seconds`:
+    generation stops that long after the first continuation (a fresh GPU host's kernel builds do
+    not count), keeping what finished (prompts run in order); `deadline` (time.monotonic()) stops
+    it regardless. `log` gets a progress line every ~15 s."""
     from ..config import ScheduleConfig, SpeculativeConfig
     from ..generation import Engine
     from ..request import Request, SamplingParams

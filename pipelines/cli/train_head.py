@@ -18,14 +18,15 @@ Examples:
   mtplx-batch train-head models/smollm2 --data jobs/eval.yaml --out heads/smollm2
   mtplx-batch train-head models/smollm2 --data corpus.txt --out heads/smollm2 --steps 2000
   mtplx-batch train-head models/smollm2 --data prompts.jsonl --out heads/smollm2 --max-new-tokens 128
-  # the general head (docs/train-head.md): broad prompts of seven kinds self-distilled 256 rows at
-  # a time for at most 200 s, general text, five held-out datasets of other kinds, done in ~8 min
-  mtplx-batch train-head smollm2-135m-instruct --prompts chat:2000 --prompts math:600 --prompts prose:1600 \
-      --prompts writing:500 --prompts tools:600 --prompts stdlib-code:1200 --prompts stdlib-chat:1000 \
+  # the general head (docs/train-head.md): broad prompts of seven kinds, generated 256 rows at a
+  # time for at most 200 s, general text, five held-out datasets of other kinds; about 8 minutes
+  mtplx-batch train-head smollm2-135m-instruct --prompts chat:2000 --prompts math:700 --prompts prose:2000 \
+      --prompts writing:400 --prompts tools:800 --prompts stdlib-code:1200 --prompts stdlib-chat:800 \
       --max-new-tokens 192 --gen-batch 256 --data-seconds 200 --text stdlib --text-tokens 100000 \
       --heldout-data owt-1k --heldout-data wikipedia-1k --heldout-data truthfulqa-100 --heldout-data gsm8k-100 \
-      --heldout-data humaneval --steps 12000 --fit-steps --batch-size 32 --seq-len 448 --hidden-weight 0.1 \
-      --eval-every 500 --checkpoint-every 500 --max-seconds 440 --out heads/smollm2 --restart
+      --heldout-data humaneval --heldout-rows 32 --steps 12000 --fit-steps --batch-size 32 --seq-len 448 \
+      --hidden-weight 0.1 --eval-every 500 --checkpoint-every 500 --max-seconds 440 \
+      --out heads/smollm2-135m-instruct --restart
 
 \b
 --data is a job YAML (its prompts + this model's own greedy continuations: self-distillation),
