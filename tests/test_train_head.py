@@ -349,9 +349,10 @@ def test_recipe_sample_sampled_continuations_text_and_other_heldout(tiny_model, 
     walked = meta["heldout_replayed_tokens_per_verify"]
     assert sorted(walked) == ["1", "2", "3", "4"] and all(1.0 <= walked[k] <= int(k) + 1 for k in walked)
     assert "walked as the engine's rounds" in res.output
-    assert meta["heldout_other"]["data"].startswith("job:") and meta["heldout_other"]["sequences"] == 8
-    assert len(meta["heldout_other"]["acceptance_by_depth"]) == 4
-    assert "held-out other dataset" in res.output and "tokens per verify" in res.output
+    (held_other,) = meta["heldout_other"]
+    assert held_other["data"].startswith("job:") and held_other["sequences"] == 8
+    assert len(held_other["acceptance_by_depth"]) == 4
+    assert f"| {held_other['data']} |" in res.output and "tokens per verify" in res.output
     ids = np.load(out / "mtp_draft_vocab.npy")
     assert len(ids) == 64
     data = TrainData.load(out / "checkpoint" / "data.npz")

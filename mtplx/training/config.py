@@ -12,7 +12,8 @@ class TrainHeadError(Exception):
     exit_code = 2
 
 
-KINDS = ("stdlib-code", "stdlib-chat")  # general prompts (head_prompts.py)
+# general prompts (head_prompts.py): from the stdlib, then from fetched datasets
+KINDS = ("stdlib-code", "stdlib-chat", "chat", "math", "writing", "tools", "prose")
 
 
 def parse_spec(spec: str) -> Tuple[str, int]:
@@ -20,7 +21,7 @@ def parse_spec(spec: str) -> Tuple[str, int]:
     kind, _, n = spec.partition(":")
     if kind not in KINDS or not n.isdigit() or int(n) < 1:
         raise TrainHeadError(f"--prompts {spec!r}: give KIND:N with KIND one of {', '.join(KINDS)} and N >= 1 "
-                             "(e.g. --prompts stdlib-code:2000)")
+                             "(e.g. --prompts chat:2000)")
     return kind, int(n)
 
 
@@ -55,8 +56,8 @@ class TrainConfig:
     data_seconds: Optional[float] = None  # self-distillation stops at this wall time, keeping what finished
     text: Tuple[str, ...] = ()  # general text mixed into training: files, directories, or "stdlib"
     text_tokens: int = 200_000  # tokens of general text at most
-    heldout_data: Optional[str] = None  # a second, different dataset evaluated (never trained on)
-    heldout_rows: int = 32  # rows of heldout_data
+    heldout_data: Tuple[str, ...] = ()  # other datasets evaluated, never trained on: jobs, tables, dataset names
+    heldout_rows: int = 32  # rows of each heldout_data set
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
     train_dtype: str = "auto"  # the training step's matmuls: auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
     seed: int = 0

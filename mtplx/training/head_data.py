@@ -141,16 +141,17 @@ def _encode_text(tok, text: str, piece_chars: int = 4000) -> List[int]:
     return ids
 
 
-def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_tokens: Union[int, Sequence[int]],
                  max_batch: int = 32, seq_len: Optional[int] = None, quiet: bool = True,
                  samples: Union[int, Sequence[int]] = 0, temperature: float = 0.8, seed: int = 0,
                  seconds: Optional[float] = None, log: Optional[Callable[[str], None]] = None,
                  deadline: Optional[float] = None) -> TrainData:
-    """Each prompt with the model's own greedy continuation, plus `samples` sampled ones (one count,
-    or one per prompt; seeded) that show the head other paths the trunk takes; scored from the first
-    generated token on. `seconds`: generation stops that long after the first continuation (a fresh
-    GPU host's kernel builds do not count), keeping what finished (prompts run in order);
-    `deadline` (time.monotonic()) stops it regardless. `log` gets a progress line every ~15 s."""
+    """Each prompt with the model's own greedy continuation of `max_new_tokens` (one count, or one
+    per prompt), plus `samples` sampled ones (one count, or one per prompt; seeded) that show the
+    head other paths the trunk takes; scored from the first generated token on. `seconds`:
+    generation stops that long after the first continuation (a fresh GPU host's kernel builds do
+    not count), keeping what finished (prompts run in order); `deadline` (time.monotonic()) stops
+    it regardless. `log` gets a progress line every ~15 s."""
     from ..config import ScheduleConfig, SpeculativeConfig
     from ..generation import Engine
     from ..request import Request, SamplingParams
@@ -161,16 +162,15 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
     engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify=compiled),
                     ScheduleConfig(order="input", max_batch=max_batch))
     counts = [samples] * len(prompts) if isinstance(samples, int) else list(samples)
-    greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
-    sampled = SamplingParams(max_tokens=max_new_tokens, temperature=temperature)
+    news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     reqs, groups = [], []
     for i, p in enumerate(prompts):
         p = list(p)
         if seq_len is not None and len(p) > seq_len - 2:
             p = p[: max(1, seq_len - 2)]  # the tail would be cut off anyway
         for j in range(1 + max(counts[i], 0)):
-            reqs.append(Request(key=len(reqs), prompt_tokens=p, params=sampled if j else greedy,
-                                seed=seed * 1_000_003 + i * 101 + j))
+            params = SamplingParams(max_tokens=news[i], temperature=temperature if j else 0.0)
+            reqs.append(Request(key=len(reqs), prompt_tokens=p, params=params, seed=seed * 1_000_003 + i * 101 + j))
             groups.append(i)
     out: Dict[int, List[int]] = {}
     bar = _bar(len(reqs), "generating", not quiet)
@@ -237,6 +237,13 @@ def is_job_or_table(path: str) -> bool:
     return low.endswith((".yaml", ".yml")) or any(low.endswith(suf) for suf in TABLE_FORMATS)
 
 
+def is_dataset_name(name: str) -> bool:
+    """A known dataset (mtplx.models.assets), named by itself where no such path exists."""
+    from ..models.assets import ASSETS
+
+    return name in ASSETS and ASSETS[name].kind == "dataset" and not os.path.exists(name)
+
+
 def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, log=None, deadline=None) -> TrainData:
     """Training sequences from `data`: ReadData (a job's or a table's rows, read by the caller), a
     text file, a list of strings (plain text), a list of token-id lists (every position scored), or
@@ -253,8 +260,11 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, 
         return TrainData([list(map(int, s)) for s in data], "tokens").clip(cfg.seq_len, limit)
     path = str(data)
     if not os.path.exists(path):
-        raise TrainHeadError(f"--data {path!r} does not exist: give a job YAML, a JSONL/Parquet/CSV file "
-                             "with a prompt or text column, or a plain text file")
+        from ..models.assets import list_assets
+
+        names = ", ".join(a.name for a in list_assets("dataset"))
+        raise TrainHeadError(f"{path!r} does not exist: give a job YAML, a JSONL/Parquet/CSV file with a prompt "
+                             f"or text column, a plain text file, or a known dataset ({names})")
     if is_job_or_table(path):
         raise TrainHeadError(f"--data {path!r}: a job or a table is read by the train-head command "
                              "(pipelines.io.train_data.read_train_data); pass what it reads (ReadData)")
@@ -293,7 +303,8 @@ def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: boo
 def _general(bundle: ModelBundle, cfg: TrainConfig):
     if not cfg.prompts:
         return [], []
-    return general_prompts(bundle.tokenizer, cfg.prompts, cfg.seed)
+    # a prompt takes at most half a training sequence: the rest is the trunk's continuation
+    return general_prompts(bundle.tokenizer, cfg.prompts, cfg.seed, max_tokens=cfg.seq_len // 2)
 
 
 def _general_source(cfg: TrainConfig, kinds) -> str:

