@@ -4,9 +4,10 @@
   round, over growing caches, changing batch widths, greedy and sampled rows; and the bank really
   ran compiled programs.
 - A reduced drafting vocabulary keeps greedy output identical to plain decoding (every draft
-  inside the set), and keeps sampled output on the target distribution: the joint distribution
-  of the first three tokens is chi-square tested against the exact one, as test_engine_sampling
-  does for the other methods, on a 16-token model whose head drafts among 6 tokens only.
+  inside the set), and keeps sampled output on the target distribution: test_engine_sampling's
+  checks (the first tokens' joint, each position, the bonus tokens) on a 16-token model whose head
+  drafts among 6 tokens only; a q wrong about the set (mass outside it, or left in the set's index
+  space) fails them on the same rows.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from mtplx.models.loading import load
 from mtplx.drafting.mtp_bank import DraftVocab, frequent_tokens, save_draft_vocab
 from mtplx.request import Request, SamplingParams
 from mtplx.training.train_head import TrainConfig, _init_head, save_sidecar
-from test_engine_sampling import PROMPT, SETTINGS, distribution_tests, exact_joint
+from test_engine_sampling import DEPTH, P_REJECT, exactness_tests, failed, least, sample_rows
 from tiny_models import reference_tokens
 
 
@@ -44,8 +45,6 @@ def _chain_inputs(tiny_model, rows: int):
     arrays = [a for c in cache.layers for a in c.state_arrays()]
     h = mx.random.normal((rows, D))
     return bundle, head, vocab, cache, arrays, h, vocab.logits(h)
-
-P_OK = 1e-4
 
 
 def _sidecar(bundle, out, vocab_ids=None, seed=0):
@@ -192,30 +191,50 @@ def test_draft_vocab_projection_matches_the_full_head(tiny_model, tmp_path):
     assert float(mx.abs(qf[:, mx.array([1, 2, 510])]).max()) == 0.0
 
 
+# the sampled tests' drafting vocabulary: the 16-token model's six most frequent sampled tokens (what
+# training picks, frequent_tokens), so that rounds often keep all their drafts
+DRAFTING = [0, 1, 4, 6, 8, 12]
+_EXPAND = DraftVocab.expand
+
+
+def _expand_spread_outside(vocab, q):
+    """q with half its mass spread over the whole vocabulary, tokens the head never drafts included."""
+    return 0.5 * _EXPAND(vocab, q) + 0.5 / vocab.vocab_size
+
+
+def _expand_by_index(vocab, q):
+    """q left in the drafting vocabulary's index space: the i-th drafting token's probability read as token i's."""
+    return mx.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, vocab.vocab_size - q.shape[-1])])
+
+
+WRONG_EXPANSIONS = {"q spread outside the vocabulary": _expand_spread_outside,
+                    "q by drafting index": _expand_by_index}
+
+
 @pytest.mark.parametrize("compiled", ["on", "off"])
-def test_sampled_output_with_a_draft_vocab_follows_the_target(tiny_model, tmp_path, compiled):
+@pytest.mark.parametrize("control", [None] + list(WRONG_EXPANSIONS))
+def test_sampled_output_with_a_draft_vocab_follows_the_target(tiny_model, tmp_path, monkeypatch, compiled, control):
+    """The head drafts among 6 of 16 tokens (q zero outside them): the output passes every check of
+    test_engine_sampling (the first tokens' joint, each position, the bonus tokens and the tokens after
+    them), and a q that is wrong about the vocabulary (eager and compiled drafting alike map it to the
+    whole vocabulary with DraftVocab.expand) fails them on the same rows."""
     bundle = load(tiny_model("small_vocab"))
-    exact = {name: exact_joint(bundle.model, params) for name, params in SETTINGS.items()}
-    head = _sidecar(bundle, tmp_path / "head", [1, 3, 5, 8, 11, 14], seed=4)
-    spec = SpeculativeConfig(method="mtp", mtp_head=head, depth=2, adaptive_depth=False, compiled_verify=compiled)
-    eng = Engine(bundle, spec, ScheduleConfig(max_batch=128))
-    rows = 1000
-    reqs = [Request(key=(name, i), prompt_tokens=list(PROMPT), params=p, seed=5 * 10**6 + k * rows + i)
-            for k, (name, p) in enumerate(SETTINGS.items()) for i in range(rows)]
-    samples = {name: [] for name in SETTINGS}
-    drafted = accepted = 0
-    outside = 0
-    for r in eng.generate(reqs):
-        assert r.error is None and len(r.tokens) == 4
-        samples[r.key[0]].append(r.tokens[:3])
-        drafted += r.stats.drafted_tokens
-        accepted += r.stats.accepted_tokens
-        outside += sum(t not in (1, 3, 5, 8, 11, 14) for t in r.tokens[:3])
-    assert drafted >= 2 * len(reqs) and 0.05 < accepted / drafted < 0.9, (accepted, drafted)
-    assert outside > 0  # tokens outside the drafting set still come out (from the residual / bonus)
-    failures = [f"{name} {t}: chi2 {s:.1f} on {dof} dof, p={p:.2g}"
-                for name in SETTINGS for t, s, dof, p in distribution_tests(samples[name], exact[name]) if p < P_OK]
-    assert not failures, failures
+    head = _sidecar(bundle, tmp_path / "head", DRAFTING, seed=1)
+    if control is not None:
+        monkeypatch.setattr(DraftVocab, "expand", WRONG_EXPANSIONS[control])
+    spec = SpeculativeConfig(method="mtp", mtp_head=head, depth=DEPTH, adaptive_depth=False, compiled_verify=compiled)
+    samples = sample_rows(bundle, spec, 5 * 10**6)
+    stats = samples.stats
+    assert 0.05 < stats["accepted"] / stats["drafted"] < 0.9 and stats["bonus"] >= 100, stats
+    assert compiled == "off" or (stats["folded_programs"] > 0 and stats["compiled_proposals"] > 0)
+    tokens = np.concatenate(list(samples.tokens.values()))
+    assert np.isin(tokens, DRAFTING, invert=True).any()  # tokens outside the set still come out (residual, bonus)
+    tests = exactness_tests(bundle.model, samples)
+    worst = least(tests, f"{control or 'the drafting vocabulary'} (compiled {compiled})")
+    if control is None:
+        assert not failed(tests), failed(tests)
+    else:
+        assert worst[3] < P_REJECT, f"{control} went unnoticed: least p {worst[3]:.2g} ({worst[0]})"
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])

@@ -11,6 +11,8 @@ without MTP weights is refused with the ways forward.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -263,7 +265,8 @@ def test_sampled_native_mtp_follows_the_target_distribution(small_vocab_qwen3_5,
     rows = 600
     eng = Engine(bundle, SpeculativeConfig(method="mtp", depth=2, adaptive_depth=False, compiled_verify=compiled),
                  ScheduleConfig(max_batch=128))
-    reqs = [Request(key=(name, i), prompt_tokens=list(PROMPT), params=params, seed=7 * 10**6 + 10**5 * (compiled == "on") + n)
+    reqs = [Request(key=(name, i), prompt_tokens=list(PROMPT), params=replace(params, max_tokens=4),
+                    seed=7 * 10**6 + 10**5 * (compiled == "on") + n)
             for n, (name, params, i) in enumerate((nm, p, i) for nm, p in SETTINGS.items() for i in range(rows))]
     samples = {name: [] for name in SETTINGS}
     drafted = accepted = 0

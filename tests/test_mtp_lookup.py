@@ -5,8 +5,8 @@
   happen in these tests (counted), mixed within one batch.
 - Greedy output stays identical to plain decoding, compiled and eager.
 - Sampled output stays on the target distribution: the lookup rows' q is the point mass on their
-  drafts (chi-square on the joint of the first three tokens, as test_mtp_draft does for the head
-  alone); giving those rows the head's q instead fails that very test.
+  drafts (test_engine_sampling's checks, as test_mtp_draft runs them for the head alone); giving
+  those rows the head's q instead fails those very checks.
 - The setting is checked, and a sampled job's fingerprint follows it (its text depends on it).
 """
 
@@ -21,12 +21,10 @@ from mtplx.drafting.mtp import LookupFallback
 from mtplx.drafting.ngram import NgramDrafter
 from mtplx.generation import Engine
 from mtplx.models.loading import load
-from mtplx.request import Request, SamplingParams
-from test_engine_sampling import PROMPT, SETTINGS, distribution_tests, exact_joint
+from mtplx.request import SamplingParams
+from test_engine_sampling import P_REJECT, exactness_tests, failed, least, sample_rows
 from test_mtp_draft import _run, _sidecar
 from tiny_models import reference_tokens
-
-P_OK = 1e-4
 
 
 def _repetitive_prompts(rng):
@@ -153,42 +151,35 @@ class _HeadQForLookupRows(LookupFallback):
         return mx.where(use[:, None], looked, drafts.astype(mx.int32)), q
 
 
-def _sampled_failures(bundle, head, compiled, wrong=False):
-    exact = {name: exact_joint(bundle.model, params) for name, params in SETTINGS.items()}
+def _sampled_checks(bundle, head, compiled, wrong=False):
+    # depth 2: a row looks up only where the round's depth of tokens follows its match, more often at 2 than at 3
     spec = SpeculativeConfig(method="mtp", mtp_head=head, depth=2, adaptive_depth=False, compiled_verify=compiled,
                              mtp_lookup=1)
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=128))
     if wrong:
         eng.drafter.lookup = _HeadQForLookupRows(spec.ngram_size, spec.mtp_lookup)
-    rows = 1000
-    reqs = [Request(key=(name, i), prompt_tokens=list(PROMPT), params=p, seed=7 * 10**6 + k * rows + i)
-            for k, (name, p) in enumerate(SETTINGS.items()) for i in range(rows)]
-    samples = {name: [] for name in SETTINGS}
-    for r in eng.generate(reqs):
-        assert r.error is None and len(r.tokens) == 4
-        samples[r.key[0]].append(r.tokens[:3])
-    counts = eng.drafter.lookup.counts
-    failures = [f"{name} {t}: chi2 {s:.1f} on {dof} dof, p={p:.2g}"
-                for name in SETTINGS for t, s, dof, p in distribution_tests(samples[name], exact[name]) if p < P_OK]
-    return failures, counts
+    samples = sample_rows(bundle, spec, 7 * 10**6, engine=eng)
+    tests = exactness_tests(bundle.model, samples)
+    least(tests, f"{'head q on lookup rows' if wrong else 'lookup'} (compiled {compiled})")
+    return tests, eng.drafter.lookup.counts
 
 
 @pytest.mark.parametrize("compiled", ["on", "off"])
 def test_sampled_output_with_lookup_fallback_follows_the_target(tiny_model, tmp_path, compiled):
     bundle = load(tiny_model("small_vocab"))
     head = _sidecar(bundle, tmp_path / "head", seed=4)
-    failures, counts = _sampled_failures(bundle, head, compiled)
-    print(f"\nrow-rounds drafted: {counts}")
+    tests, counts = _sampled_checks(bundle, head, compiled)
+    print(f"row-rounds drafted: {counts}")
     # PROMPT repeats itself: a row whose first token is one of its own looks up, the others use the head
     assert counts["lookup"] >= 200 and counts["head"] >= 200, counts
-    assert not failures, failures
+    assert not failed(tests), failed(tests)
 
 
 def test_head_q_on_lookup_rows_fails_the_same_test(tiny_model, tmp_path):
     bundle = load(tiny_model("small_vocab"))
     head = _sidecar(bundle, tmp_path / "head", seed=4)
-    failures, _ = _sampled_failures(bundle, head, "on", wrong=True)
-    assert failures
+    tests, _ = _sampled_checks(bundle, head, "on", wrong=True)
+    assert min(t[3] for t in tests) < P_REJECT, failed(tests)
 
 
 def test_mtp_lookup_setting_is_checked_and_fingerprinted(tmp_path):
