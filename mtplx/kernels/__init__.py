@@ -1,13 +1,13 @@
-"""Device code: custom CUDA kernels and the model transforms that route decoding through them, each
-keeping the values of the ops it replaces. The core imports only `device`; the engine calls `install`
-and `install_head`, which change nothing off CUDA."""
+"""Device code: CUDA kernels and the model transforms that route decoding through them, each keeping
+the values of the ops it replaces. The core imports only `device`; `install` and `install_head`
+change nothing off CUDA."""
 
 from __future__ import annotations
 
 
 def install(model, compiled: bool, layers: bool = True) -> dict:
-    """The CUDA decode paths on `model`: rows_attention for the batch cache's mask, stacked projections
-    where decode steps are compiled, and (`layers`) layer_kernels. Returns what was installed (counts)."""
+    """rows_attention, stacked projections (compiled decode only) and, with `layers`, layer_kernels on
+    `model`; returns how many of each were installed."""
     from . import fusion, layer_kernels, rows_attention
 
     return {"rows_attention": rows_attention.install(model),
@@ -16,8 +16,7 @@ def install(model, compiled: bool, layers: bool = True) -> dict:
 
 
 def install_head(head, vocab, compiled: bool) -> dict:
-    """The MTP head's paths where `install` stacks: its few-row float products as vector products, then its
-    projections stacked (its draft steps are one-row products). `vocab`: drafting.mtp_bank.DraftVocab or None."""
+    """The MTP head's few-row products as vector products, then stacked (`vocab`: a DraftVocab or None)."""
     from . import fusion
 
     if not (compiled and fusion.stacking_pays()):

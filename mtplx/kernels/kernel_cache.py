@@ -1,20 +1,11 @@
-"""Our custom CUDA kernels built once per machine, not once per process, in a cache only this user can write.
+"""Our CUDA kernels built once per machine, not once per process, in a cache only this user can write.
 
-MLX keeps the kernels it builds in an on-disk "PTX cache" and looks custom kernels (`mx.fast.cuda_kernel`)
-up there too, loading whatever file has the expected name, but never writes one: every fresh process
-compiles each instantiation (each `template=` combination, a fraction of a second of NVRTC) at its first
-call, seconds at a fresh run's first MTP proposal (2.08 s on the H200; ~0 here). `prepare_cache_dir()`,
-at process start, gives that cache a private directory (the user's MLX_PTX_CACHE_DIR, else
-`<mtplx cache>/mlx-ptx/<MLX version>`, made 0700; one that someone else could write is refused).
-`cuda_kernel(...)` is `mx.fast.cuda_kernel(...)` that, before an instantiation's first call in a process,
-makes sure MLX's cache holds our build of it: an entry counts when the record we wrote for it (the sha256
-of its files, under the sha256 of its source and compile options) matches its bytes; otherwise it is
-compiled with NVRTC (through ctypes, the library MLX links) and written under MLX's own name for it
-(`generated_source` writes the source MLX would generate, whose std::hash names the entry): the cubin and
-the kernel's mangled name, then the record. MLX then loads it, here and in every later process. Anything
-that does not work out (no private directory, no NVRTC or CUDA headers, a compile error, a kernel whose
-source asks for shapes) leaves the instantiation to MLX: the values are the same program's either way,
-only where it was compiled changes.
+MLX looks custom kernels up in its on-disk PTX cache but never writes them, so every process compiles
+each instantiation at its first call (2.08 s at a fresh run's first MTP proposal on the H200).
+`prepare_cache_dir()` gives that cache a private directory; `cuda_kernel(...)` is `mx.fast.cuda_kernel`
+that, before an instantiation's first call, compiles it with NVRTC and writes it under MLX's own name
+for it, with a record of its hashes, unless a recorded entry is there. Whatever fails leaves the
+instantiation to MLX: the same program either way, only where it was compiled changes.
 """
 
 from __future__ import annotations
@@ -48,14 +39,13 @@ _UTILS = "mlx/backend/cuda/device/utils.cuh"
 _COMPLEX = "mlx/backend/cuda/device/complex.cuh"
 _SHAPE_INFO = (("Shape", "shape"), ("Strides", "strides"), ("int", "ndim"))
 _MAX_FILE_NAME = 245  # MLX splits longer entry names into directories of this many characters
-# what this process did: instantiations found in MLX's cache as we built them, built here (and seconds), left to MLX
+# instantiations this process found built, built (and seconds), or left to MLX
 stats: Dict[str, object] = {"found": 0, "built": 0, "build_s": 0.0, "left_to_mlx": 0, "reasons": {}}
 _NO_DISK_CACHE = "/dev/null/mlx-ptx"  # a directory MLX cannot create: it then keeps no kernels on disk
-private_dir: Optional[Path] = None  # where our entries are written and trusted, once prepare_cache_dir() says so
+private_dir: Optional[Path] = None  # where our entries are written and trusted
 off = "the kernel cache is not prepared (kernel_cache.prepare_cache_dir() runs at process start)"
 
 
-# -- MLX's names for a custom kernel and its cache entry ------------------------------------------
 def std_hash(data: bytes) -> int:
     """libstdc++'s std::hash of a std::string with these bytes (64-bit _Hash_bytes, seed 0xc70f6907)."""
     m, mask = 0xC6A4A7935BD1E995, (1 << 64) - 1
@@ -82,14 +72,14 @@ def _template_value(value) -> str:
 def generated_source(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str, header: str,
                      inputs: Sequence[Tuple[mx.Dtype, int]], output_dtypes: Sequence[mx.Dtype],
                      template: Sequence[Tuple[str, object]]) -> Tuple[str, str]:
-    """(function name, source) as MLX's CUDA backend writes them for this instantiation: `inputs` are
-    (dtype, ndim) of each input. Raises KeyError for a dtype MLX would not name the same way."""
+    """(function name, source) as MLX's CUDA backend writes them; `inputs`: (dtype, ndim) of each.
+    KeyError for a dtype MLX would name otherwise."""
     func = "custom_kernel_" + name + "".join("_" + _template_value(v) for _, v in template)
     lines = [_DEFAULT_HEADER, header, "namespace mlx::core::cu {\n\n", "namespace cg = cooperative_groups;\n\n",
              f"__global__ void {func}(\n"]
     for n, (dtype, ndim) in zip(input_names, inputs):
         lines.append(f"    const {_CTYPES[dtype]}* {n},\n")
-        if ndim > 0:  # the shape, strides and ndim of an input whose name the source uses with them
+        if ndim > 0:
             lines += [f"    const __grid_constant__ {t} {n}_{s},\n" for t, s in _SHAPE_INFO if f"{n}_{s}" in source]
     for i, (n, dtype) in enumerate(zip(output_names, output_dtypes)):
         lines.append(f"    {_CTYPES[dtype]}* {n}" + (",\n" if i < len(output_names) - 1 else ") {\n"))
@@ -107,13 +97,13 @@ def generated_source(name: str, input_names: Sequence[str], output_names: Sequen
 
 
 def entry_name(func: str, source: str) -> str:
-    """MLX's name for the module of a custom kernel: its name and the std::hash of its source, in hex."""
+    """MLX's name for a custom kernel's module: its name and the std::hash of its source."""
     return f"{func}_{std_hash(source.encode()):x}"
 
 
 def check_private(path: Path) -> None:
-    """Raise, saying why in a line, unless `path` is a directory (not a symlink) of this user that group and
-    others cannot write, under directories of this user or root that others cannot change (or sticky, as /tmp)."""
+    """Raise, saying why, unless `path` is this user's directory (no symlink) that no one else can write,
+    under directories of this user or root that others cannot change (or sticky, as /tmp)."""
     st, me = os.lstat(path), os.geteuid()
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeError(f"{path} is not a directory{' but a symlink' if stat.S_ISLNK(st.st_mode) else ''}")
@@ -127,10 +117,9 @@ def check_private(path: Path) -> None:
 
 
 def prepare_cache_dir() -> Optional[str]:
-    """Give MLX's kernel cache a private directory; once a process, before MLX builds its first CUDA kernel:
-    MLX reads MLX_PTX_CACHE_DIR once, at its first JIT build (a static in ptx_cache_dir(),
-    mlx/backend/cuda/jit_module.cpp). The user's MLX_PTX_CACHE_DIR stays; else it becomes
-    <mtplx cache>/mlx-ptx/<MLX version>, created 0700. Returns None, or why our entries are off (one line)."""
+    """Give MLX's kernel cache a private directory (the user's MLX_PTX_CACHE_DIR, else
+    <mtplx cache>/mlx-ptx/<MLX version>, 0700) before MLX's first JIT build reads the variable.
+    Returns None, or why our entries are off."""
     global private_dir, off
     own = os.environ.get("MLX_PTX_CACHE_DIR")
     own = None if own == _NO_DISK_CACHE else own  # a parent process's refusal: check again
@@ -149,14 +138,13 @@ def prepare_cache_dir() -> Optional[str]:
 
 
 def entry_path(directory: Path, module: str) -> Path:
-    """The .ptx file MLX reads for `module` (names past 245 characters become directories, as in MLX)."""
+    """The .ptx file MLX reads for `module`."""
     parts = [module[i:i + _MAX_FILE_NAME] for i in range(0, len(module), _MAX_FILE_NAME)] or [""]
     return directory.joinpath(*parts[:-1], parts[-1] + ".ptx")
 
 
 def write_entry(path: Path, kernel: str, mangled: str, binary: bytes, root: Path, key: str) -> None:
-    """The kernel-name file, the binary, then the record (for `key`, record_key of the source), each renamed
-    into place: MLX takes the entry as present once the .ptx exists, so it never reads half of one."""
+    """The kernel-name file, the binary, then the record, each renamed into place (MLX never reads half)."""
     files = {path.with_suffix(".txt"): f"{kernel}\t{mangled}\n".encode(), path: binary}
     files[_record(root, key)] = _sums(files, root).encode()
     for target, data in files.items():
@@ -167,8 +155,7 @@ def write_entry(path: Path, kernel: str, mangled: str, binary: bytes, root: Path
 
 
 def record_key(source: str) -> str:
-    """sha256 of what an entry is built from: the source, NVRTC's version, its options (architecture,
-    include paths) and MLX's device headers."""
+    """sha256 of the source, NVRTC's version, its options and MLX's device headers."""
     nvrtc, options, headers = compiler()
     texts = [source, repr(nvrtc.version), *options, *headers]
     return hashlib.sha256(b"\0".join([t.encode() for t in texts] + list(headers.values()))).hexdigest()
@@ -179,22 +166,21 @@ def _record(root: Path, key: str) -> Path:
 
 
 def _sums(files: Dict[Path, bytes], root: Path) -> str:
-    """sha256sum's lines for `files`, paths relative to `root`: an entry's record."""
+    """An entry's record: sha256sum's lines for `files`, relative to `root`."""
     return "".join(sorted(f"{hashlib.sha256(data).hexdigest()}  {p.relative_to(root)}\n" for p, data in files.items()))
 
 
 def trusted(root: Path, key: str, path: Path) -> bool:
-    """Whether the entry at `path` is byte for byte what we built for `key` (its record says so)."""
+    """Whether the entry at `path` is byte for byte what its record for `key` says we built."""
     try:
         files = {p: p.read_bytes() for p in (path, path.with_suffix(".txt"))}
         return _record(root, key).read_text() == _sums(files, root)
-    except OSError:  # no entry, or no record: an entry we did not write
+    except OSError:
         return False
 
 
-# -- NVRTC --------------------------------------------------------------------------------------
 class _Nvrtc:
-    """The NVRTC library MLX links (libnvrtc.so.13, already loaded with MLX's CUDA backend)."""
+    """The NVRTC library MLX links, through ctypes."""
 
     def __init__(self):
         self.lib = self._load()
@@ -267,8 +253,8 @@ def _package_dirs(sub: str) -> List[Path]:
 
 
 def include_dirs() -> List[Path]:
-    """MLX's bundled headers (its include/ and CCCL), then the CUDA runtime headers (cuda_fp16.h), looked
-    for where MLX looks (an nvidia package, then CUDA_HOME / CUDA_PATH, then /usr/local/cuda) and on sys.path."""
+    """MLX's bundled headers, then the CUDA runtime's (an nvidia package, CUDA_HOME / CUDA_PATH,
+    /usr/local/cuda), as MLX looks for them."""
     mlx_inc = Path(mx.__file__).parent / "include"
     dirs = [d for d in (mlx_inc, mlx_inc / "cccl") if d.is_dir()]
     homes = [Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
@@ -279,9 +265,8 @@ def include_dirs() -> List[Path]:
 
 
 def mlx_device_headers() -> Dict[str, bytes]:
-    """MLX's device-utility header (utils.cuh, which the source MLX generates for a custom kernel
-    includes) and the complex.cuh it includes, as MLX's library embeds them for NVRTC: they are not
-    shipped as files. Found among the library's embedded header texts by what each defines."""
+    """MLX's utils.cuh and the complex.cuh it includes, which libmlx embeds for NVRTC (they are not
+    shipped as files), found by what each defines."""
     lib = Path(mx.__file__).parent / "lib" / "libmlx.so"
     with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         texts = set()
@@ -300,7 +285,7 @@ def mlx_device_headers() -> Dict[str, bytes]:
 
 
 def arch_option() -> str:
-    """--gpu-architecture for this device's own code (sm_XY, with `a` from compute capability 9), as MLX builds."""
+    """--gpu-architecture for this device (sm_XY, `a` from compute capability 9), as MLX builds."""
     info = mx.device_info()
     major, minor = info.get("compute_capability_major"), info.get("compute_capability_minor")
     if major is None:
@@ -320,8 +305,7 @@ def compiler() -> Tuple[_Nvrtc, List[str], Dict[str, bytes]]:
 
 
 def build(func: str, source: str, root: Path, key: str) -> Path:
-    """Compile MLX's source of one instantiation and write MLX's cache entry for it under `root`, with its
-    record for `key`; returns the entry's path."""
+    """Compile one instantiation and write its cache entry and record under `root`; returns its path."""
     nvrtc, options, headers = compiler()
     kernel = "mlx::core::cu::" + func
     binary, mangled = nvrtc.compile(source, kernel, options, headers)
@@ -330,7 +314,6 @@ def build(func: str, source: str, root: Path, key: str) -> Path:
     return path
 
 
-# -- the kernel object --------------------------------------------------------------------------
 class CachedKernel:
     """An mx.fast.cuda_kernel whose instantiations are in MLX's cache before their first call."""
 
@@ -339,7 +322,7 @@ class CachedKernel:
         self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
         self.source, self.header = source, header
         self._options = {"ensure_row_contiguous": ensure_row_contiguous, "shared_memory": shared_memory}
-        self._mlx = None  # MLX's kernel object (made at the first call: it exists only on CUDA)
+        self._mlx = None  # made at the first call: it exists only on CUDA
         self._seen = set()
 
     def __call__(self, *, inputs, output_dtypes, template=(), **kwargs):
@@ -350,7 +333,7 @@ class CachedKernel:
         return self._mlx(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
 
     def ensure(self, inputs, output_dtypes, template) -> None:
-        """Make sure MLX's cache holds our build of this instantiation (once per process per instantiation)."""
+        """Make sure MLX's cache holds our build of this instantiation (once a process)."""
         arrays = [(a.dtype, a.ndim) if isinstance(a, mx.array) else None for a in inputs]
         key = (tuple(arrays), tuple(output_dtypes), tuple((n, v) for n, v in template))
         if key in self._seen:
