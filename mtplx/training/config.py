@@ -7,12 +7,11 @@ from typing import Optional, Tuple
 
 
 class TrainHeadError(Exception):
-    """The request cannot be carried out as given (bad data, mismatched checkpoint). Exit 2."""
+    """The request cannot be carried out as given (exit 2)."""
 
     exit_code = 2
 
 
-# general prompts (head_prompts.py): from the stdlib, then from fetched datasets
 KINDS = ("stdlib-code", "stdlib-chat", "chat", "math", "writing", "tools", "prose")
 
 

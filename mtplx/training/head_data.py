@@ -1,9 +1,5 @@
-"""Training data for MTP heads: token sequences, and the frozen trunk's features over them.
-
-`build_data` turns what `train-head --data` names (a job's or a table's rows as read by the
-command, plain text, token lists) into sequences: prompts followed by the model's own greedy continuations
-(self-distillation), or text windows. `trunk_features` runs the frozen trunk once over them.
-"""
+"""Training data for MTP heads: token sequences (prompts with the model's own continuations, or text
+windows), and the frozen trunk's features over them."""
 
 from __future__ import annotations
 
@@ -35,11 +31,9 @@ def _bar(total, desc, enabled):
                 disable=not enabled or not sys.stderr.isatty())
 
 
-# -- data ------------------------------------------------------------------------------------------
 @dataclass
 class TrainData:
-    """Token sequences; in sequence i only positions t >= starts[i] are scored (for self-distilled
-    data the prompt is context only: the head drafts after the trunk's first generated token)."""
+    """Token sequences, position t of sequence i scored from starts[i] (a prompt is context only)."""
 
     sequences: List[List[int]]
     source: str  # what they came from, for the metadata
@@ -56,7 +50,7 @@ class TrainData:
             self.groups = list(range(len(self.sequences)))
 
     def clip(self, seq_len: int, limit: Optional[int] = None) -> "TrainData":
-        """Cut sequences to seq_len tokens, drop those left with no scored position, keep `limit`."""
+        """Cut sequences to seq_len, drop those with no scored position left, keep `limit`."""
         keep = [(s[:seq_len], st, g) for s, st, g in zip(self.sequences, self.starts, self.groups)
                 if min(len(s), seq_len) - 2 > st][: limit or None]
         self.sequences, self.starts, self.groups = (list(x) for x in zip(*keep)) if keep else ([], [], [])
@@ -119,7 +113,7 @@ class TrainData:
 
 
 def _windows(tok, texts: Sequence[str], size: int) -> List[List[int]]:
-    """Each text's tokens cut into windows of `size` (a shorter last one; none under 3 tokens)."""
+    """Each text's tokens in windows of `size` (none under 3 tokens)."""
     out = []
     for text in texts:
         ids = _encode_text(tok, text)
@@ -128,7 +122,7 @@ def _windows(tok, texts: Sequence[str], size: int) -> List[List[int]]:
 
 
 def _encode_text(tok, text: str, piece_chars: int = 4000) -> List[int]:
-    """Tokenize long text in pieces cut at line ends (tokenizers warn about, and slow down on, huge inputs)."""
+    """Tokenize long text in pieces cut at line ends (tokenizers slow down on huge inputs)."""
     ids: List[int] = []
     start = 0
     while start < len(text):
@@ -146,19 +140,17 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
                  samples: Union[int, Sequence[int]] = 0, temperature: float = 0.8, seed: int = 0,
                  seconds: Optional[float] = None, log: Optional[Callable[[str], None]] = None,
                  deadline: Optional[float] = None) -> TrainData:
-    """Each prompt with the model's own greedy continuation of `max_new_tokens` (one count, or one
-    per prompt), plus `samples` sampled ones (one count, or one per prompt; seeded) that show the
-    head other paths the trunk takes; scored from the first generated token on. `seconds`:
-    generation stops that long after the first continuation (a fresh GPU host's kernel builds do
-    not count), keeping what finished (prompts run in order); `deadline` (time.monotonic()) stops
-    it regardless. `log` gets a progress line every ~15 s."""
+    """Each prompt with the model's greedy continuation of `max_new_tokens` plus `samples` seeded sampled
+    ones (counts: one, or one per prompt), scored from the first generated token. Generation stops
+    `seconds` after the first continuation (kernel builds do not count) or at `deadline`
+    (time.monotonic()), keeping what finished; `log` hears progress every ~15 s."""
     from ..config import ScheduleConfig, SpeculativeConfig
     from ..generation import Engine
     from ..request import Request, SamplingParams
 
     started = time.monotonic()
     log = log or (lambda message: None)
-    compiled = "on" if mx.default_device() == mx.gpu else "off"  # on a CPU compiling costs more than it saves
+    compiled = "on" if mx.default_device() == mx.gpu else "off"  # on a CPU compiling does not pay
     engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify=compiled),
                     ScheduleConfig(order="input", max_batch=max_batch))
     counts = [samples] * len(prompts) if isinstance(samples, int) else list(samples)
@@ -167,7 +159,7 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
     for i, p in enumerate(prompts):
         p = list(p)
         if seq_len is not None and len(p) > seq_len - 2:
-            p = p[: max(1, seq_len - 2)]  # the tail would be cut off anyway
+            p = p[: max(1, seq_len - 2)]
         for j in range(1 + max(counts[i], 0)):
             params = SamplingParams(max_tokens=news[i], temperature=temperature if j else 0.0)
             reqs.append(Request(key=len(reqs), prompt_tokens=p, params=params, seed=seed * 1_000_003 + i * 101 + j))
@@ -194,14 +186,13 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
             break
     bar.close()
     keys = sorted(out)
-    # t = P-1 is the first position the head drafts from: (h_{P-1}, x_P = the trunk's first token) -> x_{P+1}
+    # the head first drafts from t = P-1: (h_{P-1}, x_P, the trunk's first token) -> x_{P+1}
     return TrainData([out[k] for k in keys], "self-distilled", [max(len(reqs[k].prompt_tokens) - 1, 0) for k in keys],
                      groups=[groups[k] for k in keys])
 
 
 def text_data(bundle: ModelBundle, paths: Sequence[str], max_tokens: int, seq_len: int, seed: int) -> TrainData:
-    """Windows of general text (a seeded shuffle of the files, up to `max_tokens` tokens): every
-    position scored against the trunk's own next-token distribution."""
+    """Windows of general text, a seeded shuffle of the files up to `max_tokens` tokens."""
     files = [f for p in paths for f in text_files(p)]
     order = np.random.default_rng(seed).permutation(len(files))
     seqs: List[List[int]] = []
@@ -221,11 +212,10 @@ def text_data(bundle: ModelBundle, paths: Sequence[str], max_tokens: int, seq_le
 
 @dataclass
 class ReadData:
-    """Rows the caller read (the `train-head` command reads jobs and tables the way a run does):
-    prompt token lists to self-distill, or texts to cut into windows. Plain data: the engine reads
-    no job files."""
+    """Rows the caller read from a job or a table (the engine reads no job files): prompt token lists
+    to self-distill, or texts to cut into windows."""
 
-    source: str  # what they came from, for the metadata
+    source: str
     prompts: List[List[int]] = field(default_factory=list)
     texts: List[str] = field(default_factory=list)
     max_new_tokens: int = 256  # continuation length when self-distilling the prompts
@@ -238,16 +228,14 @@ def is_job_or_table(path: str) -> bool:
 
 
 def is_dataset_name(name: str) -> bool:
-    """A known dataset (mtplx.models.assets), named by itself where no such path exists."""
+    """A known dataset's name (where no such path exists)."""
     from ..models.assets import ASSETS
 
     return name in ASSETS and ASSETS[name].kind == "dataset" and not os.path.exists(name)
 
 
 def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, log=None, deadline=None) -> TrainData:
-    """Training sequences from `data`: ReadData (a job's or a table's rows, read by the caller), a
-    text file, a list of strings (plain text), a list of token-id lists (every position scored), or
-    a TrainData."""
+    """Training sequences from ReadData, a text file, a list of texts or of token-id lists, or TrainData."""
     tok = bundle.tokenizer
     limit = cfg.max_rows
     if isinstance(data, TrainData):
@@ -277,9 +265,8 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, 
 
 
 def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: bool, log=None, deadline=None) -> TrainData:
-    """The rows' prompts self-distilled together with the general prompts of `cfg.prompts` (one
-    engine run: the job's rows first, so a generation time limit cuts the general ones), which
-    come back as `extra` (training only); or the rows' texts cut into windows."""
+    """The rows' prompts self-distilled with `cfg.prompts`' (one run, the rows first, so a time limit
+    cuts the general ones, which come back as `extra`: training only); or the rows' texts in windows."""
     if not data.prompts:
         return TrainData(_windows(bundle.tokenizer, data.texts, cfg.seq_len), data.source).clip(cfg.seq_len)
     general, kinds = _general(bundle, cfg)
@@ -303,7 +290,7 @@ def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: boo
 def _general(bundle: ModelBundle, cfg: TrainConfig):
     if not cfg.prompts:
         return [], []
-    # a prompt takes at most half a training sequence: the rest is the trunk's continuation
+    # a prompt takes at most half a training sequence
     return general_prompts(bundle.tokenizer, cfg.prompts, cfg.seed, max_tokens=cfg.seq_len // 2)
 
 
@@ -312,7 +299,6 @@ def _general_source(cfg: TrainConfig, kinds) -> str:
 
 
 def general_data(bundle: ModelBundle, cfg: TrainConfig, quiet: bool = True, log=None, deadline=None) -> Optional["TrainData"]:
-    """The `--prompts` prompts self-distilled alone (for data without prompts of its own: text)."""
     general, kinds = _general(bundle, cfg)
     if not general:
         return None
@@ -327,11 +313,9 @@ def _subset(data: TrainData, idx: Sequence[int], source: str) -> TrainData:
                      groups=[data.groups[i] for i in idx])
 
 
-# -- trunk features --------------------------------------------------------------------------------
 @dataclass
 class Features:
-    """Per sequence: tokens [L] (numpy), trunk hidden [L, D] (mx), trunk greedy next token [L] or None,
-    first scored position."""
+    """Per sequence: tokens [L], trunk hidden [L, D], trunk greedy next token [L] or None, first scored."""
 
     tokens: List[np.ndarray]
     hidden: List[mx.array]
@@ -343,7 +327,7 @@ class Features:
         return sum(max(len(t) - 2 - st, 0) for t, st in zip(self.tokens, self.starts))
 
 
-LENGTH_BUCKET = 64  # batches are padded to a multiple of this: few distinct shapes, few kernel builds on a GPU
+LENGTH_BUCKET = 64  # batches pad to a multiple of this: few shapes, few kernel builds on a GPU
 
 
 def padded_length(n: int) -> int:
@@ -352,8 +336,7 @@ def padded_length(n: int) -> int:
 
 def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[int], store_dtype, want_greedy: bool,
                    batch_tokens: Optional[int] = None, desc: str = "trunk", quiet: bool = True) -> Features:
-    """Run the frozen trunk once over `sequences` (right-padded batches of similar length, padded
-    to a multiple of LENGTH_BUCKET; causal attention keeps padding out of the real positions)."""
+    """The frozen trunk once over `sequences`, in right-padded batches of similar length."""
     if batch_tokens is None:
         batch_tokens = 16384 if mx.default_device() == mx.gpu else 4096
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
@@ -373,7 +356,7 @@ def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[i
         h = trunk_hidden(model, mx.array(x), None)
         hs = h.astype(store_dtype)
         g = mx.argmax(project_logits(model, h), axis=-1).astype(mx.int32) if want_greedy else None
-        mx.eval(hs, g)  # (None is skipped)
+        mx.eval(hs, g)
         g = None if g is None else np.array(g)
         for r, k in enumerate(idx):
             hidden[k] = hs[r, : len(sequences[k])]
