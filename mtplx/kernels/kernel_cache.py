@@ -72,8 +72,7 @@ def _template_value(value) -> str:
 def generated_source(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str, header: str,
                      inputs: Sequence[Tuple[mx.Dtype, int]], output_dtypes: Sequence[mx.Dtype],
                      template: Sequence[Tuple[str, object]]) -> Tuple[str, str]:
-    """(function name, source) as MLX's CUDA backend writes them; `inputs`: (dtype, ndim) of each.
-    KeyError for a dtype MLX would name otherwise."""
+    """(function name, source) as MLX writes them; `inputs`: (dtype, ndim) each (KeyError: unnamed dtype)."""
     func = "custom_kernel_" + name + "".join("_" + _template_value(v) for _, v in template)
     lines = [_DEFAULT_HEADER, header, "namespace mlx::core::cu {\n\n", "namespace cg = cooperative_groups;\n\n",
              f"__global__ void {func}(\n"]
@@ -117,9 +116,8 @@ def check_private(path: Path) -> None:
 
 
 def prepare_cache_dir() -> Optional[str]:
-    """Give MLX's kernel cache a private directory (the user's MLX_PTX_CACHE_DIR, else
-    <mtplx cache>/mlx-ptx/<MLX version>, 0700) before MLX's first JIT build reads the variable.
-    Returns None, or why our entries are off."""
+    """Give MLX's kernel cache a private directory (MLX_PTX_CACHE_DIR, else <mtplx cache>/mlx-ptx/<MLX
+    version>, 0700) before MLX's first JIT build reads it; None, or why our entries are off."""
     global private_dir, off
     own = os.environ.get("MLX_PTX_CACHE_DIR")
     own = None if own == _NO_DISK_CACHE else own  # a parent process's refusal: check again
@@ -138,7 +136,6 @@ def prepare_cache_dir() -> Optional[str]:
 
 
 def entry_path(directory: Path, module: str) -> Path:
-    """The .ptx file MLX reads for `module`."""
     parts = [module[i:i + _MAX_FILE_NAME] for i in range(0, len(module), _MAX_FILE_NAME)] or [""]
     return directory.joinpath(*parts[:-1], parts[-1] + ".ptx")
 
@@ -166,7 +163,6 @@ def _record(root: Path, key: str) -> Path:
 
 
 def _sums(files: Dict[Path, bytes], root: Path) -> str:
-    """An entry's record: sha256sum's lines for `files`, relative to `root`."""
     return "".join(sorted(f"{hashlib.sha256(data).hexdigest()}  {p.relative_to(root)}\n" for p, data in files.items()))
 
 
@@ -193,17 +189,12 @@ class _Nvrtc:
     @staticmethod
     def _load():
         errors = []
-        for name in ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"):
+        found = [str(f) for d in _package_dirs("lib") for f in sorted(d.glob("libnvrtc.so*"))]
+        for name in ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so", *found]:
             try:
                 return ctypes.CDLL(name)
             except OSError as e:
                 errors.append(str(e))
-        for d in _package_dirs("lib"):
-            for f in sorted(d.glob("libnvrtc.so*")):
-                try:
-                    return ctypes.CDLL(str(f))
-                except OSError as e:
-                    errors.append(str(e))
         raise RuntimeError("no NVRTC library: " + "; ".join(errors))
 
     def _check(self, code: int, what: str) -> None:
@@ -285,7 +276,6 @@ def mlx_device_headers() -> Dict[str, bytes]:
 
 
 def arch_option() -> str:
-    """--gpu-architecture for this device (sm_XY, `a` from compute capability 9), as MLX builds."""
     info = mx.device_info()
     major, minor = info.get("compute_capability_major"), info.get("compute_capability_minor")
     if major is None:
@@ -298,7 +288,6 @@ def arch_option() -> str:
 
 @functools.cache
 def compiler() -> Tuple[_Nvrtc, List[str], Dict[str, bytes]]:
-    """NVRTC, MLX's options for this device and MLX's device headers (found once a process)."""
     nvrtc = _Nvrtc()
     return (nvrtc, ["--device-as-default-execution-space", arch_option()]
             + [f"--include-path={d}" for d in include_dirs()], mlx_device_headers())

@@ -17,6 +17,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..adapters import swap_call
 from . import device, kernel_cache
 from .device import cuda_ready
 
@@ -140,7 +141,6 @@ _consts = {}
 
 
 def _const(*values) -> mx.array:
-    """A float32 constant for the kernels, made once (device.resident_constant)."""
     key = values + (device.pads(),)
     if key not in _consts:
         _consts[key] = device.resident_constant(values)
@@ -181,7 +181,6 @@ def add_norm_usable(x, r, weight) -> bool:
 
 
 def add_rms_norm(x: mx.array, r: mx.array, weight: mx.array, eps: float):
-    """(x + r, rms_norm(x + r, weight, eps)) as one kernel."""
     D = x.shape[-1]
     block, chunks, nr = _norm_layout(D, x.dtype.size)
     return _ADD_NORM_KERNEL(
@@ -213,7 +212,6 @@ def qk_usable(q, k, q_norm, k_norm, rope, n_q, n_kv) -> bool:
 
 
 def qk_norm_rope(q, k, q_norm, k_norm, rope, offset, n_q, n_kv):
-    """`qk_norm_rope_reference` as one kernel."""
     B, L, _ = q.shape
     D = q.shape[-1] // n_q
     if isinstance(offset, mx.array):
@@ -294,13 +292,6 @@ def _own(module):
     return type(module).__mro__[1] if type(module) in _patched.values() else type(module)
 
 
-def _swap(module, call):
-    cls = _own(module)
-    if cls not in _patched:
-        _patched[cls] = type(f"Fused{cls.__name__}", (cls,), {"__call__": call})
-    module.__class__ = _patched[cls]
-
-
 def _claims(model):
     """`model.model` when every layer is a FAMILY block with plain RMSNorms and RoPE, else None."""
     inner = getattr(model, "model", None)
@@ -326,14 +317,13 @@ def install(model) -> int:
         return 0
     _State.pending = None
     for layer in inner.layers:
-        _swap(layer, _block_call)
-        _swap(layer.self_attn, _attention_call)
-    _swap(inner.norm, _final_norm_call)
+        swap_call(layer, _block_call, "Fused", _patched)
+        swap_call(layer.self_attn, _attention_call, "Fused", _patched)
+    swap_call(inner.norm, _final_norm_call, "Fused", _patched)
     return len(inner.layers)
 
 
 def uninstall(model) -> int:
-    """Give the patched modules their classes back; returns how many were patched."""
     n = 0
     for _, m in model.named_modules():
         if type(m) in _patched.values():
