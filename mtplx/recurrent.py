@@ -1,15 +1,9 @@
-"""The "steps" capture backend: conv and SSM layers that record their state after every position.
+"""The "recurrent" capture backend: conv and SSM layers that record their state after every position.
 
-A verify forward runs [pending, d1..dk] before we know how many drafts each row keeps, and a
-conv window or SSM state cannot be rolled back by moving an index. A captured layer runs the
-verify one position at a time through the layer's own mlx-lm code (exactly what mlx-lm's
-single-row decoding does) on a scratch copy of its cache, and hands every slot's value after
-each position to the RowStateCache, whose `commit` keeps the one at each row's accepted
-position. The layer's own state is untouched until then, so a rejected draft never enters it.
-
-Any layer whose whole state lives in its ArraysCache slots is captured this way; the
-classes known to do so (each covered by tests/test_arch_coverage.py) are listed in
-`STEPPED_LAYERS` (mlx-lm module, class name).
+While capturing, a layer runs the verify one position at a time through its own mlx-lm code on a
+scratch copy of its cache and hands each slot's value after every position to the RowStateCache,
+whose commit keeps each row's accepted one: a rejected draft never enters the state. It serves any
+layer whose whole state lives in its ArraysCache slots; `STEPPED_LAYERS` lists the known ones.
 """
 
 from __future__ import annotations
@@ -68,7 +62,7 @@ _stepping_classes = {}
 
 
 def install_stepping(model) -> int:
-    """Give every known conv/SSM layer of `model` the steps capture. Returns how many it has."""
+    """Give every known conv/SSM layer of `model` the step capture; returns how many."""
     count = 0
     for _, module in model.named_modules():
         cls = type(module)
