@@ -1,11 +1,8 @@
 """What the engine does to an mlx-lm model before it batches it, and what it refuses.
 
-`prepare(model, arch)`: every cache must be a kind the batch cache knows; recurrent layers get their
-capture backend (gdn.py, recurrent.py) and batching adapters are installed (adapters.py); then a probe
-prefills two rows of different lengths, verifies with a partial accept, steps once more, and every
-logit must match a cache-less forward of the accepted text. A failure is `UnsupportedArchitecture`:
-an unknown layer that runs could give wrong text without an error. A passed probe may be remembered
-(`PASSED_FILE`, under `probe_key`) beside a model the engine converted itself.
+`prepare` installs capture backends and batching adapters, then probes: two rows of different lengths
+prefill, verify with a partial accept and step once more, and every logit must match a cache-less
+forward. A failure is `UnsupportedArchitecture`: an unknown layer could give wrong text silently.
 """
 
 from __future__ import annotations

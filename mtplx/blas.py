@@ -1,11 +1,9 @@
 """OpenBLAS for MLX on a Linux CPU, loaded into the process before mlx.core.
 
-mlx-cpu links a reference BLAS (~6 GFLOP/s a core). OpenBLAS opened with RTLD_GLOBAL before mlx.core
-is imported binds libmlx's BLAS calls (a 1024 x 1024 matmul: ~22 ms against ~370); after that import
-it is too late (RTLD_NOW). The first that loads wins: an OpenBLAS already in the process, the
-`ngsolve-openblas` wheel (the `cpu` extra; given mlx-cpu's libgfortran through a directory of links
-where the system has none), the system's libopenblas.so.0. OPENBLAS_NUM_THREADS defaults to 1,
-leaving the other core to tokenizing and the job machinery.
+mlx-cpu links a reference BLAS; OpenBLAS opened with RTLD_GLOBAL before mlx.core is imported binds
+libmlx's calls (a 1024 x 1024 matmul: ~22 ms against ~370). The first that loads wins: one already in
+the process, the `ngsolve-openblas` wheel (the `cpu` extra), the system's. OPENBLAS_NUM_THREADS
+defaults to 1, leaving the other core to tokenizing and the job machinery.
 """
 
 from __future__ import annotations

@@ -36,9 +36,7 @@ def checks_of(cls) -> Dict[str, Check]:
 
 
 def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
-    form = "an integer" + (f" >= {lo}" if lo is not None and hi is None else "")
-    if lo is not None and hi is not None:
-        form = f"an integer in {lo}..{hi}"
+    form = f"an integer in {lo}..{hi}" if None not in (lo, hi) else "an integer" + (f" >= {lo}" if lo is not None else "")
 
     def check(v):
         if (isinstance(v, bool) or not isinstance(v, numbers.Integral) or (lo is not None and v < lo)

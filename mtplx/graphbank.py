@@ -1,14 +1,10 @@
 """CompiledVerifyBank (after MTPLX's): the verify forward as compiled MLX programs, one per shape.
 
-A program would freeze a cache offset kept as a Python int, so the bank runs the model over a shadow
-cache: the cache's arrays and per-row lengths go in as inputs, the updated arrays come out and are
-mirrored back, and one program per (batch width, verify length, capacity bucket) serves every step
-of that shape. `Programs` keeps programs by key (the draft banks use it too).
-
-Modes: `on` (eager fallback with a recorded reason), `parity` (run both, raise
-`CompiledVerifyParityError` on a difference), `parity2` (count differences in
-`stats["parity_failures"]`). A model with 6-bit weights verifies eagerly for life (`permanent_eager`).
-`request_max_tokens` is the growth budget: no capacity bucket is compiled past it plus the verify length.
+The model runs over a shadow cache whose arrays and per-row lengths are the program's inputs (a Python
+int offset would be frozen at trace time); one program per (width, verify length, capacity bucket).
+Modes: `on` (eager fallback, reason recorded), `parity` (raise `CompiledVerifyParityError` on a
+difference from eager), `parity2` (count them). 6-bit weights verify eagerly (`permanent_eager`);
+`request_max_tokens` is the growth budget past which no capacity bucket is compiled.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Everything mtplx does to the whole process; `import mtplx` does none of it.
 
-`prepare_process()`, once a process (the CLI, the Ray predictor, `models.loading.load` and
-train-head call it):
-1. binds OpenBLAS on a Linux CPU (blas.py); only before mlx.core is imported, else
-   `blas.slow_blas_notice()` says what to do;
-2. defers mlx-lm's package __init__, which imports transformers (and torch): seconds before the
-   first token. `sys.modules['mlx_lm']` becomes the package with its __init__ not yet run;
-   submodules import without it and any other name runs it first;
-3. on CUDA gives MLX's kernel cache a private directory (kernels/kernel_cache.py), before MLX's
-   first kernel build reads MLX_PTX_CACHE_DIR.
-Installing a model's CUDA decode paths also points the mlx-lm model modules it uses at
-`rows_attention.attention`, which calls mlx-lm's own function for every other cache.
+`prepare_process()` (the CLI, the Ray predictor, `models.loading.load` and train-head call it), once:
+1. binds OpenBLAS on a Linux CPU (blas.py), which works only before mlx.core is imported;
+2. defers mlx-lm's package __init__ (it imports transformers: seconds): `sys.modules['mlx_lm']` is the
+   package with its __init__ run only when a name other than a submodule is asked for;
+3. on CUDA gives MLX's kernel cache a private directory (kernels/kernel_cache.py).
+Installing a model's CUDA decode paths also points its mlx-lm modules at `rows_attention.attention`.
 """
 
 from __future__ import annotations

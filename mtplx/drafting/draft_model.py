@@ -1,12 +1,9 @@
 """The draft-model method: a smaller model with the target's vocabulary drafts K tokens a round.
 
-The draft cache stays one token behind the committed text, so a round's first step feeds the last
-accepted token and the pending one, and K drafts take K forwards, not K + 1. Rounds without drafts run
-no draft step: the tokens wait in each row's backlog, fed with the next drafting round or once it
-holds `MAX_BACKLOG`. `DraftChainBank` compiles the K steps over a shadow of an attention-only draft
-cache, as the verify bank does; each (width, depth, sampler kind) drafts through whichever of the
-compiled and eager chains its first proposal timed faster (the same drafts either way; a 0.5B draft on
-the H200: eager 12.5 ms a depth-2 round, compiled 16.8).
+The draft cache stays one token behind the text, so a round's first step feeds the last accepted and
+the pending token: K forwards, not K + 1. Rounds without drafts leave tokens in each row's backlog.
+Each (width, depth, sampler kind) drafts through whichever of the compiled chain (`DraftChainBank`)
+and the eager steps its first proposal timed faster (a 0.5B draft on the H200: 12.5 ms eager, 16.8).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Our CUDA kernels built once per machine, not once per process, in a cache only this user can write.
 
-MLX looks custom kernels up in its on-disk PTX cache but never writes them, so every process compiles
-each instantiation at its first call (2.08 s at a fresh run's first MTP proposal on the H200).
-`prepare_cache_dir()` gives that cache a private directory; `cuda_kernel(...)` is `mx.fast.cuda_kernel`
-that, before an instantiation's first call, compiles it with NVRTC and writes it under MLX's own name
-for it, with a record of its hashes, unless a recorded entry is there. Whatever fails leaves the
-instantiation to MLX: the same program either way, only where it was compiled changes.
+MLX looks custom kernels up in its on-disk PTX cache but never writes them (a fresh run's first MTP
+proposal: 2.08 s of builds on the H200). `cuda_kernel` is `mx.fast.cuda_kernel` that first compiles an
+instantiation with NVRTC into that cache under MLX's own name, with a record of its hashes, unless a
+recorded entry is there; whatever fails is left to MLX (the same program, compiled elsewhere).
 """
 
 from __future__ import annotations

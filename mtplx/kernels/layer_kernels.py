@@ -1,10 +1,9 @@
 """A Qwen3 layer's small ops as fewer CUDA kernels: residual add + RMSNorm, q/k RMSNorm + RoPE.
 
-A one-stream decode step runs ~12 small kernels a layer, each a few microseconds whatever its size; two
-kernels take five of them. `add_rms_norm`: a block returns its second residual sum lazily and the next
-patched block (or the final norm) takes its two terms, so the lone add never runs; `qk_norm_rope`: one
-warp a head. Each reproduces MLX's own CUDA arithmetic (rms_norm.cu, rope.cu) bit for bit, and every
-forward of a patched model takes them, so plain decoding and speculation see one model.
+Two kernels take five of a decode step's ~12 small kernels a layer. A block returns its residual sum
+lazily and the next patched block or final norm adds and normalizes its two terms in one kernel. Each
+kernel reproduces MLX's CUDA arithmetic bit for bit and every forward takes them: one model for plain
+decoding and speculation.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Attention for a few new tokens per row over a capacity-bucket KV cache, each row to its own length.
 
-MLX's CUDA backend has no fused kernel for the batch cache's [B, 1, N, cap] mask. This kernel computes
-query i of row b over keys 0..lengths[b] + i with the arithmetic of MLX's one-pass vector kernel
-(`kernel_sdpav_1pass`): bit for bit MLX's result over that row's slice, whatever shares its block, so
-plain steps and verifies agree (greedy speculation stays token-identical). A block of 32 warps per (row,
-KV head, chunk of queries) reads each key once. At several queries it reads q, k, v through their
-strides and writes [B, L, H_q, D], copying nothing (a one-stream MTP round on the H200: 5.79 ms, 7.75).
+MLX's CUDA backend has no fused kernel for the batch cache's mask. Query i of row b reads keys
+0..lengths[b] + i with the arithmetic of MLX's one-pass vector kernel, bit for bit MLX's result over
+that slice whatever shares its block (greedy speculation stays token-identical). At several queries it
+reads through strides and writes [B, L, H_q, D], copying nothing (an MTP round: 5.79 ms, 7.75, H200).
 """
 
 from __future__ import annotations
@@ -222,15 +220,12 @@ def split(B: int, Hk: int, queries: int, D: int) -> tuple[int, int]:
     return per, -(-queries // per)
 
 
-def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths: mx.array,
-                   per_block: int | None = None) -> mx.array:
+def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths: mx.array) -> mx.array:
     """softmax(q k^T * scale) v, query i of row b over keys 0..lengths[b] + i of k/v [B, H_kv, cap, D];
-    q: [B, H_q, L, D], L <= MAX_QUERIES. `per_block`: queries a block (default `split`'s)."""
+    q: [B, H_q, L, D], L <= MAX_QUERIES."""
     B, Hq, L, D = q.shape
     Hk = k.shape[1]
     per, blocks = split(B, Hk, Hq // Hk * L, D)
-    if per_block is not None:
-        per, blocks = per_block, -(-(Hq // Hk * L) // per_block)
     key = (scale, device.pads())
     if key not in _scales:
         _scales[key] = device.resident_constant([scale])

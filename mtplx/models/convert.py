@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from .loading import ModelBundle, load, tensor_index
+from .loading import load, tensor_index
 from .mtp import HEAD_META, HEAD_WEIGHTS, build_head
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja",
                    "chat_template.json", "generation_config.json", "added_tokens.json")
@@ -59,14 +59,6 @@ def save_head(head, out_dir: Path, trunk_model, quantize: Optional[int], group_s
     return meta
 
 
-def _source_record(src: Path, bundle: ModelBundle) -> dict:
-    files = sorted({f for f, _ in tensor_index(src).values()})
-    return {"source": str(src.resolve()),
-            "source_config_sha256": hashlib.sha256((src / "config.json").read_bytes()).hexdigest(),
-            "source_files": {f: (src / f).stat().st_size for f in files},
-            "model_type": bundle.model_type}
-
-
 def convert_hf(src, out_dir, quantize: Optional[int] = None, group_size: int = 64, keep_head_bf16: bool = False,
                dtype: Optional[str] = None) -> Path:
     """Convert the safetensors checkpoint `src` into an MLX directory `out_dir` that keeps its head."""
@@ -93,9 +85,11 @@ def convert_hf(src, out_dir, quantize: Optional[int] = None, group_size: int = 6
         model, config = quantize_model(model, config, group_size, quantize)
     out.mkdir(parents=True, exist_ok=True)
     save_model(out, model)
-    record = _source_record(src, bundle)
-    record.update({"quantize": quantize, "group_size": group_size if quantize else None, "dtype": dtype,
-                   "head": None})
+    files = sorted({f for f, _ in tensor_index(src).values()})
+    record = {"source": str(src.resolve()),
+              "source_config_sha256": hashlib.sha256((src / "config.json").read_bytes()).hexdigest(),
+              "source_files": {f: (src / f).stat().st_size for f in files}, "model_type": bundle.model_type,
+              "quantize": quantize, "group_size": group_size if quantize else None, "dtype": dtype, "head": None}
     if head is not None:
         meta = save_head(head, out, model, quantize, group_size, keep_head_bf16)
         record["head"] = "bfloat16" if keep_head_bf16 else (f"{quantize}-bit" if quantize else "float")

@@ -1,12 +1,7 @@
-"""Where each family's checkpoint keeps its MTP head, read into one shape: modules (one per draft
-depth) of norms on the embedding of t+1 and on h_t, `fc` over both, trunk-kind blocks, a final norm.
-
-- Qwen3-Next / Qwen3.5 `mtp.*`: norms, `fc` and `norm` shared by `mtp.layers.{i}` (depth i).
-- DeepSeek-V3 / V3.2 / GLM-4.5 NextN `model.layers.{N + i}` after the N trunk layers: `enorm`,
-  `hnorm`, `eh_proj`, the block, `shared_head.norm` / `.head` (its `embed_tokens` copy is unused).
-- MiMo `model.mtp_layers.{i}`: `fc` (`input_proj`) reads [hidden, embedding].
-- Sidecars from `mtplx-batch train-head`: NextN; a head of several blocks keeps block i at N + i.
-NextN and MiMo modules were trained with the embedding at position 0 zeroed, and run so.
+"""Where each family's checkpoint keeps its MTP head, read into modules (one per draft depth):
+Qwen3-Next / Qwen3.5 `mtp.*` (shared norms and fc, layer i drafts depth i); DeepSeek-V3 / GLM-4.5
+NextN `model.layers.{N + i}` after the N trunk layers (and sidecars from train-head: block i at N + i);
+MiMo `model.mtp_layers.{i}` (fc over [hidden, embedding]). NextN and MiMo zero position 0's embedding.
 """
 
 from __future__ import annotations
@@ -40,19 +35,9 @@ def text_config(config: dict) -> dict:
 
 
 def is_mtp_key(key: str, config: dict) -> bool:
-    if key.startswith(("mtp.", "model.mtp.", MIMO_PREFIX)):
-        return True
-    if key.startswith("model.layers."):
-        return int(key.split(".")[2]) >= text_config(config).get("num_hidden_layers", 1 << 30)
-    return False
-
-
-def _take(names: Dict[str, str], rest: str, v, module: ModuleWeights) -> bool:
-    for src, dst in names.items():
-        if rest.startswith(src + "."):
-            module.head[f"{dst}.{rest[len(src) + 1:]}"] = v
-            return True
-    return False
+    trunk_layers = text_config(config).get("num_hidden_layers", 1 << 30)
+    return key.startswith(("mtp.", "model.mtp.", MIMO_PREFIX)) or (
+        key.startswith("model.layers.") and int(key.split(".")[2]) >= trunk_layers)
 
 
 def _qwen(weights) -> List[ModuleWeights]:
@@ -81,7 +66,10 @@ def _per_layer(weights, prefix: str, first: int, names, hidden_first: bool, seri
             modules.setdefault(0, ModuleWeights(zero_first=False)).blocks.setdefault(depth, {})[rest] = v
             continue
         module = modules.setdefault(depth, ModuleWeights(hidden_first=hidden_first, zero_first=not serial_blocks))
-        if not _take(names, rest, v, module) and not rest.startswith("embed_tokens."):
+        src = next((s for s in names if rest.startswith(s + ".")), None)
+        if src is not None:
+            module.head[f"{names[src]}.{rest[len(src) + 1:]}"] = v
+        elif not rest.startswith("embed_tokens."):  # (a copy of the trunk's)
             module.blocks.setdefault(0, {})[rest] = v
     return [modules[d] for d in sorted(modules)]
 

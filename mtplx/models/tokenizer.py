@@ -101,14 +101,10 @@ class FastTokenizer:
             return 0
         prefix = os.path.commonprefix(list(texts))
         end = len(prefix) - 1  # the character after the cut must be in the prefix
-        while end >= SHARED_PREFIX_MIN_CHARS:
-            nl = prefix.rfind("\n", 0, end)
-            cut = nl + 1
-            if nl < 0 or cut < SHARED_PREFIX_MIN_CHARS:
-                return 0
+        while end >= SHARED_PREFIX_MIN_CHARS and (cut := prefix.rfind("\n", 0, end) + 1) >= SHARED_PREFIX_MIN_CHARS:
             if "!" <= prefix[cut] <= "~":
                 return cut
-            end = nl
+            end = cut - 1
         return 0
 
     def _splits_at_lines(self) -> bool:

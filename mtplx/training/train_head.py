@@ -263,14 +263,12 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     state_dir = _ckpt_state_dir(out)
     state = resumable_state(state_dir, ck, cfg, header)
 
-    # 1. data
     tdata = _training_data(bundle, data, cfg, ck, state, dkey, started, read, quiet, log)
     held = set(tdata.heldout)
     train_idx = [i for i in range(len(tdata.sequences)) if i not in held]
     if not train_idx:
         raise TrainHeadError("no training sequences left after holding some out: give more data")
 
-    # 2. trunk features (frozen trunk, once)
     store_dtype, step_dtype = _dtypes(cfg)
     train_f = trunk_features(mdl, [tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
                              store_dtype, False, desc="trunk (train)", quiet=quiet)
@@ -287,7 +285,6 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
             "held-out loss will rise after the first few passes (acceptance keeps most of its gain): more data "
             "(--max-rows, a larger job) helps more than more steps")
 
-    # 3. head + optimizer (fresh, or from the checkpoint)
     head = _init_head(mdl, cfg)
     vocab, draft, index = _draft_vocab(bundle, head, tdata, train_idx, cfg)
     _causal(head, 2)  # settle the mask kind outside any gradient transform
