@@ -2,8 +2,7 @@
 
 gemma2's attention adds a 4-d mask to [B, kv_heads, repeats, N, D] queries (the mask gets the repeats
 axis); DynamicNTKScalingRoPE takes a Python max over the offset (the base is picked per row). Each
-adapter is a subclass swapped onto the instance and computes what the layer does for one row.
-"""
+adapter is a subclass swapped onto the instance and computes what the layer does for one row."""
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ def swap_call(module, call, prefix: str, made: dict, **attrs) -> None:
 
 
 def base_call(self):
-    """The __call__ of the class `swap_call` swapped out."""
     return type(self).__mro__[1].__call__
 
 

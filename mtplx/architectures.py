@@ -2,8 +2,7 @@
 
 `prepare` installs capture backends and batching adapters, then probes: two rows of different lengths
 prefill, verify with a partial accept and step once more, and every logit must match a cache-less
-forward. A failure is `UnsupportedArchitecture`: an unknown layer could give wrong text silently.
-"""
+forward. A failure is `UnsupportedArchitecture`: an unknown layer could give wrong text silently."""
 
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ PROBE = [5, 17, 3, 11, 8, 2, 9, 4, 13, 6]
 def probe_key(config: dict, model) -> str:
     """What the probe's verdict depends on: config, device, dtypes, versions, engine code."""
     from mlx.utils import tree_flatten
-
     h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
     h.update(f"{mx.default_device()}|{dtypes}".encode())
@@ -52,8 +50,7 @@ PASSED_FILE = "mtplx_probe_passed"  # holds the probe_key of the last passed pro
 
 
 def prepare(model, arch: str, vocab_size: int = 2, remember: Optional[Tuple[Path, str]] = None) -> bool:
-    """Make `model` ready for batching, or refuse it; whether it has recurrent layers. `remember`:
-    (file, probe_key) of a probe passed before."""
+    """Make `model` ready for batching or refuse it; whether it is recurrent. `remember`: (file, key)."""
     kinds = flat_kinds(layer_kinds(model))
     try:
         install_capture(model)

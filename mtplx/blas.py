@@ -1,10 +1,8 @@
 """OpenBLAS for MLX on a Linux CPU, loaded into the process before mlx.core.
 
-mlx-cpu links a reference BLAS; OpenBLAS opened with RTLD_GLOBAL before mlx.core is imported binds
-libmlx's calls (a 1024 x 1024 matmul: ~22 ms against ~370). The first that loads wins: one already in
-the process, the `ngsolve-openblas` wheel (the `cpu` extra), the system's. OPENBLAS_NUM_THREADS
-defaults to 1, leaving the other core to tokenizing and the job machinery.
-"""
+mlx-cpu links a reference BLAS; OpenBLAS opened with RTLD_GLOBAL before mlx.core binds libmlx's calls
+(a 1024 x 1024 matmul: 22 ms, not 370): one already loaded, the `ngsolve-openblas` wheel, or the
+system's. One BLAS thread by default leaves the other core to tokenizing and the job machinery."""
 
 from __future__ import annotations
 
@@ -39,7 +37,6 @@ class BlasInfo:
 
 @functools.cache
 def use_openblas() -> BlasInfo:
-    """Load OpenBLAS for MLX if it can still bind, once; what is in use."""
     if not sys.platform.startswith("linux"):
         return BlasInfo(None, "not Linux: MLX uses the platform's BLAS")
     mapped = _mapped_openblas()
@@ -62,11 +59,10 @@ def use_openblas() -> BlasInfo:
 
 def slow_blas_notice() -> Optional[str]:
     """One line for the user when MLX's CPU matmuls run on the slow bundled BLAS, else None."""
-    info = use_openblas()
+    info = use_openblas()  # (before mlx.core is imported: it binds OpenBLAS where it still can)
     if info.fast:
         return None
     import mlx.core as mx
-
     if mx.default_device() != mx.cpu:
         return None
     return f"note: MLX is using its bundled reference BLAS, about 15x slower on a CPU ({info.detail}); {info.fix}"
@@ -111,8 +107,7 @@ def _open(path: str) -> ctypes.CDLL:
 
 
 def _link_dir(openblas: str) -> str:
-    """A cache directory of links to `openblas` and mlx-cpu's libgfortran (and its libquadmath), under
-    the names the wheel's RPATH ($ORIGIN) asks for."""
+    """A directory of links to `openblas` and mlx-cpu's libgfortran, as the wheel's RPATH asks."""
     mlx = _package_dir("mlx")
     bundled = sorted(glob.glob(os.path.join(os.path.dirname(mlx), "mlx_cpu.libs", "*.so*"))) if mlx else []
     gfortran = [p for p in bundled if os.path.basename(p).startswith("libgfortran")]
@@ -123,7 +118,6 @@ def _link_dir(openblas: str) -> str:
     links.update({os.path.basename(p): p for p in bundled
                   if not os.path.basename(p).startswith(("libblas", "liblapack", "libgfortran"))})
     from .paths import cache_dir
-
     key = hashlib.sha256(repr(sorted(links.items())).encode()).hexdigest()[:12]
     parent = cache_dir() / "openblas"
     final = parent / key

@@ -1,10 +1,8 @@
 """A per-machine calibration: what a verify costs here, by batch width and verify length.
 
-`calibrate(engine)` times the engine's verify over W rows of `context` tokens for each verify length
-and width that fits the memory budget, and one row's plain decoding compiled and eager (the host or the
-device may bound a step). The profile, beside the model, feeds `max_batch: auto`, the depth
-controller's cost curves and one-row decoding.
-"""
+It times the verify for each length and width that fits the memory budget, and one row's plain
+decoding compiled and eager; the profile (beside the model) feeds `max_batch: auto`, the depth
+controller's cost curves and how one row decodes."""
 
 from __future__ import annotations
 
@@ -45,7 +43,6 @@ def rate(costs: Sequence[float], k: int, acceptance: float = ACCEPTANCE) -> floa
 
 def _prefilled(engine, width: int, context: int, rng):
     from .cache import BatchCache
-
     cache = BatchCache.for_model(engine.model, width)
     prompt = mx.array(rng.integers(0, engine.vocab_size, (width, context)).astype(np.int32))
     logits = engine.runtime.forward(prompt, cache)[0]
@@ -93,8 +90,7 @@ def _one_stream_seconds(engine, compiled: bool, context: int, steps: int, rng) -
 
 
 def one_stream(engine, context: int = 128, steps: int = 32, repeats: int = 3, seed: int = 0) -> Optional[dict]:
-    """{"compiled": tok/s, "eager": tok/s, "faster": name} of one-row plain decoding (median of
-    `repeats` after an untimed run); None without a compiled bank."""
+    """{"compiled": tok/s, "eager": tok/s, "faster": name} of one-row plain decoding, or None."""
     if engine.bank is None:
         return None
     rng = np.random.default_rng(seed)
@@ -111,7 +107,6 @@ def one_stream(engine, context: int = 128, steps: int = 32, repeats: int = 3, se
 
 def calibrate(engine, widths: Sequence[int] = DEFAULT_WIDTHS, depth: Optional[int] = None, context: int = 128,
               repeats: int = 3, log=None, seed: int = 0) -> dict:
-    """Measure this machine; `log(message)` hears each width."""
     depth = engine.spec.depth if depth is None else depth
     rng = np.random.default_rng(seed)
     per_row = engine.row_bytes(context, depth + 1)
@@ -158,7 +153,6 @@ def load_profile(path, config: Optional[dict] = None) -> Optional[dict]:
 
 
 def auto_max_batch(profile: Optional[dict], memory_budget: int, row_bytes: int) -> int:
-    """`max_batch: auto`: the profile's best width (or AUTO_FALLBACK), within the memory budget."""
     want = (profile or {}).get("best_width") or AUTO_FALLBACK
     return max(1, min(int(want), int(memory_budget // max(row_bytes, 1))))
 
@@ -170,7 +164,5 @@ def one_stream_eager(profile: Optional[dict]) -> bool:
 
 def cost_shapes(profile: Optional[dict]) -> Dict[int, list]:
     """{width: verify cost by depth relative to depth 0}, for the depth controller."""
-    if not profile:
-        return {}
-    return {int(w): [c / costs[0] for c in costs] for w, costs in profile.get("verify_seconds", {}).items()
+    return {int(w): [c / costs[0] for c in costs] for w, costs in (profile or {}).get("verify_seconds", {}).items()
             if costs and costs[0] > 0}

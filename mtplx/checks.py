@@ -1,6 +1,5 @@
 """Each setting's check beside its field (`setting(check, default)`), so a key, its default and its
-check are written once. A check returns the normalized value or raises `Bad` with the form it wanted.
-"""
+check are written once. A check returns the normalized value or raises `Bad` with the form it wanted."""
 
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ def setting(check: Check, default: Any = MISSING, *, default_factory: Any = MISS
 
 
 def check_fields(obj, section: str) -> None:
-    """Run each field's check on `obj`, keeping the normalized values; ValueError naming `section.key`."""
     for f in fields(obj):
         value = getattr(obj, f.name)
         try:
@@ -36,7 +34,7 @@ def checks_of(cls) -> Dict[str, Check]:
 
 
 def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
-    form = f"an integer in {lo}..{hi}" if None not in (lo, hi) else "an integer" + (f" >= {lo}" if lo is not None else "")
+    form = "an integer" + (f" in {lo}..{hi}" if None not in (lo, hi) else f" >= {lo}" if lo is not None else "")
 
     def check(v):
         if (isinstance(v, bool) or not isinstance(v, numbers.Integral) or (lo is not None and v < lo)

@@ -2,8 +2,7 @@
 
 MTPLX's three environment variables are read here and nowhere else: `MTPLX_PREFILL_CHUNK_SIZE`
 (over `schedule.prefill_chunk`; 0: no chunking), `MTPLX_SUSTAINED_PREFILL_LAYOUT` (off: one span a
-prompt) and `MTPLX_COMPILED_VERIFY_MAX_LEN` (where `speculative.verify_max_len` does not say).
-"""
+prompt) and `MTPLX_COMPILED_VERIFY_MAX_LEN` (where `speculative.verify_max_len` does not say)."""
 
 from __future__ import annotations
 

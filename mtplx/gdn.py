@@ -2,8 +2,7 @@
 
 A recurrent state cannot roll back a rejected draft by moving an index, so while capturing this layer
 computes mlx-lm's Qwen3-Next / Qwen3.5 step by step and hands the conv window and each position's
-state to the RowStateCache, which keeps each row's accepted one.
-"""
+state to the RowStateCache, which keeps each row's accepted one."""
 
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ def _capturing_call(self, inputs, mask=None, cache=None):
         return base_call(self)(self, inputs, mask, cache)
     # imported here: at module level it would run mlx-lm's package __init__ (process.py defers it)
     from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
-
     B, S, _ = inputs.shape
     mixed_qkv, z, b, a = _mixed_qkv_z_b_a(self, inputs)
     conv_state = cache[0]
@@ -63,7 +61,6 @@ _capture_classes = {}
 
 
 def install_capture(model) -> int:
-    """Give every Gated DeltaNet layer of `model` the capture backend; returns how many."""
     layers = [l.linear_attn for l in getattr(model, "layers", []) if getattr(l, "linear_attn", None) is not None]
     for gdn in layers:
         if not (hasattr(gdn, "fix_query_key_value_ordering") or hasattr(gdn, "in_proj_qkv")):

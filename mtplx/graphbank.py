@@ -4,8 +4,7 @@ The model runs over a shadow cache whose arrays and per-row lengths are the prog
 int offset would be frozen at trace time); one program per (width, verify length, capacity bucket).
 Modes: `on` (eager fallback, reason recorded), `parity` (raise `CompiledVerifyParityError` on a
 difference from eager), `parity2` (count them). 6-bit weights verify eagerly (`permanent_eager`);
-`request_max_tokens` is the growth budget past which no capacity bucket is compiled.
-"""
+`request_max_tokens` is the growth budget past which no capacity bucket is compiled."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def unsupported_quantization(model) -> Optional[str]:
 
 
 class Programs:
-    """Compiled programs by key, built at their first call and counted in `counters`; a key whose call
-    raises is kept in `broken`, with why, and runs eagerly from then on."""
+    """Compiled programs by key, counted in `counters`; a key whose call raises is `broken`: eager."""
 
     def __init__(self, counters: Optional[Counters] = None):
         self.counters = counters if counters is not None else Counters()
@@ -105,8 +103,7 @@ class CompiledVerifyBank:
                  capture_backend: Optional[str] = None, parity=False, restored_tokens: int = 0,
                  growth_limit: Optional[int] = None, counters: Optional[Counters] = None):
         """`runtime`: `.model`, `.forward(tokens, cache) -> (logits, hidden)`; `parity`: "on" (False), "parity"
-        (True) or "parity2"; `growth_limit`: the longest verify compiled (default MTPLX_COMPILED_VERIFY_MAX_LEN,
-        else max(8, max_verify_len)); `capture_backend`: the model's layers'."""
+        (True) or "parity2"; `growth_limit`: default MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, max_verify_len)."""
         self.runtime = runtime
         self.max_verify_len = max_verify_len
         env = verify_max_len_env()
@@ -155,8 +152,7 @@ class CompiledVerifyBank:
         return (read, n, nxt, counts, lengths + counts, verify_in, hidden) + tuple(cache_out)
 
     def _build(self, key, kinds) -> Callable[[], Callable]:
-        """What the program of `key` compiles: (W, L, capacity) verifies; a fourth entry, the acceptance,
-        makes it a round's verify and acceptance (`verify_round`)."""
+        """What `key`'s program compiles: (W, L, capacity) verifies; an acceptance too (`verify_round`)."""
         if len(key) > 3:
             return lambda: partial(self._run_round, kinds, key[3])
         return lambda: partial(self._run_shadow, kinds)
@@ -177,8 +173,7 @@ class CompiledVerifyBank:
         reasons[reason] = reasons.get(reason, 0) + 1
 
     def _compiled(self, W: int, L: int, cache: BatchCache):
-        """(key, the cache's arrays) of the program verifying L tokens a row over `cache` (room made in
-        capacity buckets), or (None, why it runs eagerly)."""
+        """(key, arrays) of the program verifying L tokens a row over `cache`, or (None, why not)."""
         reason = self._eager_reason
         if reason is None and L > self.max_verify_len:
             if L <= self.growth_limit:
@@ -235,9 +230,8 @@ class CompiledVerifyBank:
 
     def verify_round(self, pending: mx.array, drafts: mx.array, limit: mx.array, live: mx.array, cache: BatchCache,
                      accept=None):
-        """A round's verify of [pending, drafts] and acceptance (greedy, or `accept` = (sampler, q, u_accept,
-        u_next)) as one program, mode "on": (read [W, 2 + K] = (n, next, drafts), n, next, counts, lengths
-        after, verify_in, hidden), lengths not moved; None where not compiled (the caller goes apart)."""
+        """A round's verify of [pending, drafts] and its acceptance as one program: (read [W, 2 + K], n, next,
+        counts, lengths after, verify_in, hidden), lengths not moved; None where not compiled."""
         W, K = drafts.shape
         if self.mode != "on":
             return None
@@ -259,7 +253,6 @@ class CompiledVerifyBank:
 
     @staticmethod
     def _accept_key(accept):
-        """(the acceptance's part of a round program's key, its inputs)."""
         if accept is None:
             return ("greedy",), []
         sampler, q, u_accept, u_next = accept
@@ -293,7 +286,6 @@ class CompiledVerifyBank:
         return np.array((mx.argmax(got, axis=-1) != mx.argmax(ref, axis=-1)).any(axis=-1) | (diff > self._tol(got)))
 
     def _compare_cache(self, got, ref) -> np.ndarray:
-        """Per row: does any cache array the compiled program wrote differ from eager's?"""
         bad = mx.zeros((got[0].shape[0] if got else 0,), mx.bool_)
         for a, b in zip(got, ref):
             if a is not None and b is not None and a.size:

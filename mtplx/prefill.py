@@ -1,10 +1,8 @@
 """Prefill: prompt tokens into cache, in chunk spans, reusing prefixes shared with earlier rows.
 
-The first row of a shared prefix (`stable_prefix_len`, its leader) is prefilled alone, spans split at
-the prefix edge, where the target's and the drafter's state is kept; later rows copy it and prefill
-only their suffix. Other rows are prefilled together in padded batches of similar length; each row
-writes its own span at its own offset, so padding never enters a row's cache.
-"""
+The first row of a shared prefix (`stable_prefix_len`) is prefilled alone and its state kept at the
+edge; later rows copy it and prefill their suffix. Other rows prefill together in padded batches of
+similar length, each row at its own offset, so padding never enters a row's cache."""
 
 from __future__ import annotations
 
@@ -26,9 +24,8 @@ PREFIX_STORE_SIZE = 4  # rows arrive grouped by prefix, so a few recent prefixes
 
 
 def _prefill_chunk_size(config: Optional[dict] = None, memory_budget: Optional[int] = None) -> int:
-    """Tokens per prefill span: `MTPLX_PREFILL_CHUNK_SIZE` (0: chunking off), else a span's activations
-    (~4 bytes x (8 x hidden + 3 x intermediate) a token) within ~2% of the memory budget, in [128, 2048]
-    by 128s (past that the matmuls are full; below it launches are wasted); 512 without a budget."""
+    """Tokens per prefill span: `MTPLX_PREFILL_CHUNK_SIZE` (0: off), else a span's activations within ~2% of
+    the memory budget, in [128, 2048] (past that the matmuls are full; below, launches are wasted)."""
     env = prefill_chunk_env()
     if env is not None:
         return env
@@ -42,7 +39,6 @@ def _prefill_chunk_size(config: Optional[dict] = None, memory_budget: Optional[i
 
 
 def _split_spans_at(spans: Iterable[Tuple[int, int]], edges: Sequence[int]) -> List[Tuple[int, int]]:
-    """Split spans at every edge strictly inside one of them."""
     out = []
     cuts = sorted(set(edges))
     for start, end in spans:
@@ -56,8 +52,7 @@ def _split_spans_at(spans: Iterable[Tuple[int, int]], edges: Sequence[int]) -> L
 
 def _iter_prefill_chunk_spans(token_count: int, chunk_size: Optional[int], mandatory_edges: Sequence[int] = (),
                               sustained: Optional[bool] = None):
-    """Half-open spans covering [0, token_count), `chunk_size` tokens each, split at every mandatory
-    edge; one span without the sustained layout (`sustained`, default MTPLX_SUSTAINED_PREFILL_LAYOUT)."""
+    """Spans of `chunk_size` tokens split at the edges; one unless `sustained` (MTPLX_SUSTAINED_PREFILL_LAYOUT)."""
     if token_count <= 0:
         return
     if not (sustained_prefill_env() if sustained is None else sustained):
@@ -132,9 +127,8 @@ def length_groups(lengths: Sequence[int], max_waste: float = PADDING_WASTE) -> L
 
 
 class Prefiller:
-    """Prompts into caches (and the drafter's state). `chunk`: the span size (0: whole prompts);
-    `hybrid`: recurrent layers, so rows prefill one by one; `progress(kind, tokens)`: told of every
-    span; `sustained`: spans split at stable-prefix edges, else one span a prompt."""
+    """Prompts into caches (and the drafter's state). `hybrid`: recurrent layers, so rows prefill one by
+    one; `progress(kind, tokens)`: told of every span."""
 
     def __init__(self, runtime, chunk: int, hybrid: bool, counters: Counters,
                  progress: Callable[[str, int], None] = lambda kind, tokens: None, sustained: bool = True):
@@ -165,9 +159,8 @@ class Prefiller:
         return sample_from(shaped_probs(logits, sampler)[:, 0], u).astype(mx.int32)
 
     def run(self, rows, drafter=None, read: bool = True):
-        """(cache row, drafter state, first token) per row; a row prefilled in a group stays in the group's
-        cache until placed. `read` False: (that list, the first tokens on the device), a row's token
-        then None unless it was read anyway."""
+        """(cache row, drafter state, first token) per row; `read` False: (that list, the first tokens on
+        the device), a row's own token None unless it was read anyway."""
         out = [None] * len(rows)
         keys = [PrefixStore.key(r.req.prompt_tokens, self.edge(r)) for r in rows]
         seen = set()
@@ -208,7 +201,6 @@ class Prefiller:
         return mx.take(mx.concatenate(parts), mx.array(np.argsort(np.asarray(order)).astype(np.int32)))
 
     def _restore(self, cache: BatchCache, rows, keys, reserve: int = 0) -> Tuple[List[int], List[Optional[tuple]]]:
-        """Copy each row's stored prefix into `cache`; (tokens restored, store hit) per row."""
         hits = [self.store.get(key) for key in keys]
         at = [b for b, hit in enumerate(hits) if hit is not None]
         if at:
@@ -220,8 +212,7 @@ class Prefiller:
         return starts, hits
 
     def alone(self, row, key):
-        """Prefill one row in spans split at its stable-prefix edge, snapshotting there (recurrent state
-        included); (cache row, hidden, first token, store hit, snapshot)."""
+        """Prefill one row, snapshotting it at its stable-prefix edge: (cache row, hidden, first, hit, snap)."""
         toks = row.req.prompt_tokens
         n, edge = len(toks), self.edge(row)
         cache = BatchCache.for_model(self.model, 1)
@@ -247,8 +238,7 @@ class Prefiller:
         return CacheRow(cache, 0), hidden, first, hit, snap
 
     def group(self, rows, keys):
-        """Prefill rows' suffixes together, padded, in chunk spans: ((cache row, hidden, store hit,
-        snapshot) per row, first tokens on the device)."""
+        """Prefill rows' suffixes together, padded: ((cache row, hidden, hit, snapshot) each, first tokens)."""
         B = len(rows)
         cache = BatchCache.for_model(self.model, B)
         starts, hits = self._restore(cache, rows, keys, reserve=max(len(r.req.prompt_tokens) for r in rows) + 1)
@@ -292,8 +282,7 @@ class Prefiller:
 
     @staticmethod
     def _head_states(drafter, rows, results, firsts) -> List[Optional[tuple]]:
-        """The drafter's states of a group from one batched `prefill_rows`; None where it prefills
-        row by row."""
+        """The drafter's states from one batched `prefill_rows`; None where it prefills row by row."""
         at = [b for b, res in enumerate(results) if res[1] is not None]
         states = [None] * len(rows)
         if drafter is not None and at:

@@ -5,8 +5,7 @@
 2. defers mlx-lm's package __init__ (it imports transformers: seconds): `sys.modules['mlx_lm']` is the
    package with its __init__ run only when a name other than a submodule is asked for;
 3. on CUDA gives MLX's kernel cache a private directory (kernels/kernel_cache.py).
-Installing a model's CUDA decode paths also points its mlx-lm modules at `rows_attention.attention`.
-"""
+Installing a model's CUDA decode paths also points its mlx-lm modules at `rows_attention.attention`."""
 
 from __future__ import annotations
 
@@ -18,14 +17,11 @@ from .blas import use_openblas
 
 
 def prepare_process() -> None:
-    """Bind OpenBLAS, defer mlx-lm's __init__, give MLX's CUDA kernel cache a private directory."""
     use_openblas()
     _defer_mlx_lm_init()
     import mlx.core as mx  # (after the BLAS binding)
-
     if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
         from .kernels import kernel_cache
-
         if kernel_cache.private_dir is None:
             kernel_cache.prepare_cache_dir()
 

@@ -1,10 +1,8 @@
 """The "recurrent" capture backend: conv and SSM layers that record their state after every position.
 
 While capturing, a layer runs the verify one position at a time through its own mlx-lm code on a
-scratch copy of its cache and hands each slot's value after every position to the RowStateCache,
-whose commit keeps each row's accepted one: a rejected draft never enters the state. It serves any
-layer whose whole state lives in its ArraysCache slots; `STEPPED_LAYERS` lists the known ones.
-"""
+scratch cache and hands each position's slots to the RowStateCache, whose commit keeps each row's
+accepted one. It serves any layer whose state lives in its ArraysCache slots (`STEPPED_LAYERS`)."""
 
 from __future__ import annotations
 
@@ -35,7 +33,6 @@ class _Scratch(ArraysSurface):
 
 
 def _stepping_call(self, *args, **kwargs):
-    """The layer's own call, one position at a time while its cache captures."""
     base = base_call(self)
     if not args:  # the input passed by name (falcon_h1: `input_states=`)
         name = type(self)._input_name
@@ -62,7 +59,6 @@ _stepping_classes = {}
 
 
 def install_stepping(model) -> int:
-    """Give every known conv/SSM layer of `model` the step capture; returns how many."""
     count = 0
     for _, module in model.named_modules():
         cls = type(module)

@@ -1,10 +1,8 @@
 """Sampling and speculative acceptance, vectorized over rows with their own settings.
 
-A row's target is its sampler-shaped distribution (temperature, top-k, top-p; greedy: the argmax's
-one-hot). Acceptance is the lossless rule: keep draft d with probability min(1, p(d)/q(d)), at the
-first rejection sample the residual max(0, p - q), after all a bonus token from p. Uniforms come from
-each row's own seeded generator, so a row's text does not depend on its batch.
-"""
+Acceptance is the lossless rule over each row's sampler-shaped p (greedy: a one-hot): keep draft d with
+probability min(1, p(d)/q(d)), then sample the residual max(0, p - q), or p after every draft. Uniforms
+come from each row's own seeded generator, so a row's text does not depend on its batch."""
 
 from __future__ import annotations
 
@@ -91,8 +89,7 @@ def _kept(ok: mx.array) -> mx.array:
 
 
 def accept_greedy(target_logits: mx.array, drafts: mx.array, limit: Optional[mx.array] = None):
-    """[B, K+1, V] logits, [B, K] drafts -> (accepted count [B], next token [B]); `limit[b]` (default K):
-    how many drafts row b really drafted."""
+    """[B, K+1, V] logits, [B, K] drafts (row b's first limit[b] real) -> (accepted [B], next [B])."""
     best = mx.argmax(target_logits, axis=-1)  # [B, K+1], not cast: only the next token is
     K = drafts.shape[1]
     if K == 0:
@@ -104,9 +101,8 @@ def accept_greedy(target_logits: mx.array, drafts: mx.array, limit: Optional[mx.
 
 def accept_sampled(p: mx.array, drafts: mx.array, q: Optional[mx.array], u_accept: mx.array, u_next: mx.array,
                    limit: Optional[mx.array] = None):
-    """Lossless acceptance: p [B, K+1, V] target probabilities, drafts [B, K], q [B, K, V] draft
-    probabilities (None: point masses, as prompt lookup's), uniforms u_accept [B, K] and u_next [B] ->
-    (accepted count [B], next token [B])."""
+    """p [B, K+1, V], drafts [B, K], q [B, K, V] (None: point masses, as prompt lookup's), uniforms
+    u_accept [B, K], u_next [B] -> (accepted count [B], next token [B])."""
     B, K1, V = p.shape
     K = K1 - 1
     if K == 0:

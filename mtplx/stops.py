@@ -1,6 +1,5 @@
 """Stop strings, matched in text: a round may emit several tokens and a string may end mid-token, so
-the decoded tail is checked after each round and a finished row cut back to its first stop string.
-"""
+the decoded tail is checked after each round and a finished row cut back to its first stop string."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ TAIL_TOKENS = 64  # the decoded tail searched after each round: longer than any 
 
 
 def in_tail(decode: Callable[[List[int]], str], tokens: List[int], stops: Sequence[str]) -> bool:
-    """Whether one of `stops` is in the text of the row's last TAIL_TOKENS tokens."""
     tail = decode(tokens[-TAIL_TOKENS:])
     return any(s and s in tail for s in stops)
 

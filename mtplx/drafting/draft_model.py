@@ -1,10 +1,8 @@
 """The draft-model method: a smaller model with the target's vocabulary drafts K tokens a round.
 
-The draft cache stays one token behind the text, so a round's first step feeds the last accepted and
-the pending token: K forwards, not K + 1. Rounds without drafts leave tokens in each row's backlog.
-Each (width, depth, sampler kind) drafts through whichever of the compiled chain (`DraftChainBank`)
-and the eager steps its first proposal timed faster (a 0.5B draft on the H200: 12.5 ms eager, 16.8).
-"""
+The draft cache stays one token behind, so a round's first step feeds the last accepted and the pending
+token (K forwards, not K + 1). Each shape drafts through whichever of the compiled chain and the eager
+steps its first proposal timed faster (a 0.5B draft on the H200: 12.5 ms eager, 16.8 compiled)."""
 
 from __future__ import annotations
 
@@ -85,8 +83,7 @@ class DraftChainBank(DraftBank):
         return run
 
     def propose(self, cache: BatchCache, feed: mx.array, sampler: SamplerBatch, u: mx.array, K: int):
-        """(drafts, q or None), the cache written past each row's length, lengths not moved; None where
-        this runs eagerly."""
+        """(drafts, q or None), lengths not moved; None where this runs eagerly."""
         arrays = self.ready(cache, feed.shape[1] + K)
         if arrays is None:
             return None
@@ -177,7 +174,6 @@ class DraftModelDrafter(CachedDrafter):
         return logits
 
     def _catch_up(self, keep: int):
-        """Feed each row's backlog but its last `keep` tokens in one forward."""
         m = np.maximum(self.backlog - keep, 0)
         if not m.any():
             return
@@ -217,8 +213,6 @@ class DraftModelDrafter(CachedDrafter):
         return draft_chain(step, feed, sampler, u, K, self.vocab)
 
     def _compiled_pays(self, K, feed, sampler, u) -> bool:
-        """Whether this round drafts through the compiled chain: with `measure`, what its shape's first
-        proposal timed faster; else wherever there is a bank."""
         if self.bank is None:
             return False
         if not self.measure or self._state_layers:  # a recurrent draft drafts eagerly anyway
@@ -236,8 +230,7 @@ class DraftModelDrafter(CachedDrafter):
         return self.compiled_pays[key]
 
     def _seconds(self, K, feed, sampler, u, compiled: bool) -> Optional[float]:
-        """Seconds this round's chain takes after an untimed run (it builds), queued as rounds are, the
-        cache lengths put back after each run; None where the bank cannot run over this cache."""
+        """Seconds this round's chain takes, queued as rounds are after an untimed run, or None."""
         def chain():
             out = self.bank.propose(self.cache, feed, sampler, u, K) if compiled else self.eager_chain(K, feed, sampler, u)
             self.cache.rows.restore(self.start)
@@ -286,8 +279,7 @@ class DraftModelDrafter(CachedDrafter):
 
 
 def check_draft_vocab(name, draft_tokenizer, tokenizer) -> None:
-    """Refuse a draft model unless every token of its vocabulary has the target's id (a drafted id is
-    verified as the target's token of that id); needs only the tokenizers."""
+    """Refuse a draft model unless each of its tokens has the target's id (a drafted id is verified as is)."""
     mine, theirs = draft_tokenizer.get_vocab(), tokenizer.get_vocab()
     differ = [t for t, i in mine.items() if theirs.get(t) != i]
     if differ:
@@ -296,11 +288,9 @@ def check_draft_vocab(name, draft_tokenizer, tokenizer) -> None:
 
 
 def load(spec: SpeculativeConfig, bundle: ModelBundle, counters=None) -> DraftModelDrafter:
-    """The drafter for `speculative.draft_model`, checked against the target's tokenizer."""
     from ..architectures import prepare
     from ..kernels import install
     from ..models.loading import load as load_model
-
     draft = load_model(spec.draft_model, gguf_mode=bundle.gguf_mode)
     check_draft_vocab(spec.draft_model, draft.tokenizer, bundle.tokenizer)
     prepare(draft.model, draft.model_type, bundle.vocab_size)

@@ -2,8 +2,7 @@
 
 MLX's CUDA allocator serves arrays of at most SMALL_POOL_BYTES from managed memory the host also
 touches, so a kernel reading one waits on a page fault (an add + norm reading its eps: 8.1 us against
-3.1 on the H200). On CUDA the small arrays kernels read are therefore made larger.
-"""
+3.1 on the H200). On CUDA the small arrays kernels read are therefore made larger."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ _constants = {}
 
 @functools.cache
 def cuda_ready() -> bool:
-    """Whether arrays run on MLX's CUDA backend (the custom kernels' only home)."""
     return bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and mx.default_device() == mx.gpu)
 
 
@@ -48,8 +46,7 @@ def resident_constant(values, dtype=mx.float32) -> mx.array:
 
 
 def padded(a: mx.array):
-    """A copy of 1-D `a` too large for the pool (`a`, then copies of a[0]: one gather), or None where
-    `a` needs none."""
+    """A copy of 1-D `a` too large for the pool (one gather), or None where `a` needs none."""
     if not pads() or a.nbytes > SMALL_POOL_BYTES or a.ndim != 1:
         return None
     n = _past_pool(a.dtype)

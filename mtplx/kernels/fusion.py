@@ -1,10 +1,8 @@
 """Sibling projections (q/k/v, gate/up) as one product at a few rows, a load-time model transform.
 
-One matrix-vector product over the stacked weights replaces three (two) kernels a decode step, with
-the separate products' values (each output row is computed alone); past `few_rows` rows each sibling
-uses its view. `head_gemv` makes the MTP head's few-row float products vector products: plain CUDA
-graph nodes, not cuBLAS child graphs (1.65x against 1.47x plain decoding at one stream, H200).
-"""
+One matrix-vector product over the stacked weights replaces three (two) kernels, with the separate
+products' values. `head_gemv` makes the MTP head's few-row products vector products: plain CUDA graph
+nodes, not cuBLAS child graphs (1.65x against 1.47x plain decoding at one stream, H200)."""
 
 from __future__ import annotations
 
@@ -29,7 +27,6 @@ def stacking_pays() -> bool:
 
 
 def _like(layer: nn.Module, arrays) -> nn.Module:
-    """A copy of `layer` (class, bits, group size, mode) holding `arrays`."""
     new = copy.copy(layer)
     for k, a in arrays.items():
         new[k] = a
@@ -37,8 +34,7 @@ def _like(layer: nn.Module, arrays) -> nn.Module:
 
 
 class _Stacked:
-    """Sibling layers as one layer over their stacked arrays, a view per sibling, and the last stacked
-    product, which the siblings share."""
+    """Sibling layers as one stacked layer, a view per sibling, and the last product they share."""
 
     def __init__(self, layers: Sequence[nn.Module]):
         keys = [k for k, v in layers[0].items() if isinstance(v, mx.array)]
@@ -82,9 +78,8 @@ class StackedPart(nn.Module):
 
 
 def few_rows(layer) -> int:
-    """Up to how many rows a stacked product keeps each sibling's values: QMV_ROWS for a quantized layer
-    under MLX's CUDA qmv (a warp per output row, unless qmm_sm90 takes a group as long as the input),
-    GEMV_ROWS for a RowsLinear, else one."""
+    """Up to how many rows a stacked product keeps each sibling's values: QMV_ROWS under MLX's CUDA qmv
+    (unless qmm_sm90 takes a group as long as the input), GEMV_ROWS for a RowsLinear, else one."""
     if isinstance(layer, RowsLinear):
         return GEMV_ROWS if layer.weight.nbytes <= GEMV_MAX_BYTES else 1
     if isinstance(layer, nn.QuantizedLinear) and cuda_ready() and layer.group_size < layer.weight.shape[1] * 32 // layer.bits:
@@ -100,8 +95,6 @@ def _fusable(layers) -> bool:
 
 
 def fuse_projections(model, groups: Sequence[Sequence[str]] = GROUPS) -> int:
-    """Replace each bias-free group of like Linear layers (plain or quantized) by StackedParts; returns
-    how many parts."""
     n = 0
     for _, module in list(model.named_modules()):
         for names in groups:
@@ -131,8 +124,7 @@ def unstack(model) -> int:
 
 
 class RowsLinear(nn.Linear):
-    """A float Linear whose product over 2..GEMV_ROWS rows is a batch of matrix-vector products (each
-    row the bits of its one-row product), not a GEMM."""
+    """A float Linear whose product over 2..GEMV_ROWS rows is matrix-vector products, not a GEMM."""
 
     def __call__(self, x):
         rows = x.size // x.shape[-1]
@@ -142,8 +134,6 @@ class RowsLinear(nn.Linear):
 
 
 def head_gemv(head, vocab=None) -> int:
-    """Make the MTP head's float Linears (blocks and fc) RowsLinear, before fuse_projections, and the
-    drafting vocabulary's projection a vector product; returns how many layers."""
     if vocab is not None:
         vocab.as_vector_product()
     n = 0

@@ -1,10 +1,8 @@
 """Our CUDA kernels built once per machine, not once per process, in a cache only this user can write.
 
-MLX looks custom kernels up in its on-disk PTX cache but never writes them (a fresh run's first MTP
-proposal: 2.08 s of builds on the H200). `cuda_kernel` is `mx.fast.cuda_kernel` that first compiles an
-instantiation with NVRTC into that cache under MLX's own name, with a record of its hashes, unless a
-recorded entry is there; whatever fails is left to MLX (the same program, compiled elsewhere).
-"""
+MLX reads custom kernels from its PTX cache but never writes them (2.08 s of builds at a fresh run's
+first MTP proposal, H200). `cuda_kernel` compiles each instantiation with NVRTC into that cache under
+MLX's name, with a record of its hashes; whatever fails is left to MLX (the same program)."""
 
 from __future__ import annotations
 
@@ -62,9 +60,7 @@ def std_hash(data: bytes) -> int:
 def _template_value(value) -> str:
     if isinstance(value, bool):
         return "t" if value else "f"
-    if isinstance(value, int):
-        return str(value)
-    return _TYPE_NAMES[value]
+    return str(value) if isinstance(value, int) else _TYPE_NAMES[value]
 
 
 def generated_source(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str, header: str,
@@ -99,8 +95,7 @@ def entry_name(func: str, source: str) -> str:
 
 
 def check_private(path: Path) -> None:
-    """Raise, saying why, unless `path` is this user's directory (no symlink) that no one else can write,
-    under directories of this user or root that others cannot change (or sticky, as /tmp)."""
+    """Raise, saying why, unless `path` and the directories above it are safe from other users."""
     st, me = os.lstat(path), os.geteuid()
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeError(f"{path} is not a directory{' but a symlink' if stat.S_ISLNK(st.st_mode) else ''}")
@@ -114,8 +109,7 @@ def check_private(path: Path) -> None:
 
 
 def prepare_cache_dir() -> Optional[str]:
-    """Give MLX's kernel cache a private directory (MLX_PTX_CACHE_DIR, else <mtplx cache>/mlx-ptx/<MLX
-    version>, 0700) before MLX's first JIT build reads it; None, or why our entries are off."""
+    """Give MLX's kernel cache a private directory before its first JIT build; None, or why not."""
     global private_dir, off
     own = os.environ.get("MLX_PTX_CACHE_DIR")
     own = None if own == _NO_DISK_CACHE else own  # a parent process's refusal: check again
@@ -150,7 +144,6 @@ def write_entry(path: Path, kernel: str, mangled: str, binary: bytes, root: Path
 
 
 def record_key(source: str) -> str:
-    """sha256 of the source, NVRTC's version, its options and MLX's device headers."""
     nvrtc, options, headers = compiler()
     texts = [source, repr(nvrtc.version), *options, *headers]
     return hashlib.sha256(b"\0".join([t.encode() for t in texts] + list(headers.values()))).hexdigest()
@@ -165,7 +158,6 @@ def _sums(files: Dict[Path, bytes], root: Path) -> str:
 
 
 def trusted(root: Path, key: str, path: Path) -> bool:
-    """Whether the entry at `path` is byte for byte what its record for `key` says we built."""
     try:
         files = {p: p.read_bytes() for p in (path, path.with_suffix(".txt"))}
         return _record(root, key).read_text() == _sums(files, root)
@@ -174,7 +166,6 @@ def trusted(root: Path, key: str, path: Path) -> bool:
 
 
 class _Nvrtc:
-    """The NVRTC library MLX links, through ctypes."""
 
     def __init__(self):
         self.lib = self._load()
@@ -201,7 +192,6 @@ class _Nvrtc:
             raise RuntimeError(f"{what}: {self.lib.nvrtcGetErrorString(code).decode()}")
 
     def compile(self, source: str, kernel: str, options: Sequence[str], headers: Dict[str, bytes]) -> Tuple[bytes, str]:
-        """(cubin, mangled name of `kernel`) for `source` compiled with `options`."""
         lib, prog = self.lib, ctypes.c_void_p()
         names = list(headers)
         hdrs = (ctypes.c_char_p * len(names))(*[headers[n] for n in names])
@@ -242,8 +232,7 @@ def _package_dirs(sub: str) -> List[Path]:
 
 
 def include_dirs() -> List[Path]:
-    """MLX's bundled headers, then the CUDA runtime's (an nvidia package, CUDA_HOME / CUDA_PATH,
-    /usr/local/cuda), as MLX looks for them."""
+    """MLX's bundled headers, then the CUDA runtime's, where MLX looks for them."""
     mlx_inc = Path(mx.__file__).parent / "include"
     dirs = [d for d in (mlx_inc, mlx_inc / "cccl") if d.is_dir()]
     homes = [Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
@@ -254,8 +243,7 @@ def include_dirs() -> List[Path]:
 
 
 def mlx_device_headers() -> Dict[str, bytes]:
-    """MLX's utils.cuh and the complex.cuh it includes, which libmlx embeds for NVRTC (they are not
-    shipped as files), found by what each defines."""
+    """MLX's utils.cuh and complex.cuh, embedded in libmlx (not shipped as files), by what each defines."""
     lib = Path(mx.__file__).parent / "lib" / "libmlx.so"
     with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         texts = set()
@@ -292,7 +280,6 @@ def compiler() -> Tuple[_Nvrtc, List[str], Dict[str, bytes]]:
 
 
 def build(func: str, source: str, root: Path, key: str) -> Path:
-    """Compile one instantiation and write its cache entry and record under `root`; returns its path."""
     nvrtc, options, headers = compiler()
     kernel = "mlx::core::cu::" + func
     binary, mangled = nvrtc.compile(source, kernel, options, headers)
@@ -320,7 +307,6 @@ class CachedKernel:
         return self._mlx(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
 
     def ensure(self, inputs, output_dtypes, template) -> None:
-        """Make sure MLX's cache holds our build of this instantiation (once a process)."""
         arrays = [(a.dtype, a.ndim) if isinstance(a, mx.array) else None for a in inputs]
         key = (tuple(arrays), tuple(output_dtypes), tuple((n, v) for n, v in template))
         if key in self._seen:

@@ -3,8 +3,7 @@
 Two kernels take five of a decode step's ~12 small kernels a layer. A block returns its residual sum
 lazily and the next patched block or final norm adds and normalizes its two terms in one kernel. Each
 kernel reproduces MLX's CUDA arithmetic bit for bit and every forward takes them: one model for plain
-decoding and speculation.
-"""
+decoding and speculation."""
 
 from __future__ import annotations
 
@@ -235,9 +234,8 @@ class _State:
 
 
 def _add_norm(norm, x, r):
-    if add_norm_usable(x, r, norm.weight):
-        return add_rms_norm(x, r, norm.weight, norm.eps)
-    return add_rms_norm_reference(x, r, norm.weight, norm.eps)
+    fused = add_norm_usable(x, r, norm.weight)
+    return (add_rms_norm if fused else add_rms_norm_reference)(x, r, norm.weight, norm.eps)
 
 
 def _input_norm(norm, x, plain):
@@ -287,7 +285,6 @@ _patched = {}  # mlx-lm class -> its patched subclass
 
 
 def _own(module):
-    """The module's mlx-lm class (under our patch, if patched)."""
     return type(module).__mro__[1] if type(module) in _patched.values() else type(module)
 
 
@@ -310,7 +307,6 @@ def _claims(model):
 
 
 def install(model) -> int:
-    """Patch a FAMILY model's blocks, attentions and final norm on CUDA; returns how many layers."""
     inner = _claims(model) if cuda_ready() else None
     if inner is None:
         return 0

@@ -3,8 +3,7 @@
 MLX's CUDA backend has no fused kernel for the batch cache's mask. Query i of row b reads keys
 0..lengths[b] + i with the arithmetic of MLX's one-pass vector kernel, bit for bit MLX's result over
 that slice whatever shares its block (greedy speculation stays token-identical). At several queries it
-reads through strides and writes [B, L, H_q, D], copying nothing (an MTP round: 5.79 ms, 7.75, H200).
-"""
+reads through strides and writes [B, L, H_q, D], copying nothing (an MTP round: 5.79 ms, 7.75, H200)."""
 
 from __future__ import annotations
 
@@ -221,8 +220,7 @@ def split(B: int, Hk: int, queries: int, D: int) -> tuple[int, int]:
 
 
 def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths: mx.array) -> mx.array:
-    """softmax(q k^T * scale) v, query i of row b over keys 0..lengths[b] + i of k/v [B, H_kv, cap, D];
-    q: [B, H_q, L, D], L <= MAX_QUERIES."""
+    """softmax(q k^T * scale) v, query i of row b over keys 0..lengths[b] + i of k/v [B, H_kv, cap, D]."""
     B, Hq, L, D = q.shape
     Hk = k.shape[1]
     per, blocks = split(B, Hk, Hq // Hk * L, D)
@@ -249,11 +247,8 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
 
 
 def install(model) -> int:
-    """Point the model's mlx-lm modules' `scaled_dot_product_attention` at `attention` on CUDA; returns
-    how many modules."""
     global _original
     from mlx_lm.models import base
-
     if not cuda_ready():
         return 0
     _original = _original or base.scaled_dot_product_attention
@@ -270,7 +265,6 @@ def install(model) -> int:
 
 def uninstall() -> None:
     from mlx_lm.models import base
-
     for mod in list(sys.modules.values()):
         if getattr(mod, "scaled_dot_product_attention", None) is attention:
             mod.scaled_dot_product_attention = base.scaled_dot_product_attention

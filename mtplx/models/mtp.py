@@ -2,8 +2,7 @@
 (layouts: mtp_layouts.py; a head `mtplx-batch convert` wrote built: convert.py).
 
 A module computes h' = norm(block(fc([norm_e(embed(t+1)), norm_h(h_t)]))), logits = head(h'). Depth k
-feeds (h', draft) back into the same module (MTPHead) or module k of one per depth (MTPHeadStack).
-"""
+feeds (h', draft) back into the same module (MTPHead) or module k of one per depth (MTPHeadStack)."""
 
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ def project_logits(model, hidden: mx.array) -> mx.array:
 
 
 def has_trunk_split(model) -> bool:
-    """Whether the model exposes `model.model` and a separable output head."""
     lm = text_model(model)
     inner = getattr(lm, "model", None)
     return inner is not None and hasattr(inner, "embed_tokens") and (
@@ -59,7 +57,6 @@ def _leaves(cache) -> list:
 
 
 def make_block(model) -> nn.Module:
-    """A fresh decoder block built as the trunk's last full-attention layer."""
     full = _attention_layer_index(model)
     cls = type(model.layers[full])
     args = text_model(model).args
@@ -123,8 +120,7 @@ class MTPHead(nn.Module):
         return self.norm(x)
 
     def _fc_halves(self):
-        """fc's weight as (embedding columns, hidden columns), or None unless fc is a plain bias-free
-        Linear (a quantized head computes its fc as trained)."""
+        """fc's weight as (embedding columns, hidden columns); None for a quantized or biased fc."""
         if not isinstance(self.fc, nn.Linear) or "bias" in self.fc:  # (fusion.RowsLinear is one)
             return None
         D = self.fc.weight.shape[1] // 2
@@ -132,8 +128,7 @@ class MTPHead(nn.Module):
         return (w[:, D:], w[:, :D]) if self.hidden_first else (w[:, :D], w[:, D:])
 
     def embedding_share(self, tokens: mx.array) -> Optional[mx.array]:
-        """The tokens' embeddings' share of fc's output [..., D] (a table row a token for draft steps,
-        DraftVocab.step_table), or None where fc cannot be split; `zero_first` does not apply."""
+        """The tokens' embeddings' share of fc's output (DraftVocab.step_table's rows), or None."""
         halves = self._fc_halves()
         if halves is None:
             return None
@@ -144,7 +139,6 @@ class MTPHead(nn.Module):
         return self._blocks(share + self.norm_hidden(hidden) @ w_hidden.T, caches, mask)
 
     def hidden_half(self) -> Optional[mx.array]:
-        """fc's hidden-state columns as a [D, D] weight of their own, or None."""
         halves = self._fc_halves()
         return None if halves is None else mx.contiguous(halves[1])
 
@@ -186,11 +180,8 @@ def _run_shifted(module, hidden, tokens, caches, shift: int):
 
 
 class MTPHeadStack(nn.Module):
-    """One MTP module per draft depth: module i drafts depth i, the last every deeper one.
-
-    Prefill and commit run every module over the same inputs (`step=None`: module 0's output). At
-    draft step j the round's cache holds j-1 draft entries and module k = min(j, n-1) joined at step
-    k, so it sees the rows k-1 entries shorter: its round's entries follow the committed ones."""
+    """One MTP module per draft depth (the last drafts every deeper one). Prefill and commit run them all
+    (`step=None`); module k joined the round at step k, so it sees the rows k-1 entries shorter."""
 
     def __init__(self, modules: List[MTPHead]):
         super().__init__()
@@ -281,7 +272,6 @@ def _build_module(bundle: ModelBundle, mod: ModuleWeights, shift: Tuple[bool, bo
 
 
 def _ready(head, model):
-    """The loaded head, evaluated, in the trunk's float type."""
     norm = getattr(text_model(model).model, "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None:
         head.set_dtype(norm.weight.dtype)
@@ -291,7 +281,6 @@ def _ready(head, model):
 
 
 def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Optional[dict] = None):
-    """The head of raw MTP `weights`: an MTPHead, or an MTPHeadStack of one module per depth."""
     modules = split_modules(weights, config or bundle.config)
     if not modules:
         raise ValueError("MTP weights hold no MTP module")
@@ -346,7 +335,11 @@ def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
         return build_head(bundle, bundle.mtp_weights)
     path = Path(sidecar)
     meta = json.loads((path / SIDECAR_META).read_text())
-    check_sidecar_trunk(meta, bundle)
+    _check_trunk_shape(meta, bundle.config)
+    if meta.get("trunk_probe") is not None and not _probe_matches(meta["trunk_probe"], trunk_probe(bundle)):
+        raise ValueError(f"MTP head was trained for a different trunk (same shape, other weights: its embedding "
+                         f"fingerprint does not match {bundle.path}); train one for this model with "
+                         "`mtplx-batch train-head`")
     weights = mx.load(str(path / SIDECAR_WEIGHTS))
     config = dict(bundle.config, num_hidden_layers=meta["num_hidden_layers"],
                   mtp_sidecar_blocks=meta.get("depth_layers", 1))
@@ -375,7 +368,6 @@ def trunk_probe(bundle: ModelBundle) -> list:
 def _probe_matches(want: list, have: list) -> bool:
     """By correlation, so a quantized or re-cast copy of the same trunk matches."""
     import numpy as np
-
     a, b = np.asarray(want, dtype=np.float64), np.asarray(have, dtype=np.float64)
     if a.shape != b.shape or not a.size:
         return False
@@ -404,11 +396,3 @@ def check_sidecar(sidecar, config: dict) -> None:
     except (OSError, ValueError) as e:
         raise ValueError(f"{path / SIDECAR_META} is unreadable ({e}); train the head again")
     _check_trunk_shape(meta, config)
-
-
-def check_sidecar_trunk(meta: dict, bundle: ModelBundle):
-    _check_trunk_shape(meta, bundle.config)
-    if meta.get("trunk_probe") is not None and not _probe_matches(meta["trunk_probe"], trunk_probe(bundle)):
-        raise ValueError(f"MTP head was trained for a different trunk (same shape, other weights: its embedding "
-                         f"fingerprint does not match {bundle.path}); train one for this model with "
-                         "`mtplx-batch train-head`")

@@ -1,8 +1,7 @@
 """Where each family's checkpoint keeps its MTP head, read into modules (one per draft depth):
 Qwen3-Next / Qwen3.5 `mtp.*` (shared norms and fc, layer i drafts depth i); DeepSeek-V3 / GLM-4.5
 NextN `model.layers.{N + i}` after the N trunk layers (and sidecars from train-head: block i at N + i);
-MiMo `model.mtp_layers.{i}` (fc over [hidden, embedding]). NextN and MiMo zero position 0's embedding.
-"""
+MiMo `model.mtp_layers.{i}` (fc over [hidden, embedding]). NextN and MiMo zero position 0's embedding."""
 
 from __future__ import annotations
 

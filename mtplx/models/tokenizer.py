@@ -1,7 +1,6 @@
 """A tokenizer that loads in milliseconds: tokenizer.json through `tokenizers`, the chat template
 through jinja2. For a plain tokenizer.json and template it gives mlx-lm's wrapper's ids, text and
-prompts without importing transformers (seconds); `load_fast_tokenizer` returns None otherwise.
-"""
+prompts without importing transformers (seconds); `load_fast_tokenizer` returns None otherwise."""
 
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ def _template_env():
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
@@ -73,9 +71,8 @@ class FastTokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_many(self, texts: Sequence[str], add_special_tokens: Sequence[bool]) -> List[List[int]]:
-        """`encode(text, add)` for each, in parallel; a long shared prefix (a few-shot preamble) is
-        encoded once up to its last line start, where the pieces split (`_splits_at_lines`). The
-        first text is also encoded whole and a difference turns the split off."""
+        """`encode(text, add)` for each, in parallel; a long shared prefix (a few-shot preamble) is encoded
+        once up to its last line start (`_splits_at_lines`), checked against the first text whole."""
         flags = list(add_special_tokens)
         cut = self._shared_cut(texts)
         if cut:
@@ -108,8 +105,7 @@ class FastTokenizer:
         return 0
 
     def _splits_at_lines(self) -> bool:
-        """Whether every piece ends at a line start: BPE after line-local pre-tokenizers, no normalizer
-        but NFC, no added token holding a newline, special tokens only in front."""
+        """Whether every piece ends at a line start (BPE, line-local pre-tokenizers, NFC at most)."""
         if self._line_split is None:
             self._line_split = False
             spec = json.loads(self._backend.to_str())
@@ -160,7 +156,6 @@ def _chat_template(model_path: Path, config: dict):
 
 
 def _prefix_space_agrees(tok_file: Path, want: bool) -> bool:
-    """Whether every pre-tokenizer step already adds a prefix space as `add_prefix_space` asks."""
     found = []
 
     def scan(node):
@@ -180,8 +175,6 @@ def _prefix_space_agrees(tok_file: Path, want: bool) -> bool:
 
 
 def load_fast_tokenizer(model_path: Path, eos_token_ids=None) -> Optional[FastTokenizer]:
-    """The fast tokenizer for `model_path`, or None where mlx-lm's wrapper is needed (no tokenizer.json,
-    NEEDS_WRAPPER / WRAPPER_KEYS, clean-up, settings with which transformers rebuilds the pipeline)."""
     model_path = Path(model_path)
     tok_file, cfg_file = model_path / "tokenizer.json", model_path / "tokenizer_config.json"
     if not tok_file.exists():
@@ -195,7 +188,6 @@ def load_fast_tokenizer(model_path: Path, eos_token_ids=None) -> Optional[FastTo
     if template is False or (template and any(w in template for w in NEEDS_WRAPPER)):
         return None
     from tokenizers import Tokenizer
-
     backend = Tokenizer.from_file(str(tok_file))
     if isinstance(eos_token_ids, int):
         eos_token_ids = [eos_token_ids]

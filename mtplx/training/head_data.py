@@ -26,7 +26,6 @@ TABLE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".c
 
 def _bar(total, desc, enabled):
     from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, dynamic_ncols=True, leave=False, file=sys.stderr,
                 disable=not enabled or not sys.stderr.isatty())
 
@@ -89,7 +88,6 @@ class TrainData:
         return cls(seqs, str(z["source"]), [int(i) for i in z["starts"]], [int(i) for i in z["heldout"]], rows, groups)
 
     def extend(self, other: "TrainData") -> "TrainData":
-        """Append `other`'s sequences as training data (never held out)."""
         base = max(self.groups, default=-1) + 1
         self.sequences += other.sequences
         self.starts += other.starts
@@ -140,14 +138,11 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
                  samples: Union[int, Sequence[int]] = 0, temperature: float = 0.8, seed: int = 0,
                  seconds: Optional[float] = None, log: Optional[Callable[[str], None]] = None,
                  deadline: Optional[float] = None) -> TrainData:
-    """Each prompt with the model's greedy continuation of `max_new_tokens` plus `samples` seeded sampled
-    ones (counts: one, or one per prompt), scored from the first generated token. Generation stops
-    `seconds` after the first continuation (kernel builds do not count) or at `deadline`
-    (time.monotonic()), keeping what finished; `log` hears progress every ~15 s."""
+    """Each prompt with the model's greedy continuation and `samples` seeded sampled ones, scored from the
+    first generated token; stops `seconds` after the first continuation or at `deadline`, keeping those done."""
     from ..config import ScheduleConfig, SpeculativeConfig
     from ..generation import Engine
     from ..request import Request, SamplingParams
-
     started = time.monotonic()
     log = log or (lambda message: None)
     compiled = "on" if mx.default_device() == mx.gpu else "off"  # on a CPU compiling does not pay
@@ -192,7 +187,6 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
 
 
 def text_data(bundle: ModelBundle, paths: Sequence[str], max_tokens: int, seq_len: int, seed: int) -> TrainData:
-    """Windows of general text, a seeded shuffle of the files up to `max_tokens` tokens."""
     files = [f for p in paths for f in text_files(p)]
     order = np.random.default_rng(seed).permutation(len(files))
     seqs: List[List[int]] = []
@@ -212,8 +206,7 @@ def text_data(bundle: ModelBundle, paths: Sequence[str], max_tokens: int, seq_le
 
 @dataclass
 class ReadData:
-    """Rows the caller read from a job or a table (the engine reads no job files): prompt token lists
-    to self-distill, or texts to cut into windows."""
+    """A job's or a table's rows as the caller read them: prompts to self-distill, or texts."""
 
     source: str
     prompts: List[List[int]] = field(default_factory=list)
@@ -228,9 +221,7 @@ def is_job_or_table(path: str) -> bool:
 
 
 def is_dataset_name(name: str) -> bool:
-    """A known dataset's name (where no such path exists)."""
     from ..models.assets import ASSETS
-
     return name in ASSETS and ASSETS[name].kind == "dataset" and not os.path.exists(name)
 
 
@@ -249,7 +240,6 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, 
     path = str(data)
     if not os.path.exists(path):
         from ..models.assets import list_assets
-
         names = ", ".join(a.name for a in list_assets("dataset"))
         raise TrainHeadError(f"{path!r} does not exist: give a job YAML, a JSONL/Parquet/CSV file with a prompt "
                              f"or text column, a plain text file, or a known dataset ({names})")
@@ -265,8 +255,7 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, 
 
 
 def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: bool, log=None, deadline=None) -> TrainData:
-    """The rows' prompts self-distilled with `cfg.prompts`' (one run, the rows first, so a time limit
-    cuts the general ones, which come back as `extra`: training only); or the rows' texts in windows."""
+    """The rows' prompts self-distilled before `cfg.prompts`' (returned as `extra`), or their texts."""
     if not data.prompts:
         return TrainData(_windows(bundle.tokenizer, data.texts, cfg.seq_len), data.source).clip(cfg.seq_len)
     general, kinds = _general(bundle, cfg)
@@ -278,18 +267,14 @@ def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: boo
     both = self_distill(bundle, list(data.prompts) + general, data.max_new_tokens, cfg.gen_batch, cfg.seq_len, quiet,
                         [cfg.samples_per_prompt] * n + [cfg.general_samples] * len(general), cfg.temperature, cfg.seed,
                         cfg.data_seconds, log, deadline)
-    own = [i for i, g in enumerate(both.groups) if g < n]
-    out = _subset(both, own, data.source)
+    out = _subset(both, [i for i, g in enumerate(both.groups) if g < n], data.source)
     out.rows = data.rows
     if general:
         out.extra = _subset(both, [i for i, g in enumerate(both.groups) if g >= n], _general_source(cfg, kinds))
     return out.clip(cfg.seq_len)
 
 
-
 def _general(bundle: ModelBundle, cfg: TrainConfig):
-    if not cfg.prompts:
-        return [], []
     # a prompt takes at most half a training sequence
     return general_prompts(bundle.tokenizer, cfg.prompts, cfg.seed, max_tokens=cfg.seq_len // 2)
 

@@ -47,13 +47,11 @@ def _causal(head: MTPHead, L: int):
     if L == 1 or not head._array_mask:
         return None if L == 1 else "causal"
     from mlx_lm.models.base import create_causal_mask
-
     return create_causal_mask(L)
 
 
 def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int, project=None):
-    """(logits, targets, mask, head hidden) at depths 1..`depths`, depth k+1 over depth k's output and
-    the teacher-forced token; `project`: h -> logits (default the head's own)."""
+    """(logits, targets, mask, head hidden) at depths 1..`depths`, each over the one before (teacher-forced)."""
     out = []
     for _ in range(depths):
         if tokens.shape[1] == 0:
@@ -106,8 +104,7 @@ def _rates(hits: Sequence[np.ndarray], depths: int) -> List[float]:
 
 def depth_report(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
                  vocab: Optional[Sequence[int]] = None) -> dict:
-    """Acceptance by depth, and tokens per verify from their product and replayed as the engine walks
-    rounds (what it measures)."""
+    """Acceptance by depth; tokens per verify from their product and replayed as the engine's rounds."""
     hits = depth_hits(head, feats, depths, compute_dtype, vocab=vocab)
     by_depth = _rates(hits, depths)
     ks = range(1, depths + 1)
@@ -117,8 +114,7 @@ def depth_report(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.f
 
 
 def replayed_tokens_per_verify(hits: Sequence[np.ndarray], depth: int) -> float:
-    """Tokens per verify drafting `depth` a round, each draft passing where `depth_hits` says: a round at
-    base i accepts the run of hits there and moves on by it + 1."""
+    """Tokens per verify drafting `depth` a round, each draft passing where `depth_hits` says."""
     verifies = tokens = 0
     for grid in hits:
         scored = np.flatnonzero(grid[0] >= 0)
@@ -136,8 +132,7 @@ def replayed_tokens_per_verify(hits: Sequence[np.ndarray], depth: int) -> float:
 
 
 def tokens_per_verify(by_depth: Sequence[float], depth: int) -> float:
-    """Expected tokens per verify drafting `depth`, acceptance at depth k read as draft k's chance once
-    draft k-1 passed."""
+    """Expected tokens per verify drafting `depth`, by depth k's acceptance once draft k-1 passed."""
     total, run = 1.0, 1.0
     for a in list(by_depth)[:depth]:
         run *= a
@@ -160,6 +155,4 @@ def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_siz
         total_loss += l.item()
         total_hit += h.item()
         total_n += n.item()
-    if not total_n:
-        return float("nan"), 0.0
-    return total_loss / total_n, total_hit / total_n
+    return (total_loss / total_n, total_hit / total_n) if total_n else (float("nan"), 0.0)

@@ -29,8 +29,7 @@ NEXTN_NAMES = {"norm_embedding": "enorm", "norm_hidden": "hnorm", "fc": "eh_proj
 
 
 def nextn_weights(head: MTPHead, num_hidden_layers: int, dtype=None) -> Dict[str, mx.array]:
-    """The head's parameters under NextN names at model.layers.{N} (block i at N + i), without the
-    trunk's shared_head.head / embed_tokens."""
+    """The head's parameters under NextN names at model.layers.{N} (block i at N + i)."""
     N, out = num_hidden_layers, {}
     for k, v in tree_flatten(head.parameters()):
         if k.startswith("layers."):

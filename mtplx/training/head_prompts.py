@@ -1,8 +1,7 @@
 """General prompts for self-distillation (`train-head --prompts KIND:N`), so one head sees the trunk
 write more than the job's kind of text. `stdlib-code`: stdlib functions cut to signature and docstring
 (a HumanEval-shaped prompt); `stdlib-chat`: docstrings put as questions; the dataset kinds
-(KIND_DATASETS) are spread over their sources. No kind reads a held-out dataset; prompts are seeded.
-"""
+(KIND_DATASETS) are spread over their sources. No kind reads a held-out dataset; prompts are seeded."""
 
 from __future__ import annotations
 
@@ -49,7 +48,6 @@ def text_files(path: str) -> List[Path]:
     """The text files of `path` (a file, a directory, or `stdlib`: this Python's standard library)."""
     if path == "stdlib":
         import sysconfig
-
         path = sysconfig.get_paths()["stdlib"]
     p = Path(path)
     if p.is_file():
@@ -62,7 +60,6 @@ def text_files(path: str) -> List[Path]:
 
 
 def _cut(text: str, limit: int = MAX_DOC_CHARS) -> str:
-    """`text` cut at its last paragraph (or sentence) end within `limit` characters."""
     text = text.strip()
     if len(text) <= limit:
         return text
@@ -110,7 +107,6 @@ def _stdlib(kind: str, seed: int) -> Iterator[str]:
 def dataset_prompts(kind: str, seed: int) -> Iterator[Prompt]:
     """A dataset kind's prompts, seeded, taking its sources in turn so the first N cover the most."""
     from ..models.assets import fetch
-
     name, where, column = KIND_DATASETS[kind]
     with open(fetch(name), encoding="utf-8") as f:
         rows = [r for r in map(json.loads, f) if all(r.get(k) == v for k, v in where.items())]
@@ -137,8 +133,6 @@ def prompts_of(kind: str, seed: int) -> Iterator[Prompt]:
 
 
 def render(tokenizer, prompts: Sequence[Prompt]) -> List[List[int]]:
-    """Token ids of each prompt, rendered as a job renders its rows (chat template where there is one;
-    raw text as it is; no second BOS)."""
     out = []
     bos = getattr(tokenizer, "bos_token", None)
     chat = bool(getattr(tokenizer, "chat_template", None))

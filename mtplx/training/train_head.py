@@ -1,11 +1,8 @@
 """Train a multi-token-prediction sidecar head for a model that ships none (`mtplx-batch train-head`).
 
-An MTPHead over the trunk's frozen embedding and lm_head learns token t+2 from h_t and token t+1, on
-the model's own continuations of the data's prompts (what the verifier accepts) or text windows; the
-frozen trunk runs once over every sequence. AdamW, warmup and cosine decay; depth k sees the head's
-own depth k-1 output (a head trained on depth 1 alone accepts almost nothing at depth 2), so
-`draft_depths` unrolls that recursion and averages the depths' losses.
-"""
+An MTPHead over the frozen trunk learns token t+2 from h_t and token t+1 on the model's own
+continuations (what the verifier accepts). Depth k sees the head's own depth k-1 output (a head trained
+on depth 1 alone accepts almost nothing at depth 2), so `draft_depths` unrolls that recursion."""
 
 from __future__ import annotations
 
@@ -59,10 +56,8 @@ class TrainResult:
 
 def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1, teacher=None, kind: str = "tokens",
           hidden_weight: float = 0.0, vocab: Optional[DraftVocab] = None, index=None):
-    """Mean over depths of the cross-entropy to the trunk's distribution (kl), its argmax or the data's
-    tokens, plus `hidden_weight` x the squared error to the trunk's hidden state (depth k at i stands
-    for the trunk at i + k). With a drafting vocabulary (`vocab`; `index`: token id -> its place, -1
-    outside) both distributions are over its tokens, as drafting is."""
+    """Mean over depths of the cross-entropy to the trunk's distribution (kl), argmax or tokens, plus
+    `hidden_weight` x the squared error to its hidden state; over the drafting vocabulary `vocab`, if any."""
     total = 0.0
     levels = _unrolled(head, hidden, tokens, targets, mask, depths, None if vocab is None else vocab.logits)
     for d, (logits, tgt, m, h) in enumerate(levels):
@@ -90,8 +85,7 @@ def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1, teacher
 
 
 def _dtypes(cfg):
-    """(dtype hidden states are stored in, dtype a training step computes in); parameters, optimizer
-    state and evaluations stay float32."""
+    """(dtype hidden states are stored in, dtype a step computes in); the rest stays float32."""
     auto = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     return tuple(auto if name == "auto" else getattr(mx, name) for name in (cfg.dtype, cfg.train_dtype))
 
@@ -119,7 +113,6 @@ def _value_and_grad(head: nn.Module, loss_fn, dtype):
 
 
 def _dense_params(module: nn.Module) -> Dict[str, mx.array]:
-    """A module's parameters in float32, quantized layers dequantized."""
     out, quantized = {}, []
     for name, mod in module.named_modules():
         if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
@@ -169,8 +162,7 @@ FIT_PROBE = (25, 125)  # --fit-steps times steps 25..125: the first steps build 
 
 
 def _fit(cfg: TrainConfig, step: int, per_step: float, eval_seconds: float, left: float) -> int:
-    """Steps the schedule can span in `left` seconds, evaluations included, after a reserve for the final
-    report (ten evaluations, at least 10 s); at most cfg.steps, at least one more."""
+    """Steps the schedule can span in `left` seconds, evaluations and a final reserve included."""
     reserve = max(10.0, 10 * eval_seconds)
     more = (left - reserve) / (per_step + eval_seconds / cfg.eval_every)
     return int(min(cfg.steps, max(step + 1, step + int(more))))
@@ -196,7 +188,6 @@ def data_key(data, cfg: TrainConfig) -> Optional[dict]:
 
 
 def _read(read, data, bundle: ModelBundle, cfg: TrainConfig):
-    """`data` as `read` gives it where it names a job, a table or a known dataset, else as it is."""
     if read is not None and isinstance(data, (str, os.PathLike)) and (
             is_job_or_table(str(data)) and os.path.exists(data) or is_dataset_name(str(data))):
         return read(str(data), bundle.tokenizer, cfg)
@@ -235,11 +226,9 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                quiet: bool = True, callback: Optional[Callable[[int, dict], None]] = None,
                log: Optional[Callable[[str], None]] = None, read: Optional[Callable] = None,
                gguf_mode: str = "auto") -> TrainResult:
-    """Train an MTP sidecar head for `model` (a path, a known name or a ModelBundle) on `data` into
-    `out_dir`, resuming a checkpoint of the same settings (refused otherwise, unless `restart`).
-    `callback(step, metrics)` runs after every step; an exception from it stops training after a
-    checkpoint. `read(path, tokenizer, cfg)` reads a job or a table named by `data` or `heldout_data`
-    into ReadData (without it they are refused)."""
+    """Train an MTP sidecar head for `model` on `data` into `out_dir`, resuming a checkpoint of the same
+    settings. An exception from `callback(step, metrics)` stops training after a checkpoint;
+    `read(path, tokenizer, cfg)` reads a job or a table named by `data` or `heldout_data`."""
     prepare_process()
     cfg = config or TrainConfig()
     cfg.check()
@@ -297,8 +286,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     opt.init(head.trainable_parameters())
     rng = np.random.default_rng(cfg.seed)
     history: List[dict] = []
-    train_loss = None
-    step = 0
+    train_loss, step = None, 0
     if state is not None:
         head.load_weights(list(mx.load(str(state_dir / "head.safetensors")).items()), strict=True)
         opt.state = tree_unflatten(list(mx.load(str(state_dir / "optimizer.safetensors")).items()))
@@ -425,8 +413,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
 
 
 def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx, cfg: TrainConfig):
-    """(token ids, DraftVocab, index: id -> place or -1) of the drafting vocabulary, the most frequent
-    trained-on tokens (plus eos), fixed before training; (None, None, None) for the whole vocabulary."""
+    """(ids, DraftVocab, index: id -> place or -1) of the drafting vocabulary, or (None, None, None)."""
     V = int(head.logits(mx.zeros((1, head.fc.weight.shape[0]))).shape[-1])
     if not 0 < cfg.draft_vocab < V:
         return None, None, None
@@ -441,8 +428,7 @@ def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx
 
 def _heldout_sets(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read=None,
                   log=None) -> List[tuple]:
-    """(TrainData, Features) of each `heldout_data` set: `heldout_rows` rows self-distilled in one
-    run, never trained on, kept in the checkpoint directory under its own key."""
+    """(TrainData, Features) of each `heldout_data` set, self-distilled once and kept by key."""
     ocfg = replace(cfg, sample=cfg.heldout_rows, max_rows=cfg.heldout_rows, samples_per_prompt=0, prompts=())
     sets: Dict[str, TrainData] = {}
     todo = []
