@@ -266,10 +266,8 @@ def _attention_call(self, x, mask=None, cache=None):
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     offset = cache.offset if cache is not None else 0
     args = (q, k, self.q_norm, self.k_norm, self.rope)
-    if qk_usable(*args, self.n_heads, self.n_kv_heads):
-        q, k = qk_norm_rope(*args, offset, self.n_heads, self.n_kv_heads)
-    else:
-        q, k = qk_norm_rope_reference(*args, offset, self.n_heads, self.n_kv_heads)
+    fused = qk_usable(*args, self.n_heads, self.n_kv_heads)
+    q, k = (qk_norm_rope if fused else qk_norm_rope_reference)(*args, offset, self.n_heads, self.n_kv_heads)
     v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)

@@ -301,9 +301,7 @@ def _download_and_assemble(asset: Asset, tmp: Path, out: Path, progress: bool) -
 
 
 def _jsonl(data: bytes) -> Iterable[dict]:
-    for line in data.decode("utf-8").splitlines():
-        if line.strip():
-            yield json.loads(line)
+    return (json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip())
 
 
 def _only(parts: Dict[str, bytes]) -> bytes:

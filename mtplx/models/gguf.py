@@ -103,10 +103,8 @@ def _read_metadata(reader) -> dict:
     meta = {}
     for key, field in reader.fields.items():
         if not key.startswith("GGUF."):
-            try:
+            with contextlib.suppress(Exception):  # an odd field, unused
                 meta[key] = field.contents()
-            except Exception:  # an odd field, unused
-                pass
     return meta
 
 
@@ -275,10 +273,8 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
             quant[module] = {"group_size": _GROUP, "bits": bits, "mode": "affine"}
             bits_seen[bits] = bits_seen.get(bits, 0) + 1
             continue
-        if qtype in ("F32", "F16"):
-            w = np.asarray(t.data).reshape(shape).astype(np.float32)
-        else:
-            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        w = np.asarray(t.data) if qtype in ("F32", "F16") else gguf.quants.dequantize(t.data, t.tensor_type)
+        w = w.reshape(shape).astype(np.float32)
         if permute_heads:
             w = _unpermute_rows(w, permute_heads)
         if arch == "gemma3" and hf.endswith("norm.weight"):
@@ -332,10 +328,9 @@ def build_tokenizer(meta: dict):
         pre = meta.get("tokenizer.ggml.pre", "default")
         tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama3")))
         if pre in _SPLITS:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])
+            split = pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated")
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
         else:  # "smollm" too: its declared class, GPT2Tokenizer, rebuilds it without the file's digit split
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if pre in ("qwen2", "deepseek-r1-qwen"):  # as transformers' Qwen2Tokenizer (its GGUF path drops it)

@@ -7,6 +7,7 @@ alone and the tokenizer with `tokenizers`; anything else goes through mlx-lm's o
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib
 import json
@@ -239,10 +240,8 @@ def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = 
     t = time.perf_counter()
     model = None
     if _plain_checkpoint(model_path, config):
-        try:
+        with contextlib.suppress(_NotPlain):
             model = _load_weights(model_path, config, lazy)
-        except _NotPlain:
-            pass
     if model is None:
         from mlx_lm.utils import load_model
         model, config = load_model(model_path, lazy=lazy, get_model_classes=_classes_without_mtp,
