@@ -57,7 +57,6 @@ def draft_chain(step: Callable[[mx.array, int], mx.array], feed: mx.array, sampl
 
 
 class DraftChainBank(DraftBank):
-    """A round's K draft steps as compiled programs over a shadow of the draft cache."""
 
     def __init__(self, model, vocab: int, programs: Programs):
         super().__init__(programs)

