@@ -26,10 +26,7 @@ from .device import cuda_ready
 _CTYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
            mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
            mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double"}
-# a dtype in a kernel's name (MLX's get_type_string)
-_TYPE_NAMES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.float64: "double",
-               mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
-               mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t"}
+_TYPE_NAMES = {**_CTYPES, mx.float16: "float16_t", mx.bfloat16: "bfloat16_t"}  # in a kernel's name (get_type_string)
 _DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 _UTILS = "mlx/backend/cuda/device/utils.cuh"
 _COMPLEX = "mlx/backend/cuda/device/complex.cuh"

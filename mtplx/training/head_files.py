@@ -18,14 +18,15 @@ from mlx.utils import tree_flatten
 
 from ..models.loading import ModelBundle
 from ..models.mtp import SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, trunk_probe, trunk_signature
+from ..models.mtp_layouts import NEXTN_HEAD
 from .config import TrainHeadError
 
 CHECKPOINT_DIR = "checkpoint"
 DATA_FILE = "data.npz"
 STATE_DIR = "latest"
 
-# head parameter names -> DeepSeek NextN names (under model.layers.{N}.)
-NEXTN_NAMES = {"norm_embedding": "enorm", "norm_hidden": "hnorm", "fc": "eh_proj", "norm": "shared_head.norm"}
+# head parameter names -> DeepSeek NextN names (under model.layers.{N}.); the head is the trunk's
+NEXTN_NAMES = {ours: theirs for theirs, ours in NEXTN_HEAD.items() if ours != "head"}
 
 
 def nextn_weights(head: MTPHead, num_hidden_layers: int, dtype=None) -> Dict[str, mx.array]:
