@@ -17,8 +17,7 @@ from .device import cuda_ready
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 QMV_ROWS = 7  # MLX CUDA's quantized matmul runs its vector kernel (qmv) below 8 rows (quantized.cpp)
 GEMV_ROWS = 8  # a commit of up to 8 verified tokens (depth 7) at one stream
-# the vector kernel reads the weight once a row: it pays only while the weight stays in L2 (H200: 50 MB)
-GEMV_MAX_BYTES = 16 << 20
+GEMV_MAX_BYTES = 16 << 20  # the vector kernel reads the weight once a row: it pays while it stays in L2
 
 
 def stacking_pays() -> bool:

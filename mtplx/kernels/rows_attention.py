@@ -17,14 +17,10 @@ from .device import cuda_ready
 
 
 HEAD_DIMS = (64, 96, 128)
-# MLX's vector kernel takes fewer than 4 queries; 8 covers speculative verifies up to depth 7
-MAX_QUERIES = 8
-# Most queries a block carries, by head dim (a lane's registers hold D/32 outputs per query).
-CHUNK_MOST = {64: 8, 96: 5, 128: 4}
-# Queries a block where a launch takes chunks, by head dim: the H200's fastest.
-CHUNK = {64: 2, 96: 4, 128: 4}
-# Up to this many blocks a launch keeps a block per query (two waves of two blocks an SM on 132 SMs).
-SPREAD_BLOCKS = 528
+MAX_QUERIES = 8  # MLX's vector kernel takes fewer than 4; 8 covers verifies up to depth 7
+CHUNK_MOST = {64: 8, 96: 5, 128: 4}  # most queries a block carries, by head dim (a lane's registers)
+CHUNK = {64: 2, 96: 4, 128: 4}  # queries a block where a launch takes chunks: the H200's fastest
+SPREAD_BLOCKS = 528  # up to this many blocks, a block per query (two waves of two an SM on 132 SMs)
 
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
 _SOURCE = """

@@ -17,13 +17,11 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-# GGML tensor types MLX represents exactly as affine quantization (bits, group size).
-_EXACT_QUANT = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}
+_EXACT_QUANT = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}  # exactly MLX affine: bits (group 32)
 _GROUP = 32
 _SHARD_BYTES = 2 << 30
 
-# llama.cpp token types (tokenizer.ggml.token_type)
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type
 
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
 

@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Set
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# Words in a template (or keys in tokenizer_config.json) that mean it needs mlx-lm's wrapper.
-NEEDS_WRAPPER = ("thinking", "{% generation", "{%- generation")
-WRAPPER_KEYS = ("chat_template_type", "tool_parser_type", "legacy")
-# Pre-tokenizers after which a line start ("\n", then printable ASCII) always ends a piece
-LINE_LOCAL_PRE_TOKENIZERS = ("ByteLevel", "Digits")
+NEEDS_WRAPPER = ("thinking", "{% generation", "{%- generation")  # words in a template that need mlx-lm's wrapper
+WRAPPER_KEYS = ("chat_template_type", "tool_parser_type", "legacy")  # tokenizer_config.json keys that do
+LINE_LOCAL_PRE_TOKENIZERS = ("ByteLevel", "Digits")  # after these a line start always ends a piece
 SHARED_PREFIX_MIN_CHARS = 256  # a shorter common prefix is not worth splitting off
 
 

@@ -16,8 +16,7 @@ import numpy as np
 
 from .config import KINDS, TrainHeadError, parse_spec
 
-# kind: (dataset, the rows it takes, the column its rows are spread over)
-KIND_DATASETS = {"chat": ("evals-chat", {"category": "chat"}, "source"),
+KIND_DATASETS = {"chat": ("evals-chat", {"category": "chat"}, "source"),  # (dataset, rows taken, spread over)
                  "math": ("evals-chat", {"category": "math"}, "source"),
                  "writing": ("writingbench-1k", {"lang": "en"}, "subdomain"),
                  "tools": ("bfcl-tools", {}, "category"),
