@@ -1,23 +1,15 @@
-"""Batching adapters: mlx-lm layers that assume one row (or one shared offset), made batch-safe.
+"""Batching adapters: mlx-lm layers that assume one row, made safe for per-row offsets and masks.
 
-The engine gives every row its own offset (an array) and a [B, 1, N, keys] mask. Two mlx-lm
-layers break on that (and so does mlx-lm's own batch_generate with them):
-- gemma2's attention reshapes queries to [B, kv_heads, repeats, N, D] for GQA and adds the
-  4-d mask, which then does not broadcast: the adapter gives the mask the repeats axis.
-- DynamicNTKScalingRoPE (rope_utils; internlm3, and any model with `rope_scaling: dynamic`)
-  takes `max(n + offset, trained context)` to pick its base, a Python max over an array: the
-  adapter picks the base per row.
-Each adapter is a subclass swapped onto the instance (the class itself is left alone), and
-computes exactly what the layer computes for one row.
-"""
+gemma2's attention adds a 4-d mask to [B, kv_heads, repeats, N, D] queries (the mask gets the repeats
+axis); DynamicNTKScalingRoPE takes a Python max over the offset (the base is picked per row). Each
+adapter is a subclass swapped onto the instance and computes what the layer does for one row."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
 def swap_call(module, call, prefix: str, made: dict, **attrs) -> None:
-    """Swap `module`'s class for a subclass whose __call__ is `call` (one subclass per class, kept
-    in `made`; the class itself is left alone). Once swapped, a module is left as it is."""
+    """Swap `module`'s class for a subclass whose __call__ is `call` (one per class, kept in `made`)."""
     cls = type(module)
     if cls in made.values():
         return
@@ -27,7 +19,6 @@ def swap_call(module, call, prefix: str, made: dict, **attrs) -> None:
 
 
 def base_call(self):
-    """The __call__ of the class `swap_call` swapped out."""
     return type(self).__mro__[1].__call__
 
 
@@ -57,8 +48,7 @@ def _dynamic_ntk_rope(self, x, offset=0):
     # mlx-lm, per row: seq_len = max(n + offset, trained context); the base grows past it.
     seq_len = mx.maximum(x.shape[-2] + offset, self.max_position_embeddings).astype(mx.float32)
     grown = self.base * ((self.factor * seq_len / self.max_position_embeddings) - (self.factor - 1)) ** (
-        self.dims / (self.dims - 2)
-    )
+        self.dims / (self.dims - 2))
     plain = mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=1.0, offset=offset)
     over = x.shape[-2] + offset > self.max_position_embeddings
     scaled = _rope_per_row(x, self.dims, self.traditional, grown, 1.0, offset)

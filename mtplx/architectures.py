@@ -1,25 +1,12 @@
 """What the engine does to an mlx-lm model before it batches it, and what it refuses.
 
-`prepare(model, arch)` runs once per model, before any row:
-  1. every cache of the model's `make_cache` must be a kind the batch cache knows
-     (cache.layer_kinds: attention, sliding-window attention, ArraysCache, CacheList);
-  2. recurrent layers get their capture backend (gdn.py: Gated DeltaNet; recurrent.py: conv
-     and SSM layers) and batching adapters are installed (adapters.py);
-  3. a probe checks the engine's own path against mlx-lm's: two rows of different lengths are
-     prefilled, verified with a partial accept, and stepped once more, and every logit must
-     match a fresh cache-less forward of the accepted text. A recurrent cache no capture
-     backend recorded names the layer class that wrote it.
-Anything that fails is refused with `UnsupportedArchitecture`, naming the architecture: an
-unknown layer that runs could give wrong text without an error, the worst outcome.
-
-The probe's verdict depends only on the config, the device and dtype, mlx / mlx-lm and the
-engine's own code (`probe_key`). For a model the engine converted itself (under the cache
-directory) a passed probe is remembered beside it (`PASSED_FILE`) and not run again: on a CPU it
-costs seconds of startup. Other model directories are not written to and are probed every time.
-"""
+`prepare` installs capture backends and batching adapters, then probes: two rows of different lengths
+prefill, verify with a partial accept and step once more, and every logit must match a cache-less
+forward. A failure is `UnsupportedArchitecture`: an unknown layer could give wrong text silently."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -39,9 +26,8 @@ PROBE = [5, 17, 3, 11, 8, 2, 9, 4, 13, 6]
 
 
 def probe_key(config: dict, model) -> str:
-    """What the probe's verdict depends on: config, device, weight dtype, versions, engine code."""
+    """What the probe's verdict depends on: config, device, dtypes, versions, engine code."""
     from mlx.utils import tree_flatten
-
     h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
     h.update(f"{mx.default_device()}|{dtypes}".encode())
@@ -53,9 +39,7 @@ def probe_key(config: dict, model) -> str:
 
 
 def capture_backend(model) -> Optional[str]:
-    """The capture backend `model`'s recurrent layers use: "gdn" (Gated DeltaNet, gdn.py),
-    "recurrent" (conv / SSM steps, recurrent.py), both joined by "+", or None (attention only).
-    Read from the layers themselves, installed or not."""
+    """"gdn", "recurrent", both joined by "+", or None (attention only): read from the layers."""
     found = {"gdn" for layer in getattr(model, "layers", []) if getattr(layer, "linear_attn", None) is not None}
     if any((c.__module__, c.__name__) in STEPPED_LAYERS for _, m in model.named_modules() for c in type(m).__mro__):
         found.add("recurrent")
@@ -66,8 +50,7 @@ PASSED_FILE = "mtplx_probe_passed"  # holds the probe_key of the last passed pro
 
 
 def prepare(model, arch: str, vocab_size: int = 2, remember: Optional[Tuple[Path, str]] = None) -> bool:
-    """Make `model` ready for batching, or refuse it. Returns whether it has recurrent layers.
-    `remember` = (file, probe_key): a probe passed before under the same key is not run again."""
+    """Make `model` ready for batching or refuse it; whether it is recurrent. `remember`: (file, key)."""
     kinds = flat_kinds(layer_kinds(model))
     try:
         install_capture(model)
@@ -76,22 +59,19 @@ def prepare(model, arch: str, vocab_size: int = 2, remember: Optional[Tuple[Path
     install_stepping(model)
     install_adapters(model)
     passed, key = remember or (None, None)
-    try:
-        known = passed.read_text().strip() == key if passed is not None else False
-    except OSError:
-        known = False
+    known = False
+    with contextlib.suppress(OSError):
+        known = passed is not None and passed.read_text().strip() == key
     if not known:
         _probe(model, arch, vocab_size)
-        if passed is not None:
-            try:
+        with contextlib.suppress(OSError):  # a read-only directory: probe again next time
+            if passed is not None:
                 passed.write_text(key + "\n")
-            except OSError:
-                pass  # read-only: probe again next time
     return any(k != "kv" for k in kinds)
 
 
 class _ProbeStateCache(RowStateCache):
-    """A RowStateCache that remembers which module class wrote its slots directly."""
+    """A RowStateCache that remembers which module classes wrote its slots directly."""
 
     def __setitem__(self, i, v):
         caller = sys._getframe(1).f_locals.get("self")
@@ -128,8 +108,7 @@ def _probe(model, arch: str, vocab_size: int):
             how = f"is written by {who}, which has" if who else "is not written through the engine's cache by any layer:"
             raise UnsupportedArchitecture(
                 f"architecture {arch!r}: recurrent cache {i} {how} no capture backend (its state could not "
-                "be rolled back after a rejected draft); refused rather than run"
-            )
+                "be rolled back after a rejected draft); refused rather than run")
     counts = np.array([2, 1])
     cache.commit(counts)
     nxt = [[toks[9]], [toks[9]]]
@@ -141,5 +120,4 @@ def _probe(model, arch: str, vocab_size: int):
         if err > (1e-3 if ref.dtype == mx.float32 else 5e-2):
             raise UnsupportedArchitecture(
                 f"architecture {arch!r}: the batched engine's logits differ from mlx-lm's own forward "
-                f"(row {b}, relative error {err:.2g} after a partial accept); refused rather than run"
-            )
+                f"(row {b}, relative error {err:.2g} after a partial accept); refused rather than run")

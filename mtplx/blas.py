@@ -1,26 +1,8 @@
 """OpenBLAS for MLX on a Linux CPU, loaded into the process before mlx.core.
 
-MLX's Linux CPU wheel (mlx-cpu) links a reference BLAS (~6 GFLOP/s on one core: prefill and batched
-decode 10-20x slower than they need to be). OpenBLAS defines the same symbols (cblas_sgemm, ...).
-Opened with RTLD_GLOBAL before mlx.core is imported, it comes first in the process's global symbol
-scope, so libmlx's BLAS calls bind to it (the same float32 matmuls, rounded by another kernel).
-After that import it is too late: Python opens extension modules with RTLD_NOW, which binds
-libmlx's symbols then (a 1024 x 1024 matmul stays at ~370 ms against ~22 ms). `use_openblas()`
-does this once; `mtplx.process.prepare_process()` calls it.
-
-Where OpenBLAS comes from (the first that loads wins):
-  1. an OpenBLAS already in the process (LD_PRELOAD, or a library that loaded one);
-  2. the `ngsolve-openblas` wheel, which the `cpu` extra pins on Linux x86_64: a DYNAMIC_ARCH
-     build (kernels picked for the CPU at load time) whose one outside need is libgfortran.so.5.
-     Where the system has none, it is offered mlx-cpu's own copy under that name: a directory of
-     symbolic links in the cache holds the OpenBLAS and the libgfortran, and the wheel's RPATH
-     ($ORIGIN) resolves from where the library is opened;
-  3. the system's libopenblas.so.0 (Debian/Ubuntu `apt-get install libopenblas0-pthread`).
-
-OPENBLAS_NUM_THREADS defaults to 1: one BLAS thread gives ~95 GFLOP/s and leaves the other core
-to tokenizing, sampling and the job machinery. To run on MLX's bundled BLAS instead, uninstall
-ngsolve-openblas.
-"""
+mlx-cpu links a reference BLAS; OpenBLAS opened with RTLD_GLOBAL before mlx.core binds libmlx's calls
+(a 1024 x 1024 matmul: 22 ms, not 370): one already loaded, the `ngsolve-openblas` wheel, or the
+system's. One BLAS thread by default leaves the other core to tokenizing and the job machinery."""
 
 from __future__ import annotations
 
@@ -55,23 +37,6 @@ class BlasInfo:
 
 @functools.cache
 def use_openblas() -> BlasInfo:
-    """Load OpenBLAS for MLX if it can still bind (see the module doc), once; what is in use."""
-    return _load()
-
-
-def slow_blas_notice() -> Optional[str]:
-    """One line for the user when MLX's CPU matmuls run on the slow bundled BLAS, else None."""
-    info = use_openblas()
-    if info.fast:
-        return None
-    import mlx.core as mx
-
-    if mx.default_device() != mx.cpu:
-        return None
-    return f"note: MLX is using its bundled reference BLAS, about 15x slower on a CPU ({info.detail}); {info.fix}"
-
-
-def _load() -> BlasInfo:
     if not sys.platform.startswith("linux"):
         return BlasInfo(None, "not Linux: MLX uses the platform's BLAS")
     mapped = _mapped_openblas()
@@ -82,20 +47,29 @@ def _load() -> BlasInfo:
                         "call mtplx.process.prepare_process() before anything imports mlx.core")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     errors: List[str] = []
-    candidates = _pip_openblas() + [p for p in SYSTEM_OPENBLAS if os.path.exists(p)]
-    for path in candidates:
+    for path in _pip_openblas() + [p for p in SYSTEM_OPENBLAS if os.path.exists(p)]:
         try:
             lib = _open(path)
         except OSError as e:
             errors.append(f"{path}: {e}")
             continue
-        return BlasInfo(lib._name, _config(lib))  # the path opened: the link directory's, where one is needed
+        return BlasInfo(lib._name, _config(lib))
     return BlasInfo(None, "; ".join(errors) or "no OpenBLAS installed")
 
 
+def slow_blas_notice() -> Optional[str]:
+    """One line for the user when MLX's CPU matmuls run on the slow bundled BLAS, else None."""
+    info = use_openblas()  # (before mlx.core is imported: it binds OpenBLAS where it still can)
+    if info.fast:
+        return None
+    import mlx.core as mx
+    if mx.default_device() != mx.cpu:
+        return None
+    return f"note: MLX is using its bundled reference BLAS, about 15x slower on a CPU ({info.detail}); {info.fix}"
+
+
 def _mapped_openblas() -> Optional[str]:
-    """An OpenBLAS with the standard symbols already in the process (numpy's builds carry
-    suffixed ones, cblas_sgemm64_, which MLX cannot bind to: those do not count)."""
+    """An OpenBLAS with the standard symbols already in the process (not numpy's cblas_sgemm64_)."""
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
             paths = {line.rstrip("\n").split(" ", 5)[-1].strip() for line in f}
@@ -115,9 +89,7 @@ def _package_dir(name: str) -> Optional[str]:
         spec = importlib.util.find_spec(name)  # finds a top-level package without importing it
     except (ImportError, ValueError):
         return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return list(spec.submodule_search_locations)[0]
+    return list(spec.submodule_search_locations)[0] if spec is not None and spec.submodule_search_locations else None
 
 
 def _pip_openblas() -> List[str]:
@@ -135,8 +107,7 @@ def _open(path: str) -> ctypes.CDLL:
 
 
 def _link_dir(openblas: str) -> str:
-    """A cache directory of links: libopenblas.so.0 -> `openblas`, libgfortran.so.5 -> mlx-cpu's
-    libgfortran, plus that one's own dependencies (libquadmath) under the names it asks for."""
+    """A directory of links to `openblas` and mlx-cpu's libgfortran, as the wheel's RPATH asks."""
     mlx = _package_dir("mlx")
     bundled = sorted(glob.glob(os.path.join(os.path.dirname(mlx), "mlx_cpu.libs", "*.so*"))) if mlx else []
     gfortran = [p for p in bundled if os.path.basename(p).startswith("libgfortran")]
@@ -147,7 +118,6 @@ def _link_dir(openblas: str) -> str:
     links.update({os.path.basename(p): p for p in bundled
                   if not os.path.basename(p).startswith(("libblas", "liblapack", "libgfortran"))})
     from .paths import cache_dir
-
     key = hashlib.sha256(repr(sorted(links.items())).encode()).hexdigest()[:12]
     parent = cache_dir() / "openblas"
     final = parent / key
@@ -166,9 +136,8 @@ def _link_dir(openblas: str) -> str:
 
 
 def _config(lib: ctypes.CDLL) -> str:
-    try:
-        fn = lib.openblas_get_config
-    except AttributeError:
+    fn = getattr(lib, "openblas_get_config", None)
+    if fn is None:
         return "OpenBLAS"
     fn.restype = ctypes.c_char_p
     return (fn() or b"OpenBLAS").decode(errors="replace").strip()

@@ -1,22 +1,8 @@
 """A per-machine calibration: what a verify costs here, by batch width and verify length.
 
-`calibrate(engine)` times the engine's own verify forward (the compiled bank when it is on)
-over W rows of `context` cached tokens, for every verify length 1..depth+1 and every width that
-fits the memory budget, and returns a profile:
-
-    verify_seconds      {width: [seconds of a verify of length 1, 2, ...]}
-    tokens_per_second   {width: plain decoding, width / verify_seconds[width][0]}
-    depth_that_pays     {width: the depth with the most tokens per second at `acceptance`}
-    best_width          the width with the most plain tokens per second
-    one_stream          one row's plain decoding, pipelined as the engine runs it: tokens/s of the
-                        compiled program and of the eager forward, and the `faster` of the two
-
-The profile is JSON, stored beside the converted model by default (`profile_path`), with the
-device and model config it was measured on; `mtplx-batch calibrate MODEL [--out PROFILE]` writes
-one. The engine reads it for `schedule.max_batch: auto` (`auto_max_batch`), the depth controller's
-cost curves (`cost_shapes`) and one row's plain decoding (`one_stream_eager`: both paths give the
-same logits; which is faster depends on whether the host or the device bounds a step).
-"""
+It times the verify for each length and width that fits the memory budget, and one row's plain
+decoding compiled and eager; the profile (beside the model) feeds `max_batch: auto`, the depth
+controller's cost curves and how one row decodes."""
 
 from __future__ import annotations
 
@@ -55,20 +41,8 @@ def rate(costs: Sequence[float], k: int, acceptance: float = ACCEPTANCE) -> floa
     return (1 - a ** (k + 1)) / (1 - a) / costs[k]
 
 
-def _verify(engine, tokens: mx.array, cache) -> mx.array:
-    if engine.bank is not None:
-        return engine.bank.verify(tokens, cache)[0]
-    cache.set_capturing(True)
-    try:
-        return engine.runtime.forward(tokens, cache)[0]
-    finally:
-        cache.set_capturing(False)
-
-
 def _prefilled(engine, width: int, context: int, rng):
-    """(a cache of `width` rows holding `context` random tokens each, the prefill's logits)."""
     from .cache import BatchCache
-
     cache = BatchCache.for_model(engine.model, width)
     prompt = mx.array(rng.integers(0, engine.vocab_size, (width, context)).astype(np.int32))
     logits = engine.runtime.forward(prompt, cache)[0]
@@ -86,7 +60,7 @@ def _time_width(engine, width: int, max_len: int, context: int, repeats: int, rn
         times = []
         for i in range(repeats + 2):  # the first two compile and allocate: untimed
             t = time.perf_counter()
-            mx.eval(_verify(engine, tokens, cache))
+            mx.eval(engine.rounds.verify(tokens, cache)[0])
             cache.commit(np.zeros(width, dtype=np.int64))  # rejected: the cache stays at `context`
             cache.eval()
             if i >= 2:
@@ -96,8 +70,7 @@ def _time_width(engine, width: int, max_len: int, context: int, repeats: int, rn
 
 
 def _one_stream_seconds(engine, compiled: bool, context: int, steps: int, rng) -> float:
-    """Seconds per token of one row's plain decoding, pipelined as the engine runs it (step i+1
-    queued before step i is read): through the compiled bank, or the eager forward."""
+    """Seconds a token of one row's plain decoding, pipelined as the engine runs it."""
     cache, logits = _prefilled(engine, 1, context, rng)
     y = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
     ones = np.ones(1, dtype=np.int64)
@@ -117,9 +90,7 @@ def _one_stream_seconds(engine, compiled: bool, context: int, steps: int, rng) -
 
 
 def one_stream(engine, context: int = 128, steps: int = 32, repeats: int = 3, seed: int = 0) -> Optional[dict]:
-    """Plain one-row decoding through the compiled bank and eagerly, each run once untimed, then
-    `repeats` times in turn (median): {"compiled": tok/s, "eager": tok/s, "faster": name}. None when
-    the engine has no compiled bank (then every forward is eager anyway)."""
+    """{"compiled": tok/s, "eager": tok/s, "faster": name} of one-row plain decoding, or None."""
     if engine.bank is None:
         return None
     rng = np.random.default_rng(seed)
@@ -136,7 +107,6 @@ def one_stream(engine, context: int = 128, steps: int = 32, repeats: int = 3, se
 
 def calibrate(engine, widths: Sequence[int] = DEFAULT_WIDTHS, depth: Optional[int] = None, context: int = 128,
               repeats: int = 3, log=None, seed: int = 0) -> dict:
-    """Measure this machine (see the module docstring); `log(message)` hears each width."""
     depth = engine.spec.depth if depth is None else depth
     rng = np.random.default_rng(seed)
     per_row = engine.row_bytes(context, depth + 1)
@@ -173,8 +143,7 @@ def save_profile(profile: dict, path) -> Path:
 
 
 def load_profile(path, config: Optional[dict] = None) -> Optional[dict]:
-    """The profile at `path`, or None when there is none, it is unreadable, or it was measured on
-    another device or for another model config."""
+    """The profile at `path`, or None: none, unreadable, or measured on another device or config."""
     try:
         profile = json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -184,8 +153,6 @@ def load_profile(path, config: Optional[dict] = None) -> Optional[dict]:
 
 
 def auto_max_batch(profile: Optional[dict], memory_budget: int, row_bytes: int) -> int:
-    """`schedule.max_batch: auto`: the profile's best width (or AUTO_FALLBACK), never more rows
-    than `memory_budget // row_bytes` (rows of AUTO_ROW_TOKENS tokens), and at least 1."""
     want = (profile or {}).get("best_width") or AUTO_FALLBACK
     return max(1, min(int(want), int(memory_budget // max(row_bytes, 1))))
 
@@ -196,8 +163,6 @@ def one_stream_eager(profile: Optional[dict]) -> bool:
 
 
 def cost_shapes(profile: Optional[dict]) -> Dict[int, list]:
-    """{width: verify cost by depth, relative to depth 0}: what the depth controller starts from."""
-    if not profile:
-        return {}
-    return {int(w): [c / costs[0] for c in costs] for w, costs in profile.get("verify_seconds", {}).items()
+    """{width: verify cost by depth relative to depth 0}, for the depth controller."""
+    return {int(w): [c / costs[0] for c in costs] for w, costs in (profile or {}).get("verify_seconds", {}).items()
             if costs and costs[0] > 0}

@@ -1,10 +1,5 @@
-"""Each setting's check beside its field: the job file's keys are the config dataclasses' fields.
-
-A check takes a raw (YAML) value and returns the normalized value, or raises `Bad` with the form
-it expected; `pipelines/job/schema.py` turns those into `section.key: expected ..., got ...`
-lines. The engine's own settings (`mtplx/config.py`) declare theirs with `setting(check, ...)`
-as the job machinery's do, so a key, its default and its check are written once.
-"""
+"""Each setting's check beside its field (`setting(check, default)`), so a key, its default and its
+check are written once. A check returns the normalized value or raises `Bad` with the form it wanted."""
 
 from __future__ import annotations
 
@@ -22,13 +17,10 @@ Check = Callable[[Any], Any]
 
 
 def setting(check: Check, default: Any = MISSING, *, default_factory: Any = MISSING, **metadata):
-    """A dataclass field whose job-file value is checked by `check` (extra metadata kept, e.g. pinned)."""
     return field(default=default, default_factory=default_factory, metadata={"check": check, **metadata})
 
 
 def check_fields(obj, section: str) -> None:
-    """Run each field's own check on `obj`, keeping the normalized values (for settings built in
-    Python rather than read from a job file); a bad one is a ValueError naming `section.key`."""
     for f in fields(obj):
         value = getattr(obj, f.name)
         try:
@@ -38,14 +30,11 @@ def check_fields(obj, section: str) -> None:
 
 
 def checks_of(cls) -> Dict[str, Check]:
-    """{field name: check} of a dataclass whose fields are all `setting`s, in field order."""
     return {f.name: f.metadata["check"] for f in fields(cls)}
 
 
 def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
-    form = "an integer" + (f" >= {lo}" if lo is not None and hi is None else "")
-    if lo is not None and hi is not None:
-        form = f"an integer in {lo}..{hi}"
+    form = "an integer" + (f" in {lo}..{hi}" if None not in (lo, hi) else f" >= {lo}" if lo is not None else "")
 
     def check(v):
         if (isinstance(v, bool) or not isinstance(v, numbers.Integral) or (lo is not None and v < lo)

@@ -1,11 +1,8 @@
-"""Engine settings. The job file's `speculative:` and `schedule:` sections load into these.
+"""Engine settings: the job file's `speculative:` and `schedule:` sections.
 
-MTPLX's three environment variables (the seed's names) are read here and nowhere else in the engine:
-`MTPLX_PREFILL_CHUNK_SIZE` (prefill span size, over `schedule.prefill_chunk`; 0 turns chunking
-off), `MTPLX_SUSTAINED_PREFILL_LAYOUT` (off: one span for the whole prompt) and
-`MTPLX_COMPILED_VERIFY_MAX_LEN` (the longest verify the compiled bank grows to, where
-`speculative.verify_max_len` does not say).
-"""
+MTPLX's three environment variables are read here and nowhere else: `MTPLX_PREFILL_CHUNK_SIZE`
+(over `schedule.prefill_chunk`; 0: no chunking), `MTPLX_SUSTAINED_PREFILL_LAYOUT` (off: one span a
+prompt) and `MTPLX_COMPILED_VERIFY_MAX_LEN` (where `speculative.verify_max_len` does not say)."""
 
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ from .checks import (BOOL_VERIFY, auto_or_bytes, auto_or_int, boolean, check_fie
 SPEC_METHODS = ("none", "mtp", "draft", "ngram")
 VERIFY_MODES = ("off", "on", "parity", "parity2")
 ORDERS = ("prefix", "length", "input")
-# How a GGUF model is converted on load (the job's model.gguf_mode): auto (the faster here: floats on a
-# CPU, Q4_0/Q4_1/Q8_0 kept packed on a GPU), dequantize, or quantized.
+# model.gguf_mode: auto (the faster here: floats on a CPU, exact quant types kept packed on a GPU)
 GGUF_MODES = ("auto", "dequantize", "quantized")
 
 
@@ -33,18 +29,15 @@ def _env_int(name: str, lowest: int) -> Optional[int]:
 
 
 def prefill_chunk_env() -> Optional[int]:
-    """MTPLX_PREFILL_CHUNK_SIZE: tokens per prefill span (0: chunking off), or None when unset."""
     return _env_int("MTPLX_PREFILL_CHUNK_SIZE", 0)
 
 
 def verify_max_len_env() -> Optional[int]:
-    """MTPLX_COMPILED_VERIFY_MAX_LEN: the longest compiled verify, or None when unset."""
     return _env_int("MTPLX_COMPILED_VERIFY_MAX_LEN", 1)
 
 
 def sustained_prefill_env() -> bool:
-    """MTPLX_SUSTAINED_PREFILL_LAYOUT: on (the default) prefills in chunk spans split at stable-prefix
-    edges; off (0, false, no, off) prefills each prompt as one span."""
+    """MTPLX_SUSTAINED_PREFILL_LAYOUT: on (default: chunk spans split at stable-prefix edges) or off."""
     raw = os.environ.get("MTPLX_SUSTAINED_PREFILL_LAYOUT", "on")
     value = raw.strip().lower()
     if value not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
@@ -61,8 +54,7 @@ class SpeculativeConfig:
     compiled_verify: str = setting(one_of(*VERIFY_MODES, aliases=BOOL_VERIFY), "on")  # off | on | parity | parity2
     adaptive_depth: bool = setting(boolean, True)  # lower depth as the batch widens or acceptance falls
     ngram_size: int = setting(integer(1), 3)  # longest suffix matched by prompt lookup
-    # method mtp: a round drafts the row's own context continuation (prompt lookup) instead of the
-    # head where a suffix of at least this many tokens was seen before, followed by >= depth tokens; 0: off
+    # method mtp: draft by prompt lookup where a suffix this long recurs with depth tokens after it; 0: off
     mtp_lookup: int = setting(integer(0, 16), 0)
     # longest compiled verify; None: MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, depth + 1)
     verify_max_len: Optional[int] = setting(optional(integer(1)), None)
@@ -76,13 +68,10 @@ class SpeculativeConfig:
 @dataclass
 class ScheduleConfig:
     order: str = setting(one_of(*ORDERS), "prefix")  # prefix | length | input
-    # rows decoded together, or auto: from the calibration (calibrate.py)
-    max_batch: Union[str, int] = setting(auto_or_int, 32)
-    # tokens per prefill span; MTPLX_PREFILL_CHUNK_SIZE overrides
-    prefill_chunk: Union[str, int] = setting(auto_or_int, "auto")
+    max_batch: Union[str, int] = setting(auto_or_int, 32)  # rows decoded together, or auto (calibrate.py)
+    prefill_chunk: Union[str, int] = setting(auto_or_int, "auto")  # tokens per prefill span, or auto
     memory_budget: Union[str, int] = setting(auto_or_bytes, "auto")  # bytes, or auto: a safe share of device memory
-    # a profile from `mtplx-batch calibrate`; default: beside the model
-    calibration: Optional[str] = setting(optional(string), None)
+    calibration: Optional[str] = setting(optional(string), None)  # a calibrate profile; default: beside the model
 
     def __post_init__(self):
         check_fields(self, "schedule")

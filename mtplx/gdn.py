@@ -1,11 +1,8 @@
 """The "gdn" capture backend: Gated DeltaNet layers that record their state after every position.
 
-A verify forward runs [last, d1..dk] through the hybrid model before we know how many drafts
-each row keeps. Attention KV rolls back by moving an index; the recurrent state does not. This
-layer computes exactly what mlx-lm's Qwen3-Next and Qwen3.5 layers compute, step by step, and hands the
-conv window and the state after each position to the RowStateCache, which keeps the one at
-each row's accepted position. No padding, no re-forward.
-"""
+A recurrent state cannot roll back a rejected draft by moving an index, so while capturing this layer
+computes mlx-lm's Qwen3-Next / Qwen3.5 step by step and hands the conv window and each position's
+state to the RowStateCache, which keeps each row's accepted one."""
 
 from __future__ import annotations
 
@@ -17,9 +14,7 @@ from .cache import RowStateCache
 
 
 def _mixed_qkv_z_b_a(self, inputs):
-    """(conv input [B, S, conv_dim], z [B, S, Hv, Dv], b, a) for either Gated DeltaNet flavour:
-    Qwen3-Next packs q/k/v/z and b/a per key head (`in_proj_qkvz`, `in_proj_ba`); Qwen3.5 has
-    one projection per part (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`)."""
+    """(conv input, z, b, a): Qwen3-Next packs q/k/v/z and b/a per key head; Qwen3.5 projects each part."""
     B, S, _ = inputs.shape
     if hasattr(self, "in_proj_qkvz"):
         q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
@@ -32,9 +27,8 @@ def _mixed_qkv_z_b_a(self, inputs):
 def _capturing_call(self, inputs, mask=None, cache=None):
     if not (isinstance(cache, RowStateCache) and cache.capturing):
         return base_call(self)(self, inputs, mask, cache)
-    # imported on use: at module level it would run mlx-lm's package __init__ before load() defers it (process.py)
+    # imported here: at module level it would run mlx-lm's package __init__ (process.py defers it)
     from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
-
     B, S, _ = inputs.shape
     mixed_qkv, z, b, a = _mixed_qkv_z_b_a(self, inputs)
     conv_state = cache[0]
@@ -42,14 +36,9 @@ def _capturing_call(self, inputs, mask=None, cache=None):
         conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
     conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)
     conv_out = nn.silu(self.conv1d(conv_input))
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
-            [self.num_k_heads, self.num_k_heads, self.num_v_heads],
-            [self.head_k_dim, self.head_k_dim, self.head_v_dim],
-        )
-    ]
+    q, k, v = [t.reshape(B, S, h, d) for t, h, d in zip(mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                                                         [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                                                         [self.head_k_dim, self.head_k_dim, self.head_v_dim])]
     q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
     beta = mx.sigmoid(b)
     g = compute_g(self.A_log, a, self.dt_bias)
@@ -72,7 +61,6 @@ _capture_classes = {}
 
 
 def install_capture(model) -> int:
-    """Give every Gated DeltaNet layer of `model` the capture backend. Returns how many it has."""
     layers = [l.linear_attn for l in getattr(model, "layers", []) if getattr(l, "linear_attn", None) is not None]
     for gdn in layers:
         if not (hasattr(gdn, "fix_query_key_value_ordering") or hasattr(gdn, "in_proj_qkv")):

@@ -1,23 +1,10 @@
-"""CompiledVerifyBank: the verify forward as compiled MLX programs, one per shape bucket.
+"""CompiledVerifyBank (after MTPLX's): the verify forward as compiled MLX programs, one per shape.
 
-A verify forward reads [last, d1..dk] for every row of the batch. `mx.compile` removes per-op
-host work, but mlx-lm's caches keep their offset as a Python int, which a program would freeze at
-trace time. So the bank runs the model over a *shadow cache*: the real cache's arrays and the
-per-row lengths enter the program as inputs, the updated arrays come out and are mirrored back
-into the real cache, and one program per (batch width, verify length, capacity bucket) serves
-every step of that shape. `Programs` keeps them by key (the draft banks, drafting/, use it too).
-
-Modes: `on` (compiled, eager fallback with a recorded reason), `parity` (run both and raise
-`CompiledVerifyParityError` on any difference), `parity2` (compiled is authoritative; an eager
-replay counts divergences in `stats["parity_failures"]`). Models with quantization widths the
-bank does not compile (6-bit) run eager for their whole life (`permanent_eager`).
-
-The seed's other arguments, all in `stats`: `request_max_tokens`, the growth budget (the longest
-context a row can reach: no capacity bucket, and so no program, is made past it plus the verify
-length; a verify past it runs eagerly, saying why); `restored_tokens`, prompt tokens restored from
-a cached prefix (`note_restored`); `capture_backend`, the recurrent-state capture in use ("gdn",
-"recurrent", or None), which must be the model's layers' (`architectures.capture_backend`).
-"""
+The model runs over a shadow cache whose arrays and per-row lengths are the program's inputs (a Python
+int offset would be frozen at trace time); one program per (width, verify length, capacity bucket).
+Modes: `on` (eager fallback, reason recorded), `parity` (raise `CompiledVerifyParityError` on a
+difference from eager), `parity2` (count them). 6-bit weights verify eagerly (`permanent_eager`);
+`request_max_tokens` is the growth budget past which no capacity bucket is compiled."""
 
 from __future__ import annotations
 
@@ -53,9 +40,7 @@ def unsupported_quantization(model) -> Optional[str]:
 
 
 class Programs:
-    """Compiled programs by key, each built (`mx.compile`) at its first call and counted in `counters`
-    (programs built, the seconds of their first calls); a key whose call raises is kept in `broken`,
-    with why, and its shape runs eagerly from then on."""
+    """Compiled programs by key, counted in `counters`; a key whose call raises is `broken`: eager."""
 
     def __init__(self, counters: Optional[Counters] = None):
         self.counters = counters if counters is not None else Counters()
@@ -63,8 +48,7 @@ class Programs:
         self.broken: Dict = {}
 
     def call(self, key, build: Callable[[], Callable], *args):
-        """The program of `key` (`build()` gives the function it compiles) over `args`, or None where
-        it does not compile (`broken[key]` says why)."""
+        """The program of `key` (compiling `build()`) over `args`, or None where it does not compile."""
         if key in self.broken:
             return None
         fn, started = self.built.get(key), None
@@ -74,7 +58,7 @@ class Programs:
             self.counters.programs_built += 1
         try:
             out = fn(*args)
-        except Exception as e:  # a program that cannot compile: its shape runs eagerly, saying why
+        except Exception as e:
             self.broken[key] = f"compile failed: {type(e).__name__}: {e}"
             return None
         if started is not None:
@@ -86,20 +70,18 @@ class _ShadowRows(RowLengths):
     def __init__(self, device_lengths: mx.array, resident=None):
         self.device = device_lengths
         self.host = None
-        self.shared = None  # inside a program lengths are an input: never a Python int
-        if resident is not None:  # (a padded copy, the view of it that `device_lengths` is): no pad of its own
+        self.shared = None  # inside a program lengths are an input, never a Python int
+        if resident is not None:  # (padded copy, the view of it `device_lengths` is)
             self._resident = (device_lengths, resident[0], resident[1])
 
 
 def shadow_cache(kinds, lengths: mx.array, arrays, resident=None) -> BatchCache:
-    """A cache over `arrays` whose rows hold `lengths` entries; `resident`: RowLengths.resident's
-    (padded copy, view) of those lengths where the caller made them."""
     cache = BatchCache(kinds, rows=_ShadowRows(lengths, resident))
     it = iter(arrays)
     for layer in cache.leaves:
         if isinstance(layer, RowKVCache):
             layer.keys, layer.values = next(it), next(it)
-            layer.attend_len = layer.keys.shape[2]  # the whole capacity bucket, masked: shape-derived
+            layer.attend_len = layer.keys.shape[2]  # the whole bucket, masked: shape-derived
         else:
             layer.cache = [next(it) for _ in layer.cache]
             layer.capturing = True
@@ -119,12 +101,9 @@ def shadow_outputs(cache: BatchCache):
 class CompiledVerifyBank:
     def __init__(self, runtime, max_verify_len: int = 4, request_max_tokens: int = 8192,
                  capture_backend: Optional[str] = None, parity=False, restored_tokens: int = 0,
-                 tolerance: Optional[float] = None, growth_limit: Optional[int] = None,
-                 counters: Optional[Counters] = None):
-        """`runtime` has `.model` and `.forward(tokens, cache) -> (logits, hidden)`. `parity`: "on" (or
-        False), "parity" (or True: raise on a mismatch), "parity2" (count). `growth_limit`: the longest
-        verify compiled (None: MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, max_verify_len)); a mismatched
-        `capture_backend` is a ValueError; `counters`: where its programs count (the engine's)."""
+                 growth_limit: Optional[int] = None, counters: Optional[Counters] = None):
+        """`runtime`: `.model`, `.forward(tokens, cache) -> (logits, hidden)`; `parity`: "on" (False), "parity"
+        (True) or "parity2"; `growth_limit`: default MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, max_verify_len)."""
         self.runtime = runtime
         self.max_verify_len = max_verify_len
         env = verify_max_len_env()
@@ -142,7 +121,6 @@ class CompiledVerifyBank:
             raise ValueError(f"parity must be False, True, 'parity' or 'parity2', got {parity!r}")
         reason = unsupported_quantization(runtime.model)
         self.permanent_eager = reason is not None
-        self.tolerance = tolerance
         self.reserve = 0  # entries a row may reach: a cache grown here holds them at once (one capacity a batch)
         self.stats: Dict[str, object] = {
             "compiled_calls": 0, "fallback_calls": 0, "parity_failures": 0,
@@ -151,14 +129,12 @@ class CompiledVerifyBank:
         self._eager_reason = reason
         self.programs = Programs(counters)
 
-    # -- the program ------------------------------------------------------------------------------
     def _run_shadow(self, kinds, tokens, lengths, *arrays):
         shadow = shadow_cache(kinds, lengths, arrays)
         logits, hidden = self.runtime.forward(tokens, shadow)
         return (logits, hidden if hidden is not None else mx.zeros((0,))) + tuple(shadow_outputs(shadow))
 
     def _run_round(self, kinds, accept, pending, drafts, limit, live, lengths, *rest):
-        """The program of `verify_round`."""
         n_arrays = len(rest) - (0 if accept[0] == "greedy" else 5 + accept[3])
         arrays, extra = rest[:n_arrays], rest[n_arrays:]
         verify_in = small_ops.joined([pending], drafts)
@@ -176,8 +152,7 @@ class CompiledVerifyBank:
         return (read, n, nxt, counts, lengths + counts, verify_in, hidden) + tuple(cache_out)
 
     def _build(self, key, kinds) -> Callable[[], Callable]:
-        """The function the program of `key` compiles: (W, L, capacity) verifies; a fourth entry, the
-        acceptance (`_accept_key`), makes it a round's verify and acceptance (`verify_round`)."""
+        """What `key`'s program compiles: (W, L, capacity) verifies; an acceptance too (`verify_round`)."""
         if len(key) > 3:
             return lambda: partial(self._run_round, kinds, key[3])
         return lambda: partial(self._run_shadow, kinds)
@@ -186,7 +161,7 @@ class CompiledVerifyBank:
     def restored_tokens(self) -> int:
         return self.stats["restored_tokens"]
 
-    def note_restored(self, tokens: int) -> None:  # more prompt tokens restored from a cached prefix
+    def note_restored(self, tokens: int) -> None:
         self.stats["restored_tokens"] += int(tokens)
 
     def set_budget(self, request_max_tokens: int) -> None:  # the longest context a row in flight can reach
@@ -197,10 +172,8 @@ class CompiledVerifyBank:
         reasons = self.stats["fallback_reasons"]
         reasons[reason] = reasons.get(reason, 0) + 1
 
-    # -- the call -----------------------------------------------------------------------------------
     def _compiled(self, W: int, L: int, cache: BatchCache):
-        """(key, the cache's arrays) of the program that verifies L tokens a row over `cache`, room
-        for them made in capacity buckets; or (None, why it runs eagerly)."""
+        """(key, arrays) of the program verifying L tokens a row over `cache`, or (None, why not)."""
         reason = self._eager_reason
         if reason is None and L > self.max_verify_len:
             if L <= self.growth_limit:
@@ -220,19 +193,19 @@ class CompiledVerifyBank:
             return None, reason
         kv = [c for c in cache.leaves if isinstance(c, RowKVCache)]
         need = max(longest, min(self.reserve, self.request_max_tokens)) + L
-        if kv and need > min(c.keys.shape[2] for c in kv):  # room for L more entries, in capacity buckets
+        if kv and need > min(c.keys.shape[2] for c in kv):
             for c in kv:
                 c.ensure_capacity(W, c.keys, c.values, need)
             arrays = [a for c in cache.leaves for a in c.state_arrays()]
         return (W, L, max((c.keys.shape[2] for c in kv), default=0)), arrays
 
     def verify(self, tokens: mx.array, cache: BatchCache):
-        """Forward `tokens` [W, L] over `cache`. Returns (logits, hidden, compiled?, parity failures per row)."""
+        """Forward `tokens` [W, L] over `cache`: (logits, hidden, compiled?, parity failures per row)."""
         W, L = tokens.shape
         key, arrays = self._compiled(W, L, cache)
         lengths = cache.rows.device
         out = None if key is None else self.programs.call(key, self._build(key, cache.kinds), tokens, lengths, *arrays)
-        if out is None:  # verified eagerly, saying why
+        if out is None:
             self._fallback(arrays if key is None else self.programs.broken[key])
             logits, hidden = self.eager(tokens, cache)
             return logits, hidden, False, None
@@ -240,8 +213,7 @@ class CompiledVerifyBank:
         if self.mode != "on":
             ref = self._run_shadow(cache.kinds, tokens, lengths, *arrays)
             failures = self._compare(out[0], ref[0])
-            # The cache the program writes (KV entries, captured recurrent states) feeds every
-            # later verify, where both paths would read the same wrong values: compare it too.
+            # later verifies read the cache it writes through both paths alike: compare it too
             cache_bad = self._compare_cache(out[2:], ref[2:])
             if self.mode == "parity" and (failures.any() or cache_bad.any()):
                 if failures.any():
@@ -258,13 +230,8 @@ class CompiledVerifyBank:
 
     def verify_round(self, pending: mx.array, drafts: mx.array, limit: mx.array, live: mx.array, cache: BatchCache,
                      accept=None):
-        """A speculative round's verify and acceptance as one compiled program (mode "on"): the verify
-        of [pending, drafts] ([W], [W, K] int32), each row's accepted count n of its `limit` drafts and
-        next token (greedy, or `accept` = (sampler, q or None, u_accept [W, K], u_next [W])), the
-        committed count (n + 1 for `live` rows), the lengths after it and the read [W, 2 + K] = (n,
-        next, drafts); the cache is mirrored, the lengths not moved (the caller's `advance`). Returns
-        (read, n, next, counts, lengths after, verify_in, hidden), or None where the verify is not
-        compiled or is compared (parity modes): the caller then verifies and accepts apart."""
+        """A round's verify of [pending, drafts] and its acceptance as one program: (read [W, 2 + K], n, next,
+        counts, lengths after, verify_in, hidden), lengths not moved; None where not compiled."""
         W, K = drafts.shape
         if self.mode != "on":
             return None
@@ -277,7 +244,7 @@ class CompiledVerifyBank:
             return None
         out = self.programs.call(key, self._build(key, cache.kinds), pending, drafts, limit, live, cache.rows.device,
                                  *arrays, *extra)
-        if out is None:  # the round runs apart, saying why
+        if out is None:
             self._fallback(self.programs.broken[key])
             return None
         self._mirror(cache, out[7:])
@@ -286,7 +253,6 @@ class CompiledVerifyBank:
 
     @staticmethod
     def _accept_key(accept):
-        """(the acceptance's part of a round program's key, its inputs)."""
         if accept is None:
             return ("greedy",), []
         sampler, q, u_accept, u_next = accept
@@ -309,19 +275,17 @@ class CompiledVerifyBank:
             else:
                 layer.record_steps([next(it) for _ in layer.cache])
 
-    def _tol(self, logits) -> float:
-        if self.tolerance is not None:
-            return self.tolerance
+    @staticmethod
+    def _tol(logits) -> float:
         return 1e-4 if logits.dtype == mx.float32 else 3e-2
 
     def _compare(self, got: mx.array, ref: mx.array) -> np.ndarray:
-        """Per row: does the compiled verify differ from eager (argmax anywhere, or beyond tolerance)?"""
+        """Per row: does the compiled verify differ from eager (any argmax, or beyond tolerance)?"""
         scale = mx.maximum(mx.abs(ref).max(axis=-1), 1.0)
         diff = (mx.abs(got.astype(mx.float32) - ref.astype(mx.float32)).max(axis=-1) / scale).max(axis=-1)
         return np.array((mx.argmax(got, axis=-1) != mx.argmax(ref, axis=-1)).any(axis=-1) | (diff > self._tol(got)))
 
     def _compare_cache(self, got, ref) -> np.ndarray:
-        """Per row: does any cache array the compiled program wrote differ from eager's?"""
         bad = mx.zeros((got[0].shape[0] if got else 0,), mx.bool_)
         for a, b in zip(got, ref):
             if a is not None and b is not None and a.size:

@@ -1,4 +1,4 @@
-"""Where mtplx keeps files: converted models, fetched assets, the OpenBLAS link directory."""
+"""Where mtplx keeps files."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Prefill: prompt tokens into cache, in chunk spans, reusing prefixes shared with earlier rows.
 
-Rows arrive grouped by shared prefix (the pipeline's `prefix` order marks each row's
-`stable_prefix_len`). The first row of a group (its leader) is prefilled alone with its spans split
-at the prefix edge, and the state there is kept: attention KV, recurrent state (captured exactly at
-the edge) and the drafter's. Later rows of the group copy it and prefill only their suffix. Rows
-that need no snapshot are prefilled together in padded batches of similar length (`length_groups`):
-each row writes its own span at its own offset, so padding never enters a row's cache; the drafter
-prefills such a group together too (`Drafter.prefill_rows`).
-"""
+The first row of a shared prefix (`stable_prefix_len`) is prefilled alone and its state kept at the
+edge; later rows copy it and prefill their suffix. Other rows prefill together in padded batches of
+similar length, each row at its own offset, so padding never enters a row's cache."""
 
 from __future__ import annotations
 
@@ -29,13 +24,8 @@ PREFIX_STORE_SIZE = 4  # rows arrive grouped by prefix, so a few recent prefixes
 
 
 def _prefill_chunk_size(config: Optional[dict] = None, memory_budget: Optional[int] = None) -> int:
-    """Tokens per prefill span. `MTPLX_PREFILL_CHUNK_SIZE` wins (0 turns chunking off).
-
-    Otherwise: the activations of one span (about 4 bytes x (8 x hidden + 3 x intermediate) per
-    token) should stay under ~2% of the memory budget, clamped to [128, 2048] and rounded to a
-    multiple of 128. Larger spans stop paying once the matmuls are full; smaller ones waste
-    launches. Without a config or budget: 512.
-    """
+    """Tokens per prefill span: `MTPLX_PREFILL_CHUNK_SIZE` (0: off), else a span's activations within ~2% of
+    the memory budget, in [128, 2048] (past that the matmuls are full; below, launches are wasted)."""
     env = prefill_chunk_env()
     if env is not None:
         return env
@@ -49,7 +39,6 @@ def _prefill_chunk_size(config: Optional[dict] = None, memory_budget: Optional[i
 
 
 def _split_spans_at(spans: Iterable[Tuple[int, int]], edges: Sequence[int]) -> List[Tuple[int, int]]:
-    """Split spans at every edge strictly inside one of them."""
     out = []
     cuts = sorted(set(edges))
     for start, end in spans:
@@ -63,24 +52,19 @@ def _split_spans_at(spans: Iterable[Tuple[int, int]], edges: Sequence[int]) -> L
 
 def _iter_prefill_chunk_spans(token_count: int, chunk_size: Optional[int], mandatory_edges: Sequence[int] = (),
                               sustained: Optional[bool] = None):
-    """Half-open (start, end) spans covering [0, token_count), `chunk_size` tokens each (one
-    span when chunking is off), split at every mandatory edge (stable-prefix ends). Without the
-    sustained layout (`sustained`, default MTPLX_SUSTAINED_PREFILL_LAYOUT) one span covers the
-    whole prompt."""
+    """Spans of `chunk_size` tokens split at the edges; one unless `sustained` (MTPLX_SUSTAINED_PREFILL_LAYOUT)."""
     if token_count <= 0:
         return
     if not (sustained_prefill_env() if sustained is None else sustained):
         yield (0, token_count)
         return
-    if not chunk_size or chunk_size <= 0:
-        spans = [(0, token_count)]
-    else:
-        spans = [(s, min(s + chunk_size, token_count)) for s in range(0, token_count, chunk_size)]
+    step = chunk_size if chunk_size and chunk_size > 0 else token_count
+    spans = [(s, min(s + step, token_count)) for s in range(0, token_count, step)]
     yield from _split_spans_at(spans, [e for e in mandatory_edges if 0 < e < token_count])
 
 
 class PrefixStore:
-    """The last few shared prefixes: (the target's prefix as a one-row cache, drafter snapshot) by prefix tokens."""
+    """The last few shared prefixes: (target prefix as a one-row cache, drafter snapshot) by tokens."""
 
     def __init__(self, size: int = PREFIX_STORE_SIZE):
         self.size = size
@@ -105,18 +89,12 @@ class PrefixStore:
 
 
 PADDING_WASTE = 0.25  # a padded prefill batch spends at most this fraction more than its real tokens
-# On a GPU a prefill group costs its eager forward's kernel launches and graph builds whatever its
-# padding (SmolLM2 on the H200: one group per admission, a width-32 MTP round 14.6 ms at 128 rows
-# against 17.5), so rows are grouped while the padded grid stays within 4x their real tokens.
-GPU_PADDING_WASTE = 3.0
+GPU_PADDING_WASTE = 3.0  # a GPU group costs its launches whatever its padding (128 rows: 14.6 ms a round, 17.5)
 
-# On a GPU MLX builds an attention plan (cuDNN) per exact query shape, in every process anew, so a
-# job whose prompts have many lengths builds one per prefill forward. There a batched prefill's
-# query length is rounded up (to a multiple of 32, or of a sixteenth of its power of two past 512:
-# at most 1/8 more work past 256 tokens), so a job's prompts make few shapes; the padding is computed and
-# never enters a row's cache (each row commits its own length). Off a GPU the padding would be
-# real work for nothing.
+
 def pads_queries() -> bool:
+    """On a GPU MLX builds an attention plan per exact query shape, so batched prefills round their
+    query length up (at most 1/8 more work past 256 tokens): few shapes. Elsewhere padding only costs."""
     return mx.default_device().type == mx.DeviceType.gpu
 
 
@@ -130,9 +108,8 @@ def prefill_width(n: int, room: Optional[int] = None) -> int:
 
 
 def length_groups(lengths: Sequence[int], max_waste: float = PADDING_WASTE) -> List[List[int]]:
-    """Indices into `lengths`, shortest first, cut into groups that are prefilled as one padded
-    batch: a group pads every row to its longest, and a row joins the current group only while
-    the group's padded slots stay within (1 + max_waste) x its real tokens."""
+    """Indices into `lengths`, shortest first, cut into groups prefilled as one padded batch: a row
+    joins while the group's padded slots stay within (1 + max_waste) x its real tokens."""
     groups: List[List[int]] = []
     current: List[int] = []
     real = 0
@@ -148,10 +125,8 @@ def length_groups(lengths: Sequence[int], max_waste: float = PADDING_WASTE) -> L
 
 
 class Prefiller:
-    """Prompts into caches (and the drafter's state), reusing shared prefixes. `runtime`: the model
-    and whether hidden states are kept; `chunk`: the span size (0: whole prompts); `hybrid`: recurrent
-    layers, so rows prefill one by one; `counters`: the engine's; `progress(kind, tokens)`: told of
-    every span; `sustained`: the sustained layout (spans split at stable-prefix edges), else one span."""
+    """Prompts into caches (and the drafter's state). `hybrid`: recurrent layers, so rows prefill one by
+    one; `progress(kind, tokens)`: told of every span."""
 
     def __init__(self, runtime, chunk: int, hybrid: bool, counters: Counters,
                  progress: Callable[[str, int], None] = lambda kind, tokens: None, sustained: bool = True):
@@ -161,15 +136,12 @@ class Prefiller:
         self.hybrid = hybrid
         self.counters = counters
         self.progress = progress
-        self.sustained = sustained  # off: every prompt prefills as one span
+        self.sustained = sustained
         self.store = PrefixStore()
-        # how much padding a batched group may add (length_groups)
         self.padding_waste = GPU_PADDING_WASTE if mx.default_device().type == mx.DeviceType.gpu else PADDING_WASTE
 
     def edge(self, row) -> int:
-        """Where the row's stable prefix ends (its snapshot is taken there)."""
-        n = len(row.req.prompt_tokens)
-        return min(max(int(row.req.stable_prefix_len or 0), 0), n - 1)
+        return min(max(int(row.req.stable_prefix_len or 0), 0), len(row.req.prompt_tokens) - 1)
 
     def hidden(self, tokens: mx.array, cache: BatchCache) -> mx.array:
         """The trunk over `tokens`: its hidden states (MTP), or the logits (only the last is used)."""
@@ -185,10 +157,8 @@ class Prefiller:
         return sample_from(shaped_probs(logits, sampler)[:, 0], u).astype(mx.int32)
 
     def run(self, rows, drafter=None, read: bool = True):
-        """(the row's cache, `drafter`'s state, first token) per row; rows prefilled together stay in
-        their group's cache (a CacheRow) until placed, so their KV is copied once, with the group's.
-        `read` False: (that list, the first tokens as a device array), tokens not read where nothing
-        here needs them (a row's third item is then its token where it was read anyway, else None)."""
+        """(cache row, drafter state, first token) per row; `read` False: (that list, the first tokens on
+        the device), a row's own token None unless it was read anyway."""
         out = [None] * len(rows)
         keys = [PrefixStore.key(r.req.prompt_tokens, self.edge(r)) for r in rows]
         seen = set()
@@ -201,8 +171,7 @@ class Prefiller:
             out[i] = self._drafter_prefill(drafter, rows[i], keys[i], *self.alone(rows[i], keys[i]))
         todo = [len(rows[i].req.prompt_tokens) - (self.edge(rows[i]) if self.store.get(keys[i]) else 0)
                 for i in together]
-        # every group's forwards queued before their first tokens are read, together, once (a read per
-        # group would leave the device idle while the host queues the next one)
+        # every group's forwards are queued before one read of all first tokens (the device never idles)
         groups = []
         for group in length_groups(todo, self.padding_waste):
             members = [together[g] for g in group]
@@ -223,8 +192,6 @@ class Prefiller:
 
     @staticmethod
     def _firsts_in_row_order(out, alone, groups) -> mx.array:
-        """Every row's first token on the device, in row order: the rows prefilled alone (read
-        already) and each group's (not read)."""
         parts = ([mx.array([out[i][2] for i in alone], dtype=mx.int32)] if alone else []) + [g[2] for g in groups]
         if not parts:
             return mx.zeros((0,), mx.int32)
@@ -232,8 +199,6 @@ class Prefiller:
         return mx.take(mx.concatenate(parts), mx.array(np.argsort(np.asarray(order)).astype(np.int32)))
 
     def _restore(self, cache: BatchCache, rows, keys, reserve: int = 0) -> Tuple[List[int], List[Optional[tuple]]]:
-        """Copy each row's stored prefix (if any) into `cache`: one gather per prefix and layer.
-        Returns (tokens restored, store hit) per row."""
         hits = [self.store.get(key) for key in keys]
         at = [b for b, hit in enumerate(hits) if hit is not None]
         if at:
@@ -245,8 +210,7 @@ class Prefiller:
         return starts, hits
 
     def alone(self, row, key):
-        """Prefill one row in its chunk spans, split at its stable-prefix edge (where a leader's snapshot
-        is taken, recurrent state included). Returns (cache row, hidden, first token, store hit, snapshot)."""
+        """Prefill one row, snapshotting it at its stable-prefix edge: (cache row, hidden, first, hit, snap)."""
         toks = row.req.prompt_tokens
         n, edge = len(toks), self.edge(row)
         cache = BatchCache.for_model(self.model, 1)
@@ -260,20 +224,19 @@ class Prefiller:
             cache.commit([e - s])
             if self.runtime.want_hidden:
                 hiddens.append(h)
-            if e < n:  # the last span is read with the first token (_first_tokens): no sync of its own
+            if e < n:  # the last span is read with the first token
                 mx.eval(h, [a for c in cache.leaves for a in c.state_arrays() if a is not None])
             self.progress("prefill", e - s)
             row.stats.prefill_chunks += 1
             if key and hit is None and e == edge:
-                snap = cache.snapshot_row(0)  # exactly at the edge: recurrent state included
+                snap = cache.snapshot_row(0)
         self._count(n, start)
         first = int(np.array(self._first_tokens([row], h[:, -1:]))[0])
         hidden = mx.concatenate(hiddens, axis=1) if hiddens else None
         return CacheRow(cache, 0), hidden, first, hit, snap
 
     def group(self, rows, keys):
-        """Prefill rows together: each row's suffix padded to the longest, in chunk spans. Returns
-        (cache row, hidden, store hit, prefix snapshot) per row, and their first tokens on the device."""
+        """Prefill rows' suffixes together, padded: ((cache row, hidden, hit, snapshot) each, first tokens)."""
         B = len(rows)
         cache = BatchCache.for_model(self.model, B)
         starts, hits = self._restore(cache, rows, keys, reserve=max(len(r.req.prompt_tokens) for r in rows) + 1)
@@ -317,12 +280,10 @@ class Prefiller:
 
     @staticmethod
     def _head_states(drafter, rows, results, firsts) -> List[Optional[tuple]]:
-        """The drafter's states of a group prefilled together, in one batched prefill (its
-        `prefill_rows`), rows with a restored prefix included (each starts from the prefix's
-        snapshot); None where it prefills row by row (each row then takes `prefill_row`)."""
+        """The drafter's states from one batched `prefill_rows`; None where it prefills row by row."""
         at = [b for b, res in enumerate(results) if res[1] is not None]
         states = [None] * len(rows)
-        if drafter is not None and at:  # one row too: its forward then runs at a padded width (prefill_width)
+        if drafter is not None and at:
             pick = firsts[mx.array(at)] if len(at) < len(rows) else firsts
             got = drafter.prefill_rows([rows[b].req.prompt_tokens for b in at], [results[b][1] for b in at],
                                        pick, [results[b][2][1] if results[b][2] is not None else None for b in at])
@@ -331,8 +292,7 @@ class Prefiller:
         return states
 
     def _drafter_prefill(self, drafter, row, key, cache, hidden, first, hit, target_snap, state=None):
-        """(cache, the drafter's state, first token), storing the prefix snapshot (target +
-        drafter) if this row leads. `state`: the drafter's state, already built (`_head_states`)."""
+        """(cache, drafter state, first token), storing the prefix snapshot where this row leads."""
         toks, edge = row.req.prompt_tokens, self.edge(row)
         drafter_snap = None
         if drafter is not None:

@@ -1,16 +1,8 @@
-"""The "steps" capture backend: conv and SSM layers that record their state after every position.
+"""The "recurrent" capture backend: conv and SSM layers that record their state after every position.
 
-A verify forward runs [pending, d1..dk] before we know how many drafts each row keeps, and a
-conv window or SSM state cannot be rolled back by moving an index. A captured layer runs the
-verify one position at a time through the layer's own mlx-lm code (exactly what mlx-lm's
-single-row decoding does) on a scratch copy of its cache, and hands every slot's value after
-each position to the RowStateCache, whose `commit` keeps the one at each row's accepted
-position. The layer's own state is untouched until then, so a rejected draft never enters it.
-
-Any layer whose whole state lives in its ArraysCache slots is captured this way; the
-classes known to do so (each covered by tests/test_arch_coverage.py) are listed in
-`STEPPED_LAYERS` (mlx-lm module, class name).
-"""
+While capturing, a layer runs the verify one position at a time through its own mlx-lm code on a
+scratch cache and hands each position's slots to the RowStateCache, whose commit keeps each row's
+accepted one. It serves any layer whose state lives in its ArraysCache slots (`STEPPED_LAYERS`)."""
 
 from __future__ import annotations
 
@@ -41,7 +33,6 @@ class _Scratch(ArraysSurface):
 
 
 def _stepping_call(self, *args, **kwargs):
-    """The layer's own call, one position at a time while its cache captures."""
     base = base_call(self)
     if not args:  # the input passed by name (falcon_h1: `input_states=`)
         name = type(self)._input_name
@@ -68,7 +59,6 @@ _stepping_classes = {}
 
 
 def install_stepping(model) -> int:
-    """Give every known conv/SSM layer of `model` the steps capture. Returns how many it has."""
     count = 0
     for _, module in model.named_modules():
         cls = type(module)

@@ -1,13 +1,8 @@
-"""Sampling and speculative acceptance, vectorized over a batch of rows with their own settings.
+"""Sampling and speculative acceptance, vectorized over rows with their own settings.
 
-Every row's target distribution is its *sampler-shaped* distribution (temperature, top-k,
-top-p); greedy rows are the one-hot of the argmax. Acceptance is the standard lossless rule:
-keep draft d with probability min(1, p(d)/q(d)); at the first rejection sample from the
-residual max(0, p - q) (renormalized); if every draft passes, sample a bonus token from p.
-Greedy rows are the same rule with one-hot p and q, which reduces to "keep while draft equals
-argmax". All randomness comes from per-row uniforms drawn on the host from the row's own seed,
-so a row's text does not depend on which other rows share its batch.
-"""
+Acceptance is the lossless rule over each row's sampler-shaped p (greedy: a one-hot): keep draft d with
+probability min(1, p(d)/q(d)), then sample the residual max(0, p - q), or p after every draft. Uniforms
+come from each row's own seeded generator, so a row's text does not depend on its batch."""
 
 from __future__ import annotations
 
@@ -37,14 +32,8 @@ class SamplerBatch:
         top_p = np.array([p.top_p if 0 < p.top_p < 1 else 1.0 for p in ps], dtype=np.float32)
         top_k = np.array([max(int(p.top_k), 0) for p in ps], dtype=np.int32)
         sampled = temps > 0
-        return cls(
-            temps=mx.array(temps),
-            top_p=mx.array(top_p),
-            top_k=mx.array(top_k),
-            all_greedy=not sampled.any(),
-            any_top_k=bool((top_k[sampled] > 0).any()),
-            any_top_p=bool((top_p[sampled] < 1).any()),
-        )
+        return cls(mx.array(temps), mx.array(top_p), mx.array(top_k), all_greedy=not sampled.any(),
+                   any_top_k=bool((top_k[sampled] > 0).any()), any_top_p=bool((top_p[sampled] < 1).any()))
 
 
 def shaped_probs(logits: mx.array, s: SamplerBatch) -> mx.array:
@@ -72,11 +61,8 @@ def shaped_probs(logits: mx.array, s: SamplerBatch) -> mx.array:
 
 
 def uniforms(rng: np.random.Generator, n: Optional[int] = None):
-    """`n` uniforms (one if None) in [0, 1) as float32, drawn as float32: always < 1.
-
-    A float64 draw cast to float32 rounds values >= 1 - 2**-25 up to 1.0, and `sample_from`
-    would then return the last token id whatever its probability (even 0).
-    """
+    """`n` uniforms (one if None) drawn as float32: a float64 draw cast to float32 may round to 1.0,
+    and `sample_from` would then return the last token whatever its probability."""
     u = rng.random(n, dtype=np.float32)
     return np.float32(u) if n is None else u
 
@@ -97,17 +83,14 @@ def _within(limit: Optional[mx.array], B: int, K: int) -> mx.array:
 
 
 def _kept(ok: mx.array) -> mx.array:
-    """[B, K] bool -> [B] int32: how many leading entries of each row are True, as the first False's index
-    (K where none): one reduction, the select fused into the comparison before it."""
+    """[B, K] bool -> [B] int32: each row's count of leading Trues, in one reduction."""
     K = ok.shape[1]
     return mx.where(ok, K, small_ops.arange(K)[None]).min(axis=1).astype(mx.int32)
 
 
 def accept_greedy(target_logits: mx.array, drafts: mx.array, limit: Optional[mx.array] = None):
-    """Greedy verify: [B, K+1, V] logits, [B, K] drafts -> (accepted count [B], next token [B]).
-
-    `limit[b]` (default K) is how many of the K drafts row b really drafted."""
-    best = mx.argmax(target_logits, axis=-1)  # [B, K+1] (only the next token is cast: no cast kernel of these)
+    """[B, K+1, V] logits, [B, K] drafts (row b's first limit[b] real) -> (accepted [B], next [B])."""
+    best = mx.argmax(target_logits, axis=-1)  # [B, K+1], not cast: only the next token is
     K = drafts.shape[1]
     if K == 0:
         return mx.zeros((best.shape[0],), mx.int32), best[:, 0].astype(mx.int32)
@@ -118,13 +101,8 @@ def accept_greedy(target_logits: mx.array, drafts: mx.array, limit: Optional[mx.
 
 def accept_sampled(p: mx.array, drafts: mx.array, q: Optional[mx.array], u_accept: mx.array, u_next: mx.array,
                    limit: Optional[mx.array] = None):
-    """Lossless speculative acceptance.
-
-    p: [B, K+1, V] target probabilities; drafts: [B, K]; q: [B, K, V] draft probabilities, or
-    None when each draft was proposed deterministically (prompt lookup: q is a point mass);
-    u_accept: [B, K] and u_next: [B] uniforms; `limit[b]` (default K): how many of the K drafts
-    row b really drafted. Returns (accepted count [B], next token [B]).
-    """
+    """p [B, K+1, V], drafts [B, K], q [B, K, V] (None: point masses, as prompt lookup's), uniforms
+    u_accept [B, K], u_next [B] -> (accepted count [B], next token [B])."""
     B, K1, V = p.shape
     K = K1 - 1
     if K == 0:

@@ -1,10 +1,5 @@
-"""Stop strings: a row ends at the first of its stop strings, in text, whatever the tokens were.
-
-A round can emit several tokens at once (speculation), and a stop string can end in the middle of
-a token, so the engine checks the decoded tail after each round (`in_tail`) and, when the row is
-done, cuts its tokens back to the one that completes the first stop string and its text to what
-comes before that string (`cut`).
-"""
+"""Stop strings, matched in text: a round may emit several tokens and a string may end mid-token, so
+the decoded tail is checked after each round and a finished row cut back to its first stop string."""
 
 from __future__ import annotations
 
@@ -14,13 +9,12 @@ TAIL_TOKENS = 64  # the decoded tail searched after each round: longer than any 
 
 
 def in_tail(decode: Callable[[List[int]], str], tokens: List[int], stops: Sequence[str]) -> bool:
-    """Whether one of `stops` is in the text of the row's last TAIL_TOKENS tokens."""
     tail = decode(tokens[-TAIL_TOKENS:])
     return any(s and s in tail for s in stops)
 
 
 def cut(decode: Callable[[List[int]], str], tokens: List[int], stops: Sequence[str]) -> Optional[Tuple[int, str]]:
-    """(tokens to keep, text before the first stop string), or None when the text holds none of `stops`."""
+    """(tokens to keep, text before the first stop string), or None when there is none."""
     found = [s for s in stops if s and s in decode(tokens)]
     if not found:
         return None
@@ -28,7 +22,7 @@ def cut(decode: Callable[[List[int]], str], tokens: List[int], stops: Sequence[s
     def has_stop(k):
         return any(s in decode(tokens[:k]) for s in found)
 
-    lo, hi = 1, len(tokens)  # the shortest prefix of tokens whose text holds a stop string
+    lo, hi = 1, len(tokens)  # the shortest prefix whose text holds a stop string
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if has_stop(mid) else (mid + 1, hi)

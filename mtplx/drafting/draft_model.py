@@ -1,23 +1,8 @@
-"""The draft-model method: a smaller model with the target's tokenizer drafts K tokens a round.
+"""The draft-model method: a smaller model with the target's vocabulary drafts K tokens a round.
 
-A round that drafts K tokens runs the draft model K times, not K + 1 (as mlx-lm's
-`speculative_generate_step` does): the draft cache stays one token behind the committed text, so
-the first step of a round feeds two tokens, the last accepted one and the pending one, and no
-accepted token needs a forward of its own. After a round the draft cache keeps exactly what the
-target keeps, minus that last token (its commit is the target's own counts).
-
-Rounds without drafts (depth 0: drafting does not pay) run no draft step: each row's tokens the
-draft model has not seen wait in its backlog, which a drafting round feeds first, in one forward
-(eagerly: it is rare), and which is fed once it holds `MAX_BACKLOG` tokens.
-
-`DraftChainBank`: the K steps (draft forwards, the sampler and its draws) as one compiled program
-over a shadow of the draft cache, as the verify bank does (graphbank.py), keyed by (batch width, K,
-capacity bucket, sampler flags). Attention-only draft caches compile; a recurrent draft model
-(whose state is kept per step) drafts eagerly. `draft_chain` is the math both paths run. Each
-(width, depth, sampler kind) drafts through whichever of the compiled chain and the eager steps
-its first proposal timed faster here (the two give the same drafts; the H200 with a 0.5B draft:
-eager 12.5 ms a depth-2 round, compiled 16.8; equal at depth 4).
-"""
+The draft cache stays one token behind, so a round's first step feeds the last accepted and the pending
+token (K forwards, not K + 1). Each shape drafts through whichever of the compiled chain and the eager
+steps its first proposal timed faster (a 0.5B draft on the H200: 12.5 ms eager, 16.8 compiled)."""
 
 from __future__ import annotations
 
@@ -37,8 +22,7 @@ from ..recurrent import install_stepping
 from ..sampling import SamplerBatch, sample_from, shaped_probs
 from .base import CachedDrafter, DraftBank
 
-MAX_BACKLOG = 64  # tokens a row's draft cache may lag behind before a round without drafts feeds them
-# (on a launch-bound GPU a forward of 64 costs little more than one of 1)
+MAX_BACKLOG = 64  # tokens a row's draft cache may lag (a launch-bound forward of 64 costs about one of 1)
 
 
 def fit_vocab(logits: mx.array, vocab: int) -> mx.array:
@@ -50,8 +34,7 @@ def fit_vocab(logits: mx.array, vocab: int) -> mx.array:
 
 
 def pick(logits: mx.array, sampler: SamplerBatch, u: mx.array, vocab: int):
-    """One draft per row from [W, V'] draft logits: (ids [W], q [W, vocab], or None when every row
-    is greedy: greedy acceptance needs no q, and the softmax over the vocabulary is skipped)."""
+    """One draft per row from [W, V'] draft logits: (ids, q [W, vocab], None when every row is greedy)."""
     if sampler.all_greedy:
         return mx.argmax(logits[..., :vocab], axis=-1).astype(mx.int32), None
     q = shaped_probs(fit_vocab(logits, vocab)[:, None], sampler)[:, 0]
@@ -60,10 +43,8 @@ def pick(logits: mx.array, sampler: SamplerBatch, u: mx.array, vocab: int):
 
 def draft_chain(step: Callable[[mx.array, int], mx.array], feed: mx.array, sampler: SamplerBatch, u: mx.array,
                 K: int, vocab: int) -> Tuple[mx.array, Optional[mx.array]]:
-    """K drafts per row. `step(tokens [W, L], j) -> logits [W, L, V']` runs the draft model over
-    step j's tokens and writes its cache: step 0 feeds `feed` [W, 2] (the last accepted token,
-    the pending one), step j > 0 the draft of step j - 1. Returns drafts [W, K] and q [W, K, vocab]
-    (None when every row is greedy)."""
+    """(drafts [W, K], q [W, K, vocab] or None). `step(tokens, j) -> logits` runs the draft model: step 0
+    over `feed` [W, 2] (last accepted, pending), step j over step j - 1's draft."""
     logits = step(feed, 0)[:, -1]
     drafts, qs = [], []
     for j in range(K):
@@ -75,33 +56,13 @@ def draft_chain(step: Callable[[mx.array, int], mx.array], feed: mx.array, sampl
     return small_ops.columns(drafts), (None if qs[0] is None else mx.stack(qs, axis=1))
 
 
-def chain_seconds(chain: Callable[[], Optional[mx.array]], clock: Callable[[], float],
-                  repeats: int = 3) -> Optional[float]:
-    """Seconds a call of `chain()` (queues a round's draft steps, returns the drafts, or None where it
-    cannot run: then None) takes: one untimed (it builds), then `repeats` queued as rounds are."""
-    last = chain()
-    if last is None:
-        return None
-    np.array(last)
-    started, last = clock(), None
-    for _ in range(repeats):
-        drafts = chain()
-        mx.async_eval(drafts)
-        if last is not None:
-            np.array(last)
-        last = drafts
-    np.array(last)
-    return (clock() - started) / repeats
-
-
 class DraftChainBank(DraftBank):
-    """The K draft steps of a round as compiled programs over a shadow of the draft model's cache."""
 
     def __init__(self, model, vocab: int, programs: Programs):
         super().__init__(programs)
         self.model = model
         self.vocab = vocab
-        self.stats["measured_ms"] = {}  # "width W depth K": (ms compiled, ms eager), DraftModelDrafter's measure
+        self.stats["measured_ms"] = {}  # "width W depth K": (ms compiled, ms eager)
 
     def _build(self, kinds, K: int, flags):
         model, vocab = self.model, self.vocab
@@ -121,8 +82,7 @@ class DraftChainBank(DraftBank):
         return run
 
     def propose(self, cache: BatchCache, feed: mx.array, sampler: SamplerBatch, u: mx.array, K: int):
-        """Drafts [W, K] and q (or None), the draft cache's arrays written past each row's length
-        (its lengths are not moved: the round's commit does that); None when this runs eagerly."""
+        """(drafts, q or None), lengths not moved; None where this runs eagerly."""
         arrays = self.ready(cache, feed.shape[1] + K)
         if arrays is None:
             return None
@@ -137,16 +97,16 @@ class DraftChainBank(DraftBank):
 
 
 class DraftModelDrafter(CachedDrafter):
-    """`measure`: each shape drafts through the chain its first proposal timed faster (`_compiled_pays`)."""
+    """`measure`: each shape drafts through the chain its first proposal timed faster."""
 
     name = "draft"
     device_side = True
-    clock = staticmethod(time.perf_counter)  # what the two chains are timed with (tests inject one)
+    clock = staticmethod(time.perf_counter)
 
     def __init__(self, draft_model, vocab_size: int, chunk_size: int = 512, compiled: bool = True,
                  measure: bool = False, counters=None):
         super().__init__(counters)
-        install_capture(draft_model)  # a recurrent draft's states after every token fed (the rollback)
+        install_capture(draft_model)  # a recurrent draft's rollback
         install_stepping(draft_model)
         self.model = draft_model
         self.vocab = vocab_size
@@ -154,17 +114,14 @@ class DraftModelDrafter(CachedDrafter):
         self.bank = DraftChainBank(draft_model, vocab_size, Programs(self.counters)) if compiled else None
         self.measure = measure
         self.compiled_pays: Dict[tuple, bool] = {}  # (width, K, sampler flags) -> the compiled chain was faster
-        # Per row, the tokens the draft cache has not seen yet, before the pending one: `extra[0]` [W,
-        # MAX_BACKLOG], its first `backlog[i]` real: the last accepted token after a drafting round, one
-        # more after each round without drafts.
+        # the tokens each row's draft cache has not seen, before the pending one: extra[0][i, :backlog[i]]
         self.extra: List[mx.array] = []
         self.backlog = np.zeros(0, dtype=np.int64)
         self._state_layers: List[RowStateCache] = []
-        self._steps: Optional[list] = None  # per token fed this round: each recurrent layer's state
+        self._steps: Optional[list] = None  # each recurrent layer's state per token fed this round
 
     def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
-        """(cache of all prompt tokens but the last, [its backlog: the last], snapshot at `edge` or None):
-        a hybrid draft's recurrent state is copied at the edge (it cannot be cut back to it later)."""
+        """(cache of the prompt but its last token, [backlog: the last], recurrent snapshot at `edge`)."""
         cache = BatchCache.for_model(self.model, 1)
         start, end = 0, len(tokens) - 1
         if prefix is not None:
@@ -176,19 +133,17 @@ class DraftModelDrafter(CachedDrafter):
         for s, e in zip(bounds, bounds[1:]):
             self.model(mx.array(tokens[s:e], dtype=mx.int32)[None], cache=cache.layers)
             cache.commit([e - s])
-            if e < end:  # the last part is evaluated with the round the row joins (no sync of its own)
+            if e < end:  # the last part is evaluated with the row's first round
                 cache.eval()
             if cut and e == edge and any(isinstance(c, RowStateCache) for c in cache.layers):
                 at_edge = cache.snapshot_row(0)
         backlog = np.zeros((1, MAX_BACKLOG), dtype=np.int32)
-        backlog[0, 0] = tokens[-1]  # the prompt's last token (the draft model prefilled the others)
+        backlog[0, 0] = tokens[-1]
         return cache, [mx.array(backlog)], at_edge
 
     def snapshot(self, state, length, hidden_at_edge=None):
         at_edge = state[2]
-        if at_edge is not None and at_edge[0] == length:
-            return at_edge
-        return state[0].snapshot_row(0, length)
+        return at_edge if at_edge is not None and at_edge[0] == length else state[0].snapshot_row(0, length)
 
     def reset(self):
         super().reset()
@@ -206,10 +161,8 @@ class DraftModelDrafter(CachedDrafter):
         super().take(keep)
         self.backlog = self.backlog[np.asarray(keep, dtype=np.int64)]
 
-    # -- feeding the draft model eagerly (the reference, and recurrent drafts) ------------------
     def _feed(self, tokens: mx.array, counts: np.ndarray):
-        """The draft model over tokens [W, L]; each row keeps counts[i] of them. Recurrent layers
-        capture their state after every position: kept in `_steps` while a round drafts."""
+        """The draft model over tokens [W, L], each row keeping counts[i]; recurrent states go to `_steps`."""
         self.cache.set_capturing(True)
         logits = self.model(tokens, cache=self.cache.layers)
         self.cache.set_capturing(False)
@@ -220,7 +173,6 @@ class DraftModelDrafter(CachedDrafter):
         return logits
 
     def _catch_up(self, keep: int):
-        """Feed each row's backlog but its last `keep` tokens, in one forward."""
         m = np.maximum(self.backlog - keep, 0)
         if not m.any():
             return
@@ -238,7 +190,7 @@ class DraftModelDrafter(CachedDrafter):
                 steps = [s[li][i] for s in self._steps]
                 if any(x is None for x in steps):
                     continue
-                stacked = mx.stack(steps, axis=1)  # [W, fed + 1, ...]
+                stacked = mx.stack(steps, axis=1)
                 idx = counts.reshape((-1,) + (1,) * (stacked.ndim - 1))
                 layer.cache[i] = mx.take_along_axis(stacked, idx, axis=1).squeeze(1)
         self._steps = None
@@ -253,16 +205,13 @@ class DraftModelDrafter(CachedDrafter):
         return out if out is not None else self.eager_chain(K, feed, sampler, u)
 
     def eager_chain(self, K, feed, sampler, u):
-        """The K draft steps eagerly. Recurrent (Gated DeltaNet) layers of a hybrid draft cannot rewind
-        by length: their state after every token of the round is kept, each row's picked at commit."""
+        """The K draft steps eagerly, keeping recurrent states after every token for the commit."""
         self._steps = [[list(c.cache) for c in self._state_layers]] if self._state_layers else None
         W = self.cache.batch
         step = lambda tokens, j: self._feed(tokens, np.full(W, tokens.shape[1], dtype=np.int64))
         return draft_chain(step, feed, sampler, u, K, self.vocab)
 
     def _compiled_pays(self, K, feed, sampler, u) -> bool:
-        """Whether this round drafts through the compiled chain: with `measure`, what the first proposal
-        of its shape timed, both ways (`_seconds`), else wherever there is a bank."""
         if self.bank is None:
             return False
         if not self.measure or self._state_layers:  # a recurrent draft drafts eagerly anyway
@@ -270,7 +219,7 @@ class DraftModelDrafter(CachedDrafter):
         key = (self.cache.batch, K, sampler.all_greedy, sampler.any_top_k, sampler.any_top_p)
         if key not in self.compiled_pays:
             compiled = self._seconds(K, feed, sampler, u, True)
-            if compiled is None:  # not over this cache (an empty one): the bank drafts eagerly itself, for now
+            if compiled is None:  # an empty cache: the bank drafts eagerly itself, for now
                 return True
             eager = self._seconds(K, feed, sampler, u, False)
             self.compiled_pays[key] = compiled <= eager
@@ -280,13 +229,25 @@ class DraftModelDrafter(CachedDrafter):
         return self.compiled_pays[key]
 
     def _seconds(self, K, feed, sampler, u, compiled: bool) -> Optional[float]:
-        """Seconds this round's chain takes here (chain_seconds), the cache lengths put back after each."""
+        """Seconds this round's chain takes, queued as rounds are after an untimed run, or None."""
         def chain():
             out = self.bank.propose(self.cache, feed, sampler, u, K) if compiled else self.eager_chain(K, feed, sampler, u)
             self.cache.rows.restore(self.start)
-            return None if out is None else out[0]  # None: the bank cannot compile this cache
+            return None if out is None else out[0]
 
-        return chain_seconds(chain, self.clock)
+        last = chain()
+        if last is None:
+            return None
+        np.array(last)
+        started, last = self.clock(), None
+        for _ in range(3):
+            drafts = chain()
+            mx.async_eval(drafts)
+            if last is not None:
+                np.array(last)
+            last = drafts
+        np.array(last)
+        return (self.clock() - started) / 3
 
     def commit(self, n_accept, next_tokens, drafts, active, verify_in=None, hidden=None):
         keep = np.where(active, n_accept + 1, 0)
@@ -294,15 +255,14 @@ class DraftModelDrafter(CachedDrafter):
                      exact=True)
 
     def advance(self, n, nxt, counts, most, verify_in, hidden, following=None, exact=False):
-        """The round's commit: the draft cache keeps each row's counts (the pending token and its
-        accepted drafts, less the last of them, plus the token before: the round fed both)."""
+        """The round's commit: each row keeps its counts (the round fed the token before the pending one)."""
         live = np.asarray(most) > 0
-        if verify_in.shape[1] == 1:  # a round without drafts: each live row's pending token joins its backlog
+        if verify_in.shape[1] == 1:  # no drafts: each live row's pending token joins its backlog
             at = mx.array(np.where(live, self.backlog, -1).astype(np.int32))
             self.extra[0] = mx.where(mx.arange(MAX_BACKLOG)[None] == at[:, None], verify_in[:, 0][:, None].astype(mx.int32),
                                      self.extra[0])
             self.backlog = self.backlog + live
-            W = self.cache.batch  # (nothing fed, but the engine corrects every advance it queued)
+            W = self.cache.batch  # nothing fed, but the engine corrects every advance it queued
             self.cache.rows.advance(mx.zeros(W, mx.int32), np.zeros(W, dtype=np.int64), exact)
             if self.backlog.max() >= MAX_BACKLOG:
                 self._state_layers = [c for c in self.cache.leaves if isinstance(c, RowStateCache)]
@@ -312,16 +272,13 @@ class DraftModelDrafter(CachedDrafter):
         self.cache.rows.advance(counts, most, exact)
         if self._steps is not None:
             self._restore_states(counts)
-        last = mx.take_along_axis(verify_in, n.astype(mx.int32)[:, None], axis=1)  # each row's last accepted token
+        last = mx.take_along_axis(verify_in, n.astype(mx.int32)[:, None], axis=1)  # the last accepted token
         self.extra[0] = mx.concatenate([last.astype(mx.int32), mx.zeros((last.shape[0], MAX_BACKLOG - 1), mx.int32)], axis=1)
         self.backlog = np.ones(last.shape[0], dtype=np.int64)
 
 
 def check_draft_vocab(name, draft_tokenizer, tokenizer) -> None:
-    """Refuse a draft model whose tokenizer is not the target's: every token of the draft's vocabulary
-    must have the target's id (a draft's token id is verified as the target's token of that id), so
-    two tokenizers of one size but other tokens are refused too. Needs only the tokenizers, so a job
-    is refused before any weights load."""
+    """Refuse a draft model unless each of its tokens has the target's id (a drafted id is verified as is)."""
     mine, theirs = draft_tokenizer.get_vocab(), tokenizer.get_vocab()
     differ = [t for t, i in mine.items() if theirs.get(t) != i]
     if differ:
@@ -330,15 +287,13 @@ def check_draft_vocab(name, draft_tokenizer, tokenizer) -> None:
 
 
 def load(spec: SpeculativeConfig, bundle: ModelBundle, counters=None) -> DraftModelDrafter:
-    """The drafter for `speculative.draft_model`, checked against the target's tokenizer."""
     from ..architectures import prepare
     from ..kernels import install
     from ..models.loading import load as load_model
-
     draft = load_model(spec.draft_model, gguf_mode=bundle.gguf_mode)
     check_draft_vocab(spec.draft_model, draft.tokenizer, bundle.tokenizer)
-    prepare(draft.model, draft.model_type, bundle.vocab_size)  # batching adapters; refuses what it cannot batch
-    # the target's CUDA decode paths but the layer kernels, which the engine installs on the target alone
+    prepare(draft.model, draft.model_type, bundle.vocab_size)
+    # the target's CUDA decode paths but the layer kernels, which patch the target alone
     install(draft.model, spec.compiled_verify != "off", layers=False)
     return DraftModelDrafter(draft.model, bundle.vocab_size, compiled=spec.compiled_verify != "off", measure=True,
                              counters=counters)

@@ -1,11 +1,8 @@
 """Small device arrays where kernels read them well: the one module of this package the core imports.
 
-MLX's CUDA allocator gives arrays of at most SMALL_POOL_BYTES (a scalar, one row's lengths) managed memory
-from a small pool the host also touches (mlx/backend/cuda/allocator.cpp): a kernel reading one waits on a
-page that is not on the GPU (on the H200 an add + norm kernel reading its eps so took 8.1 us against 3.1).
-So on CUDA the small arrays kernels read are made larger (`resident_constant`, `padded`), and a constant
-made once (`constant`) is a view of a longer array.
-"""
+MLX's CUDA allocator serves arrays of at most SMALL_POOL_BYTES from managed memory the host also
+touches, so a kernel reading one waits on a page fault (an add + norm reading its eps: 8.1 us against
+3.1 on the H200). On CUDA the small arrays kernels read are therefore made larger."""
 
 from __future__ import annotations
 
@@ -20,12 +17,11 @@ _constants = {}
 
 @functools.cache
 def cuda_ready() -> bool:
-    """Whether arrays run on MLX's CUDA backend (the custom kernels' only home)."""
     return bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and mx.default_device() == mx.gpu)
 
 
 def pads() -> bool:
-    """Whether small arrays are padded out of the pool: on CUDA (the CPU backend has no such pool)."""
+    """Whether small arrays are padded out of the pool (only CUDA has one)."""
     return cuda_ready()
 
 
@@ -34,8 +30,7 @@ def _past_pool(dtype) -> int:  # elements of `dtype` that make an array too larg
 
 
 def constant(key, values: np.ndarray) -> mx.array:
-    """`values` as an int32 device array made once per `key` (a compiled program captures it: no kernel a
-    call); a short one is a view of a longer array, out of the pool."""
+    """`values` as an int32 device array made once per `key`: a view of an array too long for the pool."""
     if key not in _constants:
         n = len(values)
         longer = np.concatenate([values, np.zeros(max(0, _past_pool(mx.int32) - n), values.dtype)])
@@ -45,16 +40,13 @@ def constant(key, values: np.ndarray) -> mx.array:
 
 
 def resident_constant(values, dtype=mx.float32) -> mx.array:
-    """`values` (a sequence) as a device array, where `pads()` padded with zeros out of the pool (kernels
-    read the first len(values) elements)."""
+    """`values` as a device array, zero-padded out of the pool where `pads()`."""
     pad = max(0, _past_pool(dtype) - len(values)) if pads() else 0
     return mx.array(list(values) + [0] * pad, dtype=dtype)
 
 
 def padded(a: mx.array):
-    """A copy of `a` (1-D) large enough to stay out of the pool, or None where `a` is out of it already (or
-    `pads()` is false): its first a.size elements are `a`, then copies of a[0], in one gather by a constant
-    index (a fill and two copies would be three kernels, and a round pads the lengths of each forward)."""
+    """A copy of 1-D `a` too large for the pool (one gather), or None where `a` needs none."""
     if not pads() or a.nbytes > SMALL_POOL_BYTES or a.ndim != 1:
         return None
     n = _past_pool(a.dtype)

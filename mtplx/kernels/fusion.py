@@ -1,23 +1,13 @@
 """Sibling projections (q/k/v, gate/up) as one product at a few rows, a load-time model transform.
 
-q_proj, k_proj and v_proj (gate_proj, up_proj) read the same input: at a decode step one matrix-vector
-product over their stacked weights does the work of three (two) in fewer kernels. The first sibling
-called on an input computes the stacked product and each takes its slice; past `few_rows` rows each
-multiplies by its own rows of the stacked weight (a view). A row of a matrix-vector product does not
-depend on the others (a warp per output row): the values are the separate products'. The stacked arrays
-(quantized ones too) replace the originals. The engine stacks where its decode steps are compiled on CUDA
-(`stacking_pays`; eagerly it measured slower); `unstack(model)` puts the layers back (views: no copy).
-
-On CUDA MLX takes cuBLAS for a float product of several rows, which its CUDA graphs record by stream
-capture, a child graph each (~11 a one-stream MTP round on the H200: the head's commit over the verified
-tokens); `head_gemv` makes the MTP head's products of a few rows matrix-vector products (`RowsLinear`),
-one plain graph node each (1.65x plain against 1.47x at one stream, with rows_attention's strided kernel).
-"""
+One matrix-vector product over the stacked weights replaces three (two) kernels, with the separate
+products' values. `head_gemv` makes the MTP head's few-row products vector products: plain CUDA graph
+nodes, not cuBLAS child graphs (1.65x against 1.47x plain decoding at one stream, H200)."""
 
 from __future__ import annotations
 
 import copy
-from typing import List, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,18 +17,15 @@ from .device import cuda_ready
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 QMV_ROWS = 7  # MLX CUDA's quantized matmul runs its vector kernel (qmv) below 8 rows (quantized.cpp)
 GEMV_ROWS = 8  # a commit of up to 8 verified tokens (depth 7) at one stream
-# a weight the vector kernel reads once a row: only where it stays in the GPU's L2 cache (H200: 50 MB) between
-# rows; larger (an 8B model's head) is read once by the GEMM
-GEMV_MAX_BYTES = 16 << 20
+GEMV_MAX_BYTES = 16 << 20  # the vector kernel reads the weight once a row: it pays while it stays in L2
 
 
 def stacking_pays() -> bool:
-    """Stacked projections measured faster only in compiled CUDA decode steps."""
+    """Stacked projections measured faster only in compiled CUDA decode steps (eagerly: slower)."""
     return cuda_ready()
 
 
 def _like(layer: nn.Module, arrays) -> nn.Module:
-    """A copy of `layer` (its class and settings: bits, group size, mode) holding `arrays`."""
     new = copy.copy(layer)
     for k, a in arrays.items():
         new[k] = a
@@ -46,8 +33,7 @@ def _like(layer: nn.Module, arrays) -> nn.Module:
 
 
 class _Stacked:
-    """Sibling layers as one layer of the same kind over their stacked arrays, each sibling's own layer as
-    a view of its rows, and the last stacked product, shared by the siblings' parts."""
+    """Sibling layers as one stacked layer, a view per sibling, and the last product they share."""
 
     def __init__(self, layers: Sequence[nn.Module]):
         keys = [k for k, v in layers[0].items() if isinstance(v, mx.array)]
@@ -57,9 +43,7 @@ class _Stacked:
         self.spans = list(zip(bounds[:-1], bounds[1:]))
         self.views = [_like(layers[0], {k: self.layer[k][a:b] for k in keys}) for a, b in self.spans]
         self.few_rows = few_rows(self.layer)
-        self._x = None
-        self._parts: List[mx.array] = []
-        self._left = 0
+        self._x, self._parts, self._left = None, [], 0  # the last input, its parts, the parts not yet taken
 
     def part(self, x: mx.array, i: int) -> mx.array:
         if self._x is not x or self._left == 0:
@@ -68,34 +52,31 @@ class _Stacked:
             self._x, self._left = x, len(self._parts)
         out = self._parts[i]
         self._left -= 1
-        if self._left == 0:  # every sibling has its slice: drop the references
+        if self._left == 0:
             self._x, self._parts = None, []
         return out
 
 
 class StackedPart(nn.Module):
-    """One sibling projection. The first holds the stacked layer as its child `stacked` (so the
-    model's parameter bytes are unchanged); the others hold no parameters."""
+    """One sibling projection; the first owns the stacked layer (so the parameter bytes are unchanged)."""
 
     def __init__(self, stacked: _Stacked, index: int):
         super().__init__()
         if index == 0:
             self.stacked = stacked.layer
-        self._stacked = [stacked]  # a list: a plain attribute, not a child module or parameter
+        self._stacked = [stacked]  # a list: not a child module
         self._index = index
 
     def __call__(self, x):
         st = self._stacked[0]
         if x.size // x.shape[-1] > st.few_rows:
-            return st.views[self._index](x)  # more rows: each sibling's own product
+            return st.views[self._index](x)
         return st.part(x, self._index)
 
 
 def few_rows(layer) -> int:
-    """Up to how many rows (the product's M) a stacked product keeps each sibling's values: one for every
-    layer; QMV_ROWS for a quantized layer under MLX's CUDA qmv, a warp per output row of each row whatever N
-    is (unless qmm_sm90 takes it: a group as long as the input), so a one-stream verify of up to 7 tokens
-    stacks too; GEMV_ROWS for a RowsLinear (a vector product a row)."""
+    """Up to how many rows a stacked product keeps each sibling's values: QMV_ROWS under MLX's CUDA qmv
+    (unless qmm_sm90 takes a group as long as the input), GEMV_ROWS for a RowsLinear, else one."""
     if isinstance(layer, RowsLinear):
         return GEMV_ROWS if layer.weight.nbytes <= GEMV_MAX_BYTES else 1
     if isinstance(layer, nn.QuantizedLinear) and cuda_ready() and layer.group_size < layer.weight.shape[1] * 32 // layer.bits:
@@ -103,19 +84,14 @@ def few_rows(layer) -> int:
     return 1
 
 
-def _settings(m) -> tuple:
-    return (type(m), m["weight"].shape[1], m["weight"].dtype, getattr(m, "group_size", None), getattr(m, "bits", None),
-            getattr(m, "mode", None))
-
-
 def _fusable(layers) -> bool:
-    return (all(type(m) in (nn.Linear, nn.QuantizedLinear, RowsLinear) and "bias" not in m for m in layers)
-            and len({_settings(m) for m in layers}) == 1)
+    if not all(type(m) in (nn.Linear, nn.QuantizedLinear, RowsLinear) and "bias" not in m for m in layers):
+        return False
+    return len({(type(m), m["weight"].shape[1], m["weight"].dtype, getattr(m, "group_size", None),
+                 getattr(m, "bits", None), getattr(m, "mode", None)) for m in layers}) == 1
 
 
 def fuse_projections(model, groups: Sequence[Sequence[str]] = GROUPS) -> int:
-    """Replace each bias-free group of `groups` in `model` (Linear layers of one kind, plain or quantized)
-    by StackedParts; returns how many parts. Memory grows by one group at most (its originals are dropped)."""
     n = 0
     for _, module in list(model.named_modules()):
         for names in groups:
@@ -133,8 +109,7 @@ def fuse_projections(model, groups: Sequence[Sequence[str]] = GROUPS) -> int:
 
 
 def unstack(model) -> int:
-    """Undo `fuse_projections`: each part becomes its own layer again (a view of its rows of the
-    stacked arrays: no copy). Returns how many parts."""
+    """Undo `fuse_projections` (each part becomes its view, no copy); returns how many parts."""
     n = 0
     for _, module in list(model.named_modules()):
         for name in list(module.keys()):
@@ -146,9 +121,7 @@ def unstack(model) -> int:
 
 
 class RowsLinear(nn.Linear):
-    """A float Linear whose product over 2..GEMV_ROWS rows is MLX's matrix-vector kernel over a batch of
-    vectors (W @ x[..., None]), not a GEMM: each row the bits of its one-row product (gemv). Past GEMV_ROWS
-    and at one row it is nn.Linear's product."""
+    """A float Linear whose product over 2..GEMV_ROWS rows is matrix-vector products, not a GEMM."""
 
     def __call__(self, x):
         rows = x.size // x.shape[-1]
@@ -158,9 +131,6 @@ class RowsLinear(nn.Linear):
 
 
 def head_gemv(head, vocab=None) -> int:
-    """Make the MTP head's float Linear layers (its blocks' and fc) RowsLinear, before fuse_projections (whose
-    stacked layers keep the class), and the drafting vocabulary's projection (drafting.mtp_bank.DraftVocab) a
-    matrix-vector product at one row. Returns how many layers."""
     if vocab is not None:
         vocab.as_vector_product()
     n = 0

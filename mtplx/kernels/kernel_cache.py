@@ -1,21 +1,8 @@
-"""Our custom CUDA kernels built once per machine, not once per process, in a cache only this user can write.
+"""Our CUDA kernels built once per machine, not once per process, in a cache only this user can write.
 
-MLX keeps the kernels it builds in an on-disk "PTX cache" and looks custom kernels (`mx.fast.cuda_kernel`)
-up there too, loading whatever file has the expected name, but never writes one: every fresh process
-compiles each instantiation (each `template=` combination, a fraction of a second of NVRTC) at its first
-call, seconds at a fresh run's first MTP proposal (2.08 s on the H200; ~0 here). `prepare_cache_dir()`,
-at process start, gives that cache a private directory (the user's MLX_PTX_CACHE_DIR, else
-`<mtplx cache>/mlx-ptx/<MLX version>`, made 0700; one that someone else could write is refused).
-`cuda_kernel(...)` is `mx.fast.cuda_kernel(...)` that, before an instantiation's first call in a process,
-makes sure MLX's cache holds our build of it: an entry counts when the record we wrote for it (the sha256
-of its files, under the sha256 of its source and compile options) matches its bytes; otherwise it is
-compiled with NVRTC (through ctypes, the library MLX links) and written under MLX's own name for it
-(`generated_source` writes the source MLX would generate, whose std::hash names the entry): the cubin and
-the kernel's mangled name, then the record. MLX then loads it, here and in every later process. Anything
-that does not work out (no private directory, no NVRTC or CUDA headers, a compile error, a kernel whose
-source asks for shapes) leaves the instantiation to MLX: the values are the same program's either way,
-only where it was compiled changes.
-"""
+MLX reads custom kernels from its PTX cache but never writes them (2.08 s of builds at a fresh run's
+first MTP proposal, H200). `cuda_kernel` compiles each instantiation with NVRTC into that cache under
+MLX's name, with a record of its hashes; whatever fails is left to MLX (the same program)."""
 
 from __future__ import annotations
 
@@ -39,23 +26,19 @@ from .device import cuda_ready
 _CTYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
            mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
            mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double"}
-# a dtype in a kernel's name (MLX's get_type_string)
-_TYPE_NAMES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.float64: "double",
-               mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
-               mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t"}
+_TYPE_NAMES = {**_CTYPES, mx.float16: "float16_t", mx.bfloat16: "bfloat16_t"}  # in a kernel's name (get_type_string)
 _DEFAULT_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 _UTILS = "mlx/backend/cuda/device/utils.cuh"
 _COMPLEX = "mlx/backend/cuda/device/complex.cuh"
 _SHAPE_INFO = (("Shape", "shape"), ("Strides", "strides"), ("int", "ndim"))
 _MAX_FILE_NAME = 245  # MLX splits longer entry names into directories of this many characters
-# what this process did: instantiations found in MLX's cache as we built them, built here (and seconds), left to MLX
+# instantiations this process found built, built (and seconds), or left to MLX
 stats: Dict[str, object] = {"found": 0, "built": 0, "build_s": 0.0, "left_to_mlx": 0, "reasons": {}}
 _NO_DISK_CACHE = "/dev/null/mlx-ptx"  # a directory MLX cannot create: it then keeps no kernels on disk
-private_dir: Optional[Path] = None  # where our entries are written and trusted, once prepare_cache_dir() says so
+private_dir: Optional[Path] = None  # where our entries are written and trusted
 off = "the kernel cache is not prepared (kernel_cache.prepare_cache_dir() runs at process start)"
 
 
-# -- MLX's names for a custom kernel and its cache entry ------------------------------------------
 def std_hash(data: bytes) -> int:
     """libstdc++'s std::hash of a std::string with these bytes (64-bit _Hash_bytes, seed 0xc70f6907)."""
     m, mask = 0xC6A4A7935BD1E995, (1 << 64) - 1
@@ -74,22 +57,19 @@ def std_hash(data: bytes) -> int:
 def _template_value(value) -> str:
     if isinstance(value, bool):
         return "t" if value else "f"
-    if isinstance(value, int):
-        return str(value)
-    return _TYPE_NAMES[value]
+    return str(value) if isinstance(value, int) else _TYPE_NAMES[value]
 
 
 def generated_source(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str, header: str,
                      inputs: Sequence[Tuple[mx.Dtype, int]], output_dtypes: Sequence[mx.Dtype],
                      template: Sequence[Tuple[str, object]]) -> Tuple[str, str]:
-    """(function name, source) as MLX's CUDA backend writes them for this instantiation: `inputs` are
-    (dtype, ndim) of each input. Raises KeyError for a dtype MLX would not name the same way."""
+    """(function name, source) as MLX writes them; `inputs`: (dtype, ndim) each (KeyError: unnamed dtype)."""
     func = "custom_kernel_" + name + "".join("_" + _template_value(v) for _, v in template)
     lines = [_DEFAULT_HEADER, header, "namespace mlx::core::cu {\n\n", "namespace cg = cooperative_groups;\n\n",
              f"__global__ void {func}(\n"]
     for n, (dtype, ndim) in zip(input_names, inputs):
         lines.append(f"    const {_CTYPES[dtype]}* {n},\n")
-        if ndim > 0:  # the shape, strides and ndim of an input whose name the source uses with them
+        if ndim > 0:
             lines += [f"    const __grid_constant__ {t} {n}_{s},\n" for t, s in _SHAPE_INFO if f"{n}_{s}" in source]
     for i, (n, dtype) in enumerate(zip(output_names, output_dtypes)):
         lines.append(f"    {_CTYPES[dtype]}* {n}" + (",\n" if i < len(output_names) - 1 else ") {\n"))
@@ -107,13 +87,12 @@ def generated_source(name: str, input_names: Sequence[str], output_names: Sequen
 
 
 def entry_name(func: str, source: str) -> str:
-    """MLX's name for the module of a custom kernel: its name and the std::hash of its source, in hex."""
+    """MLX's name for a custom kernel's module: its name and the std::hash of its source."""
     return f"{func}_{std_hash(source.encode()):x}"
 
 
 def check_private(path: Path) -> None:
-    """Raise, saying why in a line, unless `path` is a directory (not a symlink) of this user that group and
-    others cannot write, under directories of this user or root that others cannot change (or sticky, as /tmp)."""
+    """Raise, saying why, unless `path` and the directories above it are safe from other users."""
     st, me = os.lstat(path), os.geteuid()
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeError(f"{path} is not a directory{' but a symlink' if stat.S_ISLNK(st.st_mode) else ''}")
@@ -127,10 +106,7 @@ def check_private(path: Path) -> None:
 
 
 def prepare_cache_dir() -> Optional[str]:
-    """Give MLX's kernel cache a private directory; once a process, before MLX builds its first CUDA kernel:
-    MLX reads MLX_PTX_CACHE_DIR once, at its first JIT build (a static in ptx_cache_dir(),
-    mlx/backend/cuda/jit_module.cpp). The user's MLX_PTX_CACHE_DIR stays; else it becomes
-    <mtplx cache>/mlx-ptx/<MLX version>, created 0700. Returns None, or why our entries are off (one line)."""
+    """Give MLX's kernel cache a private directory before its first JIT build; None, or why not."""
     global private_dir, off
     own = os.environ.get("MLX_PTX_CACHE_DIR")
     own = None if own == _NO_DISK_CACHE else own  # a parent process's refusal: check again
@@ -149,14 +125,12 @@ def prepare_cache_dir() -> Optional[str]:
 
 
 def entry_path(directory: Path, module: str) -> Path:
-    """The .ptx file MLX reads for `module` (names past 245 characters become directories, as in MLX)."""
     parts = [module[i:i + _MAX_FILE_NAME] for i in range(0, len(module), _MAX_FILE_NAME)] or [""]
     return directory.joinpath(*parts[:-1], parts[-1] + ".ptx")
 
 
 def write_entry(path: Path, kernel: str, mangled: str, binary: bytes, root: Path, key: str) -> None:
-    """The kernel-name file, the binary, then the record (for `key`, record_key of the source), each renamed
-    into place: MLX takes the entry as present once the .ptx exists, so it never reads half of one."""
+    """The kernel-name file, the binary, then the record, each renamed into place (MLX never reads half)."""
     files = {path.with_suffix(".txt"): f"{kernel}\t{mangled}\n".encode(), path: binary}
     files[_record(root, key)] = _sums(files, root).encode()
     for target, data in files.items():
@@ -167,8 +141,6 @@ def write_entry(path: Path, kernel: str, mangled: str, binary: bytes, root: Path
 
 
 def record_key(source: str) -> str:
-    """sha256 of what an entry is built from: the source, NVRTC's version, its options (architecture,
-    include paths) and MLX's device headers."""
     nvrtc, options, headers = compiler()
     texts = [source, repr(nvrtc.version), *options, *headers]
     return hashlib.sha256(b"\0".join([t.encode() for t in texts] + list(headers.values()))).hexdigest()
@@ -179,22 +151,18 @@ def _record(root: Path, key: str) -> Path:
 
 
 def _sums(files: Dict[Path, bytes], root: Path) -> str:
-    """sha256sum's lines for `files`, paths relative to `root`: an entry's record."""
     return "".join(sorted(f"{hashlib.sha256(data).hexdigest()}  {p.relative_to(root)}\n" for p, data in files.items()))
 
 
 def trusted(root: Path, key: str, path: Path) -> bool:
-    """Whether the entry at `path` is byte for byte what we built for `key` (its record says so)."""
     try:
         files = {p: p.read_bytes() for p in (path, path.with_suffix(".txt"))}
         return _record(root, key).read_text() == _sums(files, root)
-    except OSError:  # no entry, or no record: an entry we did not write
+    except OSError:
         return False
 
 
-# -- NVRTC --------------------------------------------------------------------------------------
 class _Nvrtc:
-    """The NVRTC library MLX links (libnvrtc.so.13, already loaded with MLX's CUDA backend)."""
 
     def __init__(self):
         self.lib = self._load()
@@ -207,17 +175,12 @@ class _Nvrtc:
     @staticmethod
     def _load():
         errors = []
-        for name in ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"):
+        found = [str(f) for d in _package_dirs("lib") for f in sorted(d.glob("libnvrtc.so*"))]
+        for name in ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so", *found]:
             try:
                 return ctypes.CDLL(name)
             except OSError as e:
                 errors.append(str(e))
-        for d in _package_dirs("lib"):
-            for f in sorted(d.glob("libnvrtc.so*")):
-                try:
-                    return ctypes.CDLL(str(f))
-                except OSError as e:
-                    errors.append(str(e))
         raise RuntimeError("no NVRTC library: " + "; ".join(errors))
 
     def _check(self, code: int, what: str) -> None:
@@ -226,7 +189,6 @@ class _Nvrtc:
             raise RuntimeError(f"{what}: {self.lib.nvrtcGetErrorString(code).decode()}")
 
     def compile(self, source: str, kernel: str, options: Sequence[str], headers: Dict[str, bytes]) -> Tuple[bytes, str]:
-        """(cubin, mangled name of `kernel`) for `source` compiled with `options`."""
         lib, prog = self.lib, ctypes.c_void_p()
         names = list(headers)
         hdrs = (ctypes.c_char_p * len(names))(*[headers[n] for n in names])
@@ -267,8 +229,7 @@ def _package_dirs(sub: str) -> List[Path]:
 
 
 def include_dirs() -> List[Path]:
-    """MLX's bundled headers (its include/ and CCCL), then the CUDA runtime headers (cuda_fp16.h), looked
-    for where MLX looks (an nvidia package, then CUDA_HOME / CUDA_PATH, then /usr/local/cuda) and on sys.path."""
+    """MLX's bundled headers, then the CUDA runtime's, where MLX looks for them."""
     mlx_inc = Path(mx.__file__).parent / "include"
     dirs = [d for d in (mlx_inc, mlx_inc / "cccl") if d.is_dir()]
     homes = [Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
@@ -279,9 +240,7 @@ def include_dirs() -> List[Path]:
 
 
 def mlx_device_headers() -> Dict[str, bytes]:
-    """MLX's device-utility header (utils.cuh, which the source MLX generates for a custom kernel
-    includes) and the complex.cuh it includes, as MLX's library embeds them for NVRTC: they are not
-    shipped as files. Found among the library's embedded header texts by what each defines."""
+    """MLX's utils.cuh and complex.cuh, embedded in libmlx (not shipped as files), by what each defines."""
     lib = Path(mx.__file__).parent / "lib" / "libmlx.so"
     with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         texts = set()
@@ -300,7 +259,6 @@ def mlx_device_headers() -> Dict[str, bytes]:
 
 
 def arch_option() -> str:
-    """--gpu-architecture for this device's own code (sm_XY, with `a` from compute capability 9), as MLX builds."""
     info = mx.device_info()
     major, minor = info.get("compute_capability_major"), info.get("compute_capability_minor")
     if major is None:
@@ -313,15 +271,12 @@ def arch_option() -> str:
 
 @functools.cache
 def compiler() -> Tuple[_Nvrtc, List[str], Dict[str, bytes]]:
-    """NVRTC, MLX's options for this device and MLX's device headers (found once a process)."""
     nvrtc = _Nvrtc()
     return (nvrtc, ["--device-as-default-execution-space", arch_option()]
             + [f"--include-path={d}" for d in include_dirs()], mlx_device_headers())
 
 
 def build(func: str, source: str, root: Path, key: str) -> Path:
-    """Compile MLX's source of one instantiation and write MLX's cache entry for it under `root`, with its
-    record for `key`; returns the entry's path."""
     nvrtc, options, headers = compiler()
     kernel = "mlx::core::cu::" + func
     binary, mangled = nvrtc.compile(source, kernel, options, headers)
@@ -330,7 +285,6 @@ def build(func: str, source: str, root: Path, key: str) -> Path:
     return path
 
 
-# -- the kernel object --------------------------------------------------------------------------
 class CachedKernel:
     """An mx.fast.cuda_kernel whose instantiations are in MLX's cache before their first call."""
 
@@ -339,7 +293,7 @@ class CachedKernel:
         self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
         self.source, self.header = source, header
         self._options = {"ensure_row_contiguous": ensure_row_contiguous, "shared_memory": shared_memory}
-        self._mlx = None  # MLX's kernel object (made at the first call: it exists only on CUDA)
+        self._mlx = None  # made at the first call: it exists only on CUDA
         self._seen = set()
 
     def __call__(self, *, inputs, output_dtypes, template=(), **kwargs):
@@ -350,7 +304,6 @@ class CachedKernel:
         return self._mlx(inputs=inputs, output_dtypes=output_dtypes, template=template, **kwargs)
 
     def ensure(self, inputs, output_dtypes, template) -> None:
-        """Make sure MLX's cache holds our build of this instantiation (once per process per instantiation)."""
         arrays = [(a.dtype, a.ndim) if isinstance(a, mx.array) else None for a in inputs]
         key = (tuple(arrays), tuple(output_dtypes), tuple((n, v) for n, v in template))
         if key in self._seen:
@@ -375,9 +328,8 @@ class CachedKernel:
             stats["build_s"] += time.perf_counter() - t0
         except Exception as e:  # MLX compiles it at its first call
             stats["left_to_mlx"] += 1
-            reasons = stats["reasons"]
             reason = f"{type(e).__name__}: {e}"[:300]
-            reasons[reason] = reasons.get(reason, 0) + 1
+            stats["reasons"][reason] = stats["reasons"].get(reason, 0) + 1
 
 
 cuda_kernel = CachedKernel  # `mx.fast.cuda_kernel` with the same arguments, built once per machine

@@ -1,14 +1,9 @@
 """A Qwen3 layer's small ops as fewer CUDA kernels: residual add + RMSNorm, q/k RMSNorm + RoPE.
 
-At one stream a decode step of an 8B model is ~145 weight matmuls and ~12 small kernels a layer around
-them, each a few microseconds on the H200 whatever its size. Two kernels take five of them a layer:
-`add_rms_norm` (a block returns its second residual sum lazily, and the next patched block or the final
-norm that receives exactly that array takes its two terms, so the lone add never runs) and
-`qk_norm_rope` (one warp a head). Each reproduces MLX's own CUDA arithmetic (rms_norm.cu's block size,
-order of the sum of squares and reductions; rope.cu's angle and rotation): the unfused ops' values bit
-for bit. Every forward of a patched model takes them, so plain decoding and speculation see one model.
-`install(model)` swaps the classes of the blocks, attentions and final norm (CUDA only).
-"""
+Two kernels take five of a decode step's ~12 small kernels a layer. A block returns its residual sum
+lazily and the next patched block or final norm adds and normalizes its two terms in one kernel. Each
+kernel reproduces MLX's CUDA arithmetic bit for bit and every forward takes them: one model for plain
+decoding and speculation."""
 
 from __future__ import annotations
 
@@ -20,13 +15,13 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..adapters import swap_call
 from . import device, kernel_cache
 from .device import cuda_ready
 
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
 
-# One block per row, BLOCK threads (MLX's choice for this width, `_norm_layout`); each thread
-# reads NR consecutive elements at vector index c * BLOCK + tid for c < CHUNKS.
+# One block per row, BLOCK threads (`_norm_layout`); thread tid reads NR elements at vector c * BLOCK + tid.
 _ADD_NORM = """
   auto block = cg::this_thread_block();
   auto warp = cg::tiled_partition<32>(block);
@@ -78,8 +73,7 @@ _ADD_NORM = """
   }
 """
 
-# One warp per (head, token, row): heads 0..HQ-1 are q's, HQ..HQ+HK-1 k's. params: eps, log2(base),
-# scale (float32). offset: int32, read at b * OSTRIDE.
+# One warp per (head, token, row), q's heads then k's. params: eps, log2(base), scale; offset[b * OSTRIDE].
 _QK_ROPE = """
   auto warp = cg::tiled_partition<32>(cg::this_thread_block());
   __shared__ T buf[D];
@@ -145,7 +139,6 @@ _consts = {}
 
 
 def _const(*values) -> mx.array:
-    """A float32 constant array for the kernels, in device memory (device.resident_constant)."""
     key = values + (device.pads(),)
     if key not in _consts:
         _consts[key] = device.resident_constant(values)
@@ -154,14 +147,14 @@ def _const(*values) -> mx.array:
 
 @functools.cache
 def log2f(x: float) -> float:
-    """The C library's float log2, which MLX's RoPE calls on the host for its base (std::log2(float))."""
+    """The C library's float log2, as MLX's RoPE computes its base on the host."""
     f = ctypes.CDLL(ctypes.util.find_library("m") or None).log2f
     f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]
     return float(f(x))
 
 
 def _norm_layout(D: int, itemsize: int):
-    """(threads per row, chunks per thread, elements per read): how MLX's rms_norm.cu lays a row out."""
+    """(threads per row, chunks per thread, elements per read) as MLX's rms_norm.cu lays a row out."""
     nr = 16 // itemsize
     nvec = -(-D // nr)
     if D > nr * 128 * 8:
@@ -175,7 +168,6 @@ def _norm_layout(D: int, itemsize: int):
     return 128, -(-nvec // 128), nr
 
 
-# -- the two fused ops (kernel on CUDA, the unfused MLX ops otherwise) ---------------------------
 def add_rms_norm_reference(x, r, weight, eps):
     h = x + r
     return h, mx.fast.rms_norm(h, weight, eps)
@@ -187,7 +179,6 @@ def add_norm_usable(x, r, weight) -> bool:
 
 
 def add_rms_norm(x: mx.array, r: mx.array, weight: mx.array, eps: float):
-    """(x + r, rms_norm(x + r, weight, eps)) as one kernel; the same values as the two ops."""
     D = x.shape[-1]
     block, chunks, nr = _norm_layout(D, x.dtype.size)
     return _ADD_NORM_KERNEL(
@@ -219,13 +210,12 @@ def qk_usable(q, k, q_norm, k_norm, rope, n_q, n_kv) -> bool:
 
 
 def qk_norm_rope(q, k, q_norm, k_norm, rope, offset, n_q, n_kv):
-    """`qk_norm_rope_reference` as one kernel (the same values)."""
     B, L, _ = q.shape
     D = q.shape[-1] // n_q
     if isinstance(offset, mx.array):
         stride = 1 if offset.ndim == 1 and offset.shape[0] == B and B > 1 else 0
         off = offset.astype(mx.int32).reshape(-1)
-    else:  # the layers of one eager step share one length: one small array per step, not per layer
+    else:  # an eager step's layers share one offset: one small array a step
         if _State.offset[0] != int(offset):
             _State.offset = (int(offset), device.resident_constant([int(offset)], mx.int32))
         stride, off = 0, _State.offset[1]
@@ -238,23 +228,18 @@ def qk_norm_rope(q, k, q_norm, k_norm, rope, offset, n_q, n_kv):
         output_shapes=[(B, n_q, L, D), (B, n_kv, L, D)], output_dtypes=[q.dtype, q.dtype])
 
 
-# -- plugging them into mlx-lm's Qwen3 code -----------------------------------------------------
 class _State:
-    # the last patched block's output, lazily x + r, and its two terms: the next patched block (or
-    # final norm) that receives exactly that array adds and normalizes in one kernel
-    pending = None
+    pending = None  # (the last patched block's lazy output x + r, x, r)
     offset = (None, None)  # the last int rope offset and its device array
 
 
 def _add_norm(norm, x, r):
-    if add_norm_usable(x, r, norm.weight):
-        return add_rms_norm(x, r, norm.weight, norm.eps)
-    return add_rms_norm_reference(x, r, norm.weight, norm.eps)
+    fused = add_norm_usable(x, r, norm.weight)
+    return (add_rms_norm if fused else add_rms_norm_reference)(x, r, norm.weight, norm.eps)
 
 
 def _input_norm(norm, x, plain):
-    """(norm(x), x); when `x` is the sum the last patched block returned lazily, from its two
-    terms in one kernel (the sum itself is then never run). `plain`: norm's own call."""
+    """(norm(x), x); from the pending sum's two terms in one kernel where `x` is that sum."""
     p = _State.pending
     if p is None or p[0] is not x:
         return plain(x), x
@@ -281,10 +266,8 @@ def _attention_call(self, x, mask=None, cache=None):
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     offset = cache.offset if cache is not None else 0
     args = (q, k, self.q_norm, self.k_norm, self.rope)
-    if qk_usable(*args, self.n_heads, self.n_kv_heads):
-        q, k = qk_norm_rope(*args, offset, self.n_heads, self.n_kv_heads)
-    else:
-        q, k = qk_norm_rope_reference(*args, offset, self.n_heads, self.n_kv_heads)
+    fused = qk_usable(*args, self.n_heads, self.n_kv_heads)
+    q, k = (qk_norm_rope if fused else qk_norm_rope_reference)(*args, offset, self.n_heads, self.n_kv_heads)
     v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
@@ -293,29 +276,18 @@ def _attention_call(self, x, mask=None, cache=None):
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-# The mlx-lm module whose blocks and attentions it patches (a model is patched only if every layer is one).
-# On the H200 the 8B Qwen3 shape ran at or above the unfused ops (177 vs 166, 180 vs 178 tok/s), but a
-# cuda_kernel call costs ~19-25 us in a chain of one-row calls against ~8 for an MLX op: it pays where one
-# kernel replaces four (Qwen3's q/k norms + RoPE), not where it would replace two RoPEs (Llama, Qwen2).
+# A cuda_kernel call costs ~19-25 us against ~8 for an MLX op: it pays where one kernel replaces four
+# (Qwen3's q/k norms + RoPE: 177 vs 166 tok/s at 8B on the H200), not two RoPEs (Llama, Qwen2).
 FAMILY = "mlx_lm.models.qwen3"
 _patched = {}  # mlx-lm class -> its patched subclass
 
 
 def _own(module):
-    """The module's mlx-lm class (under our patch, if patched)."""
     return type(module).__mro__[1] if type(module) in _patched.values() else type(module)
 
 
-def _swap(module, call):
-    cls = _own(module)
-    if cls not in _patched:
-        _patched[cls] = type(f"Fused{cls.__name__}", (cls,), {"__call__": call})
-    module.__class__ = _patched[cls]
-
-
 def _claims(model):
-    """The model's inner decoder (`model.model`) when every layer is a FAMILY block with plain RMSNorms
-    and RoPE, else None."""
+    """`model.model` when every layer is a FAMILY block with plain RMSNorms and RoPE, else None."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if not layers or _own(getattr(inner, "norm", None)) is not nn.RMSNorm:
@@ -333,21 +305,18 @@ def _claims(model):
 
 
 def install(model) -> int:
-    """Patch the blocks, attentions and final norm of a FAMILY model; returns how many layers (0: not on
-    CUDA, or a model it does not claim, which keeps mlx-lm's code)."""
     inner = _claims(model) if cuda_ready() else None
     if inner is None:
         return 0
     _State.pending = None
     for layer in inner.layers:
-        _swap(layer, _block_call)
-        _swap(layer.self_attn, _attention_call)
-    _swap(inner.norm, _final_norm_call)
+        swap_call(layer, _block_call, "Fused", _patched)
+        swap_call(layer.self_attn, _attention_call, "Fused", _patched)
+    swap_call(inner.norm, _final_norm_call, "Fused", _patched)
     return len(inner.layers)
 
 
 def uninstall(model) -> int:
-    """Give the patched modules their classes back; returns how many were patched."""
     n = 0
     for _, m in model.named_modules():
         if type(m) in _patched.values():

@@ -1,19 +1,9 @@
 """Attention for a few new tokens per row over a capacity-bucket KV cache, each row to its own length.
 
-The batch cache (cache.py) attends over the whole bucket under a [B, 1, N, cap] boolean mask, for which
-MLX's CUDA backend has no fused kernel (each layer falls back to matmul, select, softmax, matmul). This
-kernel computes every query with the arithmetic of MLX's one-pass vector kernel
-(scaled_dot_product_attention.cu, `kernel_sdpav_1pass`, causal) over keys 0..lengths[b] + i for query i
-of row b: bit for bit what MLX computes over that row's exact slice (up to 1024 keys, where MLX stays
-one pass). A block of 32 warps per (row, KV head, chunk of its G x L queries) reads each key once and
-applies it to every query of the chunk in MLX's per-query order, so a query's result does not depend on
-what shares its block: the plain step and a verify compute it alike (greedy speculation stays
-token-identical). On the H200 (us a layer): SmolLM2's width-32 verify of 4 queries 58.8 (a block per
-query, MLX's layout) -> 53.1, Qwen3-8B's 265 -> 170; the masked fallback 42 / 97, and not exact.
-At several queries it reads q, k, v through their strides and writes [B, L, H_q, D]: no copy of the
-transposed q before it, none of the result after it (a one-stream MTP round on the H200 5.79 ms
-against 7.75).
-"""
+MLX's CUDA backend has no fused kernel for the batch cache's mask. Query i of row b reads keys
+0..lengths[b] + i with the arithmetic of MLX's one-pass vector kernel, bit for bit MLX's result over
+that slice whatever shares its block (greedy speculation stays token-identical). At several queries it
+reads through strides and writes [B, L, H_q, D], copying nothing (an MTP round: 5.79 ms, 7.75, H200)."""
 
 from __future__ import annotations
 
@@ -27,17 +17,10 @@ from .device import cuda_ready
 
 
 HEAD_DIMS = (64, 96, 128)
-# MLX's vector kernel takes fewer than 4 queries; 8 covers speculative verifies up to depth 7
-MAX_QUERIES = 8
-# Queries one block carries, by head dim: a lane keeps D/32 outputs and a running max and sum per query
-# in registers, at most ~32 of the 64 a lane has in a 1024-thread block.
-CHUNK_MOST = {64: 8, 96: 5, 128: 4}
-# Queries a block where a launch takes chunks, by head dim (the H200's fastest): at D 64 two keep a lane at
-# 32 registers (two blocks share an SM); at D 96 / 128 any chunk holds an SM alone, and four did best.
-CHUNK = {64: 2, 96: 4, 128: 4}
-# A launch of at most this many blocks keeps a block per query: about two waves of two blocks an SM on an
-# H100 / H200 (132 SMs), where chunks only lengthen each block.
-SPREAD_BLOCKS = 528
+MAX_QUERIES = 8  # MLX's vector kernel takes fewer than 4; 8 covers verifies up to depth 7
+CHUNK_MOST = {64: 8, 96: 5, 128: 4}  # most queries a block carries, by head dim (a lane's registers)
+CHUNK = {64: 2, 96: 4, 128: 4}  # queries a block where a launch takes chunks: the H200's fastest
+SPREAD_BLOCKS = 528  # up to this many blocks, a block per query (two waves of two an SM on 132 SMs)
 
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
 _SOURCE = """
@@ -225,28 +208,22 @@ def usable(q: mx.array, k: mx.array, v: mx.array) -> bool:
 
 
 def split(B: int, Hk: int, queries: int, D: int) -> tuple[int, int]:
-    """(queries a block, blocks a KV head) for `queries` = G x L queries per (row, KV head): a block
-    per query up to SPREAD_BLOCKS blocks, else chunks of CHUNK[D]."""
+    """(queries a block, blocks a KV head) for G x L `queries` per (row, KV head)."""
     if B * Hk * queries <= SPREAD_BLOCKS:
         return 1, queries
     per = min(CHUNK[D], queries)
     return per, -(-queries // per)
 
 
-def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths: mx.array,
-                   per_block: int | None = None) -> mx.array:
-    """softmax(q k^T * scale) v where query i of row b reads keys 0..lengths[b] + i of k/v [B, H_kv, cap, D].
-    q: [B, H_q, L, D], L <= MAX_QUERIES; at several queries the result is a view of a [B, L, H_q, D] array.
-    `per_block`: queries a block (default `split`'s; 1 is MLX's layout), each choice the same bits."""
+def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths: mx.array) -> mx.array:
+    """softmax(q k^T * scale) v, query i of row b over keys 0..lengths[b] + i of k/v [B, H_kv, cap, D]."""
     B, Hq, L, D = q.shape
     Hk = k.shape[1]
     per, blocks = split(B, Hk, Hq // Hk * L, D)
-    if per_block is not None:
-        per, blocks = per_block, -(-(Hq // Hk * L) // per_block)
     key = (scale, device.pads())
     if key not in _scales:
         _scales[key] = device.resident_constant([scale])
-    strided = L > 1  # (at one query the layouts are one: MLX copies nothing either way)
+    strided = L > 1  # at one query the layouts are the same
     shape = (B, L, Hq, D) if strided else q.shape
     (out,) = _KERNELS[strided](inputs=[q, k, v, lengths.astype(mx.int32), _scales[key]],
                                template=[("T", q.dtype), ("D", D), ("QB", per)], grid=(blocks * 1024, Hk, B),
@@ -254,7 +231,6 @@ def rows_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, lengths:
     return out.transpose(0, 2, 1, 3) if strided else out
 
 
-# -- plugging it into mlx-lm model code ------------------------------------------------------------
 _original = None
 
 
@@ -267,11 +243,8 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
 
 
 def install(model) -> int:
-    """Point the `scaled_dot_product_attention` global of the model's attention modules at `attention`.
-    Returns how many modules; 0 off CUDA."""
     global _original
     from mlx_lm.models import base
-
     if not cuda_ready():
         return 0
     _original = _original or base.scaled_dot_product_attention
@@ -288,7 +261,6 @@ def install(model) -> int:
 
 def uninstall() -> None:
     from mlx_lm.models import base
-
     for mod in list(sys.modules.values()):
         if getattr(mod, "scaled_dot_product_attention", None) is attention:
             mod.scaled_dot_product_attention = base.scaled_dot_product_attention

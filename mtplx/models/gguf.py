@@ -1,21 +1,12 @@
-"""Turn a GGUF file (llama.cpp's format) into a directory that mlx-lm loads.
+"""Turn a GGUF file (llama.cpp's format) of a llama, qwen2 or gemma3 model into an mlx-lm directory,
+with its tokenizer files and `mtplx_gguf.json` (what was converted and how).
 
-    convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "models/smollm2")
-
-The directory holds `config.json`, `model*.safetensors`, `tokenizer.json`, `tokenizer_config.json`
-(special tokens, eos, the chat template) and `mtplx_gguf.json` (what was converted and how).
-
-Weights: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks are exactly MLX affine quantization with group
-size 32 (w = scale * q + bias), so they can be kept packed (`dequantize=False`); every other type
-(K-quants, IQ*, F16, ...) is dequantized with the `gguf` package to `dtype`. On the CPU fp32 matmuls are
-the fast ones, so the default there is to dequantize everything; on a GPU the default keeps what can
-be kept quantized.
-
-Architectures: llama (SmolLM2, TinyLlama, ...), qwen2 (Qwen2.5, Qwen2.5-Coder) and gemma3 (text).
-"""
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are exactly MLX affine quantization, so they may stay packed (the
+default on a GPU; on a CPU fp32 matmuls are faster); other types are dequantized with `gguf`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,13 +17,11 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-# GGML tensor types MLX represents exactly as affine quantization (bits, group size).
-_EXACT_QUANT = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}
+_EXACT_QUANT = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}  # exactly MLX affine: bits (group 32)
 _GROUP = 32
 _SHARD_BYTES = 2 << 30
 
-# llama.cpp token types (tokenizer.ggml.token_type)
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type
 
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
 
@@ -46,9 +35,7 @@ _GEMMA3_BLOCK_NAMES = dict(_BLOCK_NAMES, ffn_norm="pre_feedforward_layernorm",
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-# Raised when what a conversion writes changes (2: tokenizers follow transformers'); a copy converted
-# by an older version is converted again.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 2  # raised when the output changes: older copies are converted again
 
 
 class GGUFConversionError(ValueError):
@@ -58,26 +45,17 @@ class GGUFConversionError(ValueError):
 def default_dequantize() -> bool:
     """True where float weights generate faster than quantized ones: on the CPU."""
     import mlx.core as mx
-
     return mx.default_device() == mx.cpu
 
 
 def default_dtype() -> str:
-    import mlx.core as mx
-
-    return "float32" if mx.default_device() == mx.cpu else "float16"
+    return "float32" if default_dequantize() else "float16"
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dequantize: Optional[bool] = None,
                  dtype: Optional[str] = None) -> Path:
-    """Write an mlx-lm model directory for `gguf_path` into `out_dir` and return it.
-
-    dequantize: None picks what is fastest on the current device (CPU: True, GPU: False).
-        False keeps Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 tensors packed as MLX quantized weights.
-    dtype: the float type for dequantized and float tensors (default float32 on CPU, float16 on GPU).
-    """
+    """Write an mlx-lm directory for `gguf_path` into `out_dir` (defaults: the faster here)."""
     import gguf
-
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     dequantize = default_dequantize() if dequantize is None else dequantize
     dtype = dtype or default_dtype()
@@ -95,7 +73,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, de
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     umask = os.umask(0)
     os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700: give it the permissions of a plain mkdir
+    tmp.chmod(0o777 & ~umask)  # a plain mkdir's permissions, not mkdtemp's 0700
     try:
         quant, types = _write_weights(reader, arch, config, tmp, dequantize, dtype)
         if quant:
@@ -113,7 +91,6 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, de
 
 
 def is_current(out_dir: Path) -> bool:
-    """Whether `out_dir` holds a conversion by this version of the converter."""
     try:
         return json.loads((out_dir / "mtplx_gguf.json").read_text()).get("converter") == CONVERTER_VERSION
     except (OSError, ValueError):
@@ -124,10 +101,8 @@ def _read_metadata(reader) -> dict:
     meta = {}
     for key, field in reader.fields.items():
         if not key.startswith("GGUF."):
-            try:
+            with contextlib.suppress(Exception):  # an odd field, unused
                 meta[key] = field.contents()
-            except Exception:  # an odd field we don't use
-                pass
     return meta
 
 
@@ -139,18 +114,16 @@ def _config(meta: dict, arch: str, reader) -> dict:
     n_heads = int(get("attention.head_count"))
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     vocab_size = int(embd.shape[1])  # GGUF shapes are innermost-first: [hidden, vocab]
-    config = {
-        "model_type": _MODEL_TYPES[arch],
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "gemma3": "Gemma3ForCausalLM"}[arch]],
-        "hidden_size": int(get("embedding_length")), "num_hidden_layers": int(get("block_count")),
-        "intermediate_size": int(get("feed_forward_length")), "num_attention_heads": n_heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)), "vocab_size": vocab_size,
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in names,
-    }
+    config = {"model_type": _MODEL_TYPES[arch],
+              "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "gemma3": "Gemma3ForCausalLM"}[arch]],
+              "hidden_size": int(get("embedding_length")), "num_hidden_layers": int(get("block_count")),
+              "intermediate_size": int(get("feed_forward_length")), "num_attention_heads": n_heads,
+              "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+              "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+              "rope_theta": float(get("rope.freq_base", 10000.0)), "vocab_size": vocab_size,
+              "max_position_embeddings": int(get("context_length", 2048)),
+              "tie_word_embeddings": "output.weight" not in names}
     head_dim = get("attention.key_length")
     if head_dim is not None:
         config["head_dim"] = int(head_dim)
@@ -161,15 +134,11 @@ def _config(meta: dict, arch: str, reader) -> dict:
             config["rope_scaling"]["original_max_position_embeddings"] = int(
                 get("rope.scaling.original_context_length", config["max_position_embeddings"]))
     if arch == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in names
-        config["mlp_bias"] = "blk.0.ffn_up.bias" in names
+        config.update(attention_bias="blk.0.attn_q.bias" in names, mlp_bias="blk.0.ffn_up.bias" in names)
     if arch == "gemma3":
-        config["head_dim"] = int(head_dim or 256)
-        config["query_pre_attn_scalar"] = config["head_dim"]
-        config["sliding_window"] = int(get("attention.sliding_window", 512))
-        config["sliding_window_pattern"] = 6
-        config["rope_local_base_freq"] = 10000.0
-        config["rope_theta"] = float(get("rope.freq_base", 1000000.0))
+        config.update(head_dim=int(head_dim or 256), query_pre_attn_scalar=int(head_dim or 256),
+                      sliding_window=int(get("attention.sliding_window", 512)), sliding_window_pattern=6,
+                      rope_local_base_freq=10000.0, rope_theta=float(get("rope.freq_base", 1000000.0)))
     for key, token_key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
         if f"tokenizer.ggml.{token_key}" in meta:
             config[key] = int(meta[f"tokenizer.ggml.{token_key}"])
@@ -198,23 +167,13 @@ def _hf_name(name: str, arch: str) -> Optional[str]:
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's reordering of q/k rows (interleaved rope -> HF's rotate-half layout).
-
-    llama.cpp stores each head's rows as pairs (x0, x_half, x1, x_half+1, ...); HF keeps the two
-    halves apart. Works on weights, biases, and the packed weight/scales/biases of quantized rows.
-    """
+    """Undo llama.cpp's interleaved q/k rows per head (HF keeps the rope halves apart); any row data."""
     rows, rest = w.shape[0], w.shape[1:]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
 def _pack_exact(raw: np.ndarray, qtype: str, rows: int, cols: int):
-    """GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks -> MLX affine (packed uint32 weight, fp16 scales,
-    fp16 biases).
-
-    Every one of these block formats is w = d * q + m over 32 values with an unsigned (or, for
-    Q8_0, shifted) integer q; only where q's bits sit in the block differs. MLX keeps the same
-    scale and bias per group and packs the q's as a little-endian bit stream.
-    """
+    """Exact GGUF blocks (w = d * q + m over 32 values) -> MLX affine (weight, scales, biases)."""
     nblocks = cols // _GROUP
     blocks = np.ascontiguousarray(raw).reshape(rows, nblocks, -1)
 
@@ -248,8 +207,7 @@ def _pack_exact(raw: np.ndarray, qtype: str, rows: int, cols: int):
 
 
 def _pack_bits(q: np.ndarray, bits: int, rows: int, cols: int) -> np.ndarray:
-    """(rows, blocks, 32) integers < 2**bits -> MLX's packing: a little-endian stream of `bits`-bit
-    fields, in uint32 words (a group of 32 values fills exactly `bits` words)."""
+    """(rows, blocks, 32) integers < 2**bits -> MLX's packing, a little-endian bit stream in uint32s."""
     words = np.zeros(q.shape[:-1] + (bits,), dtype=np.uint64)
     for i in range(32):
         word, shift = divmod(i * bits, 32)
@@ -268,9 +226,7 @@ def _is_quantizable(hf: str, rows: int, cols: int) -> bool:
 def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str):
     import gguf
     import mlx.core as mx
-
     mx_dtype = getattr(mx, dtype)
-    # llama.cpp reorders the rows of llama's q and k projections (their head counts undo it)
     permuted = {".self_attn.q_proj.": config["num_attention_heads"],
                 ".self_attn.k_proj.": config["num_key_value_heads"]}
     quant: Dict[str, object] = {}
@@ -309,16 +265,14 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
             if permute_heads:
                 w, s, b = (_unpermute_rows(x, permute_heads) for x in (w, s, b))
             add(f"{module}.weight", w, False)
-            add(f"{module}.scales", s, True)  # fp16 values, exact in fp32: w = d * q + m
+            add(f"{module}.scales", s, True)
             add(f"{module}.biases", b, True)
             bits = _EXACT_QUANT[qtype]
             quant[module] = {"group_size": _GROUP, "bits": bits, "mode": "affine"}
             bits_seen[bits] = bits_seen.get(bits, 0) + 1
             continue
-        if qtype in ("F32", "F16"):
-            w = np.asarray(t.data).reshape(shape).astype(np.float32)
-        else:
-            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        w = np.asarray(t.data) if qtype in ("F32", "F16") else gguf.quants.dequantize(t.data, t.tensor_type)
+        w = w.reshape(shape).astype(np.float32)
         if permute_heads:
             w = _unpermute_rows(w, permute_heads)
         if arch == "gemma3" and hf.endswith("norm.weight"):
@@ -341,7 +295,7 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
     return {"group_size": _GROUP, "bits": top_bits, "mode": "affine", **quant}, types
 
 
-# How text is split before BPE, by `tokenizer.ggml.pre` (the regexes of the original tokenizers).
+# How text is split before BPE, by `tokenizer.ggml.pre`
 _SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}DIGITS"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_SPLIT, _QWEN2_SPLIT = _SPLIT.replace("DIGITS", "{1,3}"), _SPLIT.replace("DIGITS", "")  # digits by 3, by 1
@@ -352,22 +306,18 @@ _SPACE = "\u2581"  # sentencepiece's visible space
 
 
 def build_tokenizer(meta: dict):
-    """A `tokenizers.Tokenizer` from the `tokenizer.ggml.*` metadata of a GGUF file: the tokenizer
-    transformers builds from the same file (tests/test_tokenizer_parity.py compares the two), but
-    where transformers' own tokenizer class for the model differs from its GGUF path, that class."""
+    """The `tokenizers.Tokenizer` transformers' tokenizer class for the model builds from GGUF metadata."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
     from tokenizers import pre_tokenizers, processors
-
     kind = meta.get("tokenizer.ggml.model")
     spelled: List[str] = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(spelled))
     gemma = kind == "llama" and meta.get("general.architecture") in _GEMMA_ARCHS
-    # Gemma files store runs of spaces as spaces; Gemma's tokenizer spells them with "\u2581", as text is
-    # spelled once normalized, so merges reach them (and they are no added tokens matching raw spaces).
+    # Gemma files spell runs of spaces as spaces, its tokenizer (as normalized text) with "\u2581"
     tokens = [_SPACE * len(t) if gemma and " " in t and not t.strip() else t for t in spelled]
     vocab: Dict[str, int] = {}
     for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)  # a few files repeat a token; the first id wins
+        vocab.setdefault(tok, i)  # the first id of a repeated token wins
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None else None
 
@@ -376,10 +326,9 @@ def build_tokenizer(meta: dict):
         pre = meta.get("tokenizer.ggml.pre", "default")
         tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama3")))
         if pre in _SPLITS:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])
+            split = pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated")
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
         else:  # "smollm" too: its declared class, GPT2Tokenizer, rebuilds it without the file's digit split
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if pre in ("qwen2", "deepseek-r1-qwen"):  # as transformers' Qwen2Tokenizer (its GGUF path drops it)
@@ -428,9 +377,8 @@ def build_tokenizer(meta: dict):
 
 
 def _merges_from_scores(vocab: Dict[str, int], scores) -> List[Tuple[str, str]]:
-    """Sentencepiece files list no merges: every split of a token into two known tokens is a merge,
-    ranked as transformers ranks them: by the merged token's score (higher first; without scores,
-    earlier tokens first), then by the lengths of the left and the right part (longer first)."""
+    """Every split of a token into two known tokens, ranked as transformers ranks them: by the merged
+    token's score (else its id), then the longer left, then the longer right part."""
     ranked = []
     for tok, i in vocab.items():
         for cut in range(1, len(tok)):
@@ -451,14 +399,12 @@ def _write_tokenizer(meta: dict, config: dict, out: Path) -> None:
         return tokens[int(i)] if i is not None and int(i) < len(tokens) else None
 
     kind = meta.get("tokenizer.ggml.model")
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"), "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"],
-    }
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token("bos_token_id"),
+                  "eos_token": token("eos_token_id"), "unk_token": token("unknown_token_id"),
+                  "pad_token": token("padding_token_id"),
+                  "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+                  "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+                  "clean_up_tokenization_spaces": False, "model_max_length": config["max_position_embeddings"]}
     if meta.get("tokenizer.chat_template"):
         tok_config["chat_template"] = meta["tokenizer.chat_template"]
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
@@ -471,16 +417,12 @@ def _write_tokenizer(meta: dict, config: dict, out: Path) -> None:
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:
-    """Move the finished files into place; config.json goes last, so a directory with a
-    config.json is always complete."""
-    try:
-        os.rename(tmp, out_dir)  # the common case: out_dir does not exist yet
-        return
-    except OSError:
-        pass
+    """Move the files into place, config.json last: a directory with one is complete."""
+    with contextlib.suppress(OSError):
+        return os.rename(tmp, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = sorted(tmp.iterdir(), key=lambda p: p.name == "config.json")
-    for old in out_dir.glob("model*.safetensors*"):  # weights of an earlier conversion
+    for old in out_dir.glob("model*.safetensors*"):
         if not (tmp / old.name).exists():
             old.unlink()
     for f in files:

@@ -1,17 +1,13 @@
-"""Load a model the way mlx-lm does, but keep the multi-token-prediction weights it throws away.
+"""Load a model as mlx-lm does, keeping the multi-token-prediction weights it throws away.
 
-A model is an mlx-lm directory (config.json + *.safetensors + tokenizer files) or a GGUF file (or
-a directory holding one), which is converted once into an mlx-lm directory under the cache.
-
-Startup is seconds, not tens of them: mlx_lm.utils imports transformers (and torch where it is
-installed), so the common case - safetensors, unquantized or MLX-quantized, no custom model code -
-loads here with mlx-lm's model classes alone (`_load_weights`), and the tokenizer with
-`tokenizers` (tokenizer.py). Anything else goes through mlx-lm's own loaders.
-"""
+A model is an mlx-lm directory or a GGUF file (converted once into one under the cache). mlx_lm.utils
+imports transformers (seconds), so plain safetensors checkpoints load here with mlx-lm's model classes
+alone and the tokenizer with `tokenizers`; anything else goes through mlx-lm's own loaders."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib
 import json
@@ -39,7 +35,7 @@ class ModelBundle:
     path: Path
     mtp_weights: Dict[str, mx.array] = field(default_factory=dict)
     shapes: Dict[str, tuple] = field(default_factory=dict)  # checkpoint tensor shapes, as stored
-    phases: Dict[str, float] = field(default_factory=dict)  # seconds per startup phase (config, tokenizer, weights)
+    phases: Dict[str, float] = field(default_factory=dict)  # seconds per startup phase
     gguf_mode: str = "auto"  # how a GGUF source was converted; a draft model loads the same way
 
     @property
@@ -77,7 +73,7 @@ def _get_classes(config: dict):
 
 
 def check_model_type(config: dict) -> None:
-    """Refuse, from config.json alone (no weights load), a model type mlx-lm has no module for."""
+    """Refuse, from config.json alone, a model type mlx-lm has no module for."""
     if not isinstance(config.get("model_type"), str):
         raise ValueError("config.json names no model_type")
     _get_classes(config)
@@ -98,20 +94,15 @@ def _classes_without_mtp(config: dict):
     return TrunkOnly, args_class
 
 
-def _untag_floats(obj):
+def _untag_float(obj: dict):
     """transformers writes non-finite floats as {"__float__": "Infinity"}; undo that."""
-    if isinstance(obj, dict):
-        if set(obj) == {"__float__"} and obj["__float__"] in ("Infinity", "-Infinity", "NaN"):
-            return float(obj["__float__"].lower().replace("infinity", "inf"))
-        return {k: _untag_floats(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_untag_floats(v) for v in obj]
-    return obj
+    tag = obj.get("__float__") if len(obj) == 1 else None
+    return float(tag.lower().replace("infinity", "inf")) if tag in ("Infinity", "-Infinity", "NaN") else obj
 
 
 def load_config(model_path: Path) -> dict:
     """config.json, with generation_config.json's eos_token_id (mlx-lm's rule)."""
-    config = _untag_floats(json.loads((model_path / "config.json").read_text(encoding="utf-8")))
+    config = json.loads((model_path / "config.json").read_text(encoding="utf-8"), object_hook=_untag_float)
     gen = model_path / "generation_config.json"
     if gen.exists():
         try:
@@ -124,7 +115,7 @@ def load_config(model_path: Path) -> dict:
 
 
 def _plain_checkpoint(model_path: Path, config: dict) -> bool:
-    """True when `_load_weights` loads this checkpoint exactly as mlx-lm's load_model would."""
+    """Whether `_load_weights` loads this checkpoint exactly as mlx-lm's load_model would."""
     quant = config.get("quantization")
     hf_quant = "quantization_config" in config or "quantization_config" in (config.get("text_config") or {})
     return (config.get("model_file") is None and not config.get("quantize_activations")
@@ -137,8 +128,7 @@ class _NotPlain(Exception):
 
 
 def _load_weights(model_path: Path, config: dict, lazy: bool) -> nn.Module:
-    """mlx-lm's model class, its sanitize, affine quantization as config.json's `quantization`
-    names it (per layer, else the packing read off the saved scales), then the weights."""
+    """mlx-lm's model class, its sanitize, affine quantization as config.json or the scales say, the weights."""
     model_class, args_class = _classes_without_mtp(config)
     weights = {k: v for wf in sorted(model_path.glob("model*.safetensors")) for k, v in mx.load(str(wf)).items()}
     if not weights:
@@ -174,7 +164,6 @@ _TOKENIZERS: Dict[tuple, Any] = {}  # a run reads the tokenizer before the weigh
 
 def _load_tokenizer(model_path: Path, config: dict):
     from .tokenizer import load_fast_tokenizer
-
     files = sorted(model_path.glob("tokenizer*")) + sorted(model_path.glob("chat_template*"))
     key = (str(model_path.resolve()), str(config.get("eos_token_id")),
            tuple((f.name, f.stat().st_mtime_ns) for f in files))
@@ -182,7 +171,6 @@ def _load_tokenizer(model_path: Path, config: dict):
         tok = load_fast_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
         if tok is None:
             from mlx_lm.utils import load_tokenizer
-
             tok = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
         _TOKENIZERS.clear()
         _TOKENIZERS[key] = tok
@@ -190,13 +178,10 @@ def _load_tokenizer(model_path: Path, config: dict):
 
 
 def resolve_model_path(path: str | os.PathLike, gguf_mode: str = "auto") -> Path:
-    """An mlx-lm directory for `path`: itself, or the converted copy of a GGUF file. `gguf_mode`
-    (GGUF_MODES): auto (the faster here: CPU -> floats, GPU -> keep Q4_0/Q4_1/Q8_0 packed),
-    dequantize, or quantized; each mode has its own converted copy."""
+    """An mlx-lm directory for `path`: itself, or the converted copy (one per `gguf_mode`) of a GGUF."""
     if gguf_mode not in GGUF_MODES:
         raise ValueError(f"model.gguf_mode must be one of {', '.join(GGUF_MODES)}, not {gguf_mode!r}")
     from .assets import resolve_asset  # known names such as smollm2-135m-instruct
-
     p = Path(resolve_asset(str(path), kind="model"))
     gguf_file = None
     if p.is_file() and p.suffix == ".gguf":
@@ -211,7 +196,6 @@ def resolve_model_path(path: str | os.PathLike, gguf_mode: str = "auto") -> Path
                                     "a .gguf file, or a known name (see `mtplx-batch fetch --list`)")
         return p
     from .gguf import convert_gguf, default_dequantize, default_dtype, is_current
-
     dequantize = default_dequantize() if gguf_mode == "auto" else gguf_mode == "dequantize"
     dtype = default_dtype()
     st = gguf_file.stat()
@@ -223,8 +207,7 @@ def resolve_model_path(path: str | os.PathLike, gguf_mode: str = "auto") -> Path
 
 
 def tensor_index(model_path: Path) -> Dict[str, Tuple[str, tuple]]:
-    """Every tensor of the checkpoint's *.safetensors files (shards, a head in a file of its own):
-    key -> (file name, shape), read from the file headers without loading any weights."""
+    """key -> (file, shape) of every tensor in the checkpoint's *.safetensors, from their headers."""
     index = {}
     for wf in sorted(Path(model_path).glob("*.safetensors")):
         with open(wf, "rb") as f:
@@ -237,7 +220,6 @@ def tensor_index(model_path: Path) -> Dict[str, Tuple[str, tuple]]:
 
 
 def load_mtp_weights(model_path: Path, config: dict, index: Optional[Dict[str, Tuple[str, tuple]]] = None):
-    """The checkpoint's raw MTP weights (only the files that hold some are read)."""
     index = tensor_index(model_path) if index is None else index
     files = sorted({f for k, (f, _) in index.items() if is_mtp_key(k, config)})
     return {k: v for name in files for k, v in mx.load(str(Path(model_path) / name)).items() if is_mtp_key(k, config)}
@@ -245,7 +227,7 @@ def load_mtp_weights(model_path: Path, config: dict, index: Optional[Dict[str, T
 
 def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = False,
          gguf_mode: str = "auto", tokenizer=None) -> ModelBundle:
-    """`tokenizer`: one already loaded from this model (`load_tokenizer_only`), used as it is."""
+    """`tokenizer`: one already loaded from this model (`load_tokenizer_only`)."""
     prepare_process()
     phases = {}
     t = time.perf_counter()
@@ -258,13 +240,10 @@ def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = 
     t = time.perf_counter()
     model = None
     if _plain_checkpoint(model_path, config):
-        try:
+        with contextlib.suppress(_NotPlain):
             model = _load_weights(model_path, config, lazy)
-        except _NotPlain:
-            pass
     if model is None:
         from mlx_lm.utils import load_model
-
         model, config = load_model(model_path, lazy=lazy, get_model_classes=_classes_without_mtp,
                                    trust_remote_code=trust_remote_code)
     index = tensor_index(model_path)
@@ -275,7 +254,6 @@ def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = 
 
 
 def load_tokenizer_only(path: str | os.PathLike, gguf_mode: str = "auto"):
-    """The tokenizer without the weights, for `validate` and ordering before the model loads."""
     model_path = resolve_model_path(path, gguf_mode)
     return _load_tokenizer(model_path, load_config(model_path))
 
@@ -284,7 +262,6 @@ DEFAULT_CONTEXT = 32768  # when config.json names no context length
 
 
 def context_length(config: dict) -> int:
-    """The model's context length from its config (also under `text_config`)."""
     for cfg in (config, config.get("text_config") or {}):
         for key in ("max_position_embeddings", "max_seq_len", "seq_length", "n_positions", "max_sequence_length"):
             if isinstance(cfg.get(key), int) and cfg[key] > 0:

@@ -1,14 +1,8 @@
-"""Multi-token-prediction heads: the model's own (or a trained sidecar), rebuilt from checkpoints.
+"""Multi-token-prediction heads: the model's own or a trained sidecar, rebuilt from checkpoints
+(layouts: mtp_layouts.py; a head `mtplx-batch convert` wrote built: convert.py).
 
-Where each family keeps its head, and what its names mean, is in mtp_layouts.py (Qwen3-Next /
-Qwen3.5 `mtp.*`, DeepSeek-V3 / V3.2 / GLM-4.5 NextN layers, MiMo `model.mtp_layers.*`);
-`load_built_head` reads a head `mtplx-batch convert` wrote already built (convert.py). Sidecar heads
-from `mtplx-batch train-head` use the NextN layout with the trunk's own block.
-
-A module computes x = fc([norm_e(embed(t+1)), norm_h(h_t)]); x = block(x); h' = norm(x);
-logits = head(h'). Drafting depth k feeds (h', draft) back: into the same module (MTPHead), or
-into module k of a head with one per depth (MTPHeadStack).
-"""
+A module computes h' = norm(block(fc([norm_e(embed(t+1)), norm_h(h_t)]))), logits = head(h'). Depth k
+feeds (h', draft) back into the same module (MTPHead) or module k of one per depth (MTPHeadStack)."""
 
 from __future__ import annotations
 
@@ -20,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cache import RowCacheList, RowKVCache, layer_kinds
 from .loading import ModelBundle, load_config, tensor_index
 from .mtp_layouts import (ZERO_CENTRED_BLOCK_NORMS, ZERO_CENTRED_HEAD_NORMS, ModuleWeights, is_mtp_key, split_modules,
                           text_config)
@@ -31,51 +26,37 @@ HEAD_WEIGHTS = "mtplx_head.safetensors"
 
 
 def text_model(model) -> nn.Module:
-    """The module holding `args`, `model` and `lm_head`: the model itself, or the text model inside
-    a multimodal wrapper (Qwen3.5 keeps it at `language_model`, and its `args` there)."""
+    """The module holding `args`, `model` and `lm_head` (a multimodal wrapper's `language_model`)."""
     return getattr(model, "language_model", model)
 
 
-def trunk_hidden(model, tokens: mx.array, cache) -> mx.array:
-    """The trunk's final (normed) hidden states, without projecting to the vocabulary."""
+def trunk_hidden(model, tokens: mx.array, cache) -> mx.array:  # the final (normed) hidden states
     return text_model(model).model(tokens, cache=cache)
 
 
 def project_logits(model, hidden: mx.array) -> mx.array:
     lm = text_model(model)
-    if hasattr(lm, "lm_head"):
-        return lm.lm_head(hidden)
-    return lm.model.embed_tokens.as_linear(hidden)
+    return lm.lm_head(hidden) if hasattr(lm, "lm_head") else lm.model.embed_tokens.as_linear(hidden)
 
 
 def has_trunk_split(model) -> bool:
-    """Whether the model exposes `model.model` (hidden states) and a separable output head."""
     lm = text_model(model)
     inner = getattr(lm, "model", None)
     return inner is not None and hasattr(inner, "embed_tokens") and (
-        hasattr(lm, "lm_head") or hasattr(inner.embed_tokens, "as_linear")
-    )
+        hasattr(lm, "lm_head") or hasattr(inner.embed_tokens, "as_linear"))
 
 
 def _attention_layer_index(model) -> int:
-    """The index of the trunk's last full-attention layer (MTP layers are full attention)."""
+    """The trunk's last full-attention layer (MTP layers are full attention)."""
     full = [i for i, l in enumerate(model.layers) if not getattr(l, "is_linear", False)]
     return full[-1] if full else len(model.layers) - 1
 
 
-def _block_cache_kind(model):
-    from ..cache import layer_kinds
-
-    return layer_kinds(model)[_attention_layer_index(model)]
-
-
 def _leaves(cache) -> list:
-    """A layer's caches: itself, or the caches of a RowCacheList."""
     return list(getattr(cache, "caches", [cache]))
 
 
 def make_block(model) -> nn.Module:
-    """A fresh decoder block of the trunk's own kind, built as its last full-attention layer."""
     full = _attention_layer_index(model)
     cls = type(model.layers[full])
     args = text_model(model).args
@@ -93,15 +74,14 @@ class MTPHead(nn.Module):
         self.norm_hidden = nn.RMSNorm(dim, eps=eps)
         self.fc = nn.Linear(2 * dim, dim, bias=False)
         self.layers = [make_block(model) for _ in range(n_layers)]
-        # each block's cache is of the kind its trunk twin has (a pair of KV caches for DeepSeek-V3.2)
-        self._cache_kinds = [_block_cache_kind(model)] * n_layers
+        # each block's cache is its trunk twin's kind (a pair of KV caches for DeepSeek-V3.2)
+        self._cache_kinds = [layer_kinds(model)[_attention_layer_index(model)]] * n_layers
         self.norm = nn.RMSNorm(dim, eps=eps)
         if own_head:
             self.head = nn.Linear(dim, args.vocab_size, bias=False)
         self.hidden_first = hidden_first  # fc over [hidden, embedding] (MiMo)
         self.zero_first = zero_first  # no embedding at position 0 (NextN, MiMo)
-        # The trunk's embedding and head are shared, not owned: keep them out of parameters().
-        self._trunk = [model]
+        self._trunk = [model]  # shared embedding and head: not parameters
 
     @property
     def cache_kinds(self) -> list:
@@ -118,15 +98,14 @@ class MTPHead(nn.Module):
         return h, self.logits(h)
 
     def hidden(self, hidden: mx.array, tokens: mx.array, caches=None, mask=None, step=None) -> mx.array:
-        """The head's output hidden state h' alone (drafting projects only the positions it needs).
-        `step` (the draft depth, for MTPHeadStack) is the same module here at every depth."""
+        """h' alone (drafting projects only the positions it needs); `step`: the draft depth."""
         e = self.embed(tokens)
         if self.zero_first:
             pos = mx.arange(e.shape[1], dtype=mx.int32)[None]
             if caches and caches[0] is not None:
                 pos = _leaves(caches[0])[0].rows.device[:, None] + pos
             e = mx.where((pos == 0)[..., None], mx.zeros_like(e), e)
-        if e.dtype != self.norm_embedding.weight.dtype:  # training in bfloat16 over a float16 trunk: compute in the head's dtype
+        if e.dtype != self.norm_embedding.weight.dtype:  # a bfloat16 head trained over a float16 trunk
             e = e.astype(self.norm_embedding.weight.dtype)
         e = self.norm_embedding(e)
         parts = [self.norm_hidden(hidden), e] if self.hidden_first else [e, self.norm_hidden(hidden)]
@@ -134,16 +113,14 @@ class MTPHead(nn.Module):
 
     def _blocks(self, x: mx.array, caches, mask) -> mx.array:
         caches = caches or [None] * len(self.layers)
-        if mask is None and caches[0] is not None:  # rows have their own lengths: always mask
+        if mask is None and caches[0] is not None:  # rows have their own lengths
             mask = _leaves(caches[0])[0].make_mask(x.shape[1], return_array=True)
         for layer, c in zip(self.layers, caches):
             x = layer(x, mask, c)
         return self.norm(x)
 
-    # -- a draft step with the embedding's share of fc read off a table (drafting/mtp_bank.py: DraftVocab.step_table)
     def _fc_halves(self):
-        """fc's weight as (the embedding's columns, the hidden state's), or None where fc is not a
-        plain bias-free Linear (a quantized head computes its fc as trained)."""
+        """fc's weight as (embedding columns, hidden columns); None for a quantized or biased fc."""
         if not isinstance(self.fc, nn.Linear) or "bias" in self.fc:  # (fusion.RowsLinear is one)
             return None
         D = self.fc.weight.shape[1] // 2
@@ -151,24 +128,17 @@ class MTPHead(nn.Module):
         return (w[:, D:], w[:, :D]) if self.hidden_first else (w[:, :D], w[:, D:])
 
     def embedding_share(self, tokens: mx.array) -> Optional[mx.array]:
-        """[..., D]: the part of fc's output that the tokens' embeddings give (normed, their columns
-        of fc), or None where fc cannot be split. Position 0's zeroed embedding (`zero_first`) is
-        not applied: for tokens drafted after position 0, as every draft step's are."""
+        """The tokens' embeddings' share of fc's output (DraftVocab.step_table's rows), or None."""
         halves = self._fc_halves()
         if halves is None:
             return None
-        e = self.embed(tokens)
-        e = self.norm_embedding(e.astype(self.norm_embedding.weight.dtype))
-        return e @ halves[0].T
+        return self.norm_embedding(self.embed(tokens).astype(self.norm_embedding.weight.dtype)) @ halves[0].T
 
     def hidden_after(self, hidden: mx.array, share: mx.array, w_hidden: mx.array, caches=None, mask=None) -> mx.array:
-        """`hidden(hidden, tokens, ...)` with the tokens' `embedding_share` given: the embedding, its
-        norm and its half of fc are one row of a table instead of kernels of their own. `w_hidden`:
-        fc's columns for the hidden state (`hidden_half`), laid out as a Linear's weight."""
+        """`hidden(hidden, tokens, ...)` from the tokens' `embedding_share`; `w_hidden`: `hidden_half()`."""
         return self._blocks(share + self.norm_hidden(hidden) @ w_hidden.T, caches, mask)
 
     def hidden_half(self) -> Optional[mx.array]:
-        """fc's columns for the hidden state as a weight of their own [D, D] (a copy), or None."""
         halves = self._fc_halves()
         return None if halves is None else mx.contiguous(halves[1])
 
@@ -185,19 +155,15 @@ class _ShiftedRows:
     def max(self) -> int:
         return int(self.host.max()) if self.host is not None and self.host.size else 0
 
-    def positions(self, L: int) -> mx.array:
-        """Where a forward of L tokens writes each row's entries (RowLengths.positions)."""
+    def positions(self, L: int) -> mx.array:  # as RowLengths'
         return (self.device[:, None] + mx.arange(L, dtype=mx.int32))[:, None, :, None]
 
     def resident(self) -> mx.array:
-        """The lengths as a forward's kernels read them (RowLengths.resident; here: themselves)."""
         return self.device
 
 
 def _run_shifted(module, hidden, tokens, caches, shift: int):
     """Run `module` on KV caches whose rows look `shift` entries shorter (it writes there)."""
-    from ..cache import RowCacheList, RowKVCache
-
     pairs = []
 
     def view(c):
@@ -214,14 +180,8 @@ def _run_shifted(module, hidden, tokens, caches, shift: int):
 
 
 class MTPHeadStack(nn.Module):
-    """A head of one MTP module per draft depth (`mtp_num_hidden_layers` / `num_nextn_predict_layers`
-    > 1): module i drafts depth i, the last one every depth past them (recursing on its own output).
-
-    Every module keeps KV entries for every committed position: prefill and commit run each over
-    the same (trunk hidden, next token) inputs (`step=None`, returning module 0's output, which
-    drafts depth 0). At draft step j the round's cache holds j-1 draft entries; module
-    k = min(j, n-1) joined at step k, so it sees the rows k-1 entries shorter: its own entries of
-    the round sit right after the committed ones, as if it had drafted alone."""
+    """One MTP module per draft depth (the last drafts every deeper one). Prefill and commit run them all
+    (`step=None`); module k joined the round at step k, so it sees the rows k-1 entries shorter."""
 
     def __init__(self, modules: List[MTPHead]):
         super().__init__()
@@ -255,15 +215,14 @@ class MTPHeadStack(nn.Module):
     def hidden(self, hidden, tokens, caches=None, mask=None, step=None):
         if caches is None:
             return self.depths[min(step or 0, len(self.depths) - 1)].hidden(hidden, tokens, None, mask)
-        if step is None:  # every module writes its entries; module 0's output drafts depth 0
+        if step is None:
             return [m.hidden(hidden, tokens, self._caches(caches, k), mask) for k, m in enumerate(self.depths)][0]
         k = min(step, len(self.depths) - 1)
         return _run_shifted(self.depths[k], hidden, tokens, self._caches(caches, k), max(k - 1, 0))
 
 
 def _block_params(model, block: Dict[str, mx.array], zero_centred: bool) -> Dict[str, mx.array]:
-    """One block's weights run through the trunk's own sanitize (expert stacking, MLA splits, the
-    multimodal wrapper's renames, ...), as if they were its last full-attention layer's."""
+    """One block's weights through the trunk's own sanitize, as its last full-attention layer's."""
     marker = f"layers.{_attention_layer_index(model)}."
     as_trunk = {f"model.{marker}{k}": v for k, v in block.items()}
     clean = model.sanitize(as_trunk) if hasattr(model, "sanitize") else as_trunk
@@ -275,8 +234,7 @@ def _block_params(model, block: Dict[str, mx.array], zero_centred: bool) -> Dict
 
 
 def _stack_experts(block: Dict[str, mx.array]) -> Dict[str, mx.array]:
-    """Per-expert MoE weights a trunk's sanitize left alone (Qwen3.5-MoE's sanitize stacks only
-    its fused `experts.gate_up_proj`; some checkpoints store the MTP layer's experts one by one)."""
+    """Stack per-expert MoE weights a sanitize left alone (some MTP layers store experts one by one)."""
     for n in ("gate_proj", "up_proj", "down_proj"):
         count = next(e for e in range(len(block) + 1) if f"mlp.experts.{e}.{n}.weight" not in block)
         if count:
@@ -286,11 +244,8 @@ def _stack_experts(block: Dict[str, mx.array]) -> Dict[str, mx.array]:
 
 
 def _zero_centred(bundle: ModelBundle, modules: List[ModuleWeights]) -> Tuple[bool, bool]:
-    """(shift the head's own norms, shift its blocks' norms) by +1, as mlx-lm does the trunk's.
-
-    Qwen3-Next: mlx-lm shifts only MoE checkpoints, and its sanitize shifts the block's norms itself.
-    Qwen3.5: mlx-lm shifts checkpoints still in the HF layout (conv1d stored as [C, 1, K]); its
-    sanitize sees no conv1d in an MTP block, so both shifts are ours."""
+    """(shift the head's norms, shift its blocks' norms) by +1, as mlx-lm does the trunk's: Qwen3-Next
+    shifts MoE checkpoints (its sanitize the blocks'); Qwen3.5 those in the HF layout (conv1d [C, 1, K])."""
     kind = bundle.model_type
     if kind == "qwen3_next":
         moe = any(k.endswith("mlp.experts.0.up_proj.weight") for m in modules for b in m.blocks.values() for k in b)
@@ -317,8 +272,6 @@ def _build_module(bundle: ModelBundle, mod: ModuleWeights, shift: Tuple[bool, bo
 
 
 def _ready(head, model):
-    """The loaded head, evaluated, its float parameters in the trunk's float type (a bfloat16
-    sidecar on a float32 trunk runs in float32, and back)."""
     norm = getattr(text_model(model).model, "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None:
         head.set_dtype(norm.weight.dtype)
@@ -328,8 +281,6 @@ def _ready(head, model):
 
 
 def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Optional[dict] = None):
-    """The head of raw MTP `weights`: an MTPHead, or an MTPHeadStack where the checkpoint has one
-    module per draft depth."""
     modules = split_modules(weights, config or bundle.config)
     if not modules:
         raise ValueError("MTP weights hold no MTP module")
@@ -338,12 +289,7 @@ def build_head(bundle: ModelBundle, weights: Dict[str, mx.array], config: Option
     return built[0] if len(built) == 1 else MTPHeadStack(built)
 
 
-def has_built_head(path) -> bool:
-    return (Path(path) / HEAD_META).exists()
-
-
 def load_built_head(bundle: ModelBundle):
-    """The head `mtplx-batch convert` wrote beside the trunk of `bundle` (convert.save_head)."""
     meta = json.loads((bundle.path / HEAD_META).read_text())
     if meta.get("format") != 1:
         raise ValueError(f"{bundle.path / HEAD_META}: unknown head format {meta.get('format')!r}; "
@@ -369,9 +315,9 @@ def no_head_message(path) -> str:
 
 
 def check_native_head(model_dir) -> None:
-    """Refuse, from the file headers alone (no weights load), a model directory without an MTP head."""
+    """Refuse, from the file headers alone, a model directory without an MTP head."""
     path = Path(model_dir)
-    if has_built_head(path):
+    if (path / HEAD_META).exists():
         return
     config = load_config(path)
     if not any(is_mtp_key(k, config) for k in tensor_index(path)):
@@ -379,36 +325,30 @@ def check_native_head(model_dir) -> None:
 
 
 def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
-    """The model's own MTP head (raw checkpoint weights, or the built head `mtplx-batch convert`
-    wrote), or the sidecar at `sidecar` (refusing a mismatched trunk)."""
+    """The model's own MTP head, or the sidecar at `sidecar` (refusing a mismatched trunk)."""
     if sidecar is None:
-        if has_built_head(bundle.path):
+        if (bundle.path / HEAD_META).exists():
             return load_built_head(bundle)
         if not bundle.mtp_weights:
             raise ValueError(no_head_message(bundle.path))
         return build_head(bundle, bundle.mtp_weights)
     path = Path(sidecar)
     meta = json.loads((path / SIDECAR_META).read_text())
-    check_sidecar_trunk(meta, bundle)
+    _check_trunk_shape(meta, bundle.config)
+    if meta.get("trunk_probe") is not None and not _probe_matches(meta["trunk_probe"], trunk_probe(bundle)):
+        raise ValueError(f"MTP head was trained for a different trunk (same shape, other weights: its embedding "
+                         f"fingerprint does not match {bundle.path}); train one for this model with "
+                         "`mtplx-batch train-head`")
     weights = mx.load(str(path / SIDECAR_WEIGHTS))
     config = dict(bundle.config, num_hidden_layers=meta["num_hidden_layers"],
                   mtp_sidecar_blocks=meta.get("depth_layers", 1))
     return build_head(bundle, weights, config)
 
 
-def trunk_signature(bundle: ModelBundle) -> dict:
-    return config_signature(bundle.config)
-
-
-def config_signature(config: dict) -> dict:
-    """The trunk shape a sidecar head is trained for, from the model's config alone."""
+def trunk_signature(config: dict) -> dict:
+    """The trunk shape a sidecar head is trained for, from the model's config."""
     cfg = text_config(config)
-    return {
-        "model_type": cfg.get("model_type"),
-        "hidden_size": cfg.get("hidden_size"),
-        "num_hidden_layers": cfg.get("num_hidden_layers"),
-        "vocab_size": cfg.get("vocab_size"),
-    }
+    return {k: cfg.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
 
 
 PROBE_TOKENS = 16  # token ids whose embeddings fingerprint a trunk's weights
@@ -416,7 +356,7 @@ PROBE_DIMS = 32
 
 
 def trunk_probe(bundle: ModelBundle) -> list:
-    """A few embedding values (dequantized, rounded): same-shaped trunks with other weights differ."""
+    """A few embedding values: tells same-shaped trunks with other weights apart."""
     emb = text_model(bundle.model).model.embed_tokens
     vocab = int(text_config(bundle.config).get("vocab_size") or emb.weight.shape[0])
     ids = mx.array([(i * 7919 + 13) % vocab for i in range(PROBE_TOKENS)], dtype=mx.int32)
@@ -425,9 +365,8 @@ def trunk_probe(bundle: ModelBundle) -> list:
 
 
 def _probe_matches(want: list, have: list) -> bool:
-    """Correlation, so a quantized or re-cast copy of the same trunk still matches."""
+    """By correlation, so a quantized or re-cast copy of the same trunk matches."""
     import numpy as np
-
     a, b = np.asarray(want, dtype=np.float64), np.asarray(have, dtype=np.float64)
     if a.shape != b.shape or not a.size:
         return False
@@ -437,7 +376,7 @@ def _probe_matches(want: list, have: list) -> bool:
 
 
 def _check_trunk_shape(meta: dict, config: dict) -> None:
-    want, have = meta.get("trunk", {}), config_signature(config)
+    want, have = meta.get("trunk", {}), trunk_signature(config)
     diff = {k: (want.get(k), have[k]) for k in have if want.get(k) != have[k]}
     if diff:
         details = ", ".join(f"{k}: head {a!r} vs model {b!r}" for k, (a, b) in diff.items())
@@ -445,8 +384,7 @@ def _check_trunk_shape(meta: dict, config: dict) -> None:
 
 
 def check_sidecar(sidecar, config: dict) -> None:
-    """Refuse, from its files and the model's config alone (no weights load), a sidecar head
-    directory that is incomplete or was trained for a trunk of another shape."""
+    """Refuse, from files alone, a sidecar head directory that is incomplete or for another trunk shape."""
     path = Path(sidecar)
     missing = [name for name in (SIDECAR_META, SIDECAR_WEIGHTS) if not (path / name).is_file()]
     if missing:
@@ -457,11 +395,3 @@ def check_sidecar(sidecar, config: dict) -> None:
     except (OSError, ValueError) as e:
         raise ValueError(f"{path / SIDECAR_META} is unreadable ({e}); train the head again")
     _check_trunk_shape(meta, config)
-
-
-def check_sidecar_trunk(meta: dict, bundle: ModelBundle):
-    _check_trunk_shape(meta, bundle.config)
-    if meta.get("trunk_probe") is not None and not _probe_matches(meta["trunk_probe"], trunk_probe(bundle)):
-        raise ValueError(f"MTP head was trained for a different trunk (same shape, other weights: its embedding "
-                         f"fingerprint does not match {bundle.path}); train one for this model with "
-                         "`mtplx-batch train-head`")

@@ -1,21 +1,7 @@
-"""Where each family's checkpoint keeps its MTP head, read into one shape.
-
-A head is one or more MTP modules (one per draft depth, as the checkpoints train them). Each
-module is: RMSNorm on the embedding of token t+1 and on the trunk's hidden state h_t, a linear
-`fc` over their concatenation, decoder blocks of the trunk's own kind, a final RMSNorm, and the
-trunk's output head (or its own copy). The layouts:
-
-- Qwen3-Next / Qwen3.5 (`mtp.*`): `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc`, `norm`
-  shared by the layers `mtp.layers.{i}`; layer i drafts depth i (`mtp_num_hidden_layers`).
-- DeepSeek-V3 / V3.2 / GLM-4.5 NextN (`model.layers.{N + i}`, after the N trunk layers): each a
-  full module with `enorm`, `hnorm`, `eh_proj`, the block's keys, `shared_head.norm`,
-  `shared_head.head` (and a copy of `embed_tokens`, unused: the trunk's is the same).
-- MiMo (`model.mtp_layers.{i}`): `token_layernorm`, `hidden_layernorm`, `input_proj` (over
-  [hidden, embedding]: the other order), the block's keys, `final_layernorm`.
-  NextN and MiMo modules were trained with the embedding at position 0 zeroed; so are they here.
-- Sidecar heads from `mtplx-batch train-head`: the NextN layout; a head of several blocks in
-  series keeps block i at `model.layers.{N + i}` (block keys only).
-"""
+"""Where each family's checkpoint keeps its MTP head, read into modules (one per draft depth):
+Qwen3-Next / Qwen3.5 `mtp.*` (shared norms and fc, layer i drafts depth i); DeepSeek-V3 / GLM-4.5
+NextN `model.layers.{N + i}` after the N trunk layers (and sidecars from train-head: block i at N + i);
+MiMo `model.mtp_layers.{i}` (fc over [hidden, embedding]). NextN and MiMo zero position 0's embedding."""
 
 from __future__ import annotations
 
@@ -34,11 +20,11 @@ MIMO_PREFIX = "model.mtp_layers."
 
 @dataclass
 class ModuleWeights:
-    """One MTP module: head-level weights by our names, block weights (block-relative names) per block."""
+    """One MTP module: head weights by our names, block-relative weights per block."""
 
     head: Dict[str, mx.array] = field(default_factory=dict)
     blocks: Dict[int, Dict[str, mx.array]] = field(default_factory=dict)
-    hidden_first: bool = False  # fc reads [hidden, embedding] (MiMo), not [embedding, hidden]
+    hidden_first: bool = False  # fc reads [hidden, embedding] (MiMo)
     zero_first: bool = False  # the embedding at position 0 is zeroed (NextN and MiMo training)
 
 
@@ -48,20 +34,9 @@ def text_config(config: dict) -> dict:
 
 
 def is_mtp_key(key: str, config: dict) -> bool:
-    """True for weights of multi-token-prediction modules, in any of the layouts above."""
-    if key.startswith(("mtp.", "model.mtp.", MIMO_PREFIX)):
-        return True
-    if key.startswith("model.layers."):
-        return int(key.split(".")[2]) >= text_config(config).get("num_hidden_layers", 1 << 30)
-    return False
-
-
-def _take(names: Dict[str, str], rest: str, v, module: ModuleWeights) -> bool:
-    for src, dst in names.items():
-        if rest.startswith(src + "."):
-            module.head[f"{dst}.{rest[len(src) + 1:]}"] = v
-            return True
-    return False
+    trunk_layers = text_config(config).get("num_hidden_layers", 1 << 30)
+    return key.startswith(("mtp.", "model.mtp.", MIMO_PREFIX)) or (
+        key.startswith("model.layers.") and int(key.split(".")[2]) >= trunk_layers)
 
 
 def _qwen(weights) -> List[ModuleWeights]:
@@ -76,7 +51,6 @@ def _qwen(weights) -> List[ModuleWeights]:
         if mod not in QWEN_HEAD:
             raise ValueError(f"unknown MTP weight {k!r}")
         shared[f"{QWEN_HEAD[mod]}.{param}"] = v
-    # each layer drafts its own depth, all of them behind the same fc and norms
     return [ModuleWeights(head=dict(shared), blocks={0: blocks[i]}) for i in sorted(blocks)]
 
 
@@ -87,17 +61,19 @@ def _per_layer(weights, prefix: str, first: int, names, hidden_first: bool, seri
             continue
         i, rest = k[len(prefix):].split(".", 1)
         depth = int(i) - first
-        if serial_blocks > 1 and 0 < depth < serial_blocks:  # a sidecar: module 0's blocks 1.. follow it
+        if serial_blocks > 1 and 0 < depth < serial_blocks:  # a sidecar's blocks 1..
             modules.setdefault(0, ModuleWeights(zero_first=False)).blocks.setdefault(depth, {})[rest] = v
             continue
         module = modules.setdefault(depth, ModuleWeights(hidden_first=hidden_first, zero_first=not serial_blocks))
-        if not _take(names, rest, v, module) and not rest.startswith("embed_tokens."):
+        src = next((s for s in names if rest.startswith(s + ".")), None)
+        if src is not None:
+            module.head[f"{names[src]}.{rest[len(src) + 1:]}"] = v
+        elif not rest.startswith("embed_tokens."):  # (a copy of the trunk's)
             module.blocks.setdefault(0, {})[rest] = v
     return [modules[d] for d in sorted(modules)]
 
 
 def split_modules(weights: Dict[str, mx.array], config: dict) -> List[ModuleWeights]:
-    """The MTP modules of a checkpoint's raw MTP weights, in draft-depth order."""
     if any(k.startswith(("mtp.", "model.mtp.")) for k in weights):
         return _qwen(weights)
     if any(k.startswith(MIMO_PREFIX) for k in weights):
@@ -108,8 +84,7 @@ def split_modules(weights: Dict[str, mx.array], config: dict) -> List[ModuleWeig
     return modules[:1] if serial else modules
 
 
-# Qwen3-Next / Qwen3.5 checkpoints store RMSNorm weights as offsets from 1 (zero-centred);
-# mlx-lm's sanitize adds the 1 back to the trunk's, so the head's must get it too.
+# Qwen3-Next / Qwen3.5 store RMSNorm weights as offsets from 1, which mlx-lm adds back to the trunk's
 ZERO_CENTRED_BLOCK_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
                             ".k_norm.weight")
 ZERO_CENTRED_HEAD_NORMS = ("norm_embedding.weight", "norm_hidden.weight", "norm.weight")

@@ -1,14 +1,6 @@
 """A tokenizer that loads in milliseconds: tokenizer.json through `tokenizers`, the chat template
-through jinja2.
-
-mlx-lm's tokenizer goes through transformers (and, where it is installed, torch): seconds of
-imports before the first token. For a model whose tokenizer is a plain tokenizer.json with a plain
-chat template, `FastTokenizer` gives the same ids, text and rendered prompts as mlx-lm's wrapper
-(tests/test_startup.py compares the two) without importing transformers.
-
-`load_fast_tokenizer` returns None when a model needs more than that (it says what), and the
-caller uses mlx-lm's.
-"""
+through jinja2. For a plain tokenizer.json and template it gives mlx-lm's wrapper's ids, text and
+prompts without importing transformers (seconds); `load_fast_tokenizer` returns None otherwise."""
 
 from __future__ import annotations
 
@@ -19,12 +11,9 @@ from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Set
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# Words in a template (or keys in tokenizer_config.json) that mean it needs mlx-lm's wrapper.
-NEEDS_WRAPPER = ("thinking", "{% generation", "{%- generation")
-WRAPPER_KEYS = ("chat_template_type", "tool_parser_type", "legacy")
-# Pre-tokenizers after which a line start ("\n" then a printable ASCII character) is always a
-# piece boundary, whatever follows: byte-level BPE merges only inside pieces, so ids split there.
-LINE_LOCAL_PRE_TOKENIZERS = ("ByteLevel", "Digits")
+NEEDS_WRAPPER = ("thinking", "{% generation", "{%- generation")  # words in a template that need mlx-lm's wrapper
+WRAPPER_KEYS = ("chat_template_type", "tool_parser_type", "legacy")  # tokenizer_config.json keys that do
+LINE_LOCAL_PRE_TOKENIZERS = ("ByteLevel", "Digits")  # after these a line start always ends a piece
 SHARED_PREFIX_MIN_CHARS = 256  # a shorter common prefix is not worth splitting off
 
 
@@ -36,12 +25,10 @@ def _token_text(value) -> Optional[str]:
 
 
 def _template_env():
-    """The environment transformers renders chat templates in: sandboxed, trimmed blocks,
-    loop controls, a tojson that keeps non-ASCII text, raise_exception and strftime_now."""
+    """The sandboxed environment transformers renders chat templates in."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
@@ -56,8 +43,7 @@ def _template_env():
 
 
 class FastTokenizer:
-    """The part of mlx-lm's TokenizerWrapper the engine and pipelines use (and enough of a
-    transformers tokenizer for mlx-lm's generate functions to wrap it)."""
+    """The part of mlx-lm's TokenizerWrapper the engine and pipelines use."""
 
     def __init__(self, backend, config: dict, chat_template: Optional[str], eos_token_ids: Iterable[int]):
         self._backend = backend
@@ -70,7 +56,7 @@ class FastTokenizer:
         self.chat_template = chat_template
         self.has_chat_template = bool(chat_template)
         self._template = None
-        self._line_split: Optional[bool] = None  # see _splits_at_lines
+        self._line_split: Optional[bool] = None
 
     @property
     def vocab_size(self) -> int:
@@ -83,13 +69,8 @@ class FastTokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_many(self, texts: Sequence[str], add_special_tokens: Sequence[bool]) -> List[List[int]]:
-        """`encode(text, add)` for each (text, add), the same ids, faster: the texts are encoded in
-        parallel (`encode_batch`) and, where they share a long prefix (a few-shot preamble), the
-        prefix up to its last line start is encoded once and only each text's rest per text.
-
-        Splitting there gives the ids of the whole text when the tokenizer's pieces never cross a
-        line start (`_splits_at_lines`); the first text is also encoded whole and compared, and a
-        difference turns the split off for this tokenizer."""
+        """`encode(text, add)` for each, in parallel; a long shared prefix (a few-shot preamble) is encoded
+        once up to its last line start (`_splits_at_lines`), checked against the first text whole."""
         flags = list(add_special_tokens)
         cut = self._shared_cut(texts)
         if cut:
@@ -110,26 +91,19 @@ class FastTokenizer:
         return out
 
     def _shared_cut(self, texts: Sequence[str]) -> int:
-        """Where the texts' common prefix can be split off: just after its last "\n" that a
-        printable ASCII character follows (inside the prefix); 0 when there is none worth it."""
+        """Just after the common prefix's last "\n" before printable ASCII; 0 where none is worth it."""
         if len(texts) < 2 or not self._splits_at_lines():
             return 0
         prefix = os.path.commonprefix(list(texts))
-        end = len(prefix) - 1  # prefix[cut] must exist: the character after the cut is the same in every text
-        while end >= SHARED_PREFIX_MIN_CHARS:
-            nl = prefix.rfind("\n", 0, end)
-            cut = nl + 1
-            if nl < 0 or cut < SHARED_PREFIX_MIN_CHARS:
-                return 0
+        end = len(prefix) - 1  # the character after the cut must be in the prefix
+        while end >= SHARED_PREFIX_MIN_CHARS and (cut := prefix.rfind("\n", 0, end) + 1) >= SHARED_PREFIX_MIN_CHARS:
             if "!" <= prefix[cut] <= "~":
                 return cut
-            end = nl
+            end = cut - 1
         return 0
 
     def _splits_at_lines(self) -> bool:
-        """Whether a line start is a boundary of every piece the tokenizer makes: BPE after only
-        line-local pre-tokenizers, no normalizer (or NFC), no added token holding a newline, and
-        special tokens added only in front."""
+        """Whether every piece ends at a line start (BPE, line-local pre-tokenizers, NFC at most)."""
         if self._line_split is None:
             self._line_split = False
             spec = json.loads(self._backend.to_str())
@@ -153,8 +127,7 @@ class FastTokenizer:
     def convert_tokens_to_ids(self, token: str) -> Optional[int]:
         return self._backend.token_to_id(token)
 
-    def get_vocab(self) -> dict:
-        """Token -> id; with this, mlx-lm's own generate functions accept the tokenizer too."""
+    def get_vocab(self) -> dict:  # mlx-lm's generate functions need it
         return self._backend.get_vocab(with_added_tokens=True)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True, **kwargs):
@@ -170,21 +143,17 @@ class FastTokenizer:
 
 
 def _chat_template(model_path: Path, config: dict):
-    """The template string, None when there is none, or False when it is in a form left to mlx-lm."""
+    """The template, None without one, False for a form left to mlx-lm."""
     jinja_file = model_path / "chat_template.jinja"
     if jinja_file.exists():
         return jinja_file.read_text(encoding="utf-8")
     if (model_path / "chat_template.json").exists():
         return False
     template = config.get("chat_template")
-    if template is None or isinstance(template, str):
-        return template
-    return False  # a list of named templates
+    return template if template is None or isinstance(template, str) else False  # a list: named templates
 
 
 def _prefix_space_agrees(tok_file: Path, want: bool) -> bool:
-    """True when every pre-tokenizer step in tokenizer.json already adds (or not) a prefix space
-    as tokenizer_config.json's `add_prefix_space` asks."""
     found = []
 
     def scan(node):
@@ -204,10 +173,6 @@ def _prefix_space_agrees(tok_file: Path, want: bool) -> bool:
 
 
 def load_fast_tokenizer(model_path: Path, eos_token_ids=None) -> Optional[FastTokenizer]:
-    """The fast tokenizer for `model_path`, or None when mlx-lm's wrapper is needed: no
-    tokenizer.json, a template with a thinking switch or a `{% generation %}` block, mlx-lm's own
-    template or tool-parser types, clean-up after decoding, settings with which transformers
-    rebuilds the pre-tokenizer or the post-processor."""
     model_path = Path(model_path)
     tok_file, cfg_file = model_path / "tokenizer.json", model_path / "tokenizer_config.json"
     if not tok_file.exists():
@@ -221,7 +186,6 @@ def load_fast_tokenizer(model_path: Path, eos_token_ids=None) -> Optional[FastTo
     if template is False or (template and any(w in template for w in NEEDS_WRAPPER)):
         return None
     from tokenizers import Tokenizer
-
     backend = Tokenizer.from_file(str(tok_file))
     if isinstance(eos_token_ids, int):
         eos_token_ids = [eos_token_ids]
@@ -230,5 +194,5 @@ def load_fast_tokenizer(model_path: Path, eos_token_ids=None) -> Optional[FastTo
         if flag in config and token_id is not None:
             ids = tok.encode("a", add_special_tokens=True)
             if bool(config[flag]) != (bool(ids) and ids[pos] == token_id):
-                return None  # transformers would rebuild the post-processor: leave it to mlx-lm
+                return None  # transformers would rebuild the post-processor
     return tok

@@ -7,12 +7,11 @@ from typing import Optional, Tuple
 
 
 class TrainHeadError(Exception):
-    """The request cannot be carried out as given (bad data, mismatched checkpoint). Exit 2."""
+    """The request cannot be carried out as given (exit 2)."""
 
     exit_code = 2
 
 
-# general prompts (head_prompts.py): from the stdlib, then from fetched datasets
 KINDS = ("stdlib-code", "stdlib-chat", "chat", "math", "writing", "tools", "prose")
 
 
@@ -51,7 +50,7 @@ class TrainConfig:
     sample: Optional[int] = None  # job / table data: a seeded sample of N rows (None: all, up to max_rows)
     samples_per_prompt: int = 0  # self-distillation: sampled continuations per prompt besides the greedy one
     temperature: float = 0.8  # self-distillation: temperature of the sampled continuations
-    prompts: Tuple[str, ...] = ()  # general prompts self-distilled for training only: "stdlib-code:N", "stdlib-chat:N"
+    prompts: Tuple[str, ...] = ()  # general prompts self-distilled for training only: "KIND:N" (KINDS)
     general_samples: int = 1  # sampled continuations per general prompt besides the greedy one
     data_seconds: Optional[float] = None  # self-distillation stops at this wall time, keeping what finished
     text: Tuple[str, ...] = ()  # general text mixed into training: files, directories, or "stdlib"
@@ -86,8 +85,7 @@ class TrainConfig:
                  ("general_samples", self.general_samples >= 0, ">= 0"),
                  ("gen_batch", self.gen_batch >= 1, ">= 1 rows"),
                  ("data_seconds", self.data_seconds is None or self.data_seconds > 0, "> 0"),
-                 ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"),
-                  "auto, float32, bfloat16 or float16"),
+                 ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "auto, float32, bfloat16 or float16"),
                  ("train_dtype", self.train_dtype in ("auto", "float32", "bfloat16"), "auto, float32 or bfloat16")]
         problems = [f"{name} must be {want}, got {getattr(self, name)!r}" for name, ok, want in rules if not ok]
         for spec in self.prompts:

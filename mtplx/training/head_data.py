@@ -1,9 +1,5 @@
-"""Training data for MTP heads: token sequences, and the frozen trunk's features over them.
-
-`build_data` turns what `train-head --data` names (a job's or a table's rows as read by the
-command, plain text, token lists) into sequences: prompts followed by the model's own greedy continuations
-(self-distillation), or text windows. `trunk_features` runs the frozen trunk once over them.
-"""
+"""Training data for MTP heads: token sequences (prompts with the model's own continuations, or text
+windows), and the frozen trunk's features over them."""
 
 from __future__ import annotations
 
@@ -30,16 +26,13 @@ TABLE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".c
 
 def _bar(total, desc, enabled):
     from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, dynamic_ncols=True, leave=False, file=sys.stderr,
                 disable=not enabled or not sys.stderr.isatty())
 
 
-# -- data ------------------------------------------------------------------------------------------
 @dataclass
 class TrainData:
-    """Token sequences; in sequence i only positions t >= starts[i] are scored (for self-distilled
-    data the prompt is context only: the head drafts after the trunk's first generated token)."""
+    """Token sequences, position t of sequence i scored from starts[i] (a prompt is context only)."""
 
     sequences: List[List[int]]
     source: str  # what they came from, for the metadata
@@ -56,7 +49,7 @@ class TrainData:
             self.groups = list(range(len(self.sequences)))
 
     def clip(self, seq_len: int, limit: Optional[int] = None) -> "TrainData":
-        """Cut sequences to seq_len tokens, drop those left with no scored position, keep `limit`."""
+        """Cut sequences to seq_len, drop those with no scored position left, keep `limit`."""
         keep = [(s[:seq_len], st, g) for s, st, g in zip(self.sequences, self.starts, self.groups)
                 if min(len(s), seq_len) - 2 > st][: limit or None]
         self.sequences, self.starts, self.groups = (list(x) for x in zip(*keep)) if keep else ([], [], [])
@@ -95,7 +88,6 @@ class TrainData:
         return cls(seqs, str(z["source"]), [int(i) for i in z["starts"]], [int(i) for i in z["heldout"]], rows, groups)
 
     def extend(self, other: "TrainData") -> "TrainData":
-        """Append `other`'s sequences as training data (never held out)."""
         base = max(self.groups, default=-1) + 1
         self.sequences += other.sequences
         self.starts += other.starts
@@ -119,7 +111,6 @@ class TrainData:
 
 
 def _windows(tok, texts: Sequence[str], size: int) -> List[List[int]]:
-    """Each text's tokens cut into windows of `size` (a shorter last one; none under 3 tokens)."""
     out = []
     for text in texts:
         ids = _encode_text(tok, text)
@@ -128,7 +119,7 @@ def _windows(tok, texts: Sequence[str], size: int) -> List[List[int]]:
 
 
 def _encode_text(tok, text: str, piece_chars: int = 4000) -> List[int]:
-    """Tokenize long text in pieces cut at line ends (tokenizers warn about, and slow down on, huge inputs)."""
+    """Tokenize long text in pieces cut at line ends (tokenizers slow down on huge inputs)."""
     ids: List[int] = []
     start = 0
     while start < len(text):
@@ -146,19 +137,14 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
                  samples: Union[int, Sequence[int]] = 0, temperature: float = 0.8, seed: int = 0,
                  seconds: Optional[float] = None, log: Optional[Callable[[str], None]] = None,
                  deadline: Optional[float] = None) -> TrainData:
-    """Each prompt with the model's own greedy continuation of `max_new_tokens` (one count, or one
-    per prompt), plus `samples` sampled ones (one count, or one per prompt; seeded) that show the
-    head other paths the trunk takes; scored from the first generated token on. `seconds`:
-    generation stops that long after the first continuation (a fresh GPU host's kernel builds do
-    not count), keeping what finished (prompts run in order); `deadline` (time.monotonic()) stops
-    it regardless. `log` gets a progress line every ~15 s."""
+    """Each prompt with the model's greedy continuation and `samples` seeded sampled ones, scored from the
+    first generated token; stops `seconds` after the first continuation or at `deadline`, keeping those done."""
     from ..config import ScheduleConfig, SpeculativeConfig
     from ..generation import Engine
     from ..request import Request, SamplingParams
-
     started = time.monotonic()
     log = log or (lambda message: None)
-    compiled = "on" if mx.default_device() == mx.gpu else "off"  # on a CPU compiling costs more than it saves
+    compiled = "on" if mx.default_device() == mx.gpu else "off"  # on a CPU compiling does not pay
     engine = Engine(bundle, SpeculativeConfig(method="none", compiled_verify=compiled),
                     ScheduleConfig(order="input", max_batch=max_batch))
     counts = [samples] * len(prompts) if isinstance(samples, int) else list(samples)
@@ -167,7 +153,7 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
     for i, p in enumerate(prompts):
         p = list(p)
         if seq_len is not None and len(p) > seq_len - 2:
-            p = p[: max(1, seq_len - 2)]  # the tail would be cut off anyway
+            p = p[: max(1, seq_len - 2)]
         for j in range(1 + max(counts[i], 0)):
             params = SamplingParams(max_tokens=news[i], temperature=temperature if j else 0.0)
             reqs.append(Request(key=len(reqs), prompt_tokens=p, params=params, seed=seed * 1_000_003 + i * 101 + j))
@@ -194,14 +180,12 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
             break
     bar.close()
     keys = sorted(out)
-    # t = P-1 is the first position the head drafts from: (h_{P-1}, x_P = the trunk's first token) -> x_{P+1}
+    # the head first drafts from t = P-1: (h_{P-1}, x_P, the trunk's first token) -> x_{P+1}
     return TrainData([out[k] for k in keys], "self-distilled", [max(len(reqs[k].prompt_tokens) - 1, 0) for k in keys],
                      groups=[groups[k] for k in keys])
 
 
 def text_data(bundle: ModelBundle, paths: Sequence[str], max_tokens: int, seq_len: int, seed: int) -> TrainData:
-    """Windows of general text (a seeded shuffle of the files, up to `max_tokens` tokens): every
-    position scored against the trunk's own next-token distribution."""
     files = [f for p in paths for f in text_files(p)]
     order = np.random.default_rng(seed).permutation(len(files))
     seqs: List[List[int]] = []
@@ -221,11 +205,9 @@ def text_data(bundle: ModelBundle, paths: Sequence[str], max_tokens: int, seq_le
 
 @dataclass
 class ReadData:
-    """Rows the caller read (the `train-head` command reads jobs and tables the way a run does):
-    prompt token lists to self-distill, or texts to cut into windows. Plain data: the engine reads
-    no job files."""
+    """A job's or a table's rows as the caller read them: prompts to self-distill, or texts."""
 
-    source: str  # what they came from, for the metadata
+    source: str
     prompts: List[List[int]] = field(default_factory=list)
     texts: List[str] = field(default_factory=list)
     max_new_tokens: int = 256  # continuation length when self-distilling the prompts
@@ -238,16 +220,12 @@ def is_job_or_table(path: str) -> bool:
 
 
 def is_dataset_name(name: str) -> bool:
-    """A known dataset (mtplx.models.assets), named by itself where no such path exists."""
     from ..models.assets import ASSETS
-
     return name in ASSETS and ASSETS[name].kind == "dataset" and not os.path.exists(name)
 
 
 def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, log=None, deadline=None) -> TrainData:
-    """Training sequences from `data`: ReadData (a job's or a table's rows, read by the caller), a
-    text file, a list of strings (plain text), a list of token-id lists (every position scored), or
-    a TrainData."""
+    """Training sequences from ReadData, a text file, a list of texts or of token-id lists, or TrainData."""
     tok = bundle.tokenizer
     limit = cfg.max_rows
     if isinstance(data, TrainData):
@@ -261,7 +239,6 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, 
     path = str(data)
     if not os.path.exists(path):
         from ..models.assets import list_assets
-
         names = ", ".join(a.name for a in list_assets("dataset"))
         raise TrainHeadError(f"{path!r} does not exist: give a job YAML, a JSONL/Parquet/CSV file with a prompt "
                              f"or text column, a plain text file, or a known dataset ({names})")
@@ -277,9 +254,7 @@ def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, 
 
 
 def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: bool, log=None, deadline=None) -> TrainData:
-    """The rows' prompts self-distilled together with the general prompts of `cfg.prompts` (one
-    engine run: the job's rows first, so a generation time limit cuts the general ones), which
-    come back as `extra` (training only); or the rows' texts cut into windows."""
+    """The rows' prompts self-distilled before `cfg.prompts`' (returned as `extra`), or their texts."""
     if not data.prompts:
         return TrainData(_windows(bundle.tokenizer, data.texts, cfg.seq_len), data.source).clip(cfg.seq_len)
     general, kinds = _general(bundle, cfg)
@@ -291,19 +266,15 @@ def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: boo
     both = self_distill(bundle, list(data.prompts) + general, data.max_new_tokens, cfg.gen_batch, cfg.seq_len, quiet,
                         [cfg.samples_per_prompt] * n + [cfg.general_samples] * len(general), cfg.temperature, cfg.seed,
                         cfg.data_seconds, log, deadline)
-    own = [i for i, g in enumerate(both.groups) if g < n]
-    out = _subset(both, own, data.source)
+    out = _subset(both, [i for i, g in enumerate(both.groups) if g < n], data.source)
     out.rows = data.rows
     if general:
         out.extra = _subset(both, [i for i, g in enumerate(both.groups) if g >= n], _general_source(cfg, kinds))
     return out.clip(cfg.seq_len)
 
 
-
 def _general(bundle: ModelBundle, cfg: TrainConfig):
-    if not cfg.prompts:
-        return [], []
-    # a prompt takes at most half a training sequence: the rest is the trunk's continuation
+    # a prompt takes at most half a training sequence
     return general_prompts(bundle.tokenizer, cfg.prompts, cfg.seed, max_tokens=cfg.seq_len // 2)
 
 
@@ -312,7 +283,6 @@ def _general_source(cfg: TrainConfig, kinds) -> str:
 
 
 def general_data(bundle: ModelBundle, cfg: TrainConfig, quiet: bool = True, log=None, deadline=None) -> Optional["TrainData"]:
-    """The `--prompts` prompts self-distilled alone (for data without prompts of its own: text)."""
     general, kinds = _general(bundle, cfg)
     if not general:
         return None
@@ -327,11 +297,9 @@ def _subset(data: TrainData, idx: Sequence[int], source: str) -> TrainData:
                      groups=[data.groups[i] for i in idx])
 
 
-# -- trunk features --------------------------------------------------------------------------------
 @dataclass
 class Features:
-    """Per sequence: tokens [L] (numpy), trunk hidden [L, D] (mx), trunk greedy next token [L] or None,
-    first scored position."""
+    """Per sequence: tokens [L], trunk hidden [L, D], trunk greedy next token [L] or None, first scored."""
 
     tokens: List[np.ndarray]
     hidden: List[mx.array]
@@ -343,7 +311,7 @@ class Features:
         return sum(max(len(t) - 2 - st, 0) for t, st in zip(self.tokens, self.starts))
 
 
-LENGTH_BUCKET = 64  # batches are padded to a multiple of this: few distinct shapes, few kernel builds on a GPU
+LENGTH_BUCKET = 64  # batches pad to a multiple of this: few shapes, few kernel builds on a GPU
 
 
 def padded_length(n: int) -> int:
@@ -352,8 +320,7 @@ def padded_length(n: int) -> int:
 
 def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[int], store_dtype, want_greedy: bool,
                    batch_tokens: Optional[int] = None, desc: str = "trunk", quiet: bool = True) -> Features:
-    """Run the frozen trunk once over `sequences` (right-padded batches of similar length, padded
-    to a multiple of LENGTH_BUCKET; causal attention keeps padding out of the real positions)."""
+    """The frozen trunk once over `sequences`, in right-padded batches of similar length."""
     if batch_tokens is None:
         batch_tokens = 16384 if mx.default_device() == mx.gpu else 4096
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
@@ -373,7 +340,7 @@ def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[i
         h = trunk_hidden(model, mx.array(x), None)
         hs = h.astype(store_dtype)
         g = mx.argmax(project_logits(model, h), axis=-1).astype(mx.int32) if want_greedy else None
-        mx.eval(hs, g)  # (None is skipped)
+        mx.eval(hs, g)
         g = None if g is None else np.array(g)
         for r, k in enumerate(idx):
             hidden[k] = hs[r, : len(sequences[k])]

@@ -1,10 +1,4 @@
-"""The head over the frozen trunk's features: batches, the unrolled draft recursion, held-out metrics.
-
-Shared by training (`train_head.py`) and its reports: a batch of sequences gives the trunk's hidden
-states, the tokens the head is fed and the targets; `_unrolled` runs the head through draft
-depths 1..k as drafting does (depth k+1 takes the head's own depth-k hidden state);
-`evaluate` and `acceptance_by_depth` measure held-out loss and acceptance.
-"""
+"""The head over the frozen trunk's features: batches, the unrolled draft recursion, held-out metrics."""
 
 from __future__ import annotations
 
@@ -19,10 +13,8 @@ from .head_data import Features, padded_length
 
 
 def _batch(feats: Features, idx: Sequence[int], compute_dtype, length: Optional[int] = None):
-    """(hidden [B, L-2, D], tokens in [B, L-2], targets [B, L-2], mask [B, L-2], greedy targets or None,
-    teacher [B, L-1, D]: the trunk's hidden at positions 1..L-1, whose projection is its distribution
-    over the token after each). L: `length` (training: one shape for every step), else the longest
-    sequence padded to a multiple of LENGTH_BUCKET (few distinct shapes: few kernel builds on a GPU)."""
+    """(hidden [B, L-2, D], tokens in, targets, mask, greedy targets or None, teacher [B, L-1, D]: the
+    trunk's hidden at 1..L-1). L: `length`, else the longest sequence padded to LENGTH_BUCKET."""
     L = max(length or 0, padded_length(max(len(feats.tokens[k]) for k in idx)))
     B = len(idx)
     x = np.zeros((B, L), dtype=np.int32)
@@ -38,13 +30,13 @@ def _batch(feats: Features, idx: Sequence[int], compute_dtype, length: Optional[
         hs.append(mx.pad(h, [(0, L - n), (0, 0)]) if n < L else h)
         ts.append(mx.pad(t, [(0, L - n), (0, 0)]) if n < L else t)
         if have_greedy:
-            g[r, : n - 2] = feats.greedy[k][1 : n - 1]  # the trunk's own token after x_{t+1}
+            g[r, : n - 2] = feats.greedy[k][1 : n - 1]
     return (mx.stack(hs).astype(compute_dtype), mx.array(x[:, 1:-1]), mx.array(x[:, 2:]), mx.array(m),
             mx.array(g) if have_greedy else None, mx.stack(ts).astype(compute_dtype))
 
 
 def _causal(head: MTPHead, L: int):
-    """The attention mask for L positions: "causal" (fused) where the block takes it, else an array."""
+    """The mask for L positions: "causal" where the block takes it, else an array."""
     if getattr(head, "_array_mask", None) is None:
         try:
             D = head.fc.weight.shape[0]
@@ -55,14 +47,11 @@ def _causal(head: MTPHead, L: int):
     if L == 1 or not head._array_mask:
         return None if L == 1 else "causal"
     from mlx_lm.models.base import create_causal_mask
-
     return create_causal_mask(L)
 
 
 def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int, project=None):
-    """(logits, targets, mask, head hidden) at draft depths 1..`depths`. Depth k+1 at position i takes
-    the head's own depth-k output there and the token that depth k predicts (teacher-forced).
-    `project` (h -> logits; default the head's own) gives logits over a drafting vocabulary."""
+    """(logits, targets, mask, head hidden) at depths 1..`depths`, each over the one before (teacher-forced)."""
     out = []
     for _ in range(depths):
         if tokens.shape[1] == 0:
@@ -76,10 +65,8 @@ def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int, project
 
 def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32, batch_size: int = 8,
                vocab: Optional[Sequence[int]] = None) -> List[np.ndarray]:
-    """Per sequence, [depths, L-2] int8: at base position i (the head fed h_i and x_{i+1}), 1 where
-    the depth-k draft (k = 0 predicts x_{i+2}; deeper ones recurse on the head's own output,
-    teacher-forced tokens), argmax among `vocab` when given, is the trunk's own greedy token,
-    0 where it is not, -1 where the position is not scored."""
+    """Per sequence [depths, L-2] int8: 1 where the depth-k draft from base i (argmax among `vocab`) is
+    the trunk's greedy token, 0 where not, -1 where unscored."""
     out: List[Optional[np.ndarray]] = [None] * len(feats.tokens)
     for batch in _batches(feats, batch_size):
         hidden, tok, tgt, m, g, _ = _batch(feats, batch, compute_dtype)
@@ -95,26 +82,16 @@ def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.flo
 
 
 def _batches(feats: Features, batch_size: int):
-    """Sequence indices in batches of similar length."""
     idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
     return [idx[s : s + batch_size] for s in range(0, len(idx), batch_size)]
 
 
 def _among(logits: mx.array, vocab: Optional[Sequence[int]]) -> mx.array:
-    """`logits` with every token outside `vocab` (when given) at -inf."""
     if vocab is None:
         return logits
     keep = np.zeros(logits.shape[-1], dtype=bool)
     keep[np.asarray(vocab)] = True
     return mx.where(mx.array(keep), logits, -mx.inf)
-
-
-def acceptance_by_depth(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
-                        batch_size: int = 8, vocab: Optional[Sequence[int]] = None) -> List[float]:
-    """Held-out share of positions where the head's depth-k argmax (among `vocab` when given: the
-    drafting vocabulary) is the trunk's own greedy token (teacher-forced: the tokens before it are
-    the sequence's)."""
-    return _rates(depth_hits(head, feats, depths, compute_dtype, batch_size, vocab), depths)
 
 
 def _rates(hits: Sequence[np.ndarray], depths: int) -> List[float]:
@@ -127,8 +104,7 @@ def _rates(hits: Sequence[np.ndarray], depths: int) -> List[float]:
 
 def depth_report(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
                  vocab: Optional[Sequence[int]] = None) -> dict:
-    """What mtp_head.json reports for a held-out set: acceptance by depth, tokens per verify from
-    their product, and replayed as the engine walks rounds (the figure the engine measures)."""
+    """Acceptance by depth; tokens per verify from their product and replayed as the engine's rounds."""
     hits = depth_hits(head, feats, depths, compute_dtype, vocab=vocab)
     by_depth = _rates(hits, depths)
     ks = range(1, depths + 1)
@@ -138,9 +114,7 @@ def depth_report(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.f
 
 
 def replayed_tokens_per_verify(hits: Sequence[np.ndarray], depth: int) -> float:
-    """Tokens per verify if the engine drafted `depth` tokens at every round and each draft passed
-    exactly where `depth_hits` says: from each sequence's first scored position, a round at base i
-    accepts the run of hits at depths 0.. there and moves on by that run + 1."""
+    """Tokens per verify drafting `depth` a round, each draft passing where `depth_hits` says."""
     verifies = tokens = 0
     for grid in hits:
         scored = np.flatnonzero(grid[0] >= 0)
@@ -158,8 +132,7 @@ def replayed_tokens_per_verify(hits: Sequence[np.ndarray], depth: int) -> float:
 
 
 def tokens_per_verify(by_depth: Sequence[float], depth: int) -> float:
-    """Expected tokens per verify drafting `depth` tokens, reading the held-out acceptance at depth k
-    as the chance that draft k passes once draft k-1 has (the drafts before it were teacher-forced)."""
+    """Expected tokens per verify drafting `depth`, by depth k's acceptance once draft k-1 passed."""
     total, run = 1.0, 1.0
     for a in list(by_depth)[:depth]:
         run *= a
@@ -169,8 +142,7 @@ def tokens_per_verify(by_depth: Sequence[float], depth: int) -> float:
 
 def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_size: int = 8,
              vocab: Optional[Sequence[int]] = None) -> Tuple[float, float]:
-    """(mean cross-entropy against x_{t+2}, acceptance against the trunk's greedy token, the argmax
-    taken among `vocab` when given) over all held-out positions."""
+    """(mean cross-entropy against x_{t+2}, acceptance against the trunk's greedy token)."""
     total_loss = total_hit = total_n = 0.0
     for batch in _batches(feats, batch_size):
         hidden, tok, tgt, m, g, _ = _batch(feats, batch, compute_dtype)
@@ -183,6 +155,4 @@ def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_siz
         total_loss += l.item()
         total_hit += h.item()
         total_n += n.item()
-    if not total_n:
-        return float("nan"), 0.0
-    return total_loss / total_n, total_hit / total_n
+    return (total_loss / total_n, total_hit / total_n) if total_n else (float("nan"), 0.0)

@@ -1,6 +1,5 @@
-"""What `train-head` writes: the sidecar (`mtp_head.safetensors` in the DeepSeek NextN key layout,
-`mtp_head.json`) and the checkpoint it resumes from (`HEAD_DIR/checkpoint/latest/`: head,
-optimizer, step, RNG state), each replaced atomically."""
+"""What `train-head` writes, each file replaced atomically: the sidecar (NextN keys) and the checkpoint
+it resumes from (head, optimizer, step, RNG state)."""
 
 from __future__ import annotations
 
@@ -19,21 +18,19 @@ from mlx.utils import tree_flatten
 
 from ..models.loading import ModelBundle
 from ..models.mtp import SIDECAR_META, SIDECAR_WEIGHTS, MTPHead, _probe_matches, trunk_probe, trunk_signature
+from ..models.mtp_layouts import NEXTN_HEAD
 from .config import TrainHeadError
 
 CHECKPOINT_DIR = "checkpoint"
 DATA_FILE = "data.npz"
 STATE_DIR = "latest"
 
-# head parameter names -> DeepSeek NextN names (under model.layers.{N}.)
-NEXTN_NAMES = {"norm_embedding": "enorm", "norm_hidden": "hnorm", "fc": "eh_proj", "norm": "shared_head.norm"}
+# head parameter names -> DeepSeek NextN names (under model.layers.{N}.); the head is the trunk's
+NEXTN_NAMES = {ours: theirs for theirs, ours in NEXTN_HEAD.items() if ours != "head"}
 
 
-# -- sidecar ---------------------------------------------------------------------------------------
 def nextn_weights(head: MTPHead, num_hidden_layers: int, dtype=None) -> Dict[str, mx.array]:
-    """The head's parameters under DeepSeek NextN names: model.layers.{N}.enorm/hnorm/eh_proj/
-    shared_head.norm and the block's own keys; block i > 0 of a deeper head at model.layers.{N+i}.
-    No shared_head.head / embed_tokens: those are the trunk's."""
+    """The head's parameters under NextN names at model.layers.{N} (block i at N + i)."""
     N, out = num_hidden_layers, {}
     for k, v in tree_flatten(head.parameters()):
         if k.startswith("layers."):
@@ -49,16 +46,15 @@ def nextn_weights(head: MTPHead, num_hidden_layers: int, dtype=None) -> Dict[str
 
 
 def save_sidecar(bundle: ModelBundle, head: MTPHead, out_dir: Union[str, os.PathLike], meta: dict) -> Path:
-    """Write mtp_head.safetensors + mtp_head.json into out_dir (atomically, each file)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     N = int(bundle.config["num_hidden_layers"])
-    trunk_float = bundle.model.model.embed_tokens(mx.array([0])).dtype  # (a quantized embedding stores uint32)
+    trunk_float = bundle.model.model.embed_tokens(mx.array([0])).dtype  # not a quantized weight's uint32
     weights = nextn_weights(head, N, trunk_float)
     tmp = out / (SIDECAR_WEIGHTS + ".tmp.safetensors")
     mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "layout": "nextn"})
     os.replace(tmp, out / SIDECAR_WEIGHTS)
-    full = {"trunk": trunk_signature(bundle), "num_hidden_layers": N, "layout": "nextn",
+    full = {"trunk": trunk_signature(bundle.config), "num_hidden_layers": N, "layout": "nextn",
             "depth_layers": len(head.layers), **meta, "trunk_probe": trunk_probe(bundle)}
     tmp = out / (SIDECAR_META + ".tmp")
     tmp.write_text(json.dumps(full, indent=1))
@@ -66,7 +62,6 @@ def save_sidecar(bundle: ModelBundle, head: MTPHead, out_dir: Union[str, os.Path
     return out
 
 
-# -- checkpoint ------------------------------------------------------------------------------------
 def _ckpt_state_dir(out: Path) -> Optional[Path]:
     ck = out / CHECKPOINT_DIR
     return next((ck / n for n in (STATE_DIR, STATE_DIR + ".old") if (ck / n / "state.json").exists()), None)
@@ -85,20 +80,18 @@ def _save_checkpoint(out: Path, head: MTPHead, opt: optim.Optimizer, step: int, 
     cur, old = ck / STATE_DIR, ck / (STATE_DIR + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if cur.exists():
-        os.replace(cur, old)  # until the new one is in place, the old one is what a resume finds
+        os.replace(cur, old)  # a resume finds the old one until the new one is in place
     os.replace(tmp, cur)
     shutil.rmtree(old, ignore_errors=True)
 
 
 def checkpoint_step(out_dir) -> Optional[int]:
-    """The step of the checkpoint in HEAD_DIR, or None."""
     d = _ckpt_state_dir(Path(out_dir))
     return None if d is None else int(json.loads((d / "state.json").read_text())["step"])
 
 
-# -- a run's record and its resumption --------------------------------------------------------------
 def resumable_state(state_dir: Optional[Path], ck: Path, cfg, header: dict) -> Optional[dict]:
-    """The checkpoint's state when it is a run of these settings (None without one); refused otherwise."""
+    """The checkpoint's state (None without one); refused unless it is a run of these settings."""
     if state_dir is None:
         return None
     state = json.loads((state_dir / "state.json").read_text())
@@ -122,19 +115,17 @@ def resumable_state(state_dir: Optional[Path], ck: Path, cfg, header: dict) -> O
 def sidecar_meta(cfg, tdata, step: int, header: dict, train_loss, initial: dict,
                   last_eval: dict, held_report: dict, other_meta, train_dtype, vocab, train_f, held_f,
                   started: float) -> dict:
-    """What `mtp_head.json` records of a training run."""
-    return {
-        "steps": step, "planned_steps": header.get("planned_steps"), "train_loss": train_loss,
-        "heldout_loss": last_eval["heldout_loss"], "heldout_acceptance": last_eval["heldout_acceptance"],
-        "initial_heldout_loss": initial["heldout_loss"], "initial_heldout_acceptance": initial["heldout_acceptance"],
-        "heldout_acceptance_by_depth": held_report["acceptance_by_depth"],
-        "heldout_tokens_per_verify": held_report["tokens_per_verify"],
-        "heldout_replayed_tokens_per_verify": held_report["replayed_tokens_per_verify"],
-        "heldout_other": other_meta,
-        "train_dtype": str(train_dtype).split(".")[-1],  # what the training steps computed in
-        "draft_vocab": None if vocab is None else len(vocab),
-        "data": tdata.source, "data_digest": tdata.digest(), "sample_rows": tdata.rows,
-        "sequences": len(tdata.sequences), "heldout_sequences": len(tdata.heldout),
-        "train_positions": train_f.positions, "heldout_positions": held_f.positions,
-        "seconds": round(time.monotonic() - started, 1), "config": asdict(cfg),
-    }
+    return {"steps": step, "planned_steps": header.get("planned_steps"), "train_loss": train_loss,
+            "heldout_loss": last_eval["heldout_loss"], "heldout_acceptance": last_eval["heldout_acceptance"],
+            "initial_heldout_loss": initial["heldout_loss"],
+            "initial_heldout_acceptance": initial["heldout_acceptance"],
+            "heldout_acceptance_by_depth": held_report["acceptance_by_depth"],
+            "heldout_tokens_per_verify": held_report["tokens_per_verify"],
+            "heldout_replayed_tokens_per_verify": held_report["replayed_tokens_per_verify"],
+            "heldout_other": other_meta,
+            "train_dtype": str(train_dtype).split(".")[-1],  # what the training steps computed in
+            "draft_vocab": None if vocab is None else len(vocab),
+            "data": tdata.source, "data_digest": tdata.digest(), "sample_rows": tdata.rows,
+            "sequences": len(tdata.sequences), "heldout_sequences": len(tdata.heldout),
+            "train_positions": train_f.positions, "heldout_positions": held_f.positions,
+            "seconds": round(time.monotonic() - started, 1), "config": asdict(cfg)}

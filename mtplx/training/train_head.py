@@ -1,17 +1,8 @@
 """Train a multi-token-prediction sidecar head for a model that ships none (`mtplx-batch train-head`).
 
-The head is `mtplx.models.mtp.MTPHead` over the trunk's own (shared, frozen, never saved) embedding
-and lm_head; it learns to predict token t+2 from the trunk's hidden state h_t and token t+1.
-  1. Data (head_data.py): a job's prompts with the model's own continuations (self-distillation:
-     the head learns what the verifier accepts), or text cut into windows; a few sequences held out.
-  2. The frozen trunk runs once over every sequence: h_t, and its greedy token where held out.
-  3. The head trains with AdamW, linear warmup and cosine decay, causal attention over the whole
-     sequence as at inference. Depth k sees (the head's own depth k-1 output, emb(x_{t+k})): a head
-     trained on depth 1 alone accepts almost nothing at depth 2, so `draft_depths` unrolls that
-     recursion (teacher-forced tokens, gradients through the chain) and averages the depths' losses.
-  4. Held-out loss and acceptance (the head's argmax is the trunk's greedy token) before and after.
-  5. The sidecar and the checkpoint it resumes from are written to HEAD_DIR (head_files.py).
-"""
+An MTPHead over the frozen trunk learns token t+2 from h_t and token t+1 on the model's own
+continuations (what the verifier accepts). Depth k sees the head's own depth k-1 output (a head trained
+on depth 1 alone accepts almost nothing at depth 2), so `draft_depths` unrolls that recursion."""
 
 from __future__ import annotations
 
@@ -35,12 +26,11 @@ from .config import TrainConfig, TrainHeadError
 from .head_data import (ReadData, TrainData, _bar, build_data, general_data, is_dataset_name, is_job_or_table,
                         padded_length, self_distill, text_data, trunk_features)
 from .head_prompts import check_heldout
-from .precision import step_dtypes as _dtypes, value_and_grad as _value_and_grad
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
 from ..process import prepare_process
-from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint, checkpoint_step,  # noqa: F401
-                         nextn_weights, resumable_state, save_sidecar, sidecar_meta)  # nextn_weights: exported here too
+from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint,  # noqa: F401 (CLI's)
+                         checkpoint_step, resumable_state, save_sidecar, sidecar_meta)
 from ..drafting.mtp_bank import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
 from ..models.mtp import MTPHead, has_trunk_split, project_logits, trunk_probe, trunk_signature
 
@@ -66,12 +56,8 @@ class TrainResult:
 
 def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1, teacher=None, kind: str = "tokens",
           hidden_weight: float = 0.0, vocab: Optional[DraftVocab] = None, index=None):
-    """Mean over depths of: cross-entropy to the trunk's distribution (kl; equal to the KL up to the
-    trunk's entropy), to its argmax, or to the data's tokens; plus `hidden_weight` x the squared
-    error between the head's hidden state and the trunk's at the same position (depth k at i
-    stands for the trunk at i + k). With a drafting vocabulary (`vocab`, and `index`: token id ->
-    its place in it, -1 outside) both distributions are over its tokens alone, as drafting is:
-    a projection to 8k instead of 49k tokens; data tokens outside it are not scored."""
+    """Mean over depths of the cross-entropy to the trunk's distribution (kl), argmax or tokens, plus
+    `hidden_weight` x the squared error to its hidden state; over the drafting vocabulary `vocab`, if any."""
     total = 0.0
     levels = _unrolled(head, hidden, tokens, targets, mask, depths, None if vocab is None else vocab.logits)
     for d, (logits, tgt, m, h) in enumerate(levels):
@@ -98,11 +84,35 @@ def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1, teacher
     return total / len(levels)
 
 
-# -- helpers ---------------------------------------------------------------------------------------
+def _dtypes(cfg):
+    """(dtype hidden states are stored in, dtype a step computes in); the rest stays float32."""
+    auto = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+    return tuple(auto if name == "auto" else getattr(mx, name) for name in (cfg.dtype, cfg.train_dtype))
+
+
+def _value_and_grad(head: nn.Module, loss_fn, dtype):
+    """(loss, float32 gradients) of `loss_fn(head, ...)` computed over a `dtype` copy of the parameters."""
+    if dtype == mx.float32:
+        return nn.value_and_grad(head, loss_fn)
+
+    def over(params, *args):
+        head.update(params)
+        return loss_fn(head, *args)
+
+    grad_fn = mx.value_and_grad(over)
+
+    def run(_head, *args):
+        master = head.trainable_parameters()
+        try:
+            loss, grads = grad_fn(tree_map(lambda p: p.astype(dtype), master), *args)
+        finally:
+            head.update(master)
+        return loss, tree_map(lambda g: g.astype(mx.float32), grads)
+
+    return run
 
 
 def _dense_params(module: nn.Module) -> Dict[str, mx.array]:
-    """A module's parameters with quantized linears / embeddings dequantized (float32)."""
     out, quantized = {}, []
     for name, mod in module.named_modules():
         if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
@@ -123,9 +133,7 @@ def _init_head(model, cfg: TrainConfig) -> MTPHead:
     mx.random.seed(cfg.seed)
     head = MTPHead(model, n_layers=cfg.depth_layers)
     if cfg.init == "trunk":
-        # Each block starts as a copy of the trunk's last layer of the same kind (a well-scaled block
-        # that already works on the trunk's residual stream), the final norm as the trunk's final
-        # norm (logits on the trunk's own scale).
+        # blocks start as the trunk's last layer of their kind, the norm as its final norm: on its scale
         src = next((l for l in reversed(model.layers) if type(l) is type(head.layers[0])), None)
         if src is not None:
             want = {k: v.shape for k, v in tree_flatten(head.layers[0].parameters())}
@@ -150,39 +158,36 @@ def _schedule(cfg: TrainConfig):
     return decay
 
 
-FIT_PROBE = (25, 125)  # --fit-steps times steps 25..125 of a run: on a GPU the first steps build kernels, slower
+FIT_PROBE = (25, 125)  # --fit-steps times steps 25..125: the first steps build kernels
 
 
 def _fit(cfg: TrainConfig, step: int, per_step: float, eval_seconds: float, left: float) -> int:
-    """Steps the schedule can span: what `left` seconds hold at `per_step` plus the held-out
-    evaluations every eval_every steps, after a reserve for the final evaluation and report
-    (about ten evaluations' worth, at least 10 s); at most cfg.steps, at least one more."""
+    """Steps the schedule can span in `left` seconds, evaluations and a final reserve included."""
     reserve = max(10.0, 10 * eval_seconds)
     more = (left - reserve) / (per_step + eval_seconds / cfg.eval_every)
     return int(min(cfg.steps, max(step + 1, step + int(more))))
 
 
+DATA_KEYS = ("max_rows", "max_new_tokens", "seq_len", "heldout", "seed", "sample", "samples_per_prompt", "temperature",
+             "text_tokens", "gen_batch", "data_seconds")  # the settings that shape a data file's sequences
+
+
 def data_key(data, cfg: TrainConfig) -> Optional[dict]:
-    """What identifies the training data of a path: the file's content and the settings that shape
-    the sequences. None for in-memory data."""
+    """A data file's content digest and the settings that shape its sequences (None: in-memory data)."""
     if not isinstance(data, (str, os.PathLike)) or not os.path.isfile(data):
         return None
     h = hashlib.sha256()
     with open(data, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    key = {"path": os.path.abspath(data), "sha256": h.hexdigest()[:16], "max_rows": cfg.max_rows,
-            "max_new_tokens": cfg.max_new_tokens, "seq_len": cfg.seq_len, "heldout": cfg.heldout, "seed": cfg.seed,
-            "sample": cfg.sample, "samples_per_prompt": cfg.samples_per_prompt, "temperature": cfg.temperature,
-            "text": list(cfg.text), "text_tokens": cfg.text_tokens, "prompts": list(cfg.prompts),
-            "gen_batch": cfg.gen_batch, "data_seconds": cfg.data_seconds}
-    if cfg.general_samples != 1:  # only when not the default, so a key without it still matches
+    key = {"path": os.path.abspath(data), "sha256": h.hexdigest()[:16], **{k: getattr(cfg, k) for k in DATA_KEYS}}
+    key.update(text=list(cfg.text), prompts=list(cfg.prompts))
+    if cfg.general_samples != 1:  # only when not the default: older keys still match
         key["general_samples"] = cfg.general_samples
     return key
 
 
 def _read(read, data, bundle: ModelBundle, cfg: TrainConfig):
-    """`data` as `read` gives it where it names a job, a table or a known dataset; anything else as it is."""
     if read is not None and isinstance(data, (str, os.PathLike)) and (
             is_job_or_table(str(data)) and os.path.exists(data) or is_dataset_name(str(data))):
         return read(str(data), bundle.tokenizer, cfg)
@@ -191,20 +196,16 @@ def _read(read, data, bundle: ModelBundle, cfg: TrainConfig):
 
 def _training_data(bundle: ModelBundle, data, cfg: TrainConfig, ck: Path, state: Optional[dict], dkey, started: float,
                    read, quiet: bool, log) -> TrainData:
-    """The sequences to train on: the checkpoint's, or built (self-distilled rows, general text), split and saved."""
     data_file = ck / DATA_FILE
-    if data_file.exists() and state is not None:
+    # a checkpoint's data, or a run's that stopped before its first checkpoint
+    if data_file.exists() and (state is not None or dkey is not None and TrainData.stored_key(data_file) == dkey):
         tdata = TrainData.load(data_file)
-        log(f"resuming at step {state['step']}: {len(tdata.sequences)} sequences from {data_file}")
+        log((f"resuming at step {state['step']}: " if state is not None else "reusing ")
+            + f"{len(tdata.sequences)} sequences from {data_file}")
         return tdata
-    if data_file.exists() and dkey is not None and TrainData.stored_key(data_file) == dkey:
-        tdata = TrainData.load(data_file)  # an earlier run stopped before its first checkpoint
-        log(f"reusing {len(tdata.sequences)} sequences from {data_file}")
-        return tdata
-    # with a time limit, generation ends by half of it: training keeps its share, however long a
-    # fresh host's kernel builds held back the first continuation
+    # generation ends by half the time limit, however long kernel builds held it back
     deadline = started + cfg.max_seconds / 2 if cfg.max_seconds is not None else None
-    if data is None:  # the general prompts are the data, and a share of them is held out
+    if data is None:  # the general prompts are the data, a share held out
         tdata, extra = general_data(bundle, cfg, quiet, log, deadline), None
     else:
         tdata = build_data(bundle, _read(read, data, bundle, cfg), cfg, quiet, log, deadline).clip(cfg.seq_len)
@@ -212,7 +213,7 @@ def _training_data(bundle: ModelBundle, data, cfg: TrainConfig, ck: Path, state:
     tdata.split(cfg.heldout, cfg.seed)
     if extra is not None:  # --prompts: training only, like --text
         tdata.extend(extra)
-    if cfg.text:  # general text: training only, so the held-out split stays the data's own
+    if cfg.text:  # training only: the held-out split stays the data's own
         tdata.extend(text_data(bundle, cfg.text, cfg.text_tokens, cfg.seq_len, cfg.seed).clip(cfg.seq_len))
     ck.mkdir(parents=True, exist_ok=True)
     tdata.save(data_file, dkey)
@@ -221,22 +222,13 @@ def _training_data(bundle: ModelBundle, data, cfg: TrainConfig, ck: Path, state:
     return tdata
 
 
-# -- training --------------------------------------------------------------------------------------
 def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, restart: bool = False,
                quiet: bool = True, callback: Optional[Callable[[int, dict], None]] = None,
                log: Optional[Callable[[str], None]] = None, read: Optional[Callable] = None,
                gguf_mode: str = "auto") -> TrainResult:
-    """Train an MTP sidecar head for `model` (a path, a known name or a ModelBundle) on `data` and
-    write it to `out_dir`; resume from `out_dir/checkpoint/` when it holds a run with the same
-    settings (refused otherwise, unless `restart`).
-
-    `callback(step, metrics)` runs after every step (metrics: loss, lr, and heldout_loss /
-    heldout_acceptance on evaluation steps); an exception from it (e.g. KeyboardInterrupt) stops
-    training after a checkpoint of the current step is written. `read(path, tokenizer, cfg)`
-    reads a job or a table named by `data` or `heldout_data` into ReadData (the `train-head`
-    command passes `pipelines.io.train_data.read_train_data`); without it they are refused.
-    `gguf_mode`: how a GGUF `model` is converted (mtplx.config.GGUF_MODES).
-    """
+    """Train an MTP sidecar head for `model` on `data` into `out_dir`, resuming a checkpoint of the same
+    settings. An exception from `callback(step, metrics)` stops training after a checkpoint;
+    `read(path, tokenizer, cfg)` reads a job or a table named by `data` or `heldout_data`."""
     prepare_process()
     cfg = config or TrainConfig()
     cfg.check()
@@ -255,20 +247,18 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     if restart and ck.exists():
         shutil.rmtree(ck)
     dkey = data_key(data, cfg)
-    header = {"trunk": trunk_signature(bundle), "trunk_probe": trunk_probe(bundle), "config": cfg.resume_view(),
+    header = {"trunk": trunk_signature(bundle.config), "trunk_probe": trunk_probe(bundle), "config": cfg.resume_view(),
               "data_key": dkey}
     state_dir = _ckpt_state_dir(out)
     state = resumable_state(state_dir, ck, cfg, header)
 
-    # 1. data
     tdata = _training_data(bundle, data, cfg, ck, state, dkey, started, read, quiet, log)
     held = set(tdata.heldout)
     train_idx = [i for i in range(len(tdata.sequences)) if i not in held]
     if not train_idx:
         raise TrainHeadError("no training sequences left after holding some out: give more data")
 
-    # 2. trunk features (frozen trunk, once)
-    store_dtype, step_dtype = _dtypes(cfg)  # evaluations compute in float32
+    store_dtype, step_dtype = _dtypes(cfg)
     train_f = trunk_features(mdl, [tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
                              store_dtype, False, desc="trunk (train)", quiet=quiet)
     held_f = trunk_features(mdl, [tdata.sequences[i] for i in tdata.heldout], [tdata.starts[i] for i in tdata.heldout],
@@ -284,11 +274,10 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
             "held-out loss will rise after the first few passes (acceptance keeps most of its gain): more data "
             "(--max-rows, a larger job) helps more than more steps")
 
-    # 3. head + optimizer (fresh, or from the checkpoint)
     head = _init_head(mdl, cfg)
     vocab, draft, index = _draft_vocab(bundle, head, tdata, train_idx, cfg)
     _causal(head, 2)  # settle the mask kind outside any gradient transform
-    # the schedule spans `total` steps: cfg.steps, or what --fit-steps planned (kept in the checkpoint)
+    # the schedule spans cfg.steps, or what --fit-steps planned (kept in the checkpoint)
     total = int((state or {}).get("planned_steps") or cfg.steps)
     if (state or {}).get("planned_steps"):
         header["planned_steps"] = total
@@ -297,8 +286,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     opt.init(head.trainable_parameters())
     rng = np.random.default_rng(cfg.seed)
     history: List[dict] = []
-    train_loss = None
-    step = 0
+    train_loss, step = None, 0
     if state is not None:
         head.load_weights(list(mx.load(str(state_dir / "head.safetensors")).items()), strict=True)
         opt.state = tree_unflatten(list(mx.load(str(state_dir / "optimizer.safetensors")).items()))
@@ -322,7 +310,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
             f"{initial['heldout_acceptance']:.3f} ({time.monotonic() - started:.0f}s; training steps compute in "
             f"{str(step_dtype).split('.')[-1]})")
 
-    # on a GPU every step gets the one shape (each new shape builds kernels); on a CPU the padding costs more
+    # on a GPU every step gets one shape (each new one builds kernels); on a CPU padding costs more
     fixed = padded_length(cfg.seq_len) if mx.default_device() == mx.gpu else None
     mixed = {"dtype": step_dtype, "grad": _value_and_grad(head, _loss, step_dtype)}
 
@@ -337,7 +325,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         return loss
 
     def first_step(chosen):
-        """The run's first step; where this backend cannot run a bfloat16 step, float32 from here on."""
+        """The run's first step; float32 from here on where a bfloat16 step fails."""
         kept = (head.trainable_parameters(), tree_map(lambda x: x, opt.state))
         try:
             return train_step(chosen)
@@ -377,7 +365,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                     f"now spans {total} steps (of at most {cfg.steps})")
             lv = loss.item()
             train_loss = lv if train_loss is None else 0.95 * train_loss + 0.05 * lv  # a moving average
-            metrics = {"loss": lv, "lr": float(opt.learning_rate.item()) if isinstance(opt.learning_rate, mx.array) else float(opt.learning_rate)}
+            metrics = {"loss": lv, "lr": float(opt.learning_rate.item() if isinstance(opt.learning_rate, mx.array)
+                                               else opt.learning_rate)}
             if step % cfg.eval_every == 0 or step == total:
                 last_eval = held_out(step)
                 hl, ha = last_eval["heldout_loss"], last_eval["heldout_acceptance"]
@@ -391,19 +380,16 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
                 _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
             if callback is not None:
                 callback(step, metrics)
-    except BaseException as e:  # KeyboardInterrupt, SIGTERM, a callback stopping us
+    except BaseException as e:  # KeyboardInterrupt, SIGTERM, a callback
         interrupted = e
     finally:
         bar.close()
-    if interrupted is not None:
-        if checkpoint_step(out) != step:
-            _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
-        raise interrupted
-
-    if last_eval["step"] != step:
+    if interrupted is None and last_eval["step"] != step:
         last_eval = held_out(step)
     if checkpoint_step(out) != step:
         _save_checkpoint(out, head, opt, step, rng, header, history, train_loss)
+    if interrupted is not None:
+        raise interrupted
     depths = max(cfg.draft_depths, 4)
     held_report = depth_report(head, held_f, depths, vocab=vocab)
     other_meta = [{"data": other.source, "sequences": len(other.sequences), "positions": other_f.positions,
@@ -415,23 +401,19 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     if vocab is not None:
         save_draft_vocab(out, vocab)
     elif remove.exists():
-        remove.unlink()  # a retrained head without one drafts over the whole vocabulary
+        remove.unlink()
     log(f"held-out loss {initial['heldout_loss']:.4f} -> {last_eval['heldout_loss']:.4f}, acceptance "
         f"{initial['heldout_acceptance']:.3f} -> {last_eval['heldout_acceptance']:.3f}; wrote {out}")
-    return TrainResult(
-        out_dir=str(out), steps=step, train_loss=train_loss, heldout_loss=last_eval["heldout_loss"],
-        heldout_acceptance=last_eval["heldout_acceptance"], initial_heldout_loss=initial["heldout_loss"],
-        initial_heldout_acceptance=initial["heldout_acceptance"], sequences=len(tdata.sequences),
-        train_tokens=train_f.positions, heldout_tokens=held_f.positions, resumed_from=resumed_from,
-        seconds=time.monotonic() - started, history=history, acceptance_by_depth=held_report["acceptance_by_depth"],
-        heldout_other=other_meta,
-    )
+    return TrainResult(out_dir=str(out), steps=step, train_loss=train_loss, heldout_loss=last_eval["heldout_loss"],
+                       heldout_acceptance=last_eval["heldout_acceptance"], initial_heldout_loss=initial["heldout_loss"],
+                       initial_heldout_acceptance=initial["heldout_acceptance"], sequences=len(tdata.sequences),
+                       train_tokens=train_f.positions, heldout_tokens=held_f.positions, resumed_from=resumed_from,
+                       seconds=time.monotonic() - started, history=history, heldout_other=other_meta,
+                       acceptance_by_depth=held_report["acceptance_by_depth"])
 
 
 def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx, cfg: TrainConfig):
-    """(token ids, DraftVocab, index: token id -> its place, -1 outside) of the drafting vocabulary,
-    the most frequent tokens the head is trained to predict (plus eos), fixed before training: the
-    head trains over it, as it drafts. (None, None, None) for the whole vocabulary."""
+    """(ids, DraftVocab, index: id -> place or -1) of the drafting vocabulary, or (None, None, None)."""
     V = int(head.logits(mx.zeros((1, head.fc.weight.shape[0]))).shape[-1])
     if not 0 < cfg.draft_vocab < V:
         return None, None, None
@@ -446,9 +428,7 @@ def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx
 
 def _heldout_sets(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read=None,
                   log=None) -> List[tuple]:
-    """(TrainData, Features) of each other dataset (`heldout_data`): `heldout_rows` of its rows,
-    self-distilled like the training data (all sets in one engine run) but never trained on; kept
-    in the checkpoint directory, each under its own key."""
+    """(TrainData, Features) of each `heldout_data` set, self-distilled once and kept by key."""
     ocfg = replace(cfg, sample=cfg.heldout_rows, max_rows=cfg.heldout_rows, samples_per_prompt=0, prompts=())
     sets: Dict[str, TrainData] = {}
     todo = []
