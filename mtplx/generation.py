@@ -25,7 +25,7 @@ from .cache import BatchCache, RowKVCache
 from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profile, one_stream_eager, profile_path
 from .config import ScheduleConfig, SpeculativeConfig, prefill_chunk_env, sustained_prefill_env
 from .counters import Counters
-from .depth import DepthController
+from .depth import CPU_SLOPE, UNTRIED_SLOPE, DepthController
 from .drafting import Drafter, make_drafter
 from . import kernels
 from .graphbank import CompiledVerifyBank
@@ -104,9 +104,12 @@ class Engine:
         self.profile_file, profile = self._calibration(bundle)
         self.max_batch = (auto_max_batch(profile, self.memory_budget, self.row_bytes(AUTO_ROW_TOKENS, 0))
                           if str(self.schedule.max_batch) == "auto" else int(self.schedule.max_batch))
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
         self.depth_control = DepthController(self.spec.depth if self.drafter is not None else 0, self.spec.adaptive_depth,
                                              shapes=cost_shapes(profile),
-                                             prior=self.drafter.acceptance_prior if self.drafter is not None else None)
+                                             prior=self.drafter.acceptance_prior if self.drafter is not None else None,
+                                             slope=CPU_SLOPE if on_cpu else UNTRIED_SLOPE,
+                                             programs=self.drafter.programs if self.drafter is not None else 1)
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
         self.scheduler = Scheduler(self.tokenizer, self.eos, self.max_batch, self.max_context, self.memory_budget,
                                    self.row_bytes, self.drafter)

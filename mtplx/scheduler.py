@@ -35,6 +35,7 @@ class Row:
     depth_sum: int = 0
     rounds: int = 0
     u_next: Optional[np.ndarray] = None  # uniforms drawn for a round not yet queued (Rounds.plan)
+    accept: Optional[object] = None  # its drafts' running acceptance (depth.RowAcceptance, Rounds.plan)
 
 
 def tail_keeps_width() -> int:

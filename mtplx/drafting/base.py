@@ -30,6 +30,7 @@ class Drafter:
     device_side = False  # drafts on the device: `advance`, `correct` and `settle` are called, not `commit`
     drafts_ahead = False  # `advance(following=...)` drafts the next round too
     acceptance_prior: Optional[List[float]] = None  # P(draft j passes | j-1 passed), recorded: adaptive depth's start
+    programs = 1  # compiled programs a drafting depth builds at a new width: the verify's, and the drafter's own
 
     def __init__(self, counters: Optional[Counters] = None):
         self.counters = counters if counters is not None else Counters()  # where its compiled programs count

@@ -43,6 +43,7 @@ class MtpDrafter(CachedDrafter):
     needs_hidden = True
     device_side = True
     drafts_ahead = True  # advance(following=...) drafts the next round in the commit's program
+    programs = 2  # the round's verify, the head's commit with the next round's drafts
 
     def __init__(self, head: MTPHead, chunk_size: int = 512, vocab: Optional[DraftVocab] = None,
                  compiled: bool = True, lookup: Optional["LookupFallback"] = None, catch_up_len: int = 4,
