@@ -19,7 +19,8 @@ extrapolates depths it has not timed.
 
 The choice: the depth that finishes the work left soonest, counting the seconds its programs still
 need to build at this width (`build_seconds` a program, the mean of the builds measured in this
-process: counters.first_call_seconds; `programs` of them for a drafting depth, one for plain) beside
+process: counters.first_call_seconds; `programs` of them for a drafting depth, one for plain) and,
+from plain decoding, the drafter's catching up (an MTP head left behind by rounds at depth 0), beside
 the tokens left over its tokens per second. A width's first FIRST_TRY rounds decode plainly (what
 drafting must beat, measured, and what a build costs here); then now and then a neighbouring depth is
 tried (from the deepest depth plain decoding, from plain decoding the deepest depth), each width bucket
@@ -55,8 +56,8 @@ CPU_SLOPE = 1.0  # on a CPU a round's cost follows the tokens it computes: a dra
 # hiccup, a GC pause) moves it not at all
 MEDIAN_OF = 5
 TRY_PAYBACK = 8  # a try that builds programs is made only where they cost under 1/8 of the seconds left
-PRIOR_WEIGHT = 4.0  # pseudo-counts of the pool's (a sampled row: the prior's) a_j in a row's own
-ROW_DECAY = 0.9  # a row's counts fade by this each round it drafts: its acceptance of the last ~10 rounds
+PRIOR_WEIGHT = 2.0  # pseudo-counts of the pool's (a sampled row: the prior's) a_j in a row's own
+ROW_DECAY = 0.8  # a row's counts fade by this each round it drafts: its acceptance of its last ~5 rounds
 PLAN_LAG = 3  # rounds between the last round a sampled row's depth reads and the round it drafts
 SAMPLED_RETRY = 32  # a sampled row at depth 0 drafts one token every this many rounds (what it earns now)
 
@@ -174,15 +175,21 @@ class DepthController:
     def expected_tokens(self, k: int) -> float:
         return float(tokens_by_depth(self.pool())[k])
 
-    def _build(self, shape: Optional[int], k: int) -> float:
-        """Seconds the programs of depth k still need at this program width (0 where built, or
-        where no round is timed yet: round costs are relative units then)."""
-        if shape is None or (shape, k) in self.built or not self.seconds:
+    def _build(self, shape: Optional[int], k: int, bucket: int = 1, lag: int = 0) -> float:
+        """Seconds depth k costs before its first round at this program width: its programs' builds
+        (none once built) and, from plain decoding, the drafter's `lag` rounds of catching up (in
+        commits of k + 1 rounds, each costing about what drafting adds to a round). 0 while no round
+        is timed (round costs are relative units then)."""
+        if not self.seconds:
             return 0.0
-        return self.build_seconds * (self.programs if k else 1)
+        build = 0.0 if shape is None or (shape, k) in self.built else self.build_seconds * (self.programs if k else 1)
+        if k and lag:
+            build += lag * max(self._cost(bucket, k) - self._cost(bucket, 0), 0.0) / (k + 1)
+        return build
 
     def choose(self, width: int, accept: Optional[np.ndarray] = None, caps: Optional[Sequence[int]] = None,
-               floor: int = 0, extra: float = 0.0, left: Optional[float] = None, shape: Optional[int] = None) -> int:
+               floor: int = 0, extra: float = 0.0, left: Optional[float] = None, shape: Optional[int] = None,
+               lag: int = 0) -> int:
         """The greedy rows' depth for a round of `width` rows. `accept`: the greedy rows' a_j [G, D]
         (None: one row at the pool's), `caps`: the drafts each may still use; `floor`: the depth the
         round drafts anyway (its sampled rows'), `extra`: their expected tokens; `left`: the tokens
@@ -198,7 +205,8 @@ class DepthController:
         upto = np.minimum(np.arange(D + 1)[None], cap[:, None])
         tokens = by_depth[np.arange(len(a))[:, None], upto].sum(axis=0) + extra  # [D + 1]
         rate = [tokens[k] / self._cost(bucket, max(k, floor)) for k in range(D + 1)]
-        finish = [(self._build(shape, max(k, floor)) + (left / rate[k] if left is not None else -rate[k]), k)
+        build = [self._build(shape, max(k, floor), bucket, lag) for k in range(D + 1)]
+        finish = [(build[k] + (left / rate[k] if left is not None else -rate[k]), k)
                   for k in range(D + 1)]  # (ties: the shallower depth)
         best = min(range(D + 1), key=lambda k: finish[k])
         if not self.explore:
@@ -207,7 +215,7 @@ class DepthController:
         w.rounds += 1
         n = w.rounds
         # a try is made where its build is cheap beside what is left (an unbounded left: always)
-        affordable = lambda k: left is None or self._build(shape, max(k, floor)) * TRY_PAYBACK <= left / rate[best]
+        affordable = lambda k: left is None or build[k] * TRY_PAYBACK <= left / rate[best]
         if n in FIRST_TRY and affordable(0):
             return 0  # what drafting must beat, measured
         if n == w.next:

@@ -64,10 +64,12 @@ class Engine:
     def __init__(self, bundle: ModelBundle, spec: Optional[SpeculativeConfig] = None,
                  schedule: Optional[ScheduleConfig] = None, drafter: Optional[Drafter] = None):
         """`drafter`: a draft source of one's own (any `Drafter`) in place of the one `spec.method` names."""
-        # Progress hook: on_progress("prefill", n) after each prefill span (n prompt tokens), and
-        # on_progress("decode", n) after each decode round (n tokens generated over all rows).
+        # Progress hook: on_progress("prefill", n) after each prefill span (n prompt tokens),
+        # on_progress("decode", n) after each decode round (n tokens generated over all rows), and
+        # on_progress("build", 1) as a compiled program's first call starts (it builds: on a GPU host's
+        # first run, its kernels too, seconds each).
         self.on_progress: Optional[Callable[[str, int], None]] = None
-        self.counters = Counters()
+        self.counters = Counters(on_build=lambda: self._progress("build", 1))
         self.bundle = bundle
         self.model = bundle.model
         self.tokenizer = bundle.tokenizer

@@ -233,7 +233,7 @@ class Rounds:
             built = self.counters.programs_built
             ctrl.build_seconds = self.counters.first_call_seconds / built if built else 0.0
             K = max(K, ctrl.choose(n_active, accept=ctrl.row_acceptance([slots[i].accept for i in greedy]), caps=caps,
-                                   floor=floor, extra=extra, left=left, shape=W))
+                                   floor=floor, extra=extra, left=left, shape=W, lag=self.drafter.lag))
             depths[greedy] = np.minimum(K, caps)
         if sampler.all_greedy:  # greedy rows never read their uniforms
             u = self._zeros(W, 2 * D + 1)

@@ -103,6 +103,11 @@ class Drafter:
     def settle(self) -> None:
         """Exact host lengths again (a call of rounds ends)."""
 
+    @property
+    def lag(self) -> int:
+        """Rounds it must catch up on before it drafts again (rounds at depth 0 it put off)."""
+        return 0
+
     def fuse_kernels(self, compiled: bool) -> Dict[str, int]:
         """The trunk's CUDA decode paths for the drafter's own modules (`compiled`: decode steps are
         compiled); what was installed, by name."""

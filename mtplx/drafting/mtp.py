@@ -29,7 +29,9 @@ from .mtp_bank import (CompiledDraftBank, at_accepted, commit_inputs, draft_step
                        project, stack_drafts)
 from .mtp_bank import DraftVocab, load_draft_vocab
 
-HEAD_BEHIND = 64  # rounds without drafts the MTP head may fall behind by before it catches up
+# rounds without drafts the MTP head may fall behind by before it catches up: while adaptive depth
+# decodes plainly it costs no head work of a round's own (a catch-up holds [W, H] hidden states a round)
+HEAD_BEHIND = 512
 
 
 class MtpDrafter(CachedDrafter):
@@ -247,6 +249,10 @@ class MtpDrafter(CachedDrafter):
             self.cache.rows.expect(1)  # its counts are unread until it is read (corrected) and committed
             return
         self._commit(n, nxt, counts, most, verify_in, hidden, following=following)
+
+    @property
+    def lag(self):
+        return len(self.behind)
 
     def _catch_up(self):
         """Commit the rounds the head is behind by (`_commit_behind`)."""
