@@ -29,9 +29,7 @@ from .mtp_bank import (CompiledDraftBank, at_accepted, commit_inputs, draft_step
                        project, stack_drafts)
 from .mtp_bank import DraftVocab, load_draft_vocab
 
-# rounds without drafts the MTP head may fall behind by before it catches up: while adaptive depth
-# decodes plainly it costs no head work of a round's own (a catch-up holds [W, H] hidden states a round)
-HEAD_BEHIND = 512
+HEAD_BEHIND = 64  # rounds without drafts the MTP head may fall behind by before it catches up
 
 
 class MtpDrafter(CachedDrafter):
