@@ -59,11 +59,14 @@ class SpeculativeConfig:
     draft_model: Optional[str] = setting(optional(string), None)  # path, for method: draft
     mtp_head: Optional[str] = setting(optional(string), None)  # sidecar head dir from `mtplx-batch train-head`
     compiled_verify: str = setting(one_of(*VERIFY_MODES, aliases=BOOL_VERIFY), "on")  # off | on | parity | parity2
-    adaptive_depth: bool = setting(boolean, True)  # lower depth as the batch widens or acceptance falls
+    # each round's depth, plain decoding (0) included, from the rows' acceptance and the measured costs
+    adaptive_depth: bool = setting(boolean, True)
     ngram_size: int = setting(integer(1), 3)  # longest suffix matched by prompt lookup
     # method mtp: a round drafts the row's own context continuation (prompt lookup) instead of the
-    # head where a suffix of at least this many tokens was seen before, followed by >= depth tokens; 0: off
-    mtp_lookup: int = setting(integer(0, 16), 0)
+    # head where a suffix of at least this many tokens was seen before, followed by >= depth tokens; 0: off.
+    # 3: at depth 3 tokens per verify on HumanEval 2.98 (off: 3.00), held-out chat 1.41 (1.35),
+    # held-out web text 1.87 (1.42)
+    mtp_lookup: int = setting(integer(0, 16), 3)
     # longest compiled verify; None: MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, depth + 1)
     verify_max_len: Optional[int] = setting(optional(integer(1)), None)
 
