@@ -63,12 +63,13 @@ SAMPLED_RETRY = 32  # a sampled row at depth 0 drafts one token every this many 
 
 
 class RowAcceptance:
-    """One row's decayed counts of drafts that reached / passed each position, as they were after each
-    of its last rounds, and its next sampled round's depth (kept until a round uses it)."""
+    """One row's decayed counts of drafts that reached / passed each position (a list: [reached by
+    position, then passed by position], cheap to update every round), as they were after each of its
+    last rounds where it samples, and its next sampled round's depth (kept until a round uses it)."""
 
-    def __init__(self, depth: int):
-        self.counts = np.zeros((2, depth))
-        self.past: List[np.ndarray] = [self.counts]  # counts after its last landed rounds, newest last
+    def __init__(self, depth: int, sampled: bool = False):
+        self.counts = [0.0] * (2 * depth)
+        self.past: Optional[List[list]] = [self.counts] if sampled else None  # counts after its last rounds
         self.landed = 0  # its rounds read
         self.launched = 0  # its rounds queued
         self.next_depth: Optional[int] = None
@@ -76,18 +77,22 @@ class RowAcceptance:
     def add(self, drafted: int, passed: int) -> None:
         """A round of this row was read: it drafted `drafted` tokens, `passed` of them passed."""
         if drafted:
-            c = self.counts * ROW_DECAY
-            c[0, : min(passed + 1, drafted)] += 1
-            c[1, :passed] += 1
+            D = len(self.counts) // 2
+            c = [x * ROW_DECAY for x in self.counts]
+            for j in range(min(passed + 1, drafted)):
+                c[j] += 1.0
+            for j in range(passed):
+                c[D + j] += 1.0
             self.counts = c
         self.landed += 1
-        self.past.append(self.counts)
-        del self.past[: -PLAN_LAG - 1]
+        if self.past is not None:
+            self.past.append(self.counts)
+            del self.past[: -PLAN_LAG - 1]
 
-    def as_of(self, rounds: int) -> np.ndarray:
-        """The counts after the row's first `rounds` rounds (it has landed at least that many)."""
+    def as_of(self, rounds: int) -> list:
+        """The counts after the row's first `rounds` rounds (a sampled row that landed at least that many)."""
         if rounds <= 0:
-            return self.past[0] * 0
+            return [0.0] * len(self.counts)
         return self.past[len(self.past) - 1 - (self.landed - rounds)]
 
     def launch(self) -> None:
@@ -95,9 +100,12 @@ class RowAcceptance:
         self.next_depth = None
 
 
-def blended(counts: np.ndarray, prior: np.ndarray) -> np.ndarray:
-    """a_j from (reached, passed) counts [..., 2, D] with PRIOR_WEIGHT pseudo-counts of `prior` [D]."""
-    return (counts[..., 1, :] + PRIOR_WEIGHT * prior) / (counts[..., 0, :] + PRIOR_WEIGHT)
+def blended(counts, prior: np.ndarray) -> np.ndarray:
+    """a_j from counts [..., 2D] (reached, then passed, by position) with PRIOR_WEIGHT pseudo-counts of
+    `prior` [D]."""
+    counts = np.asarray(counts, dtype=np.float64)
+    D = counts.shape[-1] // 2
+    return (counts[..., D:] + PRIOR_WEIGHT * prior) / (counts[..., :D] + PRIOR_WEIGHT)
 
 
 def tokens_by_depth(a: np.ndarray) -> np.ndarray:
@@ -175,16 +183,16 @@ class DepthController:
     def expected_tokens(self, k: int) -> float:
         return float(tokens_by_depth(self.pool())[k])
 
-    def _build(self, shape: Optional[int], k: int, bucket: int = 1, lag: int = 0) -> float:
+    def _build(self, shape: Optional[int], k: int, cost: Sequence[float], lag: int = 0) -> float:
         """Seconds depth k costs before its first round at this program width: its programs' builds
         (none once built) and, from plain decoding, the drafter's `lag` rounds of catching up (in
         commits of k + 1 rounds, each costing about what drafting adds to a round). 0 while no round
-        is timed (round costs are relative units then)."""
+        is timed (round costs are relative units then). `cost`: this width's round cost by depth."""
         if not self.seconds:
             return 0.0
         build = 0.0 if shape is None or (shape, k) in self.built else self.build_seconds * (self.programs if k else 1)
         if k and lag:
-            build += lag * max(self._cost(bucket, k) - self._cost(bucket, 0), 0.0) / (k + 1)
+            build += lag * max(cost[k] - cost[0], 0.0) / (k + 1)
         return build
 
     def choose(self, width: int, accept: Optional[np.ndarray] = None, caps: Optional[Sequence[int]] = None,
@@ -201,11 +209,13 @@ class DepthController:
         bucket, D = self._bucket(width), self.max_depth
         a = self.pool()[None] if accept is None else accept
         by_depth = tokens_by_depth(a)  # [G, D + 1]
-        cap = np.full(len(a), D) if caps is None else np.minimum(np.asarray(caps, dtype=np.int64), D)
-        upto = np.minimum(np.arange(D + 1)[None], cap[:, None])
-        tokens = by_depth[np.arange(len(a))[:, None], upto].sum(axis=0) + extra  # [D + 1]
-        rate = [tokens[k] / self._cost(bucket, max(k, floor)) for k in range(D + 1)]
-        build = [self._build(shape, max(k, floor), bucket, lag) for k in range(D + 1)]
+        if caps is not None and min(caps) < D:  # rows near their end: each counts up to its cap
+            upto = np.minimum(np.arange(D + 1)[None], np.asarray(caps)[:, None])
+            by_depth = by_depth[np.arange(len(a))[:, None], upto]
+        tokens = by_depth.sum(axis=0) + extra  # [D + 1]
+        cost = [self._cost(bucket, k) for k in range(D + 1)]
+        rate = [tokens[k] / cost[max(k, floor)] for k in range(D + 1)]
+        build = [self._build(shape, max(k, floor), cost, lag) for k in range(D + 1)]
         finish = [(build[k] + (left / rate[k] if left is not None else -rate[k]), k)
                   for k in range(D + 1)]  # (ties: the shallower depth)
         best = min(range(D + 1), key=lambda k: finish[k])
@@ -250,7 +260,7 @@ class DepthController:
 
     def row_acceptance(self, rows: Sequence[RowAcceptance]) -> np.ndarray:
         """The greedy rows' a_j [G, D]: their own counts with pseudo-counts of the pool's."""
-        return blended(np.stack([r.counts for r in rows]), self.pool())
+        return blended([r.counts for r in rows], self.pool())
 
     def record(self, width: int, depth: int, seconds: Optional[float], accepted: int, tried: int,
                reached=None, passed=None, shape: Optional[int] = None) -> None:

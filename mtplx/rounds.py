@@ -221,7 +221,7 @@ class Rounds:
             if s is None:
                 continue
             if s.accept is None:
-                s.accept = RowAcceptance(D)
+                s.accept = RowAcceptance(D, sampled=not s.req.params.greedy)
             if s.req.params.greedy:
                 greedy.append(i)
                 caps.append(max(0, s.max_tokens - len(s.tokens) - ahead - 1))

@@ -107,7 +107,7 @@ def test_a_sampled_rows_depth_reads_its_own_counts_as_of_plan_lag_rounds_before(
     """Its depth for round n comes from its counts after round n - PLAN_LAG (however many rounds
     were read when the round was planned), and stays until a round uses it."""
     ctrl = DepthController(3, prior=[0.9] * 3, slope=0.5)
-    row = RowAcceptance(3)
+    row = RowAcceptance(3, sampled=True)
     first = ctrl.sampled_depth(row)
     assert first > 0
     row.launch()
