@@ -113,6 +113,9 @@ class Engine:
                                              slope=CPU_SLOPE if on_cpu else UNTRIED_SLOPE,
                                              programs=self.drafter.programs if self.drafter is not None else 1)
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
+        # requests the next generate() call's stream holds, where its caller knows (a job: its rows left):
+        # adaptive depth prices a program's build against the work left (rounds.py: Rounds._left)
+        self.expected_requests: Optional[int] = None
         self.scheduler = Scheduler(self.tokenizer, self.eos, self.max_batch, self.max_context, self.memory_budget,
                                    self.row_bytes, self.drafter)
         # one-row plain decoding eagerly (the same logits) where the calibration measured it faster
@@ -182,6 +185,7 @@ class Engine:
         self.rounds.reset()
         sched = self.scheduler
         sched.start(requests)
+        sched.expected = self.expected_requests
         while True:
             # Fill free slots, then widen up to max_batch; repeat while rows finish at prefill.
             while (yield from self._admit()):

@@ -11,7 +11,8 @@ Plain decoding (no drafter) runs the same loop with a lean launch and land, one 
 
 `run` launches round r+1 from round r's device arrays before it reads round r where nothing needs
 the host between rounds (plain decoding, drafters on the device), so building one round's graph
-overlaps running the other; prompt lookup drafts on the host from what it read: one round a call.
+overlaps running the other; prompt lookup drafts on the host from what it read: a round that drafts
+is read before the next is queued, its rounds at depth 0 are plain rounds queued one ahead (`_queue_next`).
 When a call returns for admission is `_leaves`, whether a round stays in flight across it `_carries`,
 and which rounds' times feed the depth controller `_priced`.
 """
@@ -248,13 +249,15 @@ class Rounds:
         return Plan(depths, K, u, u[:, :K])
 
     def _left(self, sched: Scheduler) -> float:
-        """The tokens the work left may emit: the rows in flight's, and while requests wait, a batch
-        of rows as long again (a stream's length is not known: a build is priced against about two
-        batches' work)."""
+        """The tokens the work left may emit: the rows in flight's, and while requests wait, as many
+        again as long a row as theirs for each request not taken yet (where the caller says how many
+        its stream holds: `Engine.expected_requests`; else a batch of them: a build is then priced
+        against about two batches' work)."""
         rows = [s for s in sched.slots if s is not None]
         left = sum(max(0, s.max_tokens - len(s.tokens)) for s in rows)
         if not sched.drained and rows:
-            left += self.max_batch * sum(s.max_tokens for s in rows) / len(rows)
+            more = self.max_batch if sched.expected is None else max(0, sched.expected - sched.pulled)
+            left += (len(sched.waiting) + more) * sum(s.max_tokens for s in rows) / len(rows)
         return float(left)
 
     # -- launch --------------------------------------------------------------------------------------

@@ -59,6 +59,8 @@ class Scheduler:
         self.source: Iterator[Request] = iter(requests)
         self.waiting: List[Request] = []
         self.exhausted = False
+        self.pulled = 0  # requests taken from the source
+        self.expected: Optional[int] = None  # requests the source holds, where its caller says (Engine.expected_requests)
         self.slots: List[Optional[Row]] = []
         self.cache: Optional[BatchCache] = None
 
@@ -76,6 +78,7 @@ class Scheduler:
             return self.waiting.pop(0)
         req = None if self.exhausted else next(self.source, None)
         self.exhausted = req is None
+        self.pulled += req is not None
         return req
 
     # -- admission -----------------------------------------------------------------------------------

@@ -231,3 +231,21 @@ def test_the_engine_reports_each_programs_build_as_it_starts(setup):
     list(eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(_rows(2, tokens=12))))
     assert events.count("build") == eng.counters.programs_built > 0
     assert events.index("build") < events.index("decode") or events[0] == "prefill"
+
+
+def test_a_build_is_priced_against_the_rows_the_caller_says_are_left(setup):
+    """`Engine.expected_requests` (a job: its rows left) sizes the work a build is priced against:
+    8 rows of 20 tokens at width 2 have 160 tokens left at the first round; without it the engine
+    counts the rows in flight and a batch more."""
+    bundle, head = setup
+
+    def first_left(expected):
+        eng = Engine(bundle, SpeculativeConfig(method="mtp", depth=3, mtp_head=head), ScheduleConfig(max_batch=2))
+        eng.expected_requests = expected
+        seen, choose = [], eng.depth_control.choose
+        eng.depth_control.choose = lambda w, **k: seen.append(k["left"]) or choose(w, **k)
+        list(eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(_rows(8, tokens=20))))
+        return seen[0]
+
+    assert first_left(8) == 8 * 20 - 2  # (the two rows in flight have their first tokens)
+    assert first_left(None) == 2 * 19 + (1 + 2) * 20  # (the admission read one request ahead: it waits)
