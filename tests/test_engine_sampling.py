@@ -22,6 +22,7 @@ import pytest
 import mtplx.graphbank
 import mtplx.rounds
 from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.depth import UNTRIED_SLOPE
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
@@ -122,15 +123,17 @@ def setup(tiny_model, tmp_path_factory):
 
 def run_rows(bundle, draft, method, seed_base, rows=ROWS_PER_SETTING):
     """`method`-compiled: with the compiled programs (the verify, the draft model's proposal);
+    `method`-adaptive: compiled, adaptive depth on (each sampled row drafts its own depth);
     `method`-refilled: compiled, 32 rows in flight, so rows stream in as others finish and each
     admission happens behind a round still in flight (rounds.py: `Rounds.carried`)."""
-    refilled = method.endswith("-refilled")
-    method, compiled = method.split("-")[0], "on" if method.endswith(("-compiled", "-refilled")) else "off"
+    refilled, adaptive = method.endswith("-refilled"), method.endswith("-adaptive")
+    method, compiled = method.split("-")[0], "on" if method.endswith(("-compiled", "-refilled", "-adaptive")) else "off"
     spec = SpeculativeConfig(
-        method=method, depth=2, adaptive_depth=False, compiled_verify=compiled,
+        method=method, depth=2, adaptive_depth=adaptive, compiled_verify=compiled,
         draft_model=draft["draft"] if method == "draft" else None, mtp_head=draft["mtp"] if method == "mtp" else None,
     )
     eng = Engine(bundle, spec, ScheduleConfig(max_batch=32 if refilled else 128))
+    eng.depth_control.slope = UNTRIED_SLOPE  # sampled rows draft their own depth, at a GPU's fixed cost
     carried, land = [0], eng.rounds.land
     eng.rounds.land = lambda sched, flight, *a: (carried.__setitem__(0, carried[0] + any(
         s is not None and s is not r for s, r in zip(sched.slots, flight.rows))), land(sched, flight, *a))[1]
@@ -154,10 +157,11 @@ def run_rows(bundle, draft, method, seed_base, rows=ROWS_PER_SETTING):
 
 
 SEEDS = {"none": 0, "ngram": 10**6, "draft": 2 * 10**6, "mtp": 3 * 10**6, "draft-compiled": 4 * 10**6,
-         "mtp-refilled": 5 * 10**6, "mtp-compiled": 6 * 10**6}
+         "mtp-refilled": 5 * 10**6, "mtp-compiled": 6 * 10**6, "mtp-adaptive": 7 * 10**6}
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft", "mtp", "draft-compiled", "mtp-refilled", "mtp-compiled"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "mtp", "draft-compiled", "mtp-refilled", "mtp-compiled",
+                                    "mtp-adaptive"])
 def test_sampled_output_follows_the_target_distribution(setup, method):
     bundle, draft, exact = setup
     samples, stats = run_rows(bundle, draft, method, SEEDS[method])
@@ -167,7 +171,7 @@ def test_sampled_output_follows_the_target_distribution(setup, method):
         assert 0.05 < stats["accepted"] / stats["drafted"] < 0.9, stats
     if method == "draft-compiled":
         assert stats["compiled_proposals"] > 0, stats
-    if method.endswith(("-compiled", "-refilled")):
+    if method.endswith(("-compiled", "-refilled", "-adaptive")):
         assert stats["folded_programs"] > 0, stats
     if method == "mtp-refilled":
         assert stats["landed_past_an_admission"] > 20, stats
