@@ -236,7 +236,9 @@ class DepthController:
                 k = 0  # at the deepest: plain decoding again, what drafting must beat (one high time stays otherwise)
             elif k < 0:
                 k = D  # at plain decoding: the deepest depth again, what drafting can earn at most
-            w.depth, w.until = (k, n + TRY_ROUNDS) if affordable(k) else (best, n)
+            # a depth never timed at this width: its first round builds, so it runs as long as FIRST_TRY
+            rounds = TRY_ROUNDS if (bucket, k) in self.seconds else len(FIRST_TRY)
+            w.depth, w.until = (k, n + rounds) if affordable(k) else (best, n)
         return w.depth if n < w.until else best
 
     def sampled_depth(self, row: RowAcceptance) -> int:
