@@ -29,7 +29,8 @@ rows (nothing left to admit) keep the best depth without tries (`explore` off).
 
 Sampled rows. A sampled row's text depends on its own seed and settings alone, never on timing or on
 its batch mates, so its depth (`sampled_depth`) comes from its own counts with the drafter's recorded
-prior (not the pool) and a fixed cost per drafted token (`slope`: the device's, never timed), as they
+prior (not the pool) and fixed costs (a calibration profile's curve at the job's max_batch, else
+`slope` a drafted token: the device's; never timed), as they
 were PLAN_LAG rounds before the round (a round is planned at most that far ahead of the last one
 read), and is kept on the row until a round uses it. The round drafts at least its rows' deepest
 sampled depth; greedy rows draft that deep too where the cost model picks less (it costs them nothing).
@@ -117,11 +118,12 @@ def tokens_by_depth(a: np.ndarray) -> np.ndarray:
 class DepthController:
     def __init__(self, max_depth: int, adaptive: bool = True, acceptance: float = 0.7,
                  shapes: Optional[Dict[int, List[float]]] = None, prior: Optional[List[float]] = None,
-                 slope: float = UNTRIED_SLOPE, programs: int = 1):
+                 slope: float = UNTRIED_SLOPE, programs: int = 1, fixed_width: int = 1):
         self.max_depth = max_depth
         self.shapes = dict(shapes or {})  # width -> relative verify cost by depth (calibrate.cost_shapes)
         self.adaptive = adaptive
         self.slope = slope  # fixed extra cost per drafted token: before it is measured, and sampled rows'
+        self.fixed_width = fixed_width  # the width sampled rows' fixed costs are read at (the job's max_batch)
         self.programs = programs  # programs a drafting depth builds at a new width (plain: one)
         self.acceptance = acceptance  # per-token, EMA over rounds (the prior for unmeasured positions)
         self.passed: Dict[int, float] = {}  # draft position j -> EMA of P(draft j passes | j-1 passed)
@@ -249,10 +251,11 @@ class DepthController:
         if row.next_depth is None:
             n = row.launched + 1  # the row's round this depth is for
             tokens = tokens_by_depth(blended(row.as_of(n - PLAN_LAG), self.fixed))
-            rel = tokens / (1.0 + self.slope * np.arange(self.max_depth + 1))
+            bucket = self._bucket(self.fixed_width)
+            rel = tokens / np.array([self._shape(bucket, k) for k in range(self.max_depth + 1)])
             k = int(np.argmax(rel))
             # at depth 0, one draft now and then, where one draft that always passed would pay
-            retry = k == 0 and n % SAMPLED_RETRY == 0 and self.slope < 0.99
+            retry = k == 0 and n % SAMPLED_RETRY == 0 and self._shape(bucket, 1) < 1.99
             row.next_depth = 1 if retry else k
         return row.next_depth
 

@@ -111,7 +111,8 @@ class Engine:
                                              shapes=cost_shapes(profile),
                                              prior=self.drafter.acceptance_prior if self.drafter is not None else None,
                                              slope=CPU_SLOPE if on_cpu else UNTRIED_SLOPE,
-                                             programs=self.drafter.programs if self.drafter is not None else 1)
+                                             programs=self.drafter.programs if self.drafter is not None else 1,
+                                             fixed_width=self.max_batch)
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
         # requests the next generate() call's stream holds, where its caller knows (a job: its rows left):
         # adaptive depth prices a program's build against the work left (rounds.py: Rounds._left)

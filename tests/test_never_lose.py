@@ -122,6 +122,15 @@ def test_a_sampled_rows_depth_reads_its_own_counts_as_of_plan_lag_rounds_before(
     assert ctrl.sampled_depth(row) == 0  # its own drafts fail: it decodes plainly (one try every SAMPLED_RETRY)
 
 
+def test_a_sampled_rows_fixed_costs_are_the_calibrated_curve_at_the_jobs_width():
+    """With a calibration profile, a sampled row's fixed costs are its curve at the job's max_batch
+    (not the width of the moment, which its batch mates set): steep at 32 rows, flat at one."""
+    curves = {1: [1.0, 1.02, 1.04, 1.06], 32: [1.0, 1.9, 2.8, 3.7]}
+    depth = {w: DepthController(3, prior=[0.8] * 3, shapes=curves, fixed_width=w).sampled_depth(RowAcceptance(3, True))
+             for w in (1, 32)}
+    assert depth == {1: 3, 32: 0}, depth
+
+
 # -- inside the engine --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def setup(tiny_model, tmp_path_factory):
