@@ -144,7 +144,7 @@ class Rounds:
                     ahead.carried = True
                     self.carried = (ahead, sampler)
             if self.carried is None and self.drafter is not None:
-                self._settle(sched.cache)
+                self._settle(sched.cache, done=sched.drained and not sched.live)
             yield from finished
             return
 
@@ -440,9 +440,9 @@ class Rounds:
         self.progress("decode", emitted)
         return finished
 
-    def _settle(self, cache: BatchCache) -> None:
+    def _settle(self, cache: BatchCache, done: bool = False) -> None:
         cache.rows.settle()  # exact host lengths again for admission and narrowing
-        self.drafter.settle()
+        self.drafter.settle(done)
 
     # -- admissions behind the round in flight -------------------------------------------------------
     def join(self, sched: Scheduler, firsts: mx.array, placed: list) -> None:

@@ -258,3 +258,21 @@ def test_a_build_is_priced_against_the_rows_the_caller_says_are_left(setup):
 
     assert first_left(8) == 8 * 20 - 2  # (the two rows in flight have their first tokens)
     assert first_left(None) == 2 * 19 + (1 + 2) * 20  # (the admission read one request ahead: it waits)
+
+
+def test_a_run_that_never_drafts_builds_no_head_program(setup):
+    """Adaptive depth at 0 from the start (rows streaming through a batch, admissions between):
+    the MTP head's catch-ups run eagerly and the last call's are dropped, so the run builds the
+    plain round's program only, as plain decoding does; the text is plain decoding's."""
+    bundle, head = setup
+    eng = Engine(bundle, SpeculativeConfig(method="mtp", depth=3, mtp_head=head), ScheduleConfig(max_batch=2, order="input"))
+    eng.depth_control.choose = lambda w, **k: 0
+    rows = _rows(5, tokens=30)
+    out = {r.key: r.tokens for r in eng.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows))}
+    eos = set(bundle.tokenizer.eos_token_ids)
+    for i, (p, m) in enumerate(rows):
+        assert out[i] == reference_tokens(bundle.model, p, m, eos), i
+    assert not eng.drafter.bank.programs.built and eng.drafter.bank.stats["eager_calls"] > 0
+    plain = Engine(bundle, SpeculativeConfig(method="none"), ScheduleConfig(max_batch=2, order="input"))
+    list(plain.generate(Request(i, p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(rows)))
+    assert eng.counters.programs_built == plain.counters.programs_built

@@ -100,8 +100,8 @@ class Drafter:
     def correct(self, excess: np.ndarray) -> None:
         """A round's counts were read: the host lengths were `excess` too long."""
 
-    def settle(self) -> None:
-        """Exact host lengths again (a call of rounds ends)."""
+    def settle(self, done: bool = False) -> None:
+        """Exact host lengths again (a call of rounds ends; `done`: its rows are all done, no round follows)."""
 
     @property
     def lag(self) -> int:
@@ -155,7 +155,7 @@ class CachedDrafter(Drafter):
     def correct(self, excess):
         self.cache.rows.correct(excess)
 
-    def settle(self):
+    def settle(self, done=False):
         self.cache.rows.settle()
 
 
