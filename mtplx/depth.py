@@ -22,8 +22,8 @@ need to build at this width (`build_seconds` a program, the mean of the builds m
 process: counters.first_call_seconds; `programs` of them for a drafting depth, one for plain) and,
 from plain decoding, the drafter's catching up (an MTP head left behind by rounds at depth 0), beside
 the tokens left over its tokens per second. A width's first FIRST_TRY rounds decode plainly (what
-drafting must beat, measured, and what a build costs here); then now and then a neighbouring depth is
-tried (from the deepest depth plain decoding, from plain decoding the deepest depth), each width bucket
+drafting must beat, measured, and what a build costs here), the next FIRST_DEEP draft the deepest depth
+(what drafting costs here); then now and then a neighbouring depth is tried (from the deepest depth plain decoding, from plain decoding the deepest depth), each width bucket
 on its own count, where its build costs less than 1/TRY_PAYBACK of the seconds left. A batch's last
 rows (nothing left to admit) keep the best depth without tries (`explore` off).
 
@@ -49,8 +49,10 @@ EXPLORE_EVERY = 16  # rounds between tries of a neighbouring depth, at first;
 EXPLORE_MOST = 64  # doubling up to this while the tries leave the best depth where it was
 TRY_ROUNDS = 2  # rounds a neighbour try lasts (its last one is followed by another depth: untimed)
 # A width's first rounds decode plainly: the first builds (and measures a build), the second is timed,
-# the third is followed by another depth (untimed)
+# the third is followed by another depth (untimed); the next three draft the deepest depth, timed the
+# same way: both ends measured, the cost per drafted token is this device's from then on
 FIRST_TRY = (1, 2, 3)
+FIRST_DEEP = (4, 5, 6)
 UNTRIED_SLOPE = 0.15  # assumed extra cost per drafted token on a GPU before it is measured (optimistic)
 CPU_SLOPE = 1.0  # on a CPU a round's cost follows the tokens it computes: a drafted token costs a verified one
 # A (width, depth)'s cost is the median of its last MEDIAN_OF timed rounds: one slow round (a host
@@ -230,6 +232,8 @@ class DepthController:
         affordable = lambda k: left is None or build[k] * TRY_PAYBACK <= left / rate[best]
         if n in FIRST_TRY and affordable(0):
             return 0  # what drafting must beat, measured
+        if n in FIRST_DEEP and (bucket, D) not in self.seconds and affordable(D):
+            return D  # what drafting costs here, measured
         if n == w.next:
             w.every = min(2 * w.every, EXPLORE_MOST) if best == w.best_then else EXPLORE_EVERY
             w.best_then, w.next, w.count = best, n + w.every, w.count + 1

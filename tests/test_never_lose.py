@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.depth import CPU_SLOPE, EXPLORE_EVERY, FIRST_TRY, UNTRIED_SLOPE, DepthController, RowAcceptance
+from mtplx.depth import CPU_SLOPE, EXPLORE_EVERY, UNTRIED_SLOPE, DepthController, RowAcceptance
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
@@ -74,7 +74,7 @@ def test_a_batch_of_rows_that_pay_and_rows_that_do_not_is_priced_by_its_rows():
 def test_a_try_that_builds_programs_is_priced_against_the_work_left():
     """Plain decoding measured and built; drafting not built at this width. With builds costing 20 s
     (a fresh GPU host) and 2 s of work left, no round drafts (no try either); with builds of 10 ms
-    the tries of the deepest depth come as usual."""
+    the deepest depth is measured right after plain decoding, as usual."""
     def run(build_seconds, left):
         ctrl = DepthController(3, slope=UNTRIED_SLOPE)
         ctrl.build_seconds = build_seconds
@@ -88,7 +88,7 @@ def test_a_try_that_builds_programs_is_priced_against_the_work_left():
     rate = 1 / GPU_COST[0]  # tokens a second plain
     assert set(run(20.0, 2.0 * rate)) == {0}
     cheap = run(0.01, 2.0 * rate)
-    assert cheap[: len(FIRST_TRY)] == [0] * len(FIRST_TRY) and 3 in cheap, cheap
+    assert cheap[:6] == [0, 0, 0, 3, 3, 3], cheap  # both ends measured first (FIRST_TRY, FIRST_DEEP)
 
 
 def test_the_cost_of_catching_up_is_priced():
