@@ -21,9 +21,9 @@ The choice: the depth that finishes the work left soonest, counting the seconds 
 need to build at this width (`build_seconds` a program, the mean of the builds measured in this
 process: counters.first_call_seconds; `programs` of them for a drafting depth, one for plain) and,
 from plain decoding, the drafter's catching up (an MTP head left behind by rounds at depth 0), beside
-the tokens left over its tokens per second. A width's first FIRST_TRY rounds decode plainly (what
-drafting must beat, measured, and what a build costs here), the next FIRST_DEEP draft the deepest depth
-(what drafting costs here); then now and then a neighbouring depth is tried (from the deepest depth plain decoding, from plain decoding the deepest depth), each width bucket
+the tokens left over its tokens per second. A width's first rounds decode plainly until one is timed
+(what drafting must beat, and what a build costs here), the next draft the deepest depth until one is
+timed (what drafting costs here); then now and then a neighbouring depth is tried (from the deepest depth plain decoding, from plain decoding the deepest depth), each width bucket
 on its own count, where its build costs less than 1/TRY_PAYBACK of the seconds left. A batch's last
 rows (nothing left to admit) keep the best depth without tries (`explore` off).
 
@@ -48,11 +48,11 @@ import numpy as np
 EXPLORE_EVERY = 16  # rounds between tries of a neighbouring depth, at first;
 EXPLORE_MOST = 64  # doubling up to this while the tries leave the best depth where it was
 TRY_ROUNDS = 2  # rounds a neighbour try lasts (its last one is followed by another depth: untimed)
-# A width's first rounds decode plainly: the first builds (and measures a build), the second is timed,
-# the third is followed by another depth (untimed); the next three draft the deepest depth, timed the
-# same way: both ends measured, the cost per drafted token is this device's from then on
-FIRST_TRY = (1, 2, 3)
-FIRST_DEEP = (4, 5, 6)
+# A width's first rounds decode plainly until a plain round is timed (the first builds and measures a
+# build; a round is timed only where the round queued after it drafts as deep and nothing was built
+# meanwhile), then draft the deepest depth until one of those is timed: both ends measured, the cost per
+# drafted token is this device's from then on. At most FIRST_MOST rounds each.
+FIRST_MOST = 6
 UNTRIED_SLOPE = 0.15  # assumed extra cost per drafted token on a GPU before it is measured (optimistic)
 CPU_SLOPE = 1.0  # on a CPU a round's cost follows the tokens it computes: a drafted token costs a verified one
 # A (width, depth)'s cost is the median of its last MEDIAN_OF timed rounds: one slow round (a host
@@ -230,10 +230,13 @@ class DepthController:
         n = w.rounds
         # a try is made where its build is cheap beside what is left (an unbounded left: always)
         affordable = lambda k: left is None or build[k] * TRY_PAYBACK <= left / rate[best]
-        if n in FIRST_TRY and affordable(0):
-            return 0  # what drafting must beat, measured
-        if n in FIRST_DEEP and (bucket, D) not in self.seconds and affordable(D):
-            return D  # what drafting costs here, measured
+        for phase, k in enumerate((0, D)):  # what drafting must beat, then what it costs here, measured
+            if w.phase == phase:
+                if (bucket, k) in self.seconds or w.first >= FIRST_MOST or not affordable(k):
+                    w.phase, w.first = phase + 1, 0
+                else:
+                    w.first += 1
+                    return k
         if n == w.next:
             w.every = min(2 * w.every, EXPLORE_MOST) if best == w.best_then else EXPLORE_EVERY
             w.best_then, w.next, w.count = best, n + w.every, w.count + 1
@@ -242,8 +245,8 @@ class DepthController:
                 k = 0  # at the deepest: plain decoding again, what drafting must beat (one high time stays otherwise)
             elif k < 0:
                 k = D  # at plain decoding: the deepest depth again, what drafting can earn at most
-            # a depth never timed at this width: its first round builds, so it runs as long as FIRST_TRY
-            rounds = TRY_ROUNDS if (bucket, k) in self.seconds else len(FIRST_TRY)
+            # a depth never timed at this width: its first round builds, so it runs a round longer
+            rounds = TRY_ROUNDS + ((bucket, k) not in self.seconds)
             w.depth, w.until = (k, n + rounds) if affordable(k) else (best, n)
         return w.depth if n < w.until else best
 
@@ -299,6 +302,8 @@ class _Tries:
     """One width bucket's rounds and its tries of other depths."""
 
     rounds: int = 0
+    phase: int = 0  # first rounds: 0 plain until timed, 1 the deepest depth until timed, 2 done
+    first: int = 0  # rounds of the current first phase
     next: int = EXPLORE_EVERY  # the round the next try starts at
     every: int = EXPLORE_EVERY  # rounds between tries
     best_then: Optional[int] = None  # the best depth when the last try started

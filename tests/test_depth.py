@@ -90,7 +90,7 @@ def test_a_draft_model_whose_steps_cost_a_target_step_falls_back_to_plain():
         chosen.append(k)
         # a round of depth k costs 1 + 0.9 k; each draft passes 80% of the time (a fraction per position)
         ctrl.record(width, k, 1.0 + 0.9 * k, int(0.8 * k), k, [1] * k, [0.8] * k)
-    assert chosen[:4] == [0, 0, 0, 3]  # plain first (FIRST_TRY), then the prior drafts deep
+    assert chosen[:4] == [0, 0, 3, 3]  # plain until timed, then the deepest depth until timed
     assert chosen.index(0) < EXPLORE_EVERY, chosen  # depth 0 is measured early (rounds 3-4)
     tail = chosen[-EXPLORE_EVERY * 4:]
     assert max(set(tail), key=tail.count) == 0, chosen
