@@ -13,7 +13,8 @@ sampler with the job's temperature, top-p and top-k). Every setting and peer run
 (the page cache, MLX's kernel caches on disk), then `--repeats` rounds in rotating order.
 Columns: `wall s` the whole process (median), `run s` the run's own summary, `tok/s` tokens over
 the wall, `x plain` the median per-round wall ratio to the setting with method none of the same job
-and other overrides (e.g. `schedule.max_batch=1`; else the first setting with method none),
+and other overrides than `speculative.*` ones (e.g. `schedule.max_batch=1`; else the first setting
+with method none),
 `x mlx-lm` the median per-round tok/s ratio to the peer's process (mlx-lm has no stop strings,
 so where a job has some the two sides generate different tokens: `x mlx-lm (wall)` is given
 only where the token counts are equal; `generation.stop=[]` in a setting makes them equal),
@@ -127,9 +128,9 @@ def peer(spec_file: Path):
 
 
 def same_job(job: str, overrides) -> tuple:
-    """What a setting runs apart from its draft method: its `x plain` is the method-none setting's of
-    the same job and other overrides (else the first method-none setting's)."""
-    return job, tuple(sorted(s for s in overrides if not s.startswith("speculative.method=")))
+    """What a setting runs apart from its speculative settings: its `x plain` is the method-none
+    setting's of the same job and other overrides (else the first method-none setting's)."""
+    return job, tuple(sorted(s for s in overrides if not s.startswith("speculative.")))
 
 
 def run(opts, report: Report):
