@@ -23,17 +23,18 @@ process: counters.first_call_seconds; `programs` of them for a drafting depth, o
 from plain decoding, the drafter's catching up (an MTP head left behind by rounds at depth 0), beside
 the tokens left over its tokens per second. A width's first rounds decode plainly until one is timed
 (what drafting must beat, and what a build costs here), the next draft the deepest depth until one is
-timed (what drafting costs here); then now and then a neighbouring depth is tried (from the deepest depth plain decoding, from plain decoding the deepest depth), each width bucket
-on its own count, where its build costs less than 1/TRY_PAYBACK of the seconds left. A batch's last
-rows (nothing left to admit) keep the best depth without tries (`explore` off).
+timed (what drafting costs here); then now and then a neighbouring depth is tried (from the deepest
+depth plain decoding, from plain decoding the deepest depth), each width bucket on its own count,
+where its build costs less than 1/TRY_PAYBACK of the seconds left. A batch's last rows (nothing left
+to admit) keep the best depth without tries (`explore` off).
 
 Sampled rows. A sampled row's text depends on its own seed and settings alone, never on timing or on
 its batch mates, so its depth (`sampled_depth`) comes from its own counts with the drafter's recorded
 prior (not the pool) and fixed costs (a calibration profile's curve at the job's max_batch, else
-`slope` a drafted token: the device's; never timed), as they
-were PLAN_LAG rounds before the round (a round is planned at most that far ahead of the last one
-read), and is kept on the row until a round uses it. The round drafts at least its rows' deepest
-sampled depth; greedy rows draft that deep too where the cost model picks less (it costs them nothing).
+`slope` a drafted token: the device's; never timed), as they were PLAN_LAG rounds before the round (a
+round is planned at most that far ahead of the last one read), and is kept on the row until a round
+uses it. The round drafts at least its rows' deepest sampled depth; greedy rows draft that deep too
+where the cost model picks less (it costs them nothing).
 """
 
 from __future__ import annotations
