@@ -83,7 +83,7 @@ class Rounds:
         self.depth = depth
         self.counters = counters
         self.progress = progress
-        self.max_depth = max_depth  # speculative.depth: sampled rows' depth, the uniforms' layout
+        self.max_depth = max_depth  # speculative.depth: the deepest round, the uniforms' layout
         self.max_batch = max_batch
         self.one_stream_eager = one_stream_eager  # one-row plain decoding eagerly (calibrated faster)
         self._const = {}  # small device arrays by value (`_small`, `_zeros`)
