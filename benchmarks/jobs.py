@@ -12,7 +12,9 @@ tokens our run renders, with the job's width as its completion batch size (greed
 sampler with the job's temperature, top-p and top-k). Every setting and peer runs once untimed
 (the page cache, MLX's kernel caches on disk), then `--repeats` rounds in rotating order.
 Columns: `wall s` the whole process (median), `run s` the run's own summary, `tok/s` tokens over
-the wall, `x plain` the median per-round wall ratio to the first setting with method none,
+the wall, `x plain` the median per-round wall ratio to the setting with method none of the same job
+and other overrides than `speculative.*` ones (e.g. `schedule.max_batch=1`; else the first setting
+with method none),
 `x mlx-lm` the median per-round tok/s ratio to the peer's process (mlx-lm has no stop strings,
 so where a job has some the two sides generate different tokens: `x mlx-lm (wall)` is given
 only where the token counts are equal; `generation.stop=[]` in a setting makes them equal),
@@ -20,6 +22,8 @@ only where the token counts are equal; `generation.stop=[]` in a setting makes t
 
     python -m benchmarks.run --suite gpu --parts jobs
     python -m benchmarks.run --suite cpu --parts jobs --rows 2 --tokens 16
+    python -m benchmarks.run --suite cpu --parts jobs --rows 4 --jobs \
+        jobs/heldout-chat.yaml:schedule.max_batch=1,jobs/heldout-chat.yaml:schedule.max_batch=1:speculative.method=none
 """
 
 from __future__ import annotations
@@ -123,22 +127,30 @@ def peer(spec_file: Path):
     return once
 
 
+def same_job(job: str, overrides) -> tuple:
+    """What a setting runs apart from its speculative settings: its `x plain` is the method-none
+    setting's of the same job and other overrides (else the first method-none setting's)."""
+    return job, tuple(sorted(s for s in overrides if not s.startswith("speculative.")))
+
+
 def run(opts, report: Report):
     work = Path(tempfile.mkdtemp(prefix="jobs-bench-"))
-    runs, peer_of, peers, plain = {}, {}, {}, None
+    runs, peer_of, peers, plain, plain_of = {}, {}, {}, None, {}
     for i, (label, job, overrides) in enumerate(settings(opts)):
         spec = peer_input(job, overrides)
         key = json.dumps({k: v for k, v in spec.items() if k != "method"})
-        if key not in peers:
+        if key not in peers and opts.peers:
             peers[key] = f"mlx-lm batch_generate ({label})" if peers else "mlx-lm batch_generate"
             spec_file = work / f"peer{len(peers)}.json"
             spec_file.write_text(key)
             runs[peers[key]] = peer(spec_file)
-        peer_of[label] = peers[key]
-        if plain is None and spec["method"] == "none":
-            plain = label
+        peer_of[label] = peers.get(key)
+        if spec["method"] == "none":
+            plain = plain or label
+            plain_of.setdefault(same_job(job, overrides), label)
         runs[label] = ours(job, overrides, work / f"run{i}")
         report.say(f"{label}: {len(spec['prompts'])} rows, max_tokens {spec['max_tokens']}, width {spec['width']}")
+    plain_of = {label: plain_of.get(same_job(job, overrides), plain) for label, job, overrides in settings(opts)}
     for label, once in runs.items():  # untimed: the page cache and MLX's kernel caches on disk
         report.say(f"{label}: untimed first run {once()['wall s']:.2f} s")
     done = interleaved(runs, opts.repeats, report.say)
@@ -147,11 +159,12 @@ def run(opts, report: Report):
                  "wall s": median([r["wall s"] for r in rs]), "spread": spread([r["wall s"] for r in rs]),
                  "run s": median([r["run s"] for r in rs]), "tok/s": median([r["tok/s"] for r in rs])}
         if label in peer_of:
-            if plain is not None:
-                cells["x plain"] = median([p["wall s"] / r["wall s"] for r, p in zip(rs, done[plain])])
-            peer_runs = done[peer_of[label]]
-            cells["x mlx-lm"] = median_ratio(rs, peer_runs)
-            if rs[0]["tokens"] == peer_runs[0]["tokens"]:
-                cells["x mlx-lm (wall)"] = median([p["wall s"] / r["wall s"] for r, p in zip(rs, peer_runs)])
+            if plain_of[label] is not None:
+                cells["x plain"] = median([p["wall s"] / r["wall s"] for r, p in zip(rs, done[plain_of[label]])])
+            if peer_of[label] is not None:
+                peer_runs = done[peer_of[label]]
+                cells["x mlx-lm"] = median_ratio(rs, peer_runs)
+                if rs[0]["tokens"] == peer_runs[0]["tokens"]:
+                    cells["x mlx-lm (wall)"] = median([p["wall s"] / r["wall s"] for r, p in zip(rs, peer_runs)])
             cells["tokens/verify"] = rs[0]["tokens/verify"]
         report.row(f"jobs in fresh processes, median of {opts.repeats}", **cells)

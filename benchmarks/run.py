@@ -41,7 +41,7 @@ PARTS = {"decode": "decode", "speculative": "speculative", "jobs": "jobs", "star
 COMMON = dict(model="smollm2-135m-instruct", head="heads/smollm2-135m-instruct", methods="none,ngram,mtp", depth=3,
               data="humaneval,gsm8k-100", target="qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
               jobs="jobs/eval.yaml,jobs/eval-mtp.yaml,jobs/eval-mtp.yaml:speculative.method=none",
-              ray_job="jobs/eval.yaml", streams=32, widths="1,8,32", waves=2, adaptive=1, shards=10_000)
+              ray_job="jobs/eval.yaml", peers=1, streams=32, widths="1,8,32", waves=2, adaptive=1, shards=10_000)
 SUITES = {
     "cpu": dict(COMMON, parts="decode,speculative,jobs,startup,round_cost,ray,manifest", shapes="tiny", tokens=32, rows=4,
                 repeats=3, context=256),
@@ -67,6 +67,7 @@ OPTIONS = {  # name: (type, help)
     "draft": (str, "draft_pair: the draft model"),
     "jobs": (str, "jobs: comma-separated JOB[:key=value...] settings"),
     "ray_job": (str, "ray: the job file"),
+    "peers": (int, "jobs: 1: mlx-lm's batch_generate beside each set of rows; 0: ours only"),
     "context": (int, "round_cost: cached tokens before the forward"),
     "shards": (int, "manifest: shard commits"),
 }

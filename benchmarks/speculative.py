@@ -8,7 +8,9 @@ flight. Width 1 runs `--rows` rows; a width W runs max(`--rows`, `--waves` x W) 
 refilled as rows finish, as a job runs. Every setting is made and warmed first, then all run
 `--repeats` times in rotating order; `x plain` and `x mlx-lm` are medians of the per-repeat
 ratios. `= plain` counts the rows whose greedy text equals our plain decoding's (on mlx-lm's
-row: its text against ours); `new programs` counts compiled programs built inside timed runs.
+row: its text against ours); `new programs` counts compiled programs built inside timed runs, `first run:`
+the programs a setting's first (untimed) run built and their first calls' seconds, as a fresh process
+builds them (on a GPU host's first run, kernels too).
 
 Data (`--data`, comma-separated): HumanEval (code, the head's domain: rows in the head's
 training sample, `sample_rows` in its mtp_head.json, are left out) and GSM8K (math word
@@ -76,8 +78,11 @@ def compare(report: Report, table: str, bundle, peer_model, prompts: List[List[i
                 cells["x plain"] = median_ratio(rs, plain)
             cells["tokens/verify"] = rs[0].get("tokens/verify", "")
             if label.startswith("ours"):
+                warm = runs[label].warm_counters  # its first run: what a fresh process builds
                 cells.update({"ms/round": median([r["ms/round"] for r in rs]),
-                              "new programs": sum(r["new programs"] for r in rs)})
+                              "new programs": sum(r["new programs"] for r in rs),
+                              "first run: programs": warm["programs_built"],
+                              "first run: first calls s": warm["first_call_seconds"]})
             if plain is not None:
                 cells["= plain"] = same_rows(rs[0]["texts"], plain[0]["texts"])
             report.row(table, **cells)

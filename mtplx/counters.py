@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
+from typing import Callable, Optional
 
 
 @dataclass
@@ -17,6 +18,8 @@ class Counters:
     prefill_seconds: float = 0.0  # host seconds spent in each phase
     propose_seconds: float = 0.0
     verify_seconds: float = 0.0
+    # called as a program's first call starts (its build: seconds, and on a fresh GPU host far more)
+    on_build: Optional[Callable[[], None]] = field(default=None, repr=False, compare=False)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "on_build"}

@@ -25,7 +25,7 @@ from .cache import BatchCache, RowKVCache
 from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profile, one_stream_eager, profile_path
 from .config import ScheduleConfig, SpeculativeConfig, prefill_chunk_env, sustained_prefill_env
 from .counters import Counters
-from .depth import DepthController
+from .depth import CPU_SLOPE, UNTRIED_SLOPE, DepthController
 from .drafting import Drafter, make_drafter
 from . import kernels
 from .graphbank import CompiledVerifyBank
@@ -64,10 +64,12 @@ class Engine:
     def __init__(self, bundle: ModelBundle, spec: Optional[SpeculativeConfig] = None,
                  schedule: Optional[ScheduleConfig] = None, drafter: Optional[Drafter] = None):
         """`drafter`: a draft source of one's own (any `Drafter`) in place of the one `spec.method` names."""
-        # Progress hook: on_progress("prefill", n) after each prefill span (n prompt tokens), and
-        # on_progress("decode", n) after each decode round (n tokens generated over all rows).
+        # Progress hook: on_progress("prefill", n) after each prefill span (n prompt tokens),
+        # on_progress("decode", n) after each decode round (n tokens generated over all rows), and
+        # on_progress("build", 1) as a compiled program's first call starts (it builds: on a GPU host's
+        # first run, its kernels too, seconds each).
         self.on_progress: Optional[Callable[[str, int], None]] = None
-        self.counters = Counters()
+        self.counters = Counters(on_build=lambda: self._progress("build", 1))
         self.bundle = bundle
         self.model = bundle.model
         self.tokenizer = bundle.tokenizer
@@ -104,10 +106,17 @@ class Engine:
         self.profile_file, profile = self._calibration(bundle)
         self.max_batch = (auto_max_batch(profile, self.memory_budget, self.row_bytes(AUTO_ROW_TOKENS, 0))
                           if str(self.schedule.max_batch) == "auto" else int(self.schedule.max_batch))
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
         self.depth_control = DepthController(self.spec.depth if self.drafter is not None else 0, self.spec.adaptive_depth,
                                              shapes=cost_shapes(profile),
-                                             prior=self.drafter.acceptance_prior if self.drafter is not None else None)
+                                             prior=self.drafter.acceptance_prior if self.drafter is not None else None,
+                                             slope=CPU_SLOPE if on_cpu else UNTRIED_SLOPE,
+                                             programs=self.drafter.programs if self.drafter is not None else 1,
+                                             fixed_width=self.max_batch)
         self.first_token_at: Optional[float] = None  # perf_counter() when the first prefill gave its token
+        # requests the next generate() call's stream holds, where its caller knows (a job: its rows left):
+        # adaptive depth prices a program's build against the work left (rounds.py: Rounds._left)
+        self.expected_requests: Optional[int] = None
         self.scheduler = Scheduler(self.tokenizer, self.eos, self.max_batch, self.max_context, self.memory_budget,
                                    self.row_bytes, self.drafter)
         # one-row plain decoding eagerly (the same logits) where the calibration measured it faster
@@ -177,6 +186,7 @@ class Engine:
         self.rounds.reset()
         sched = self.scheduler
         sched.start(requests)
+        sched.expected = self.expected_requests
         while True:
             # Fill free slots, then widen up to max_batch; repeat while rows finish at prefill.
             while (yield from self._admit()):

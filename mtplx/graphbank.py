@@ -53,6 +53,8 @@ class Programs:
             return None
         fn, started = self.built.get(key), None
         if fn is None:
+            if self.counters.on_build is not None:
+                self.counters.on_build()
             started = time.perf_counter()
             fn = self.built[key] = mx.compile(build())
             self.counters.programs_built += 1

@@ -11,7 +11,8 @@ Plain decoding (no drafter) runs the same loop with a lean launch and land, one 
 
 `run` launches round r+1 from round r's device arrays before it reads round r where nothing needs
 the host between rounds (plain decoding, drafters on the device), so building one round's graph
-overlaps running the other; prompt lookup drafts on the host from what it read: one round a call.
+overlaps running the other; prompt lookup drafts on the host from what it read: a round that drafts
+is read before the next is queued, its rounds at depth 0 are plain rounds queued one ahead (`_queue_next`).
 When a call returns for admission is `_leaves`, whether a round stays in flight across it `_carries`,
 and which rounds' times feed the depth controller `_priced`.
 """
@@ -28,7 +29,7 @@ import numpy as np
 from . import small_ops
 from .cache import BatchCache
 from .counters import Counters
-from .depth import DepthController, position_counts
+from .depth import DepthController, RowAcceptance, position_counts
 from .request import Result, RowStats
 from .sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, shaped_probs, uniforms
 from .scheduler import Scheduler
@@ -82,7 +83,7 @@ class Rounds:
         self.depth = depth
         self.counters = counters
         self.progress = progress
-        self.max_depth = max_depth  # speculative.depth: sampled rows' depth, the uniforms' layout
+        self.max_depth = max_depth  # speculative.depth: the deepest round, the uniforms' layout
         self.max_batch = max_batch
         self.one_stream_eager = one_stream_eager  # one-row plain decoding eagerly (calibrated faster)
         self._const = {}  # small device arrays by value (`_small`, `_zeros`)
@@ -99,14 +100,15 @@ class Rounds:
         slots = sched.slots
         if self.drafter is not None:
             self.depth.explore = not sched.drained  # a batch's last rows keep the best depth: no tries
-            if not self.drafter.device_side:
-                yield from self._host_round(sched)
-                return
         carried, self.carried = self.carried, None
         if carried is None:
             sampler = SamplerBatch.from_params([s.req.params if s else None for s in slots])
             self._ones = np.array([s is not None for s in slots], dtype=np.int64)
-            current = self.launch(sched, sampler, self._pending(slots), 0)
+            plan = self.plan(slots, sched.live, 0, sampler, self._left(sched)) if self._host else None
+            if plan is not None and plan.K:
+                yield from self._host_round(sched, sampler, plan)
+                return
+            current = self.launch(sched, sampler, self._pending(slots), 0, plan)
             after = (current.nxt, current.plan)
         else:  # queued before the admission that just ran: it goes on from there
             current, sampler = carried
@@ -120,7 +122,7 @@ class Rounds:
                 after = (mx.where(mx.array(mask), firsts[mx.array(at)], current.nxt), None)
         landed_at, quiet = self.clock(), True
         while True:
-            following = self.launch(sched, sampler, after[0], 1, after[1]) if _going(slots) else None
+            following = self._queue_next(sched, sampler, after) if _going(slots) else None
             finished = self._land_joined(sched) if self.joining is not None else []  # queued behind `following`
             out = self.read(current)
             seconds = None
@@ -142,9 +144,26 @@ class Rounds:
                     ahead.carried = True
                     self.carried = (ahead, sampler)
             if self.carried is None and self.drafter is not None:
-                self._settle(sched.cache)
+                self._settle(sched.cache, done=sched.drained and not sched.live)
             yield from finished
             return
+
+    @property
+    def _host(self) -> bool:
+        """A drafter that drafts on the host from what a round read: its rounds that draft are read
+        before the next is queued; its rounds at depth 0 are plain rounds, queued one ahead."""
+        return self.drafter is not None and not self.drafter.device_side
+
+    def _queue_next(self, sched: Scheduler, sampler: SamplerBatch, after: tuple) -> Optional[Flight]:
+        """The round after the one in flight, queued before that one is read: `after` = (its pending
+        tokens, its plan where one was made with it); None where a host drafter drafts it (its drafts
+        need that read: the call ends, and the next one reads before it drafts)."""
+        plan = after[1]
+        if plan is None and self._host:
+            plan = self.plan(sched.slots, sched.live, 1, sampler, self._left(sched))
+            if plan.K:
+                return None
+        return self.launch(sched, sampler, after[0], 1, plan)
 
     def _leaves(self, sched: Scheduler) -> bool:
         """The refill rule, after a round that finished rows: whether the call returns. With requests
@@ -159,7 +178,8 @@ class Rounds:
         """The carry rule, when a call returns: at full width with requests waiting, the round after the
         one landed last stays queued across the admission (the admitted rows are placed behind it, the
         next call goes on from it: the device is not left idle); else the pipeline empties."""
-        return self.drafter is not None and not sched.drained and len(sched.slots) >= self.max_batch
+        return (self.drafter is not None and self.drafter.device_side and not sched.drained
+                and len(sched.slots) >= self.max_batch)
 
     def _priced(self, current: Flight, queued: Optional[Flight], quiet: bool) -> bool:
         """The timing rule: whether the time from the read before `current` to its own read is what a
@@ -172,13 +192,11 @@ class Rounds:
         return (queued is not None and queued.K == current.K and not current.carried and quiet
                 and self.counters.programs_built == current.built)
 
-    def _host_round(self, sched: Scheduler) -> Iterator[Result]:
-        """One round of a drafter that drafts on the host: queued, read, committed, landed."""
+    def _host_round(self, sched: Scheduler, sampler: SamplerBatch, plan: Plan) -> Iterator[Result]:
+        """One round of a drafter that drafts on the host: queued, read, landed (the drafter commits there)."""
         started = self.clock()
-        sampler = SamplerBatch.from_params([s.req.params if s else None for s in sched.slots])
-        flight = self.launch(sched, sampler, self._pending(sched.slots), 0)
+        flight = self.launch(sched, sampler, self._pending(sched.slots), 0, plan)
         out = self.read(flight)
-        self.drafter.commit(out[:, 0], out[:, 1], out[:, 2:], flight.live, flight.verify_in, flight.hidden)
         seconds = self.clock() - started if self._priced(flight, flight, True) else None
         yield from self.land(sched, flight, out, seconds)
 
@@ -187,23 +205,37 @@ class Rounds:
         return mx.array(np.array([s.pending if s else 0 for s in slots], dtype=np.int32))
 
     # -- plan ----------------------------------------------------------------------------------------
-    def plan(self, slots, n_active: int, ahead: int, sampler: SamplerBatch) -> Plan:
+    def plan(self, slots, n_active: int, ahead: int, sampler: SamplerBatch, left: Optional[float] = None) -> Plan:
         """A round's depths and uniforms, queued behind `ahead` rounds not read yet (each emits at least
-        one token a row). Greedy rows follow the adaptive depth, capped by the tokens they can still
-        emit; sampled rows draft `speculative.depth` always, and draw a fixed number of uniforms a round
-        (drafts, accepts, next token) kept on the row (`u_next`) until a round uses them: a sampled
-        row's text depends on its own seed alone, never on when the pipeline last drained (that depends
-        on its batch). K is the uncapped depth, so a job's last rounds keep their shape (no program for
-        a round or two), each row's own depth its limit in acceptance."""
-        W, D = len(slots), self.max_depth
-        greedy_depth = self.depth.choose(n_active)
+        one token a row); `left`: the tokens the work left may emit (`_left`). Greedy rows follow the
+        depth controller (their own acceptance, the measured costs), capped by the tokens they can
+        still emit; a sampled row drafts its own depth (`DepthController.sampled_depth`: its own
+        history and fixed costs) and draws a fixed number of uniforms a round (drafts, accepts, next
+        token), both kept on the row (`u_next`, its `accept`) until a round uses them: a sampled row's
+        text depends on its own seed alone, never on when the pipeline last drained (that depends on
+        its batch). K is the uncapped depth, so a job's last rounds keep their shape (no program for a
+        round or two), each row's own depth its limit in acceptance."""
+        W, D, ctrl = len(slots), self.max_depth, self.depth
         depths = np.zeros(W, dtype=np.int64)
-        K = 0
+        greedy, caps, floor, extra = [], [], 0, 0.0
         for i, s in enumerate(slots):
-            if s is not None:
-                greedy = s.req.params.greedy
-                depths[i] = max(0, min(greedy_depth, s.max_tokens - len(s.tokens) - ahead - 1)) if greedy else D
-                K = max(K, greedy_depth if greedy else D)
+            if s is None:
+                continue
+            if s.accept is None:
+                s.accept = RowAcceptance(D, sampled=not s.req.params.greedy)
+            if s.req.params.greedy:
+                greedy.append(i)
+                caps.append(max(0, s.max_tokens - len(s.tokens) - ahead - 1))
+            else:
+                depths[i] = ctrl.sampled_depth(s.accept)
+                floor, extra = max(floor, int(depths[i])), extra + ctrl.sampled_tokens(s.accept, int(depths[i]))
+        K = floor
+        if greedy:
+            built = self.counters.programs_built
+            ctrl.build_seconds = self.counters.first_call_seconds / built if built else 0.0
+            K = max(K, ctrl.choose(n_active, accept=ctrl.row_acceptance([slots[i].accept for i in greedy]), caps=caps,
+                                   floor=floor, extra=extra, left=left, shape=W, lag=self.drafter.lag))
+            depths[greedy] = np.minimum(K, caps)
         if sampler.all_greedy:  # greedy rows never read their uniforms
             u = self._zeros(W, 2 * D + 1)
         else:
@@ -216,6 +248,18 @@ class Rounds:
             u = mx.array(draws)
         return Plan(depths, K, u, u[:, :K])
 
+    def _left(self, sched: Scheduler) -> float:
+        """The tokens the work left may emit: the rows in flight's, and while requests wait, as many
+        again as long a row as theirs for each request not taken yet (where the caller says how many
+        its stream holds: `Engine.expected_requests`; else a batch of them: a build is then priced
+        against about two batches' work)."""
+        rows = [s for s in sched.slots if s is not None]
+        left = sum(max(0, s.max_tokens - len(s.tokens)) for s in rows)
+        if not sched.drained and rows:
+            more = self.max_batch if sched.expected is None else max(0, sched.expected - sched.pulled)
+            left += (len(sched.waiting) + more) * sum(s.max_tokens for s in rows) / len(rows)
+        return float(left)
+
     # -- launch --------------------------------------------------------------------------------------
     def launch(self, sched: Scheduler, sampler: SamplerBatch, pending: mx.array, ahead: int,
                plan: Optional[Plan] = None) -> Flight:
@@ -227,10 +271,13 @@ class Rounds:
         built, started = self.counters.programs_built, time.perf_counter()
         live = np.array([s is not None for s in slots])
         n_active = int(live.sum())
-        plan = plan or self.plan(slots, n_active, ahead, sampler)
+        left = self._left(sched)
+        plan = plan or self.plan(slots, n_active, ahead, sampler, left)
         for s in slots:
             if s is not None:
-                s.u_next = None  # this round uses them
+                s.u_next = None  # this round uses them (and its sampled depth)
+                if s.accept is not None:
+                    s.accept.launch()
         depths, K, u = np.where(live, plan.depths, 0), plan.K, plan.u
         limit, live_d = self._small(depths.astype(np.int32)), self._small(live)
         if K > 0:
@@ -259,7 +306,7 @@ class Rounds:
         verified = time.perf_counter()
         nxt_plan = None
         if self.drafter.device_side:
-            nxt_plan = self.plan(slots, n_active, ahead + 1, sampler)
+            nxt_plan = self.plan(slots, n_active, ahead + 1, sampler, left)
             ahead_ok = self.drafter.drafts_ahead and nxt_plan.K > 0
             self.drafter.advance(n, nxt, counts, most, verify_in, hidden,
                                  following=(nxt_plan.K, sampler, nxt_plan.u_drafts) if ahead_ok else None)
@@ -330,12 +377,13 @@ class Rounds:
         cache.rows.correct(excess)
         if self.drafter.device_side:
             self.drafter.correct(excess)
+        else:  # a host drafter learns what was kept from this read (rounds at depth 0 too)
+            self.drafter.commit(n_h, nxt_h, drafts_h, flight.live & same, flight.verify_in, flight.hidden)
         self.counters.rounds += 1
         greedy = same & np.array([s is not None and s.req.params.greedy for s in slots], dtype=bool)
-        if greedy.any():
-            tried = int(np.minimum(n_h + 1, depths)[greedy].sum())
-            reached, passed = position_counts(n_h[greedy], depths[greedy], K)
-            self.depth.record(n_active, K, seconds, int(n_h[greedy].sum()), tried, reached, passed)
+        tried = int(np.minimum(n_h + 1, depths)[greedy].sum())
+        reached, passed = position_counts(n_h[greedy], depths[greedy], K)
+        self.depth.record(n_active, K, seconds, int(n_h[greedy].sum()), tried, reached, passed, shape=len(flight.rows))
         finished, emitted, D = [], 0, self.max_depth
         # plain lists: indexing numpy per row and token costs more than the work itself
         k_of, a_of, nxt_of, drafts_of = depths.tolist(), n_h.tolist(), nxt_h.tolist(), drafts_h.tolist()
@@ -344,6 +392,8 @@ class Rounds:
                 continue
             st, k, a = row.stats, k_of[i], a_of[i]
             row.rounds += 1
+            if row.accept is not None:
+                row.accept.add(k, a)
             row.width_sum += n_active
             row.depth_sum += k
             if k > 0:
@@ -390,9 +440,9 @@ class Rounds:
         self.progress("decode", emitted)
         return finished
 
-    def _settle(self, cache: BatchCache) -> None:
+    def _settle(self, cache: BatchCache, done: bool = False) -> None:
         cache.rows.settle()  # exact host lengths again for admission and narrowing
-        self.drafter.settle()
+        self.drafter.settle(done)
 
     # -- admissions behind the round in flight -------------------------------------------------------
     def join(self, sched: Scheduler, firsts: mx.array, placed: list) -> None:

@@ -35,6 +35,7 @@ class Row:
     depth_sum: int = 0
     rounds: int = 0
     u_next: Optional[np.ndarray] = None  # uniforms drawn for a round not yet queued (Rounds.plan)
+    accept: Optional[object] = None  # its drafts' running acceptance (depth.RowAcceptance, Rounds.plan)
 
 
 def tail_keeps_width() -> int:
@@ -58,6 +59,8 @@ class Scheduler:
         self.source: Iterator[Request] = iter(requests)
         self.waiting: List[Request] = []
         self.exhausted = False
+        self.pulled = 0  # requests taken from the source
+        self.expected: Optional[int] = None  # requests the source holds, where its caller says (Engine.expected_requests)
         self.slots: List[Optional[Row]] = []
         self.cache: Optional[BatchCache] = None
 
@@ -75,6 +78,7 @@ class Scheduler:
             return self.waiting.pop(0)
         req = None if self.exhausted else next(self.source, None)
         self.exhausted = req is None
+        self.pulled += req is not None
         return req
 
     # -- admission -----------------------------------------------------------------------------------

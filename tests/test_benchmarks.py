@@ -91,6 +91,21 @@ def test_jobs_part_runs_each_setting_and_the_peer_in_fresh_processes(tiny_model,
     assert peer["tokens"] > 0 and "x plain" not in peer
 
 
+def test_jobs_part_compares_each_setting_with_plain_decoding_of_the_same_width(tiny_model, tmp_path):
+    """Settings at two widths, ours only (--peers 0): each `x plain` is against method none at its own
+    width (each method-none row 1.0), never the first method-none setting's."""
+    from jobkit import job_dict, sample_rows, write_job, write_parquet
+
+    data = write_parquet(tmp_path / "in.parquet", sample_rows(4))
+    job = write_job(tmp_path / "job.yaml", job_dict(tiny_model("llama"), data, tmp_path / "run"))
+    jobs = ",".join(f"{job}:schedule.max_batch={w}{m}" for w in (1, 2) for m in (":speculative.method=none", ""))
+    run.main(["--suite", "cpu", "--parts", "jobs", "--jobs", jobs, "--peers", "0", "--rows", "3", "--tokens", "5",
+              "--repeats", "1", "--out", str(tmp_path / "out")])
+    (rows,) = tables(tmp_path / "out", "jobs").values()
+    assert len(rows) == 4 and not any(r["setting"].startswith("mlx-lm") for r in rows)
+    assert [r["x plain"] for r in rows if r["setting"].endswith("method=none")] == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_dense_weights_reproduce_the_quantized_model(tiny_model, family):
     """The PyTorch peer gets dense weights: loaded into an unquantized twin, they give the same logits."""

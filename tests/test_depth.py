@@ -90,7 +90,7 @@ def test_a_draft_model_whose_steps_cost_a_target_step_falls_back_to_plain():
         chosen.append(k)
         # a round of depth k costs 1 + 0.9 k; each draft passes 80% of the time (a fraction per position)
         ctrl.record(width, k, 1.0 + 0.9 * k, int(0.8 * k), k, [1] * k, [0.8] * k)
-    assert chosen[0] == 3  # the prior drafts deep first
+    assert chosen[:4] == [0, 0, 3, 3]  # plain until timed, then the deepest depth until timed
     assert chosen.index(0) < EXPLORE_EVERY, chosen  # depth 0 is measured early (rounds 3-4)
     tail = chosen[-EXPLORE_EVERY * 4:]
     assert max(set(tail), key=tail.count) == 0, chosen
@@ -187,7 +187,9 @@ def test_a_new_width_starts_from_the_nearest_measured_widths_costs():
     assert ctrl.choose(32) == 0
     ctrl.explore = True
     assert ctrl.choose(16) == 0
-    assert DepthController(3, acceptance=0.5).choose(16) > 0  # nothing measured anywhere: the assumed slope
+    fresh = DepthController(3, acceptance=0.5)
+    fresh.explore = False  # (no first plain rounds)
+    assert fresh.choose(16) > 0  # nothing measured anywhere: the assumed slope
 
 
 def test_no_tries_when_not_exploring():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
-from mtplx.depth import EXPLORE_EVERY
+from mtplx.depth import EXPLORE_EVERY, UNTRIED_SLOPE
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
@@ -241,7 +241,7 @@ def test_adaptive_depth_starts_where_the_heads_recorded_acceptance_pays(tiny_mod
     """The head's mtp_head.json records its held-out acceptance per draft position: the controller
     starts from it (not one guess for every head). A head that records 0.05 starts at
     depth 0 (plain decoding: drafting cannot pay), one that records 0.95 at its depth 3; greedy text
-    is plain decoding's either way."""
+    is plain decoding's either way (the last rows of a job: no first plain rounds)."""
     import json
 
     from mtplx.models.mtp import SIDECAR_META
@@ -258,6 +258,7 @@ def test_adaptive_depth_starts_where_the_heads_recorded_acceptance_pays(tiny_mod
         meta["heldout_acceptance_by_depth"] = [a] * 4
         (tmp_path / f"head-{a}" / SIDECAR_META).write_text(json.dumps(meta))
         eng = _mtp_engine(bundle, head, width=2)
+        eng.depth_control.slope = UNTRIED_SLOPE  # a GPU's verify (on a CPU no recorded acceptance pays untimed)
         assert eng.depth_control.passed == {j: a for j in range(1, 5)}
         chosen, choose = [], eng.depth_control.choose
         eng.depth_control.choose = lambda w, **k: chosen.append(choose(w, **k)) or chosen[-1]

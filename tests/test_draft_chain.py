@@ -126,7 +126,7 @@ def test_rounds_without_drafts_feed_nothing_and_greedy_output_stays_plain(tiny_m
     schedule = [0] * (MAX_BACKLOG + 3) + [3] * 4 + [0] * 6 + [2] * 3
     chosen = []
 
-    def choose(n_active):
+    def choose(n_active, **_):
         chosen.append(schedule[len(chosen)] if len(chosen) < len(schedule) else 0)
         return chosen[-1]
 

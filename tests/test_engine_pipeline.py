@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.depth import UNTRIED_SLOPE
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx import rounds as rounds_mod
@@ -41,7 +42,9 @@ def _engine(setup, method, width, depth=3, adaptive=False, compiled="on"):
     spec = SpeculativeConfig(method=method.split("-")[0], depth=depth, adaptive_depth=adaptive, compiled_verify=compiled,
                              mtp_head=head if method.startswith("mtp") else None, draft_model=drafts.get(method),
                              mtp_lookup=2 if method == "mtp-lookup" else 0)
-    return Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=width, order="input"))
+    eng.depth_control.slope = UNTRIED_SLOPE  # adaptive depth drafts before a round is timed, as on a GPU
+    return eng
 
 
 def _requests(rows):

@@ -33,6 +33,7 @@ import pytest
 import mtplx.graphbank
 import mtplx.rounds
 from mtplx.config import ScheduleConfig, SpeculativeConfig
+from mtplx.depth import UNTRIED_SLOPE
 from mtplx.generation import Engine
 from mtplx.models.loading import load
 from mtplx.request import Request, SamplingParams
@@ -185,7 +186,7 @@ def round_positions(rounds, length):
 
 def spec_for(method, draft, depth=DEPTH, **kw):
     """A SpeculativeConfig for `method` (none, ngram, draft, mtp), its drafter from `draft` (paths)."""
-    return SpeculativeConfig(method=method, depth=depth, adaptive_depth=False, **kw,
+    return SpeculativeConfig(method=method, depth=depth, **{"adaptive_depth": False, **kw},
                              draft_model=draft["draft"] if method == "draft" else None,
                              mtp_head=draft["mtp"] if method == "mtp" else None)
 
@@ -278,14 +279,18 @@ def setup(tiny_model, tmp_path_factory):
 def run_rows(bundle, draft, method):
     """`method`-compiled: with the compiled programs (the verify folded with acceptance, the draft
     model's proposal); `method`-refilled: compiled, 32 rows in flight, so rows stream in as others
-    finish and each admission happens behind a round still in flight."""
+    finish and each admission happens behind a round still in flight; `method`-adaptive: compiled,
+    adaptive depth on (each sampled row drafts a depth of its own, from its own counts)."""
     name, _, variant = method.partition("-")
-    spec = spec_for(name, draft, compiled_verify="on" if variant else "off")
-    return sample_rows(bundle, spec, SEEDS[method], max_batch=32 if variant == "refilled" else 128)
+    spec = spec_for(name, draft, compiled_verify="on" if variant else "off", adaptive_depth=variant == "adaptive")
+    eng = Engine(bundle, spec, ScheduleConfig(max_batch=32 if variant == "refilled" else 128))
+    eng.depth_control.slope = UNTRIED_SLOPE  # a GPU's fixed cost per drafted token: sampled rows draft deep
+    return sample_rows(bundle, spec, SEEDS[method], engine=eng)
 
 
 SEEDS = {"none": 0, "ngram": 10**6, "draft": 2 * 10**6, "mtp": 3 * 10**6, "draft-compiled": 4 * 10**6,
-         "mtp-refilled": 5 * 10**6, "mtp-compiled": 6 * 10**6, "ngram-compiled": 7 * 10**6}
+         "mtp-refilled": 5 * 10**6, "mtp-compiled": 6 * 10**6, "ngram-compiled": 7 * 10**6,
+         "mtp-adaptive": 8 * 10**6}
 
 
 @pytest.mark.parametrize("method", list(SEEDS))

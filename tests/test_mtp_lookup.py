@@ -192,8 +192,8 @@ def test_mtp_lookup_setting_is_checked_and_fingerprinted(tmp_path):
         SpeculativeConfig(method="mtp", mtp_lookup=-1)
     sampled = dict(generation__temperature=0.7, speculative__method="mtp")
     base = _parts(tmp_path, **sampled)
-    assert diff_fingerprint_parts(base, _parts(tmp_path, **sampled, speculative__mtp_lookup=0)) == []
-    changed = _parts(tmp_path, **sampled, speculative__mtp_lookup=2)
+    assert diff_fingerprint_parts(base, _parts(tmp_path, **sampled, speculative__mtp_lookup=3)) == []  # the default
+    changed = _parts(tmp_path, **sampled, speculative__mtp_lookup=0)
     assert diff_fingerprint_parts(base, changed) == ["speculative.mtp_lookup", "speculative.ngram_size"]
     greedy = _parts(tmp_path, speculative__method="mtp")
     assert diff_fingerprint_parts(greedy, _parts(tmp_path, speculative__method="mtp", speculative__mtp_lookup=2)) == []

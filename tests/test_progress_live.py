@@ -64,6 +64,26 @@ def test_rates_and_eta_from_the_first_round():
     assert p.tokens_per_second() == pytest.approx(6.0)  # closed: committed tokens per active second
 
 
+def test_the_line_says_when_the_engine_builds_kernels():
+    """A program's first call (on a machine's first run, seconds of kernel builds) shows on the bar
+    and in --log-json's progress lines until the engine's next prefill or round; the prefill rate
+    does not count it."""
+    stream, clock = io.StringIO(), Clock()
+    p = Progress(total=2, stream=stream, clock=clock, max_tokens=10, view=Bars)
+    p.submitted((0, 0), 30)
+    clock.t = 0.5
+    p.engine_event("prefill", 30)
+    clock.t = 0.6
+    p.engine_event("build", 1)
+    assert p.building and p.snapshot()["building"] is True
+    assert "building kernels" in p.view.postfix() and "building kernels" in stream.getvalue()
+    clock.t = 20.0
+    p.engine_event("decode", 1)
+    assert not p.building and "building kernels" not in p.view.postfix()
+    assert p.prefill_tokens_per_second() == pytest.approx(60.0)
+    p.close()
+
+
 def test_log_json_reports_tokens_from_the_first_round(tmp_path, model, capsys):
     """All rows decode together and finish together: progress still shows tokens at once."""
     data = write_jsonl(tmp_path / "in.jsonl", sample_rows(6))

@@ -30,6 +30,7 @@ class Drafter:
     device_side = False  # drafts on the device: `advance`, `correct` and `settle` are called, not `commit`
     drafts_ahead = False  # `advance(following=...)` drafts the next round too
     acceptance_prior: Optional[List[float]] = None  # P(draft j passes | j-1 passed), recorded: adaptive depth's start
+    programs = 1  # compiled programs a drafting depth builds at a new width: the verify's, and the drafter's own
 
     def __init__(self, counters: Optional[Counters] = None):
         self.counters = counters if counters is not None else Counters()  # where its compiled programs count
@@ -99,8 +100,13 @@ class Drafter:
     def correct(self, excess: np.ndarray) -> None:
         """A round's counts were read: the host lengths were `excess` too long."""
 
-    def settle(self) -> None:
-        """Exact host lengths again (a call of rounds ends)."""
+    def settle(self, done: bool = False) -> None:
+        """Exact host lengths again (a call of rounds ends; `done`: its rows are all done, no round follows)."""
+
+    @property
+    def lag(self) -> int:
+        """Rounds it must catch up on before it drafts again (rounds at depth 0 it put off)."""
+        return 0
 
     def fuse_kernels(self, compiled: bool) -> Dict[str, int]:
         """The trunk's CUDA decode paths for the drafter's own modules (`compiled`: decode steps are
@@ -149,7 +155,7 @@ class CachedDrafter(Drafter):
     def correct(self, excess):
         self.cache.rows.correct(excess)
 
-    def settle(self):
+    def settle(self, done=False):
         self.cache.rows.settle()
 
 

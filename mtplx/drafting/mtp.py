@@ -37,12 +37,16 @@ class MtpDrafter(CachedDrafter):
     falls behind by it (`behind`, at most HEAD_BEHIND rounds) and catches up with the next round it
     commits, or before rows move, a call ends or it proposes (`_catch_up`), so a round at depth 0
     costs what a plain decoding round does. The catch-up runs the commit programs over depth + 1
-    rounds a call (`_commit_behind`): shapes adaptive depth has built, whatever its length."""
+    rounds a call (`_commit_behind`): shapes adaptive depth has built, whatever its length; where
+    none is built yet (adaptive depth at 0 since the start) it runs the same ops eagerly, so a run
+    that never drafts builds no head program (on a GPU host's first run, seconds each). A call whose
+    rows are all done does not catch up (`settle(done=True)`)."""
 
     name = "mtp"
     needs_hidden = True
     device_side = True
     drafts_ahead = True  # advance(following=...) drafts the next round in the commit's program
+    programs = 2  # the round's verify, the head's commit with the next round's drafts
 
     def __init__(self, head: MTPHead, chunk_size: int = 512, vocab: Optional[DraftVocab] = None,
                  compiled: bool = True, lookup: Optional["LookupFallback"] = None, catch_up_len: int = 4,
@@ -183,7 +187,9 @@ class MtpDrafter(CachedDrafter):
         if self.lookup is not None:
             self.history = self.history[mx.array(np.asarray(keep, dtype=np.int32))]
 
-    def settle(self):
+    def settle(self, done=False):
+        if done:  # nothing drafts again in this call: what was put off is dropped
+            self.behind = []
         self._catch_up()
         super().settle()
 
@@ -247,12 +253,15 @@ class MtpDrafter(CachedDrafter):
             return
         self._commit(n, nxt, counts, most, verify_in, hidden, following=following)
 
+    @property
+    def lag(self):
+        return len(self.behind)
+
     def _catch_up(self):
         """Commit the rounds the head is behind by (`_commit_behind`)."""
         if self.behind:
-            verify_in, hidden, n, nxt, counts, most = self.behind.pop()
-            self.cache.rows.expect(-1)  # (the commit's advance counts it again)
-            self._commit(n, nxt, counts, most, verify_in, hidden)
+            behind, self.behind, self.ready = self.behind, [], None
+            self._commit_behind(behind)
 
     def _commit_eager(self, verify_in, n, nxt, hidden, lookup):
         """The commit's (first logits, head hidden[, history]) by eager ops (the reference)."""
@@ -263,9 +272,11 @@ class MtpDrafter(CachedDrafter):
             out += (self.lookup.append(self.history, self.cache.rows.device, committed, extra=1),)
         return out
 
-    def _commit_through(self, verify_in, n, nxt, hidden, plan, lookup):
-        """The commit's outputs: its program where one serves, else the eager ops."""
-        out = None if self.bank is None else self.bank.commit(self.cache, hidden, verify_in, n, nxt, plan, lookup)
+    def _commit_through(self, verify_in, n, nxt, hidden, plan, lookup, built_only=False):
+        """The commit's outputs: its program where one serves (`built_only`: one built already), else
+        the eager ops."""
+        out = None if self.bank is None else self.bank.commit(self.cache, hidden, verify_in, n, nxt, plan, lookup,
+                                                              built_only)
         return out if out is not None else self._commit_eager(verify_in, n, nxt, hidden, lookup)
 
     def _commit_behind(self, behind) -> None:
@@ -281,7 +292,7 @@ class MtpDrafter(CachedDrafter):
             most = sum((b[5] for b in part[1:]), part[0][5])
             self.cache.rows.expect(-1)  # (one of its rounds is counted again by the advance below)
             lookup = self._lookup_arg(len(part))
-            out = self._commit_through(verify_in, n, nxt, hidden, None, lookup)
+            out = self._commit_through(verify_in, n, nxt, hidden, None, lookup, built_only=True)
             self.cache.advance(counts, most)
             self.extra = list(out[:2])
             if self.lookup is not None:

@@ -233,12 +233,14 @@ class CompiledDraftBank(DraftBank):
                          *arrays, *([] if lookup is None else [lookup[1]]))
         return None if out is None else _unpacked(out)
 
-    def commit(self, cache: BatchCache, hidden, verify_in, n, next_tokens, following=None, lookup=None):
+    def commit(self, cache: BatchCache, hidden, verify_in, n, next_tokens, following=None, lookup=None,
+               built_only: bool = False):
         """The head over the verified tokens, its cache mirrored: (first logits, head hidden) at each
         row's accepted position, or None where this shape runs eagerly. With `lookup` the committed
         tokens are written into the history, and the result then ends with the new history. With
         `following` = (counts, K, sampler, u) the program drafts the next round's K tokens too, from the
-        head's state after this commit; the result then ends with (drafts, q or None, lookup rows or None)."""
+        head's state after this commit; the result then ends with (drafts, q or None, lookup rows or None).
+        `built_only`: None where the program is not built yet (the caller runs it eagerly, builds nothing)."""
         K1 = verify_in.shape[1]
         K = following[1] if following is not None else 0
         arrays = self.ready(cache, K1 + K)
@@ -248,6 +250,9 @@ class CompiledDraftBank(DraftBank):
         flags = () if not K else (following[2].all_greedy, following[2].any_top_k, following[2].any_top_p)
         key = (("commit" if not K else "commit+propose", cache.batch, K1, arrays[0].shape[2], str(hidden.dtype), K)
                + flags + _lookup_key(lookup))
+        if built_only and key not in self.programs.built:
+            self.eager("a catch-up whose program is not built")
+            return None
         n_arrays = len(arrays)
 
         def build():

@@ -5,7 +5,8 @@ Two bars, both counted in rows (one row = one (input row, sample) generation):
               runs ahead of decode by about one batch. Postfix: prompt tokens prefilled and
               their rate while prefilling, live while a long prompt is prefilled span by span.
     decode    rows finished. Postfix, live from the first decode round: generated tokens,
-              tokens/s, acceptance, tokens per verify, and the ETA. Its last tokens/s is the
+              tokens/s, while the engine builds a compiled program "building kernels" (its first call: on
+              a machine's first run seconds each), acceptance, tokens per verify, and the ETA. Its last tokens/s is the
               summary line's and `status`'s (the figures are Progress's, pipelines/io/figures.py).
 """
 
@@ -59,6 +60,8 @@ class Bars:
     def postfix(self) -> str:
         p = self.progress
         parts = [f"{p.generated_tokens} tok", f"{p.tokens_per_second():.1f} tok/s"]
+        if p.building:  # a first call of a compiled program: on a machine's first run, seconds of kernel builds
+            parts.append("building kernels (first run on this machine: programs' first calls)")
         if p.drafted:
             parts.append(f"acc {p.accepted / p.drafted:.0%}")
             parts.append(f"{p.tokens_per_verify:.2f} tok/verify")

@@ -28,6 +28,8 @@ def local_rows(session, engine=None) -> Iterator[Tuple[Dict[str, Any], bool]]:
     hook = hasattr(engine, "on_progress")  # the mtplx Engine: live tokens from every round
     if hook:
         engine.on_progress = session.progress.engine_event
+        total = session.progress.total  # the rows left: what its adaptive depth prices a program's build against
+        engine.expected_requests = None if total is None else total - session.progress.initial
     try:
         yield from engine_rows(engine, work, job.generation.sampling_params(), job.generation.seed,
                                on_submit=session.progress.submitted)

@@ -27,7 +27,8 @@ With `log_json`, every line written to stderr is one JSON object with an `event`
               thread, so it also marks liveness while long rows decode): rows_done, rows_total,
               rows_errored, prompt_tokens, prefill_tokens, prefill_tokens_per_second,
               completion_tokens (generated so far, rows in flight included), tokens_per_second,
-              acceptance_rate, tokens_per_verify, eta_seconds, elapsed_seconds
+              acceptance_rate, tokens_per_verify, building (the engine is building a compiled program:
+              its first call, on a fresh GPU host seconds of kernel builds), eta_seconds, elapsed_seconds
     summary   once at the end: status (done | interrupted | failed), outputs, errors, skipped,
               completion_tokens, seconds, tokens_per_second, shards, run_dir, peak_rss_bytes,
               peak_mlx_bytes (+ error)
@@ -111,6 +112,7 @@ class Progress:
         self.max_tokens = max_tokens
         self.live = False  # the engine reports tokens as they are generated (engine_event)
         self.generated = 0  # generated tokens reported by the engine, rows in flight included
+        self.building = False  # the engine is building a compiled program (its first call) right now
         self.prefilled = 0  # prompt tokens prefilled, reported by the engine
         self.prefill_seconds = 0.0  # the time up to each prefill report, since the engine's last report
         self._last_event: Optional[float] = None  # the engine's last report (None: none yet, use `started`)
@@ -140,7 +142,8 @@ class Progress:
                 self._thread.start()
 
     def engine_event(self, kind: str, tokens: int) -> None:
-        """From `Engine.on_progress` (the engine thread): `tokens` prefilled or generated."""
+        """From `Engine.on_progress` (the engine thread): `tokens` prefilled or generated, or "build": a
+        compiled program's first call started (a fresh GPU host builds its kernels: seconds each)."""
         now = self.clock()
         first_round = False
         with self._lock:
@@ -152,12 +155,15 @@ class Progress:
                 self.generated += tokens
                 first_round = not self._first_round_logged
                 self._first_round_logged = True
-            self._last_event = now
+            started_building = kind == "build" and not self.building
+            self.building = kind == "build"  # until the engine's next prefill or round
+            if kind != "build":
+                self._last_event = now
         if first_round and self.mode == "json" and self.log_every and self.log_every > 0:
             json_line("progress", self.stream, **self.snapshot())
         self._maybe_record(now)
         if self.view is not None:
-            self.view.engine_event(now, first_round)
+            self.view.engine_event(now, first_round or started_building)
 
     def submitted(self, key: Hashable, prompt_tokens: int) -> None:
         """A request (output row `key`: (row, sample)) was handed to the engine, which prefills it next."""
@@ -281,7 +287,7 @@ class Progress:
                     prefill_tokens=self.prefilled, prefill_tokens_per_second=round(self.prefill_tokens_per_second(), 3),
                     completion_tokens=self.generated_tokens,
                     tokens_per_second=round(self.tokens_per_second(), 3), acceptance_rate=self.acceptance_rate,
-                    tokens_per_verify=self.tokens_per_verify,
+                    tokens_per_verify=self.tokens_per_verify, building=self.building,
                     eta_seconds=None if eta is None else round(eta, 1),
                     elapsed_seconds=round(self.clock() - self.started, 3))
 
