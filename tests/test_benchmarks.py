@@ -87,7 +87,7 @@ def test_jobs_part_runs_each_setting_and_the_peer_in_fresh_processes(tiny_model,
     peer, plain, ngram = rows
     assert plain["rows"] == ngram["rows"] == 3 and plain["tokens"] == ngram["tokens"] <= 15  # greedy: the same text
     assert plain["x plain"] == 1.0 and ngram["x plain"] > 0 and plain["x mlx-lm"] > 0
-    assert ngram["tokens/verify"] >= 1
+    assert ngram["tokens/verify"] == "" or ngram["tokens/verify"] >= 1  # "": every round ran plain (depth 0)
     assert peer["tokens"] > 0 and "x plain" not in peer
 
 

@@ -113,7 +113,8 @@ def test_greedy_output_through_the_pipeline_equals_plain(setup, method, adaptive
         assert out[i].finish_reason == ("length" if len(ref) == rows[i][1] else "stop")
         assert out[i].stats.completion_tokens == len(ref)
     drafted = sum(r.stats.drafted_tokens for r in out.values())
-    assert drafted > 0
+    # adaptive at width 7: every row is in the first batch, and its few tokens left never pay a depth's build
+    assert drafted > 0 or (adaptive and width == 7)
     if method == "draft-self":  # rows end inside runs of accepted drafts, with a round queued past them
         assert sum(r.stats.accepted_tokens for r in out.values()) > 0.9 * drafted
     if compiled == "on":  # rounds queued past a row's end stay within the growth budget: no eager verify
