@@ -70,7 +70,8 @@ def test_a_sampled_row_keeps_its_text_in_a_narrowed_tail(setup, method, monkeypa
 
 
 def test_the_widths(monkeypatch):
-    sched = scheduler.Scheduler(None, set(), 64, 100, 0, lambda n, m: 0)
+    free = scheduler.Memory(budget=1, ahead=0, slot=lambda reach: 0, prefill=lambda rows: 0, kept=lambda: 0)
+    sched = scheduler.Scheduler(None, set(), 64, 100, free)
 
     def target(live, width):
         sched.slots = [None] * width

@@ -70,6 +70,18 @@ class MtpDrafter(CachedDrafter):
         if self.bank is not None:
             self.bank.reserve = entries
 
+    @property
+    def margin(self):  # a commit and the next round's drafts; the lookup history's lead
+        return 2 * self.catch_up_len + (self.lookup.lead + 1 if self.lookup is not None else 0)
+
+    def probe(self):
+        hidden = mx.zeros_like(self.head.embed(mx.zeros((1, 2), mx.int32)))  # the trunk's, at two positions
+        return self.prefill_row([0, 0], hidden, 0)
+
+    def slot_bytes(self, reach):  # the lookup history: an int32 column per entry, as long as the head cache
+        history = 4 * capacity_bucket(reach + self.margin) if self.lookup is not None else 0
+        return super().slot_bytes(reach) + history
+
     # -- prefill -------------------------------------------------------------------------------------
     def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
         """`hidden` holds the trunk's hidden states for positions start..n-1 of `tokens`."""
