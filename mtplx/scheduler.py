@@ -120,7 +120,7 @@ class Scheduler:
         error = ("empty prompt: the row has no tokens" if n == 0 else
                  f"prompt has {n} tokens but the model's context is {self.max_context}: shorten the prompt"
                  if n >= self.max_context else None)
-        need = self.peak((0, 0), (1, row.reach), [row]) if error is None else 0
+        need = self.alone(row) if error is None else 0
         if need > self.memory.budget:
             error = (f"row needs {format_bytes(need)} of memory alone ({n} prompt + {max_tokens} new tokens: its "
                      f"caches and prefill) but schedule.memory_budget is {format_bytes(self.memory.budget)}: raise "
@@ -128,6 +128,10 @@ class Scheduler:
         if error is not None:
             return None, Result(req.key, [], "", "error", error, stats, req.seed)
         return row, None
+
+    def alone(self, row: Row) -> int:
+        """The bytes `row` needs in a batch of its own: a budget below it can never run it."""
+        return self.peak((0, 0), (1, row.reach), [row])
 
     @property
     def shape(self) -> Tuple[int, int]:

@@ -127,9 +127,8 @@ def test_every_row_comes_back_once_under_a_budget(setup, method, rows_worth):
     _, _, rows, refs = setup
     short = [r for i, r in enumerate(rows) if i != LONG]
     eng = _engine(setup, method, 2**34)
-    need = max(eng.scheduler.peak((0, 0), (1, row.reach), [row])
-               for row in (eng.scheduler.new_row(Request(key=0, prompt_tokens=p, params=SamplingParams(max_tokens=m)))[0]
-                           for p, m in short))
+    need = max(eng.scheduler.alone(eng.scheduler.new_row(Request(key=0, prompt_tokens=p, params=SamplingParams(max_tokens=m)))[0])
+               for p, m in short)
     done, held, _, _, _ = _run(_engine(setup, method, rows_worth * need), short)
     assert sorted(done) == list(range(len(short)))
     assert [done[i].tokens for i in range(len(short))] == [ref for i, ref in enumerate(refs) if i != LONG]
