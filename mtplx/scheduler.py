@@ -158,12 +158,15 @@ class Scheduler:
     def _rebuild_pays(self, free: Sequence[int], rows: Sequence[Row], row: Row, kept: int) -> bool:
         """Whether `row`, which does not fit beside the rows in flight and `rows`, should wait for the
         batch to drain and be rebuilt: it would not fit even in an idle slot, or it needs a wider batch
-        while the batch's reach outlived the rows that needed it (a rebuilt batch's slots are smaller)."""
+        while the batch's reach outlived the rows that needed it and a batch of their reach would be
+        wider (its slots are smaller)."""
         width, reach = self._after(free, rows)
-        if self.peak((width, reach), (width, max(reach, row.reach)), [row]) + kept > self.memory.budget:
+        budget = self.memory.budget - kept
+        if self.peak((width, reach), (width, max(reach, row.reach)), [row]) > budget:
             return True
         needed = max([row.reach] + [r.reach for r in rows] + [s.reach for s in self.slots if s is not None])
-        return free[len(rows)] >= width and self.memory.slot(needed) < self.memory.slot(reach)
+        return (free[len(rows)] >= width and self.memory.slot(needed) < self.memory.slot(reach)
+                and self.peak((0, 0), (width + 1, needed), [row]) <= budget)
 
     def select(self):
         """Rows for the free slots while they fit the memory budget beside the rows in flight (a
