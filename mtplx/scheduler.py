@@ -135,7 +135,7 @@ class Scheduler:
 
     @property
     def shape(self) -> Tuple[int, int]:
-        """The batch's (width, reach): its caches hold `width` slots of `reach` tokens' capacity."""
+        """The batch's (width, reach): `width` slots, each sized for a context of `reach` tokens."""
         return len(self.slots), self.reach
 
     def peak(self, before: Tuple[int, int], after: Tuple[int, int], rows: Sequence[Row]) -> int:

@@ -75,8 +75,8 @@ class MtpDrafter(CachedDrafter):
         return 2 * self.catch_up_len + (self.lookup.lead + 1 if self.lookup is not None else 0)
 
     def probe(self):
-        hidden = mx.zeros_like(self.head.embed(mx.zeros((1, 2), mx.int32)))  # the trunk's, at two positions
-        return self.prefill_row([0, 0], hidden, 0)
+        norm = self.head.norm.weight  # the trunk's hidden states at two positions: its width, its dtype
+        return self.prefill_row([0, 0], mx.zeros((1, 2, norm.shape[0]), norm.dtype), 0)
 
     def slot_bytes(self, reach):  # the lookup history: an int32 column per entry, as long as the head cache
         history = 4 * capacity_bucket(reach + self.margin) if self.lookup is not None else 0
