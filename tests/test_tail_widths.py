@@ -81,3 +81,7 @@ def test_the_widths(monkeypatch):
     assert target(3, 32) == 4 and target(16, 32) == 16 and target(17, 32) is None and target(1, 2) == 1
     monkeypatch.setattr(scheduler, "tail_keeps_width", lambda: 32)
     assert target(3, 32) is None and target(3, 64) == 4
+    # narrowing copies the live rows while the wide batch is held: only where both fit the budget
+    monkeypatch.setattr(scheduler, "tail_keeps_width", lambda: 1)
+    sched.memory = free._replace(budget=35, slot=lambda reach: 1)
+    assert target(3, 32) is None and target(2, 16) == 2
