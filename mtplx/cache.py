@@ -12,7 +12,7 @@ keeps every entry and masks by window; mlx-lm's CacheList becomes a RowCacheList
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -392,10 +392,11 @@ class BatchCache:
         self.rows.place(list(slots), [int(src.rows.host[row]) for src, row in refs])
 
     @classmethod
-    def gather(cls, refs: Sequence[CacheRow]) -> "BatchCache":
-        """A new batch cache of the rows `refs` (room for one more token each, as `stack`)."""
+    def gather(cls, refs: Sequence[CacheRow], reserve: int = 0) -> "BatchCache":
+        """A new batch cache of the rows `refs`, with room for one more token each, or for `reserve`
+        entries a row."""
         out = cls(refs[0].cache.kinds, [0] * len(refs))
-        reserve = max(int(src.rows.host[row]) for src, row in refs) + 1
+        reserve = max([reserve] + [int(src.rows.host[row]) + 1 for src, row in refs])
         out.put_rows(range(len(refs)), refs, reserve)
         return out
 
@@ -416,6 +417,12 @@ class BatchCache:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.leaves)
+
+    def row_bytes(self) -> Tuple[float, float]:
+        """(bytes per entry of capacity, bytes of state) of one of its rows: what one more row costs."""
+        per_entry = sum(c.nbytes / c.keys.shape[2] for c in self.leaves if isinstance(c, RowKVCache) and c.keys is not None)
+        state = sum(c.nbytes for c in self.leaves if not isinstance(c, RowKVCache))
+        return per_entry / self.batch, state / self.batch
 
 
 def layer_kinds(model) -> List:

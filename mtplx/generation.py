@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .architectures import PASSED_FILE, capture_backend, prepare, probe_key
-from .cache import BatchCache, RowKVCache
+from .cache import BatchCache, capacity_bucket
 from .calibrate import AUTO_ROW_TOKENS, auto_max_batch, cost_shapes, load_profile, one_stream_eager, profile_path
 from .config import ScheduleConfig, SpeculativeConfig, prefill_chunk_env, sustained_prefill_env
 from .counters import Counters
@@ -31,10 +31,10 @@ from . import kernels
 from .graphbank import CompiledVerifyBank
 from .models.loading import ModelBundle, cache_dir, context_length, load
 from .models.mtp import has_trunk_split, project_logits, trunk_hidden
-from .prefill import Prefiller, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
+from .prefill import MIN_PREFIX_TOKENS, Prefiller, PrefixStore, activation_bytes, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
 from .request import Request, Result
 from .rounds import Rounds
-from .scheduler import Scheduler
+from .scheduler import Memory, Scheduler
 
 
 def device_memory_bytes() -> int:
@@ -43,6 +43,13 @@ def device_memory_bytes() -> int:
         if info.get(key):
             return int(info[key])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _spans(n: int, span: int):
+    """(queries, queries x keys) of the largest spans of a prefill of `n` tokens in spans of `span`:
+    the last whole one and the remainder (keys: the cache's capacity once the span is written)."""
+    whole = n // span * span
+    return [(q, q * capacity_bucket(end)) for q, end in ((min(span, n), whole or n), (n - whole, n)) if q]
 
 
 class _Runtime:
@@ -102,7 +109,11 @@ class Engine:
             growth_limit=self.spec.verify_max_len, counters=self.counters)
         self.prefiller = Prefiller(self.runtime, self.prefill_chunk, self.hybrid, self.counters, self._progress,
                                    self.sustained_prefill)
-        self._bytes_per_token, self._bytes_per_row = self._measure_cache()
+        self._bytes_per_token, self._bytes_per_row, self._hidden_per_token = self._measure_cache()
+        self._activation_per_token = activation_bytes(cfg)
+        # off a GPU, MLX's attention holds a float32 score per head and key (a GPU's fused kernels none)
+        heads = cfg.get("num_attention_heads") or (cfg.get("text_config") or {}).get("num_attention_heads") or 1
+        self._score_per_key = 0 if mx.default_device().type == mx.DeviceType.gpu else 4 * int(heads)
         self.profile_file, profile = self._calibration(bundle)
         self.max_batch = (auto_max_batch(profile, self.memory_budget, self.row_bytes(AUTO_ROW_TOKENS, 0))
                           if str(self.schedule.max_batch) == "auto" else int(self.schedule.max_batch))
@@ -117,8 +128,8 @@ class Engine:
         # requests the next generate() call's stream holds, where its caller knows (a job: its rows left):
         # adaptive depth prices a program's build against the work left (rounds.py: Rounds._left)
         self.expected_requests: Optional[int] = None
-        self.scheduler = Scheduler(self.tokenizer, self.eos, self.max_batch, self.max_context, self.memory_budget,
-                                   self.row_bytes, self.drafter)
+        memory = Memory(self.memory_budget, self.ahead_tokens, self.slot_bytes, self.prefill_bytes, self.store_bytes)
+        self.scheduler = Scheduler(self.tokenizer, self.eos, self.max_batch, self.max_context, memory, self.drafter)
         # one-row plain decoding eagerly (the same logits) where the calibration measured it faster
         self.rounds = Rounds(self.drafter, self.bank, self.runtime, self.depth_control, self.counters, self._progress,
                              self.spec.depth, self.max_batch, self.bank is not None and one_stream_eager(profile))
@@ -157,19 +168,61 @@ class Engine:
             self.on_progress(kind, int(tokens))
 
     # -- memory --------------------------------------------------------------------------------------
-    def _measure_cache(self) -> Tuple[float, int]:
-        """Cache bytes per token (attention) and per row (recurrent state), from a 1-token probe."""
+    def _measure_cache(self) -> Tuple[float, float, int]:
+        """Cache bytes per entry (attention) and per row (recurrent state), and bytes of the trunk's
+        hidden state per token where a drafter reads it: from a 1-token probe."""
         probe = BatchCache.for_model(self.model, 1)
-        self.model(mx.array([[0]], dtype=mx.int32), cache=probe.layers)
+        _, hidden = self.runtime.forward(mx.array([[0]], dtype=mx.int32), probe)
         probe.eval()
-        per_token = sum(c.nbytes / c.keys.shape[2] for c in probe.leaves if isinstance(c, RowKVCache) and c.keys is not None)
-        per_row = sum(c.nbytes for c in probe.leaves if not isinstance(c, RowKVCache))
-        return per_token, per_row
+        return probe.row_bytes() + (0 if hidden is None else hidden.nbytes,)
+
+    def _verify_len(self) -> int:
+        return self.spec.depth + 1 if self.drafter is not None else 1
+
+    def entries(self, reach: int) -> int:
+        """Entries a row's target cache holds where the batch's rows reach `reach` tokens: a verify
+        writes past the longest (the caches are made with room for them: Scheduler.place)."""
+        return reach + self._verify_len()
+
+    def _one_row(self, entries: int, drafter: bool = True) -> int:
+        """One row of the target's cache holding `entries` (in its capacity bucket), and of the drafter's
+        state where its row's context is as long."""
+        own = self.drafter.slot_bytes(entries) if self.drafter is not None and drafter else 0
+        return int(self._bytes_per_token * capacity_bucket(entries) + self._bytes_per_row) + own
+
+    def slot_bytes(self, reach: int) -> int:
+        """Bytes one slot of the batch holds where its rows reach `reach` tokens: the target's cache (a
+        verify writes past the longest row) and the drafter's state in their capacity buckets, and a
+        verify's captured recurrent states."""
+        target = self._one_row(self.entries(reach), drafter=False) + int(self._verify_len() * self._bytes_per_row)
+        return target + (self.drafter.slot_bytes(reach) if self.drafter is not None else 0)
 
     def row_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
-        depth = self.spec.depth + 1 if self.drafter else 1
-        return int((prompt_tokens + max_tokens + depth + self.ahead_tokens) * self._bytes_per_token
-                   + (1 + depth) * self._bytes_per_row)
+        """A slot's bytes for a row of `prompt_tokens` + `max_tokens` (in a batch of rows no longer)."""
+        return self.slot_bytes(prompt_tokens + max_tokens + self.ahead_tokens)
+
+    def prefill_bytes(self, rows) -> int:
+        """Bytes the prefill of `rows` holds beside the batch until they are placed: each row's caches
+        (the target's and the drafter's; a group's rows as long as its longest) twice (a cache grows
+        by copies, and is copied into the batch's), the hidden states its drafter reads, the prefix
+        snapshot a row with a shared prefix keeps, and the scratch of the largest forward over them (a
+        span of the trunk's, or of the drafter's own, over the entries before it: the drafter's model
+        is taken to be no larger than the trunk)."""
+        if not rows:
+            return 0
+        n = max(len(r.req.prompt_tokens) for r in rows)
+        spans = [self.prefill_chunk if self.prefill_chunk and self.sustained_prefill else n]
+        if self.drafter is not None and self.drafter.chunk:
+            spans.append(self.drafter.chunk)
+        forward = max(max(q * self._activation_per_token + qk * self._score_per_key for q, qk in _spans(n + 1, span))
+                      for span in spans)
+        per_row = 2 * self._one_row(n + 1) + n * self._hidden_per_token + forward
+        edges = [self.prefiller.edge(r) for r in rows]
+        return len(rows) * per_row + sum(self._one_row(e) for e in edges if e >= MIN_PREFIX_TOKENS)
+
+    def store_bytes(self) -> int:
+        """Bytes the prefix store holds: one row of each stored prefix."""
+        return sum(self._one_row(prefix.rows.max) for prefix, _ in self.prefiller.store.values())
 
     @property
     def ahead_tokens(self) -> int:
@@ -207,18 +260,21 @@ class Engine:
         their first token). Returns True if it should run again."""
         sched = self.scheduler
         rows, free = yield from sched.select()
+        if rows is None:  # nothing in flight, and the batch or the prefix store is in the next row's way
+            yield from self.rounds.land_carried(sched)
+            sched.release()
+            self.prefiller.store = PrefixStore(self.prefiller.store.size)
+            return True
         if not rows:
             return False
         self.counters.admissions += 1
-        if self.bank is not None:  # the growth budget: the longest context a row of this call can reach
-            before = self.bank.request_max_tokens if sched.cache is not None else 0
-            self.bank.set_budget(max([before] + [len(s.req.prompt_tokens) + s.max_tokens + self.ahead_tokens
-                                                 for s in sched.slots + rows if s is not None]))
+        if self.bank is not None:  # the growth budget: the longest context a row of the batch can reach
+            self.bank.set_budget(sched.reach)
             # caches grow, when they first grow, to hold it: the batch runs at one capacity and its
             # programs (keyed by capacity) are built once
-            self.bank.reserve = self.bank.request_max_tokens
+            self.bank.reserve = sched.reach
             if self.drafter is not None:
-                self.drafter.reserve(self.bank.request_max_tokens)
+                self.drafter.reserve(sched.reach)
         # Behind a round in flight (a full batch: every free slot is a vacated one) the first tokens are
         # not read here: the round the rows join is queued from them on the device first, and they are
         # read after it (Rounds.join), so the device does not wait for the host between the two.
@@ -233,7 +289,7 @@ class Engine:
             self.first_token_at = time.perf_counter()  # the startup phases end here
         if behind:
             prefilled, firsts = prefilled
-            sched.place(free, rows, prefilled)
+            sched.place(free, rows, prefilled, self.entries(sched.reach))
             self.rounds.join(sched, firsts, list(zip(free, rows)))
             return False
         self._progress("decode", sum(1 for _, _, first in prefilled if first not in self.eos))
@@ -246,7 +302,7 @@ class Engine:
                 continue
             row.pending = row.tokens[-1]
             going.append((row, got))
-        sched.place(free, [r for r, _ in going], [g for _, g in going])
+        sched.place(free, [r for r, _ in going], [g for _, g in going], self.entries(sched.reach))
         return finished_early and not sched.drained
 
     def _prefill_stream(self, behind: bool):

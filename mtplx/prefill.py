@@ -31,11 +31,15 @@ def _prefill_chunk_size(config: Optional[dict] = None, memory_budget: Optional[i
         return env
     if not config or not memory_budget:
         return 512
+    chunk = int(0.02 * memory_budget) // max(activation_bytes(config), 1)
+    return int(min(2048, max(128, chunk // 128 * 128)))
+
+
+def activation_bytes(config: dict) -> int:
+    """A forward's activations per token, about 4 bytes x (8 x hidden + 3 x intermediate)."""
     hidden = int(config.get("hidden_size", 1024))
     inter = int(config.get("intermediate_size", 4 * hidden) or 4 * hidden)
-    per_token = 4 * (8 * hidden + 3 * inter)
-    chunk = int(0.02 * memory_budget) // max(per_token, 1)
-    return int(min(2048, max(128, chunk // 128 * 128)))
+    return 4 * (8 * hidden + 3 * inter)
 
 
 def _split_spans_at(spans: Iterable[Tuple[int, int]], edges: Sequence[int]) -> List[Tuple[int, int]]:
@@ -86,6 +90,9 @@ class PrefixStore:
         self._items[key] = value
         while len(self._items) > self.size:
             self._items.popitem(last=False)
+
+    def values(self):
+        return list(self._items.values())
 
 
 PADDING_WASTE = 0.25  # a padded prefill batch spends at most this fraction more than its real tokens

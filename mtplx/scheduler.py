@@ -2,23 +2,30 @@
 
 `Scheduler` holds, for one `Engine.generate` call, the batch's slots (a `Row` each, None where
 idle), their cache and the drafter's state of them, and the stream of requests. It decides which
-requests join (free slots, the memory budget: a row that does not fit beside the rows in flight
-waits for one to finish), where they go, and when a drained batch (no request waits) narrows; and
-it turns tokens into rows' text and results (`emit`, `finish`). The engine (generation.py)
-prefills what it admits; the rounds (rounds.py) decode what it holds.
+requests join (free slots, the memory budget), where they go, and when a drained batch (no request
+waits) narrows; and it turns tokens into rows' text and results (`emit`, `finish`). The engine
+(generation.py) prefills what it admits; the rounds (rounds.py) decode what it holds.
+
+Memory: the batch is a rectangle, every slot sized to the longest context a row admitted into it
+can reach (its `reach`): the caches' compiled programs are keyed by capacity, so a batch runs at one.
+Admission counts that rectangle (`Memory`: width x one slot's bytes at the batch's reach), what the
+rows being admitted hold until they are placed, the prefix store, and, where the batch changes shape,
+the old rectangle beside the new one while it is copied. A row that does not fit waits: for an idle
+slot where the batch can hold it, else the batch drains and is rebuilt around it (`rebuild`), which
+is also how a batch whose reach outlived its longest row gets its width back.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from . import stops
-from .cache import BatchCache
+from .cache import BatchCache, CacheRow
 from .request import Request, Result, RowStats
 
 
@@ -36,6 +43,25 @@ class Row:
     rounds: int = 0
     u_next: Optional[np.ndarray] = None  # uniforms drawn for a round not yet queued (Rounds.plan)
     accept: Optional[object] = None  # its drafts' running acceptance (depth.RowAcceptance, Rounds.plan)
+    reach: int = 0  # the longest context its cache can reach (prompt, max_tokens, rounds queued ahead)
+
+
+class Memory(NamedTuple):
+    """What admission counts, in bytes (the engine measures it: generation.py)."""
+
+    budget: int  # schedule.memory_budget
+    ahead: int  # tokens past its last one a row's cache can reach (rounds queued ahead)
+    slot: Callable[[int], int]  # one batch slot (target and drafter caches) whose rows reach n tokens
+    prefill: Callable[[Sequence[Row]], int]  # rows being admitted, until they are placed
+    kept: Callable[[], int]  # held beside the batch: the prefix store
+
+
+def format_bytes(n: float) -> str:
+    """`n` bytes to three significant digits in the largest binary unit that keeps them at least 1."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 999.5 or unit == "TiB":
+            return f"{n:.3g} {unit}"
+        n /= 1024
 
 
 def tail_keeps_width() -> int:
@@ -47,11 +73,9 @@ def tail_keeps_width() -> int:
 
 
 class Scheduler:
-    def __init__(self, tokenizer, eos: Set[int], max_batch: int, max_context: int, memory_budget: int,
-                 row_bytes: Callable[[int, int], int], drafter=None):
+    def __init__(self, tokenizer, eos: Set[int], max_batch: int, max_context: int, memory: Memory, drafter=None):
         self.tokenizer, self.eos, self.drafter = tokenizer, eos, drafter
-        self.max_batch, self.max_context, self.memory_budget = max_batch, max_context, memory_budget
-        self.row_bytes = row_bytes  # cache bytes of a row of (prompt tokens, max_tokens)
+        self.max_batch, self.max_context, self.memory = max_batch, max_context, memory
         self.start(())
 
     def start(self, requests) -> None:
@@ -61,8 +85,16 @@ class Scheduler:
         self.exhausted = False
         self.pulled = 0  # requests taken from the source
         self.expected: Optional[int] = None  # requests the source holds, where its caller says (Engine.expected_requests)
+        self.release()
+
+    def release(self) -> None:
+        """No batch: the next rows admitted build a new one (nothing may be in flight)."""
         self.slots: List[Optional[Row]] = []
         self.cache: Optional[BatchCache] = None
+        self.reach = 0  # the longest context a row of this batch can reach: its caches' capacity
+        self.rebuild = False  # admit nothing until the batch drains, then rebuild it
+        if self.drafter is not None:
+            self.drafter.reset()
 
     @property
     def drained(self) -> bool:
@@ -87,24 +119,70 @@ class Scheduler:
         n = len(req.prompt_tokens)
         stats = RowStats(prompt_tokens=n)
         max_tokens = min(req.params.max_tokens, self.max_context - n)
+        row = Row(req, np.random.default_rng(req.seed), max_tokens, stats, time.perf_counter(), [],
+                  reach=n + max_tokens + self.memory.ahead)
         error = ("empty prompt: the row has no tokens" if n == 0 else
                  f"prompt has {n} tokens but the model's context is {self.max_context}: shorten the prompt"
                  if n >= self.max_context else None)
-        need = self.row_bytes(n, max_tokens) if error is None else 0
-        if need > self.memory_budget:
-            error = (f"row needs ~{need / 2**20:.0f} MiB of cache ({n} prompt + {max_tokens} new tokens) but "
-                     f"schedule.memory_budget is {self.memory_budget / 2**20:.0f} MiB: raise the budget or lower max_tokens")
+        need = self.alone(row) if error is None else 0
+        if need > self.memory.budget:
+            error = (f"row needs {format_bytes(need)} of memory alone ({n} prompt + {max_tokens} new tokens: its "
+                     f"caches and prefill) but schedule.memory_budget is {format_bytes(self.memory.budget)}: raise "
+                     f"schedule.memory_budget to at least {format_bytes(need)}, or lower max_tokens or shorten the prompt")
         if error is not None:
             return None, Result(req.key, [], "", "error", error, stats, req.seed)
-        return Row(req, np.random.default_rng(req.seed), max_tokens, stats, time.perf_counter(), []), None
+        return row, None
+
+    def alone(self, row: Row) -> int:
+        """The bytes `row` needs in a batch of its own: a budget below it can never run it."""
+        return self.peak((0, 0), (1, row.reach), [row])
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        """The batch's (width, reach): `width` slots, each sized for a context of `reach` tokens."""
+        return len(self.slots), self.reach
+
+    def peak(self, before: Tuple[int, int], after: Tuple[int, int], rows: Sequence[Row]) -> int:
+        """The most bytes the batch and `rows` hold while they join it, its shape `before` becoming
+        `after`: the rectangle, the rows until they are placed and, where the shape changes, the new
+        rectangle beside the old one while it is copied (the prefix store aside: `Memory.kept`)."""
+        slot = self.memory.slot
+        old, new = before[0] * slot(before[1]), after[0] * slot(after[1])
+        changes = before[0] != after[0] or slot(before[1]) != slot(after[1])
+        return old + (new if changes else 0) + self.memory.prefill(rows)
+
+    def _after(self, free: Sequence[int], rows: Sequence[Row]) -> Tuple[int, int]:
+        """The batch's shape once `rows` take the first free slots."""
+        width = max([len(self.slots)] + [s + 1 for s in free[: len(rows)]])
+        return width, max([self.reach] + [r.reach for r in rows])
+
+    def _fits(self, free: Sequence[int], rows: Sequence[Row], kept: int) -> bool:
+        return self.peak(self.shape, self._after(free, rows), rows) + kept <= self.memory.budget
+
+    def _rebuild_pays(self, free: Sequence[int], rows: Sequence[Row], row: Row, kept: int) -> bool:
+        """Whether `row`, which does not fit beside the rows in flight and `rows`, should wait for the
+        batch to drain and be rebuilt: it would not fit even in an idle slot, or it needs a wider batch
+        while the batch's reach outlived the rows that needed it and a batch of their reach would be
+        wider (its slots are smaller)."""
+        width, reach = self._after(free, rows)
+        budget = self.memory.budget - kept
+        if self.peak((width, reach), (width, max(reach, row.reach)), [row]) > budget:
+            return True
+        needed = max([row.reach] + [r.reach for r in rows] + [s.reach for s in self.slots if s is not None])
+        return (free[len(rows)] >= width and self.memory.slot(needed) < self.memory.slot(reach)
+                and self.peak((0, 0), (width + 1, needed), [row]) <= budget)
 
     def select(self):
         """Rows for the free slots while they fit the memory budget beside the rows in flight (a
         generator: yields the results of requests that cannot run). Returns (rows, free slots: idle
-        ones, then those that widen the batch up to max_batch)."""
+        ones, then those that widen the batch up to max_batch), or (None, None) where nothing is in
+        flight and the batch (or the prefix store) stands in the next row's way: the caller lands the
+        round in flight, frees them (`release`) and selects again."""
         free = [i for i, s in enumerate(self.slots) if s is None] + list(range(len(self.slots), self.max_batch))
-        used = sum(self.row_bytes(len(s.req.prompt_tokens), s.max_tokens) for s in self.slots if s is not None)
-        rows = []
+        rows: List[Row] = []
+        if self.rebuild:  # the batch drains for a rebuild
+            return (rows, free) if self.live else (None, None)
+        kept = self.memory.kept()
         while len(rows) < len(free) and not self.drained:
             req = self._next_request()
             if req is None:
@@ -113,13 +191,14 @@ class Scheduler:
             if err is not None:
                 yield err
                 continue
-            need = self.row_bytes(len(req.prompt_tokens), row.max_tokens)
-            if (self.live or rows) and used + need > self.memory_budget:
-                # fits alone, not beside the rows in flight: it waits for one to finish, and the rows
-                # taken so far run
-                self.waiting.insert(0, req)
-                break
-            used += need
+            if not self._fits(free, rows + [row], kept):
+                if self.live or rows:
+                    self.waiting.insert(0, req)
+                    self.rebuild = self._rebuild_pays(free, rows, row, kept)
+                    break
+                if self.slots or kept:  # nothing in flight: the old batch or the prefix store is in its way
+                    self.waiting.insert(0, req)
+                    return None, None
             rows.append(row)
         if rows and len(rows) == len(free) and not self.exhausted and not self.waiting:
             # the batch is full: a request read ahead (kept first in `waiting`) tells whether it is
@@ -127,12 +206,14 @@ class Scheduler:
             req = self._next_request()
             if req is not None:
                 self.waiting.insert(0, req)
+        self.reach = self._after(free, rows)[1]
         return rows, free
 
-    def place(self, slots: Sequence[int], rows: Sequence[Row], prefilled: Sequence[tuple]) -> None:
+    def place(self, slots: Sequence[int], rows: Sequence[Row], prefilled: Sequence[tuple], reserve: int = 0) -> None:
         """Rows with what their prefill gave (cache, drafter state, first token) into `slots`: idle
-        ones filled with one gather per prefill group; slots past the batch's width widen it (copies
-        the batch: only while it ramps up)."""
+        ones filled with one gather per prefill group; slots past the batch's width widen it (one copy
+        of the batch: only while it ramps up). `reserve`: the entries a row's cache holds, made room
+        for at once (no copy when the rounds reach them)."""
         width = len(self.slots)
         fills = [(s, row, got) for s, row, got in zip(slots, rows, prefilled) if s < width]
         grow = [(row, got) for s, row, got in zip(slots, rows, prefilled) if s >= width]
@@ -141,13 +222,10 @@ class Scheduler:
             if self.drafter is not None:
                 self.drafter.write(s, state)
         if fills:
-            self.cache.put_rows([s for s, _, _ in fills], [got[0] for _, _, got in fills])
+            self.cache.put_rows([s for s, _, _ in fills], [got[0] for _, _, got in fills], reserve)
         if grow:
-            new = BatchCache.gather([got[0] for _, got in grow])
-            if self.cache is None:
-                self.cache = new
-            else:
-                self.cache.extend(new)
+            kept = [CacheRow(self.cache, i) for i in range(width)] if self.cache is not None else []
+            self.cache = BatchCache.gather(kept + [got[0] for _, got in grow], reserve)
             self.slots += [row for row, _ in grow]
             if self.drafter is not None:
                 self.drafter.extend([got[1] for _, got in grow])
@@ -163,11 +241,13 @@ class Scheduler:
     def narrows(self, live: int) -> Optional[int]:
         """The width a drained batch with `live` rows moves to, or None where it stays: the narrowest
         power of two holding them, once half its slots are idle, where it is wider than
-        `tail_keeps_width()`. Rows keep their own slots' state, generators and positions, so output
-        is the same narrowed or not."""
+        `tail_keeps_width()`, and where the copy fits the memory budget beside the batch. Rows keep
+        their own slots' state, generators and positions, so output is the same narrowed or not."""
         width = len(self.slots)
         if live <= width // 2 and width > tail_keeps_width():
-            return 1 << (max(live, 1) - 1).bit_length()
+            to = 1 << (max(live, 1) - 1).bit_length()
+            if self.peak(self.shape, (to, self.reach), []) + self.memory.kept() <= self.memory.budget:
+                return to
         return None
 
     def narrow(self, width: int) -> None:

@@ -281,9 +281,12 @@ def test_engine_error_results_become_error_rows(tmp_path, llama):
 def test_a_tight_memory_budget_runs_every_row(tmp_path, llama):
     """A budget of two rows' worth: rows wait for a slot instead of being dropped (the run used to
     end with 'the engine stopped with N requests unanswered')."""
+    from mtplx.request import Request, SamplingParams
+
     probe = make_job(tmp_path, llama)
     eng = Engine.load(llama, probe.speculative, probe.schedule)
-    budget = 2 * eng.row_bytes(64, probe.generation.max_tokens)
+    row, _ = eng.scheduler.new_row(Request(key=0, prompt_tokens=[5] * 128, params=SamplingParams(max_tokens=probe.generation.max_tokens)))
+    budget = 2 * eng.scheduler.alone(row)  # (no prompt of the job is longer)
     job = make_job(tmp_path, llama, schedule={"memory_budget": budget, "max_batch": 8})
     run_job(job, engine=Engine(eng.bundle, job.speculative, job.schedule))
     out = read_output(job.output.dir)

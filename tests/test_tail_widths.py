@@ -70,7 +70,8 @@ def test_a_sampled_row_keeps_its_text_in_a_narrowed_tail(setup, method, monkeypa
 
 
 def test_the_widths(monkeypatch):
-    sched = scheduler.Scheduler(None, set(), 64, 100, 0, lambda n, m: 0)
+    free = scheduler.Memory(budget=1, ahead=0, slot=lambda reach: 0, prefill=lambda rows: 0, kept=lambda: 0)
+    sched = scheduler.Scheduler(None, set(), 64, 100, free)
 
     def target(live, width):
         sched.slots = [None] * width
@@ -80,3 +81,7 @@ def test_the_widths(monkeypatch):
     assert target(3, 32) == 4 and target(16, 32) == 16 and target(17, 32) is None and target(1, 2) == 1
     monkeypatch.setattr(scheduler, "tail_keeps_width", lambda: 32)
     assert target(3, 32) is None and target(3, 64) == 4
+    # narrowing copies the live rows while the wide batch is held: only where both fit the budget
+    monkeypatch.setattr(scheduler, "tail_keeps_width", lambda: 1)
+    sched.memory = free._replace(budget=35, slot=lambda reach: 1)
+    assert target(3, 32) is None and target(2, 16) == 2

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..cache import BatchCache
+from ..cache import BatchCache, capacity_bucket
 from ..counters import Counters
 from ..graphbank import Programs
 from ..sampling import SamplerBatch
@@ -31,6 +31,7 @@ class Drafter:
     drafts_ahead = False  # `advance(following=...)` drafts the next round too
     acceptance_prior: Optional[List[float]] = None  # P(draft j passes | j-1 passed), recorded: adaptive depth's start
     programs = 1  # compiled programs a drafting depth builds at a new width: the verify's, and the drafter's own
+    chunk = 0  # tokens a row's prefill forward of its own takes at most (0: it runs none)
 
     def __init__(self, counters: Optional[Counters] = None):
         self.counters = counters if counters is not None else Counters()  # where its compiled programs count
@@ -78,6 +79,11 @@ class Drafter:
         """The arrays of the rows' state, queued for evaluation with the batch's cache."""
         return []
 
+    def slot_bytes(self, reach: int) -> int:
+        """Bytes one slot's state holds where the batch's rows reach `reach` tokens of context (caches
+        in their capacity buckets): memory admission counts it beside the target's cache."""
+        return 0
+
     # -- rounds --------------------------------------------------------------------------------------
     def propose(self, K: int, pending: mx.array, sampler: SamplerBatch,
                 u: mx.array) -> Tuple[mx.array, Optional[mx.array]]:
@@ -119,6 +125,19 @@ class CachedDrafter(Drafter):
 
     cache: Optional[BatchCache] = None
     extra: List[mx.array] = []
+    margin = 0  # entries a round writes past a row's context: its cache grows (in buckets) to hold them
+    _sizes: Optional[tuple] = None  # (bytes per entry, bytes per row) of a slot, measured once (`probe`)
+
+    def probe(self) -> tuple:
+        """A one-row state (`prefill_row`'s) after a token or two: what a slot holds is measured on it."""
+        raise NotImplementedError
+
+    def slot_bytes(self, reach):
+        if self._sizes is None:
+            state = self.probe()
+            per_entry, per_row = state[0].row_bytes()
+            self._sizes = (per_entry, per_row + sum(a.nbytes for a in state[1]))
+        return int(self._sizes[0] * capacity_bucket(reach + self.margin) + self._sizes[1])
 
     def reset(self):
         self.cache, self.extra = None, []

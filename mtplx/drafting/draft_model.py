@@ -102,6 +102,7 @@ class DraftModelDrafter(CachedDrafter):
     name = "draft"
     device_side = True
     programs = 2  # the round's verify, the draft chain
+    margin = MAX_BACKLOG  # a backlog fed at once (a round's feed and drafts are fewer)
     clock = staticmethod(time.perf_counter)  # what the two chains are timed with (tests inject one)
 
     def __init__(self, draft_model, vocab_size: int, chunk_size: int = 512, compiled: bool = True,
@@ -141,6 +142,9 @@ class DraftModelDrafter(CachedDrafter):
         backlog = np.zeros((1, MAX_BACKLOG), dtype=np.int32)
         backlog[0, 0] = tokens[-1]
         return cache, [mx.array(backlog)], at_edge
+
+    def probe(self):
+        return self.prefill_row([0, 0], None, 0)
 
     def snapshot(self, state, length, hidden_at_edge=None):
         at_edge = state[2]

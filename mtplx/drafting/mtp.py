@@ -74,6 +74,18 @@ class MtpDrafter(CachedDrafter):
         if self.bank is not None:
             self.bank.reserve = entries
 
+    @property
+    def margin(self):  # a commit and the next round's drafts; the lookup history's lead
+        return 2 * self.catch_up_len + (self.lookup.lead + 1 if self.lookup is not None else 0)
+
+    def probe(self):
+        norm = self.head.norm.weight  # the trunk's hidden states at two positions: its width, its dtype
+        return self.prefill_row([0, 0], mx.zeros((1, 2, norm.shape[0]), norm.dtype), 0)
+
+    def slot_bytes(self, reach):  # the lookup history: an int32 column per entry, as long as the head cache
+        history = 4 * capacity_bucket(reach + self.margin) if self.lookup is not None else 0
+        return super().slot_bytes(reach) + history
+
     # -- prefill -------------------------------------------------------------------------------------
     def prefill_row(self, tokens, hidden, first_token, prefix=None, edge=0):
         """`hidden` holds the trunk's hidden states for positions start..n-1 of `tokens`."""
