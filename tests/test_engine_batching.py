@@ -92,6 +92,7 @@ class Family:
     def engine(self, method, width):
         spec = SpeculativeConfig(
             method="ngram" if method == "oracle" else method, depth=3, compiled_verify="on",
+            adaptive_depth=False,  # every round drafts: the batching under test is the speculative one
             draft_model=str(self.draft_path) if method == "draft" else None,
         )
         drafter = None

@@ -2,7 +2,7 @@
 backward run over a bfloat16 copy of the head's float32 parameters, the optimizer gets float32
 gradients, and the head keeps its float32 parameters (evaluated and saved as before).
 
-On a GPU the float32 step is bound by float32 arithmetic (session 5: 0.066 s for 32 x 448 at 3
+On a GPU the float32 step is bound by float32 arithmetic (0.066 s for 32 x 448 at 3
 depths, about the H200's float32 rate); these tests show the bfloat16 step computes in bfloat16
 over a float16 trunk (the GGUF trunk on a GPU), gives the float32 step's gradients to bfloat16
 precision, leaves the parameters float32 and trains a head.
