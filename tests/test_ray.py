@@ -132,12 +132,13 @@ def test_the_reader_hands_the_actors_a_batch_at_a_time(tmp_path, llama, ray_addr
     whole output was one block, so one actor task ran every row, whatever executor.concurrency
     said, and its rows came back only at its end. The job's blocks are about a batch each."""
     from pipelines.execution.ray_executor import ray_data_context, actor_batch_rows, build_dataset
+    from pipelines.io.checkpoint import CommittedKeys
 
     data = write_parquet(tmp_path / "in.parquet", sample_rows(64))
     job = build_job(job_dict(llama, data, tmp_path / "run", executor="ray", generation={"max_tokens": 4},
                              schedule={"max_batch": 4}))
     with ray_data_context(quiet=True):
-        ds = build_dataset(job, set())
+        ds = build_dataset(job, CommittedKeys.of([], []))
         rows = [r for t in ds.iter_batches(batch_format="pyarrow", batch_size=None) for r in t.to_pylist()]
         stats = ds.stats()
     assert sorted((r["row"], r["sample"]) for r in rows) == [(i, 0) for i in range(64)]

@@ -4,12 +4,13 @@ resume and an export verify, cleanup on start, and runs written in the earlier f
 import json
 import os
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.io.checkpoint import RunDir, read_manifest, totals, verify_shards
+from pipelines.io.checkpoint import CommittedKeys, RunDir, read_manifest, totals, verify_shards
 from pipelines.errors import JobError
 from pipelines.job.fingerprint import fingerprint, sha256_file
 from pipelines.io.columns import OUTPUT_COLUMNS, output_schema
@@ -93,7 +94,7 @@ def test_committed_keys_and_resume_numbering(tmp_path):
         sink.add(row(schema, i // 2, sample=i % 2))
     run.close()
     run, _ = open_run(tmp_path / "run")
-    assert run.committed_keys() == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert set(run.committed_keys()) == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert run.next_shard_file() == "shards/part-00002.parquet"
     assert len(read_manifest(str(tmp_path / "run"))["sessions"]) == 2
     run.close()
@@ -113,7 +114,7 @@ def test_leftovers_from_a_kill_are_removed(tmp_path):
     assert sorted(os.listdir(shards)) == ["part-00000.parquet"]
     assert not (tmp_path / "run" / "manifest.json.tmp").exists()
     assert any("part-00001.parquet" in m and "never committed" in m for m in messages)
-    assert run.committed_keys() == {(0, 0)}
+    assert set(run.committed_keys()) == {(0, 0)}
     run.close()
 
 
@@ -135,7 +136,7 @@ def test_missing_or_corrupt_recorded_shard_refuses(tmp_path):
     good = shard.read_bytes()
     flip_column_byte(shard, "completion")  # bytes a resume does not read
     run, _ = open_run(tmp_path / "run")
-    assert run.committed_keys() == {(0, 0), (1, 0)}
+    assert set(run.committed_keys()) == {(0, 0), (1, 0)}
     run.close()
     with pytest.raises(JobError, match="part-00001.parquet: its sha256 does not match commits.jsonl"):
         verify_shards(str(tmp_path / "run"), read_manifest(str(tmp_path / "run")), checksums=True)
@@ -223,7 +224,7 @@ def test_an_interrupted_commit_is_no_commit_and_is_cut_on_start(tmp_path):
     run, messages = open_run(tmp_path / "run")
     assert log.read_bytes() == whole and sorted(os.listdir(shards)) == ["part-00000.parquet", "part-00001.parquet"]
     assert any("cut an incomplete last line" in m for m in messages)
-    assert run.committed_keys() == {(0, 0), (1, 0)}
+    assert set(run.committed_keys()) == {(0, 0), (1, 0)}
     ShardWriter(run, schema, shard_rows=1).add(row(schema, 2))
     run.close()
     m = read_manifest(str(tmp_path / "run"))
@@ -267,7 +268,7 @@ def test_a_run_of_the_earlier_format_is_read_and_resumed(tmp_path):
     assert run_status(str(run_dir))["shards"] == 2
     (run_dir / "commits.jsonl").write_text('{"file": "shards/part-0')  # a conversion cut short by a crash
     run, _ = open_run(run_dir)
-    assert run.committed_keys() == {(i, 0) for i in range(4)}
+    assert set(run.committed_keys()) == {(i, 0) for i in range(4)}
     ShardWriter(run, schema, shard_rows=1).add(row(schema, 4))
     run.close()
     header = json.loads((run_dir / "manifest.json").read_text())
@@ -304,3 +305,17 @@ def test_manifest_benchmark_runs_and_counts_a_constant_cost(tmp_path, capsys):
     lines = (tmp_path / "run" / "commits.jsonl").read_bytes().splitlines(keepends=True)
     assert len(shards) == len(lines) == 4
     assert res["total_bytes"] == sum(p.stat().st_size for p in shards) + sum(map(len, lines))
+
+
+def test_committed_keys_answer_as_a_set_of_row_sample_pairs_would():
+    rng = np.random.default_rng(0)
+    keys = {(int(r), int(s)) for r, s in zip(rng.integers(0, 50, 300), rng.integers(0, 3, 300))}
+    rows, samples = (np.array(c) for c in zip(*keys))
+    got = CommittedKeys.of(rows, samples)
+    assert len(got) == len(keys) and set(got) == keys
+    assert all(((r, s) in got) == ((r, s) in keys) for r in range(-1, 52) for s in range(4))
+    assert got.rows_below(20) == sum(r < 20 for r, _ in keys)
+    full = CommittedKeys.of(np.repeat(np.arange(5), 3), np.tile(np.arange(3), 5))
+    assert full.has_all(5, 3) and full.has_all(4, 2) and not full.has_all(6, 3) and not full.has_all(5, 4)
+    assert sorted(full.flat(3).tolist()) == list(range(15))
+    assert len(CommittedKeys.of([], [])) == 0

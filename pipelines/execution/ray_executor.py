@@ -43,6 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import JobError, RunError
+from ..io.checkpoint import CommittedKeys
 from ..io.job_input import open_job
 from ..job.config import ExecutorConfig, JobConfig
 from .opening import load_tokenizer, model_max_context
@@ -107,7 +108,7 @@ def read_prepared(job: JobConfig, committed: np.ndarray, limit: Optional[int], m
     if hasattr(prep.renderer, "warn"):  # openai-batch: ignored request fields, once each
         prep.renderer.warn = lambda msg: print(msg, file=sys.stderr)
     n = job.generation.n
-    done = {(int(k) // n, int(k) % n) for k in committed.tolist()}
+    done = CommittedKeys.of(committed // n, committed % n)
     schema = reader_schema(prep.keep_types)
     block: List[Dict] = []
     for w in plan(job, prep, done, limit, max_context):
@@ -129,12 +130,12 @@ def _read_stage(_seed: pa.Table, job: JobConfig, committed: np.ndarray, limit: O
     yield from read_prepared(job, committed, limit, max_context)
 
 
-def build_dataset(job: JobConfig, committed_keys, limit: Optional[int] = None):
+def build_dataset(job: JobConfig, committed_keys: CommittedKeys, limit: Optional[int] = None):
     """The Ray Dataset of output rows still to do (not executed until iterated)."""
     import ray.data
 
     n = job.generation.n
-    committed = np.fromiter((r * n + s for r, s in committed_keys), dtype=np.int64, count=len(committed_keys))
+    committed = committed_keys.flat(n)
     max_context = model_max_context(job)
     ex = job.executor
     seed = ray.data.from_items([{"part": 0}])  # one reader task; see the module docstring
@@ -221,7 +222,7 @@ def ray_rows(session) -> Iterator[tuple]:
     """The session's output rows from a Ray Data pipeline (never via this process's engine).
     A Ray task retry can deliver a batch twice: keys already seen are dropped here."""
     job, log = session.job, session.log
-    seen = set(session.committed)
+    seen = set()  # keys this session delivered (session.committed: the earlier sessions')
     repeats = 0
     try:
         with ray_session(job.executor, session.quiet, log), ray_data_context(session.quiet):
@@ -230,7 +231,7 @@ def ray_rows(session) -> Iterator[tuple]:
             for table in ds.iter_batches(batch_format="pyarrow", batch_size=None):
                 for row in table.to_pylist():
                     key = (row["row"], row["sample"])
-                    if key in seen:
+                    if key in seen or key in session.committed:
                         repeats += 1
                         continue
                     seen.add(key)

@@ -23,10 +23,10 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from ..errors import RunError
-from ..io.checkpoint import PROGRESS_FILE, RunDir, totals
+from ..io.checkpoint import PROGRESS_FILE, CommittedKeys, RunDir, totals
 from ..io.columns import output_schema
 from ..io.figures import per_second
 from ..io.job_input import Prepared, open_job
@@ -86,7 +86,7 @@ class Session:
     job: JobConfig
     prep: Prepared
     run: RunDir
-    committed: Set[Tuple[int, int]]
+    committed: CommittedKeys
     limit: Optional[int]
     total_rows: Optional[int]
     log: Callable[[str], None]
@@ -115,7 +115,7 @@ class Session:
     @property
     def done_before(self) -> int:
         """Rows within `limit` committed by earlier sessions."""
-        return sum(1 for r, _ in self.committed if self.limit is None or r < self.limit)
+        return len(self.committed) if self.limit is None else self.committed.rows_below(self.limit)
 
     def _new_progress(self) -> Progress:
         wanted, done = self.wanted, self.done_before
@@ -130,7 +130,7 @@ class Session:
             return False
         rows = self.total_rows if self.limit is None else min(self.total_rows, self.limit)
         n = self.job.generation.n
-        return all((i, k) in self.committed for i in range(rows) for k in range(n))
+        return self.committed.has_all(rows, n)
 
     def begin(self, **fields: Any) -> None:
         """Generation starts now (the engine or the cluster is up): the clock and the progress."""

@@ -38,7 +38,7 @@ import shutil
 import stat
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -271,8 +271,44 @@ class Committed:
     offset: np.ndarray
     order: np.ndarray
 
-    def keys(self) -> Set[Tuple[int, int]]:
-        return set(zip(self.row.tolist(), self.sample.tolist()))
+    def keys(self) -> "CommittedKeys":
+        return CommittedKeys((self.row[self.order] << 32) | self.sample[self.order])  # sorted already
+
+
+class CommittedKeys:
+    """The (row, sample) keys of committed output rows, as one sorted int64 array (row << 32 | sample):
+    at 10M rows it holds 80 MB and answers `in` by binary search, where a set of tuples holds over a GB."""
+
+    def __init__(self, codes: np.ndarray):
+        self.codes = codes  # sorted, each key once
+
+    @classmethod
+    def of(cls, row, sample) -> "CommittedKeys":
+        return cls(np.unique((np.asarray(row, np.int64) << 32) | np.asarray(sample, np.int64)))
+
+    def __contains__(self, key) -> bool:
+        code = (int(key[0]) << 32) | int(key[1])
+        i = int(np.searchsorted(self.codes, code))
+        return i < len(self.codes) and int(self.codes[i]) == code
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def __iter__(self):
+        return ((c >> 32, c & 0xFFFFFFFF) for c in self.codes.tolist())
+
+    def rows_below(self, rows: int) -> int:
+        """Keys whose row is below `rows`."""
+        return int(np.searchsorted(self.codes, rows << 32))
+
+    def has_all(self, rows: int, n: int) -> bool:
+        """Whether every (row, sample) with row < `rows` and sample < `n` is committed."""
+        codes = self.codes[: self.rows_below(rows)]
+        return int(np.count_nonzero((codes & 0xFFFFFFFF) < n)) == rows * n
+
+    def flat(self, n: int) -> np.ndarray:
+        """Each key as row * n + sample (samples below `n`)."""
+        return (self.codes >> 32) * n + (self.codes & 0xFFFFFFFF)
 
 
 def _shard_keys(f: str, entry: Dict, manifest: Dict) -> Tuple[np.ndarray, np.ndarray]:
@@ -511,7 +547,7 @@ class RunDir:
     def shards(self) -> List[Dict]:
         return self.manifest["shards"]
 
-    def committed_keys(self) -> Set[Tuple[int, int]]:
+    def committed_keys(self) -> CommittedKeys:
         """(row, sample) of every committed output row (checked when the run directory opened)."""
         if self._committed is None:
             self._committed = verify_shards(self.path, self.manifest)
