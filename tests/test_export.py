@@ -34,7 +34,8 @@ def run(tmp_path_factory, model):
     data = write_jsonl(tmp / "in.jsonl", rows_with_errors())
     # prefix order and small shards: rows are committed far from input order
     job = build_job(job_dict(model, data, tmp / "run", fmt="jsonl", input={"chat_template": "off"},
-                             speculative={"method": "ngram"}, generation={"max_tokens": 6, "n": 2, "temperature": 0.7},
+                             speculative={"method": "ngram", "adaptive_depth": False},  # every round drafts
+                             generation={"max_tokens": 6, "n": 2, "temperature": 0.7},
                              output={"shard_rows": 3, "keep_columns": ["topic"]}))
     run_job(job)
     return job

@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import small_ops
-from ..cache import BatchCache, capacity_bucket
+from ..cache import BatchCache, RowKVCache, capacity_bucket
 from ..config import SpeculativeConfig
 from ..graphbank import Programs
 from ..models.loading import ModelBundle
@@ -213,7 +213,7 @@ class MtpDrafter(CachedDrafter):
         # The head cache and the history (one token longer) grow to one capacity together: the
         # head's programs are keyed by both, and a round where only one had crossed a bucket
         # would compile a program of its own.
-        layers = [c for c in self.cache.layers if c.keys is not None]
+        layers = [c for c in self.cache.leaves if isinstance(c, RowKVCache) and c.keys is not None]
         most = max(self.cache.rows.max, self.bank.reserve if self.bank is not None else 0)  # (the bank grows to its reserve)
         self._history_room(max([self.lookup.lead + most + 1 + extra] + [c.keys.shape[2] for c in layers]))
         for c in layers:
