@@ -49,13 +49,13 @@ ROWS, SAMPLES = 10, 2
 SETTINGS = dict(generation={"max_tokens": 5, "n": SAMPLES, "temperature": 0.8, "top_p": 0.95, "seed": 11},
                 schedule={"order": "prefix", "max_batch": 3},
                 output={"shard_rows": 2, "keep_columns": ["topic"]})
-# How often one uninterrupted run of the job passes each point (20 output rows, 10 shards, 4
-# manifest saves: opening, input counts, calibration, compiled-verify figures); counts are drawn
+# How often one uninterrupted run of the job passes each point (20 output rows, 10 shards, 5
+# manifest saves: opening, input counts, calibration, compiled-verify figures, the end); counts are drawn
 # up to these, smaller counts more often, since a resumed run passes each point less often than a
 # fresh one.
-MAX_COUNT = {"job.tmp_written": 1, "job.renamed": 1, "manifest.tmp_written": 4, "manifest.renamed": 4,
+MAX_COUNT = {"job.tmp_written": 1, "job.renamed": 1, "manifest.tmp_written": 5, "manifest.renamed": 5,
              "row.emitted": 20, "shard.tmp_written": 10, "shard.fsynced": 10, "shard.renamed": 10,
-             "commit.appended": 10, "shard.recorded": 10}
+             "commit.appended": 10, "shard.recorded": 10, "log.listed": 5}
 assert set(MAX_COUNT) == set(faults.POINTS)
 
 

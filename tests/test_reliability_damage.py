@@ -1,7 +1,7 @@
 """A damaged run directory is detected, then repaired or refused with a clear message; a row is
 never silently counted twice, and a refused directory is left exactly as it was.
 
-- a shard file that no line of commits.jsonl records (a kill between rename and commit, a stray
+- a shard file that no record names (a kill between rename and commit, a stray
   copy, a torn leftover, temp files): deleted on the next start, its rows generated again;
 - a recorded shard torn, missing, its keys altered, or a link out of the run directory; a torn /
   wrong manifest, shards without a manifest, a missing or damaged commit log; one shard recorded
@@ -35,7 +35,8 @@ def cli(*args):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_model):
-    """A complete run and a partial one (3 of 8 rows) of the same job, to copy and damage."""
+    """A complete run, whose manifest.json lists its shards, and a partial one (3 of 8 rows) of the
+    same job whose records are in its commit log, as a run killed after its commits leaves them."""
     root = tmp_path_factory.mktemp("damage")
     data = write_parquet(root / "in.parquet", sample_rows(8))
     model = tiny_model("llama")
@@ -43,6 +44,10 @@ def base(tmp_path_factory, tiny_model):
         job = write_job(root / f"{name}.yaml", job_dict(model, data, root / name, **SETTINGS))
         out = cli("run", job, "-q", *extra)
         assert out.exit_code == 0, out.output
+    run = root / "partial"
+    manifest = json.loads((run / "manifest.json").read_text())
+    (run / "commits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in manifest["shards"]))
+    (run / "manifest.json").write_text(json.dumps({**manifest, "shards": []}))
     return root, model, data
 
 
@@ -60,11 +65,21 @@ def snapshot(run: Path):
 
 
 def records(run: Path):
-    return [json.loads(line) for line in (run / "commits.jsonl").read_text().splitlines()]
+    listed = json.loads((run / "manifest.json").read_text())["shards"]
+    return listed + [json.loads(line) for line in (run / "commits.jsonl").read_text().splitlines()]
+
+
+def where(run: Path) -> str:
+    """The file that holds the run's records: manifest.json once a session ended, else the log."""
+    return "manifest.json" if json.loads((run / "manifest.json").read_text())["shards"] else "commits.jsonl"
 
 
 def write_records(run: Path, recs):
-    (run / "commits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    if where(run) == "manifest.json":
+        manifest = json.loads((run / "manifest.json").read_text())
+        (run / "manifest.json").write_text(json.dumps({**manifest, "shards": recs}))
+    else:
+        (run / "commits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
 
 
 def sha(p: Path) -> str:
@@ -102,7 +117,7 @@ def _no_commit_log(run):
 
 
 def _damaged_commit_line(run):
-    lines = (run / "commits.jsonl").read_text().splitlines()
+    lines = (run / "commits.jsonl").read_text().splitlines() or [json.dumps(records(run)[0])]
     lines[0] = lines[0][:25]
     (run / "commits.jsonl").write_text("".join(x + "\n" for x in lines))
 
@@ -159,9 +174,9 @@ def _row_count_not_a_count(run):
 
 
 REFUSED = [
-    ("recorded shard truncated", _truncate, "commits.jsonl records 70"),
+    ("recorded shard truncated", _truncate, "{where} records 70"),
     ("recorded shard's keys altered", _key_bitflip, "part-00001.parquet: unreadable as a shard"),
-    ("recorded shard missing", _delete_shard, "part-00001.parquet: recorded in commits.jsonl but missing"),
+    ("recorded shard missing", _delete_shard, "part-00001.parquet: recorded in {where} but missing"),
     ("manifest torn", _torn_manifest, "manifest.json: unreadable"),
     ("manifest not a manifest", _not_a_manifest, "manifest.json: not a manifest"),
     ("shards without a manifest", _no_manifest, "holds shards but no manifest.json"),
@@ -172,8 +187,8 @@ REFUSED = [
     ("record outside the run dir", _entry_escapes, "is not a shard of this run directory"),
     ("recorded shard is a link out", _shard_links_out, "part-00001.parquet: a link to"),
     ("shards/ is a link out", _shards_dir_links_out, "shards is a symbolic link"),
-    ("row count disagrees", _row_count_lies, "commits.jsonl says 3"),
-    ("row count huge", _row_count_huge, "commits.jsonl says 1000000000000000"),
+    ("row count disagrees", _row_count_lies, "{where} says 3"),
+    ("row count huge", _row_count_huge, "{where} says 1000000000000000"),
     ("row count not a count", _row_count_not_a_count, "has no valid rows"),
 ]
 
@@ -182,6 +197,7 @@ REFUSED = [
 @pytest.mark.parametrize("which", ["complete", "partial"])
 def test_damage_is_refused_and_nothing_is_touched(base, tmp_path, damage, expected, which):
     run, job = copy_run(base, tmp_path, which)
+    expected = expected.format(where=where(run))
     damage(run)
     before = snapshot(run)
     out = cli("run", job, "-q")
@@ -221,8 +237,8 @@ def test_a_corrupt_shard_is_refused_on_export_and_regenerated_once_its_record_is
                  ("report", run, "--out", tmp_path / "report")):
         out = cli(*args)
         assert out.exit_code == 2, out.output
-        assert "part-00001.parquet: its sha256 does not match commits.jsonl" in out.output, out.output
-        assert "delete its record from commits.jsonl" in out.output
+        assert "part-00001.parquet: its sha256 does not match manifest.json" in out.output, out.output
+        assert "delete its record from manifest.json" in out.output
     assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "hf").exists()
     write_records(run, [r for r in records(run) if r["file"] != "shards/part-00001.parquet"])
     out = cli("run", job)

@@ -329,8 +329,8 @@ def test_restart_says_where_the_run_went_and_a_failed_move_loses_nothing(tmp_pat
 
 
 def _point_out(run: Path, outside: Path, how: str) -> str:
-    log = run / "commits.jsonl"
-    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    manifest = json.loads((run / "manifest.json").read_text())  # a finished run lists its shards there
+    recs = manifest["shards"]
     shard = run / recs[0]["file"]
     shutil.copy(shard, outside)  # the same bytes: only where the record leads is wrong
     if how == "link":
@@ -338,7 +338,7 @@ def _point_out(run: Path, outside: Path, how: str) -> str:
         shard.symlink_to(outside)
         return "part-00000.parquet: a link to"
     recs[0]["file"] = "../outside.parquet" if how == "relative" else str(outside)
-    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "manifest.json").write_text(json.dumps(manifest))
     return "is not a shard of this run directory"
 
 

@@ -138,17 +138,18 @@ def test_missing_or_corrupt_recorded_shard_refuses(tmp_path):
     run, _ = open_run(tmp_path / "run")
     assert set(run.committed_keys()) == {(0, 0), (1, 0)}
     run.close()
-    with pytest.raises(JobError, match="part-00001.parquet: its sha256 does not match commits.jsonl"):
+    # the resume's manifest lists the shards the log held
+    with pytest.raises(JobError, match="part-00001.parquet: its sha256 does not match manifest.json"):
         verify_shards(str(tmp_path / "run"), read_manifest(str(tmp_path / "run")), checksums=True)
     shard.write_bytes(good)
     flip_column_byte(shard, "row")  # a key: caught by the page checksum
     with pytest.raises(JobError, match="part-00001.parquet: unreadable as a shard .*checksum"):
         open_run(tmp_path / "run")
     shard.write_bytes(good[:-1])
-    with pytest.raises(JobError, match=r"part-00001.parquet: \d+ bytes, commits.jsonl records \d+; the shard is torn"):
+    with pytest.raises(JobError, match=r"part-00001.parquet: \d+ bytes, manifest.json records \d+; the shard is torn"):
         open_run(tmp_path / "run")
     shard.unlink()
-    with pytest.raises(JobError, match="part-00001.parquet: recorded in commits.jsonl but missing"):
+    with pytest.raises(JobError, match="part-00001.parquet: recorded in manifest.json but missing"):
         open_run(tmp_path / "run")
     run, messages = open_run(tmp_path / "run", restart=True)
     assert run.shards == [] and any("moved the previous run" in m for m in messages)
@@ -203,7 +204,7 @@ def test_a_commit_appends_one_line_and_rewrites_nothing(tmp_path):
     lines = log.read_bytes().split(b"\n")
     assert lines[-1] == b"" and [json.loads(x) for x in lines[:-1]] == read_manifest(str(tmp_path / "run"))["shards"]
     assert [b - a for a, b in zip(sizes, sizes[1:])] == [len(x) + 1 for x in lines[:-1]]
-    assert "shards" not in json.loads(manifest.read_text())
+    assert json.loads(manifest.read_text())["shards"] == []  # what the opening listed: nothing yet
 
 
 def test_an_interrupted_commit_is_no_commit_and_is_cut_on_start(tmp_path):
@@ -222,7 +223,10 @@ def test_an_interrupted_commit_is_no_commit_and_is_cut_on_start(tmp_path):
     log.write_bytes(whole + json.dumps({**record, "file": "shards/part-00002.parquet"}).encode()[:40])
     assert len(read_manifest(str(tmp_path / "run"))["shards"]) == 2
     run, messages = open_run(tmp_path / "run")
-    assert log.read_bytes() == whole and sorted(os.listdir(shards)) == ["part-00000.parquet", "part-00001.parquet"]
+    assert sorted(os.listdir(shards)) == ["part-00000.parquet", "part-00001.parquet"]
+    assert log.read_bytes() == b""  # the resume's manifest lists the two committed shards
+    assert [e["file"] for e in read_manifest(str(tmp_path / "run"))["shards"]] == [
+        "shards/part-00000.parquet", "shards/part-00001.parquet"]
     assert any("cut an incomplete last line" in m for m in messages)
     assert set(run.committed_keys()) == {(0, 0), (1, 0)}
     ShardWriter(run, schema, shard_rows=1).add(row(schema, 2))
@@ -272,12 +276,58 @@ def test_a_run_of_the_earlier_format_is_read_and_resumed(tmp_path):
     ShardWriter(run, schema, shard_rows=1).add(row(schema, 4))
     run.close()
     header = json.loads((run_dir / "manifest.json").read_text())
-    assert header["format"] == 2 and "shards" not in header
+    assert header["format"] == 3 and header["shards"] == records  # listed by the resume
     m = read_manifest(str(run_dir))
     assert m["shards"][:2] == records and m["shards"][2]["file"] == "shards/part-00002.parquet"
-    (run_dir / "manifest.json").write_text(json.dumps({**header, "format": 3}))
-    with pytest.raises(JobError, match="format 3, which this mtplx-batch does not read"):
+    (run_dir / "manifest.json").write_text(json.dumps({**header, "format": 4}))
+    with pytest.raises(JobError, match="format 4, which this mtplx-batch does not read"):
         open_run(run_dir)
+
+
+def test_a_run_whose_log_holds_every_shard_is_read_and_resumed(tmp_path):
+    """Format 2: manifest.json lists no shard, the log holds them all."""
+    run_dir = tmp_path / "run"
+    two_shards(run_dir)
+    header = json.loads((run_dir / "manifest.json").read_text())
+    del header["shards"]
+    (run_dir / "manifest.json").write_text(json.dumps({**header, "format": 2}))
+    assert [e["file"] for e in read_manifest(str(run_dir))["shards"]] == ["shards/part-00000.parquet",
+                                                                          "shards/part-00001.parquet"]
+    run, _ = open_run(run_dir)
+    assert set(run.committed_keys()) == {(0, 0), (1, 0)}
+    run.close()
+    assert len(json.loads((run_dir / "manifest.json").read_text())["shards"]) == 2
+
+
+def test_a_finished_session_lists_every_shard_in_the_manifest(tmp_path):
+    """The log empties once manifest.json lists its shards; a rewrite cut off before the log
+    emptied leaves a record in both files, which counts once."""
+    schema = output_schema()
+    run_dir = tmp_path / "run"
+    manifest, log = run_dir / "manifest.json", run_dir / "commits.jsonl"
+    run, _ = open_run(run_dir)
+    sink = ShardWriter(run, schema, shard_rows=1)
+    for i in range(3):
+        sink.add(row(schema, i))
+    logged = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(logged) == 3 and json.loads(manifest.read_text())["shards"] == []
+    run.finish()
+    assert json.loads(manifest.read_text())["shards"] == logged and log.read_bytes() == b""
+    assert json.loads(manifest.read_text())["sessions"][-1]["finished"] > 0
+    sink.add(row(schema, 3))  # a commit after it goes to the log again
+    run.close()
+    assert len(log.read_text().splitlines()) == 1
+    m = read_manifest(str(run_dir))
+    assert [e["file"] for e in m["shards"]] == [f"shards/part-{i:05d}.parquet" for i in range(4)]
+    log.write_text("".join(json.dumps(e) + "\n" for e in m["shards"]))  # as if the log never emptied
+    assert read_manifest(str(run_dir))["shards"] == m["shards"]
+    run, _ = open_run(run_dir)
+    assert len(run.committed_keys()) == 4 and log.read_bytes() == b""
+    run.close()
+    changed = {**m["shards"][0], "rows": 2}  # the same shard, recorded otherwise: damage, not a repeat
+    log.write_text(json.dumps(changed) + "\n")
+    with pytest.raises(JobError, match="part-00000.parquet is recorded twice"):
+        read_manifest(str(run_dir))
 
 
 def test_rows_outside_the_input_and_an_output_dir_that_is_a_file_are_refused(tmp_path):
@@ -302,9 +352,10 @@ def test_manifest_benchmark_runs_and_counts_a_constant_cost(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "bytes written per commit" in out and "resume" in out
     shards = sorted((tmp_path / "run" / "shards").iterdir())
-    lines = (tmp_path / "run" / "commits.jsonl").read_bytes().splitlines(keepends=True)
-    assert len(shards) == len(lines) == 4
-    assert res["total_bytes"] == sum(p.stat().st_size for p in shards) + sum(map(len, lines))
+    records = read_manifest(str(tmp_path / "run"))["shards"]  # listed by the resume: the log's lines
+    assert len(shards) == len(records) == 4
+    lines = sum(len(json.dumps(e, sort_keys=True)) + 1 for e in records)
+    assert res["total_bytes"] == sum(p.stat().st_size for p in shards) + lines
 
 
 def test_committed_keys_answer_as_a_set_of_row_sample_pairs_would():

@@ -244,6 +244,7 @@ def run_job(job: JobConfig, restart: bool = False, limit: Optional[int] = None, 
             failed = all_errors(run, example)
             if failed is not None:
                 raise failed
+            run.finish()
             status = "done"
         except KeyboardInterrupt:
             status = "interrupted"

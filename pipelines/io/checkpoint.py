@@ -2,9 +2,10 @@
 
 Layout (RUN_DIR = output.dir):
     job.yaml        the resolved job (absolute paths), what `resume RUN_DIR` runs
-    manifest.json   fingerprint, versions, sessions, input counts; rewritten atomically (temp,
-                    fsync, rename, directory fsync) when a session opens or these change, never per shard
-    commits.jsonl   the committed shards, one line each: file, rows, bytes, sha256, counters
+    manifest.json   fingerprint, versions, sessions, input counts, and the shards committed up to its
+                    last rewrite (file, rows, bytes, sha256, counters); rewritten atomically (temp,
+                    fsync, rename, directory fsync) as a session starts and ends, never per shard
+    commits.jsonl   the shards committed since, one line each; emptied once a rewrite lists them
     shards/part-NNNNN.parquet
 
 A commit costs the same at the first shard as at the ten-thousandth: the shard is written to a
@@ -12,7 +13,9 @@ temp name, fsynced and renamed (its directory fsynced), then its line is appende
 commits.jsonl and the log fsynced; that fsync is the commit. Only recorded shards count. A kill
 or a power cut leaves either a shard file that no line records, which the next start deletes
 (its rows are generated again), or a last line without its newline (a commit that never
-returned), which readers ignore and the next start cuts off. Row ids are never used in file names.
+returned), which readers ignore and the next start cuts off. A rewrite of manifest.json that
+lists the log's shards, cut off before the log is emptied, leaves records in both: a record the
+manifest lists counts once. Row ids are never used in file names.
 
 What is checked, and by whom:
 - every reader (run, validate, status, report, export): each record's form (a name
@@ -56,7 +59,10 @@ JOB_FILE = "job.yaml"
 SHARDS = "shards"
 LOCK = ".lock"
 PROGRESS_FILE = "progress.jsonl"  # throughput over time, written by the session (execution/progress.py)
-MANIFEST_FORMAT = 2  # format 1 listed the shards inside manifest.json: still read, and converted on resume
+# Format 1 listed every shard in manifest.json (no log), format 2 none (every shard in the log): both
+# are read, and rewritten as this format on resume. A reader of format 2 alone would miss the listed shards.
+MANIFEST_FORMAT = 3
+LISTED = "_listed"  # (in memory only) how many of "shards" manifest.json lists; the log holds the rest
 OWN_FILES = {MANIFEST, COMMITS, JOB_FILE, SHARDS, LOCK, PROGRESS_FILE,
              MANIFEST + ".tmp", COMMITS + ".tmp", JOB_FILE + ".tmp"}
 SHARD_FILE = re.compile(r"shards/part-[0-9]{5,}\.parquet")  # the only names a record may hold
@@ -138,8 +144,8 @@ def read_commits(run_dir: str) -> Tuple[List, int]:
 
 
 def _load(run_dir: str) -> Tuple[Dict, Optional[int]]:
-    """(manifest with its shard records under "shards", length of the log's complete lines or
-    None for a format-1 run, whose records are in manifest.json)."""
+    """(manifest with every shard record under "shards": those it lists, then the log's; the
+    length of the log's complete lines, or None for a format-1 run, which has no log)."""
     path = os.path.join(run_dir, MANIFEST)
     try:
         header = json.loads(_read_own(path))
@@ -150,16 +156,16 @@ def _load(run_dir: str) -> Tuple[Dict, Optional[int]]:
     if not _is_header(header):
         raise JobError(f"{path}: not a manifest of mtplx-batch (no fingerprint); {_damaged(run_dir)}")
     fmt = header.get("format")
-    if fmt == 1:
-        if not isinstance(header.get("shards"), list):
-            raise JobError(f"{path}: not a manifest (no list of shards); {_damaged(run_dir)}")
-        manifest, end = header, None
-    elif fmt == MANIFEST_FORMAT:
-        records, end = read_commits(run_dir)
-        manifest = {**header, "shards": records}
-    else:
-        raise JobError(f"{path}: format {fmt!r}, which this mtplx-batch does not read (formats 1 and "
+    if fmt not in (1, 2, MANIFEST_FORMAT):
+        raise JobError(f"{path}: format {fmt!r}, which this mtplx-batch does not read (formats 1 to "
                        f"{MANIFEST_FORMAT}); use the mtplx-batch that wrote it, or a newer one")
+    listed = header.get("shards", []) if fmt != 2 else []
+    if not isinstance(listed, list):
+        raise JobError(f"{path}: not a manifest (its shards are not a list); {_damaged(run_dir)}")
+    records, end = ([], None) if fmt == 1 else read_commits(run_dir)
+    known = {json.dumps(e, sort_keys=True) for e in listed}
+    records = [r for r in records if json.dumps(r, sort_keys=True) not in known]  # listed by a rewrite: once
+    manifest = {**header, "shards": listed + records, LISTED: len(listed)}
     check_records(run_dir, manifest)
     return manifest, end
 
@@ -170,9 +176,12 @@ def read_manifest(run_dir: str) -> Dict:
     return _load(run_dir)[0]
 
 
-def record_file(manifest: Dict) -> str:
-    """The file that holds the shard records."""
-    return MANIFEST if manifest.get("format") == 1 else COMMITS
+def record_file(manifest: Dict, entry: Optional[Dict] = None) -> str:
+    """The file that holds `entry`'s record (None: every shard's, where they are all in one)."""
+    listed = manifest.get(LISTED, 0)
+    if entry is None:
+        return MANIFEST if listed == len(manifest["shards"]) else COMMITS if not listed else f"{MANIFEST} and {COMMITS}"
+    return MANIFEST if any(e is entry for e in manifest["shards"][:listed]) else COMMITS
 
 
 def counters() -> Tuple[str, ...]:
@@ -192,7 +201,6 @@ def check_records(run_dir: str, manifest: Dict) -> None:
     """The form of the manifest's counts and of every shard record: a file named
     shards/part-NNNNN.parquet (nothing else is ever opened), counts that are counts, a sha256, no
     file recorded twice."""
-    where = os.path.join(run_dir, record_file(manifest))
     sessions = manifest.get("sessions", [])
     bad = [k for k in ("input_rows", "planned_rows", "samples", "limit")
            if manifest.get(k) is not None and not _count(manifest[k])]
@@ -202,8 +210,11 @@ def check_records(run_dir: str, manifest: Dict) -> None:
     if bad:
         raise JobError(f"{os.path.join(run_dir, MANIFEST)}: no valid {', '.join(bad)}; the run directory is damaged, "
                        f"{RESTART}")
-    seen: Dict[str, int] = {}
+    seen: Dict[str, str] = {}
+    listed = manifest.get(LISTED, 0)
     for n, entry in enumerate(manifest["shards"], 1):
+        where = os.path.join(run_dir, MANIFEST if n <= listed else COMMITS)
+        n = n if n <= listed else n - listed  # the record's place in its file
         name = entry.get("file") if isinstance(entry, dict) else None
         if not isinstance(name, str) or not SHARD_FILE.fullmatch(name):
             raise JobError(f"{where}: record {n} names {name!r}, which is not a shard of this run directory "
@@ -216,14 +227,14 @@ def check_records(run_dir: str, manifest: Dict) -> None:
             raise JobError(f"{where}: record {n} ({name}) has no valid {', '.join(bad)}; the run directory is damaged, "
                            f"{RESTART}")
         if name in seen:
-            raise JobError(f"{where}: {name} is recorded twice (records {seen[name]} and {n}); the run directory "
+            raise JobError(f"{name} is recorded twice ({seen[name]} and {where} record {n}); the run directory "
                            f"is damaged. Delete the second record, or {RESTART}")
-        seen[name] = n
+        seen[name] = f"{where} record {n}"
 
 
-def _shard_fix(manifest: Dict) -> str:
-    return (f"Restore the file, or delete its record from {record_file(manifest)} (a resume then generates its "
-            f"rows again), or {RESTART}")
+def _shard_fix(manifest: Dict, entry: Dict) -> str:
+    return (f"Restore the file, or delete its record from {record_file(manifest, entry)} (a resume then generates "
+            f"its rows again), or {RESTART}")
 
 
 def shard_path(run_dir: str, entry: Dict, manifest: Dict) -> str:
@@ -233,17 +244,17 @@ def shard_path(run_dir: str, entry: Dict, manifest: Dict) -> str:
     real = os.path.realpath(f)
     if real != os.path.join(os.path.realpath(run_dir), entry["file"]):
         raise JobError(f"{f}: a link to {real}; a shard must be a file in {os.path.join(run_dir, SHARDS)}, "
-                       f"and this one is not read. {_shard_fix(manifest)}")
+                       f"and this one is not read. {_shard_fix(manifest, entry)}")
     try:
         st = os.stat(f)
     except FileNotFoundError:
-        raise JobError(f"{f}: recorded in {record_file(manifest)} but missing; its rows cannot be counted. "
-                       f"{_shard_fix(manifest)}") from None
+        raise JobError(f"{f}: recorded in {record_file(manifest, entry)} but missing; its rows cannot be counted. "
+                       f"{_shard_fix(manifest, entry)}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise JobError(f"{f}: not a regular file. {_shard_fix(manifest)}")
+        raise JobError(f"{f}: not a regular file. {_shard_fix(manifest, entry)}")
     if st.st_size != entry["bytes"]:
-        raise JobError(f"{f}: {st.st_size} bytes, {record_file(manifest)} records {entry['bytes']}; the shard is "
-                       f"torn or corrupt. {_shard_fix(manifest)}")
+        raise JobError(f"{f}: {st.st_size} bytes, {record_file(manifest, entry)} records {entry['bytes']}; the "
+                       f"shard is torn or corrupt. {_shard_fix(manifest, entry)}")
     return f
 
 
@@ -319,10 +330,10 @@ def _shard_keys(f: str, entry: Dict, manifest: Dict) -> Tuple[np.ndarray, np.nda
         if any(c.null_count or not pa.types.is_integer(c.type) for c in cols):
             raise ValueError("row and sample must be integers")
     except (OSError, ValueError, KeyError, pa.ArrowException) as e:
-        raise JobError(f"{f}: unreadable as a shard ({e}); the shard is torn or corrupt. {_shard_fix(manifest)}")
+        raise JobError(f"{f}: unreadable as a shard ({e}); the shard is torn or corrupt. {_shard_fix(manifest, entry)}")
     if t.num_rows != entry["rows"]:
-        raise JobError(f"{f}: holds {t.num_rows} rows, {record_file(manifest)} says {entry['rows']}; the run "
-                       f"directory is damaged. {_shard_fix(manifest)}")
+        raise JobError(f"{f}: holds {t.num_rows} rows, {record_file(manifest, entry)} says {entry['rows']}; the run "
+                       f"directory is damaged. {_shard_fix(manifest, entry)}")
     return tuple(c.to_numpy().astype(np.int64) for c in cols)
 
 
@@ -334,8 +345,8 @@ def verify_shards(run_dir: str, manifest: Dict, checksums: bool = False) -> Comm
     for entry in manifest["shards"]:
         f = shard_path(run_dir, entry, manifest)
         if checksums and sha256_file(f) != entry["sha256"]:
-            raise JobError(f"{f}: its sha256 does not match {record_file(manifest)}; the shard is corrupt. "
-                           f"{_shard_fix(manifest)}")
+            raise JobError(f"{f}: its sha256 does not match {record_file(manifest, entry)}; the shard is corrupt. "
+                           f"{_shard_fix(manifest, entry)}")
         r, s = _shard_keys(f, entry, manifest)
         files.append(f)
         rows.append(r)
@@ -359,7 +370,8 @@ def verify_shards(run_dir: str, manifest: Dict, checksums: bool = False) -> Comm
         if out.size:
             i = out[0]
             raise JobError(f"{files[shard[i]]}: holds row {row[i]} sample {sample[i]}, outside the input ({n_rows} "
-                           f"rows x {n_samples} samples); the run directory is damaged. {_shard_fix(manifest)}")
+                           f"rows x {n_samples} samples); the run directory is damaged. "
+                           f"{_shard_fix(manifest, manifest['shards'][shard[i]])}")
     return Committed(files, row, sample, shard, offset, order)
 
 
@@ -503,14 +515,14 @@ class RunDir:
             self.manifest, end = _load(path)
         else:
             self.manifest = {"fingerprint": fingerprint(parts), "fingerprint_parts": parts, "created": time.time(),
-                             "input_rows": None, "samples": None, "shards": []}
+                             "input_rows": None, "samples": None, "shards": [], LISTED: 0}
         self._committed = verify_shards(path, self.manifest)
         self._remove_leftovers(log)
         commits = os.path.join(path, COMMITS)
         try:
-            if end is None:  # a new run, or a format-1 one: the log is complete before the manifest names it
-                atomic_write(commits, b"".join(_line(e) for e in self.manifest["shards"]))
-                end = os.path.getsize(commits)
+            if end is None:  # a new run, or a format-1 one: its (empty) log exists before a manifest names it
+                atomic_write(commits, b"")
+                end = 0
             elif os.path.getsize(commits) > end:
                 with open(commits, "r+b") as f:
                     f.truncate(end)
@@ -587,18 +599,33 @@ class RunDir:
             os.close(self._log_fd)
             self._log_fd = None
 
+    def finish(self) -> None:
+        """The session's end, in its record; manifest.json lists every shard from now on."""
+        self.manifest["sessions"][-1]["finished"] = time.time()
+        self._save()
+
     def update(self, **fields) -> None:
         self.manifest.update(fields)
         self._save()
 
     def _save(self) -> None:
+        """Rewrite manifest.json listing every committed shard, then empty the log (its shards are
+        listed now): a session's start and end each cost O(shards), a commit stays constant."""
         self.manifest["updated"] = time.time()
-        header = {k: v for k, v in self.manifest.items() if k != "shards"}  # the shards are in commits.jsonl
-        data = json.dumps(header, indent=1, sort_keys=True).encode("utf-8")
+        data = json.dumps({k: v for k, v in self.manifest.items() if k != LISTED}, indent=1, sort_keys=True)
         try:
-            atomic_write(os.path.join(self.path, MANIFEST), data, fault="manifest")
+            atomic_write(os.path.join(self.path, MANIFEST), data.encode("utf-8"), fault="manifest")
         except OSError as e:
             raise io_failure(e, os.path.join(self.path, MANIFEST)) from e
+        self.manifest[LISTED] = len(self.shards)
+        faults.hit("log.listed")
+        if self._log_fd is not None and self._log_end:
+            try:
+                os.ftruncate(self._log_fd, 0)
+                os.fsync(self._log_fd)
+                self._log_end = 0
+            except OSError as e:  # the records stay in both files, where they count once
+                raise io_failure(e, os.path.join(self.path, COMMITS)) from e
 
     def close(self) -> None:
         for name in ("_log_fd", "_lock_fd"):

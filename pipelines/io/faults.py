@@ -33,6 +33,7 @@ POINTS: Dict[str, str] = {
     "shard.renamed": "a shard renamed to its final name, not yet recorded in commits.jsonl",
     "commit.appended": "a shard's line appended to commits.jsonl, not yet fsynced",
     "shard.recorded": "a shard's line in commits.jsonl fsynced (the commit is complete)",
+    "log.listed": "manifest.json rewritten to list the log's shards, the log not yet emptied",
 }
 ACTIONS = ("kill", "enospc", "eio", "term", "int")
 
