@@ -1,14 +1,10 @@
 """The draft source's interface: every method and attribute the engine uses, nothing else.
 
-A drafter keeps per-slot state that mirrors the engine's batch slots: a row's is built after its
-prompt is prefilled (`prefill_row`, or `prefill_rows` for a group) and moves with it (`extend`,
-`write`, `take`, `vacate`). Each round the engine asks for K drafts per row (`propose`) and tells
-the drafter what was kept: `commit` with host arrays where it drafts on the host, `advance` with
-device arrays it never reads where it drafts on the device (`device_side`), so the engine can queue
-the next round before it reads this one (rounds.py); its host lengths are then upper bounds until
-the engine `correct`s them or they `settle`.
-
-A new draft method is one subclass and one line in `drafting.DRAFTERS`.
+A drafter keeps per-slot state mirroring the batch's slots, built after a row's prefill and moved with
+it. Each round the engine asks for K drafts per row (`propose`) and tells it what was kept: `commit`
+with host arrays, or, where it drafts on the device (`device_side`), `advance` with device arrays it
+never reads, so the next round queues before this one is read. A new draft method is one subclass and
+one line in `drafting.DRAFTERS`.
 """
 
 from __future__ import annotations
