@@ -100,6 +100,16 @@ def shadow_outputs(cache: BatchCache):
     return out
 
 
+def mirror(cache: BatchCache, arrays) -> None:
+    """A program's cache outputs (`shadow_outputs`' order) into `cache`."""
+    it = iter(arrays)
+    for layer in cache.leaves:
+        if isinstance(layer, RowKVCache):
+            layer.keys, layer.values = next(it), next(it)
+        else:
+            layer.record_steps([next(it) for _ in layer.cache])
+
+
 class CompiledVerifyBank:
     def __init__(self, runtime, max_verify_len: int = 4, request_max_tokens: int = 8192,
                  capture_backend: Optional[str] = None, parity=False, restored_tokens: int = 0,
@@ -225,7 +235,7 @@ class CompiledVerifyBank:
                     f"(tolerance {self._tol(out[0]):g}; use compiled_verify: parity2 to count instead of raise)")
             failures = failures | cache_bad
             self.stats["parity_failures"] += int(failures.sum())
-        self._mirror(cache, out[2:])
+        mirror(cache, out[2:])
         self.stats["compiled_calls"] += 1
         hidden = out[1] if out[1].size else None
         return out[0], hidden, True, failures
@@ -249,7 +259,7 @@ class CompiledVerifyBank:
         if out is None:
             self._fallback(self.programs.broken[key])
             return None
-        self._mirror(cache, out[7:])
+        mirror(cache, out[7:])
         self.stats["compiled_calls"] += 1
         return tuple(out[:6]) + ((out[6] if out[6].size else None),)
 
@@ -267,15 +277,6 @@ class CompiledVerifyBank:
             return self.runtime.forward(tokens, cache)
         finally:
             cache.set_capturing(False)
-
-    @staticmethod
-    def _mirror(cache: BatchCache, arrays):
-        it = iter(arrays)
-        for layer in cache.leaves:
-            if isinstance(layer, RowKVCache):
-                layer.keys, layer.values = next(it), next(it)
-            else:
-                layer.record_steps([next(it) for _ in layer.cache])
 
     @staticmethod
     def _tol(logits) -> float:

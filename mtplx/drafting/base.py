@@ -206,10 +206,3 @@ class DraftBank:
             return None
         self.stats["compiled_calls"] += 1
         return out
-
-    @staticmethod
-    def mirror(cache: BatchCache, arrays) -> None:
-        """The program's cache arrays into `cache` (keys, values of each layer in turn)."""
-        it = iter(arrays)
-        for layer in cache.layers:
-            layer.keys, layer.values = next(it), next(it)

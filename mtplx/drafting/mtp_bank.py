@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import small_ops
 from ..cache import BatchCache
-from ..graphbank import Programs, shadow_cache, shadow_outputs
+from ..graphbank import Programs, mirror, shadow_cache, shadow_outputs
 from ..models.mtp import MTPHead, text_model
 from ..kernels.device import padded
 from ..sampling import SamplerBatch, sample_from, shaped_probs
@@ -269,7 +269,7 @@ class CompiledDraftBank(DraftBank):
         out = self.call(key, build, *args)
         if out is None:
             return None
-        self.mirror(cache, out[2 : 2 + n_arrays])
+        mirror(cache, out[2 : 2 + n_arrays])
         rest = out[2 + n_arrays:]
         return (out[0], out[1]) + tuple(rest[:1] if lookup is not None else ()) + (
             _unpacked(rest[1 if lookup is not None else 0:]) if following is not None else ())
