@@ -1,13 +1,9 @@
 """A batch cache where every row has its own length, so rows can commit different token counts.
 
-mlx-lm's caches share one write position across the batch (left padding). Speculative rounds
-accept a different number of tokens per row, so here each row keeps its own length: a forward
-writes its new entries at each row's own offset, attention masks out everything past a row's
-length, and `commit(counts)` moves each row's length by what it accepted. Rejected entries stay
-past the row's length until overwritten: rollback of attention KV is free. Recurrent layers
-(Gated DeltaNet, conv, SSM) capture their state after every position during a verify (gdn.py,
-recurrent.py), and `commit` picks each row's at its accepted position. Sliding-window attention
-keeps every entry and masks by window; mlx-lm's CacheList becomes a RowCacheList of leaf caches.
+A forward writes each row's entries at its own offset, attention masks out everything past a row's
+length, and `commit(counts)` moves each row's length by what it accepted: rejected entries stay past
+it until overwritten, so rollback of attention KV is free. Recurrent layers capture their state after
+every position during a verify (gdn.py, recurrent.py); `commit` keeps each row's accepted one.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
-"""Adaptive draft depth: every round, a cost model per (width, depth) of the engine's draft method picks
-a drafting depth or plain decoding (depth 0) from measured round costs and each row's running acceptance.
+"""Adaptive draft depth: every round, a cost model per (width, depth) picks a drafting depth or plain
+decoding (depth 0): the depth that finishes the work left soonest, from measured round costs, each row's
+running acceptance and the builds its programs still need.
 
-Tokens. A round drafting k emits 1 + a_1 + a_1 a_2 + ... + a_1...a_k for a row whose draft j passes with
-chance a_j once draft j-1 has. A row's a_j are its decayed counts (`RowAcceptance`) with PRIOR_WEIGHT
-pseudo-counts of the pool's (an EMA over greedy rows; an MTP head starts from the acceptance its
-training recorded). Each row counts up to the tokens it may still emit, so a batch whose good rows
-leave falls back to plain decoding by itself.
+A round drafting k emits 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens for a row whose draft j passes with
+chance a_j once draft j-1 has; each row counts up to the tokens it may still emit, so a batch whose good
+rows leave falls back to plain decoding by itself. A width's first rounds decode plainly, then at the
+deepest depth, until each is timed; then it now and then tries a neighbouring depth.
 
-Costs. Per (width bucket, depth), the median of the last MEDIAN_OF timed rounds (`Rounds._priced` picks
-them; the others come as None), before that a calibration curve (calibrate.py) or the nearest measured
-width's; untimed depths are extrapolated. On a CPU a drafted token costs a verified one (`CPU_SLOPE`).
-
-The choice: the depth that finishes the work left soonest, counting the builds its programs still need
-at this width and, from plain decoding, the drafter's catching up. A width decodes plainly, then at the
-deepest depth, until each is timed; after that it now and then tries a neighbouring depth where the
-build costs under 1/TRY_PAYBACK of the seconds left. A batch's last rows take the best depth, no tries.
-
-Sampled rows. A sampled row's text depends on its seed and settings alone, never on timing or its
-batch mates, so its depth (`sampled_depth`) comes from its own counts with the drafter's fixed prior
-and fixed costs, as they were PLAN_LAG rounds before (a round is planned at most that far ahead of the
-last one read). The round drafts at least its sampled rows' deepest depth; greedy rows draft that deep
-too where the cost model picks less (it costs them nothing).
+A sampled row's text depends on its seed and settings alone, never on timing or its batch mates, so its
+depth (`sampled_depth`) comes from its own counts, the drafter's fixed prior and fixed costs, as they
+were PLAN_LAG rounds before (a round is planned at most that far ahead of the last one read).
 """
 
 from __future__ import annotations
