@@ -1,10 +1,7 @@
-"""CompiledVerifyBank (after MTPLX's): the verify forward as compiled MLX programs, one per shape.
-
-The model runs over a shadow cache whose arrays and per-row lengths are the program's inputs (a Python
-int offset would be frozen at trace time); one program per (width, verify length, capacity bucket).
-Modes: `on` (eager fallback, reason recorded), `parity` (raise `CompiledVerifyParityError` on a
-difference from eager), `parity2` (count them). 6-bit weights verify eagerly (`permanent_eager`);
-`request_max_tokens` is the growth budget past which no capacity bucket is compiled."""
+"""CompiledVerifyBank (after MTPLX's): the verify forward as compiled MLX programs, one per (width,
+verify length, capacity bucket), over a shadow cache whose arrays and per-row lengths are the program's
+inputs (a Python int offset would be frozen at trace time). Modes: docs/architecture.md (parity modes).
+6-bit weights verify eagerly (`permanent_eager`); past `request_max_tokens` no bucket is compiled."""
 
 from __future__ import annotations
 

@@ -41,8 +41,8 @@ class Drafter:
         raise NotImplementedError
 
     def prefill_rows(self, prompts, hiddens, firsts, prefixes) -> Optional[List[object]]:
-        """`prefill_row` for a group the trunk prefilled together (`firsts`: a device array, not read),
-        or None where this drafter prefills row by row, with each first token on the host."""
+        """`prefill_row` for a group the trunk prefilled together (`firsts`: a device array, not read), or
+        None where this drafter prefills row by row."""
         return None
 
     def snapshot(self, state: object, length: int, hidden_at_edge: Optional[mx.array]) -> object:
@@ -68,16 +68,14 @@ class Drafter:
         """These slots' rows finished: later rounds attend over none of their entries."""
 
     def reserve(self, entries: int) -> None:
-        """Caches grown from now on hold `entries` per row at once (the longest context a row in flight
-        can reach), so a batch's programs have one capacity."""
+        """Caches grown from now on hold `entries` per row at once, so a batch's programs have one capacity."""
 
     def state_arrays(self) -> List[mx.array]:
         """The arrays of the rows' state, queued for evaluation with the batch's cache."""
         return []
 
     def slot_bytes(self, reach: int) -> int:
-        """Bytes one slot's state holds where the batch's rows reach `reach` tokens of context (caches
-        in their capacity buckets): memory admission counts it beside the target's cache."""
+        """Bytes one slot's state holds where the batch's rows reach `reach` tokens (for memory admission)."""
         return 0
 
     # -- rounds --------------------------------------------------------------------------------------
@@ -111,8 +109,7 @@ class Drafter:
         return 0
 
     def fuse_kernels(self, compiled: bool) -> Dict[str, int]:
-        """The trunk's CUDA decode paths for the drafter's own modules (`compiled`: decode steps are
-        compiled); what was installed, by name."""
+        """The trunk's CUDA decode paths for the drafter's own modules; what was installed, by name."""
         return {}
 
 
