@@ -1,13 +1,9 @@
 """A batch cache where every row has its own length, so rows can commit different token counts.
 
-mlx-lm's caches share one write position across the batch (left padding). Speculative rounds
-accept a different number of tokens per row, so here each row keeps its own length: a forward
-writes its new entries at each row's own offset, attention masks out everything past a row's
-length, and `commit(counts)` moves each row's length by what it accepted. Rejected entries stay
-past the row's length until overwritten: rollback of attention KV is free. Recurrent layers
-(Gated DeltaNet, conv, SSM) capture their state after every position during a verify (gdn.py,
-recurrent.py), and `commit` picks each row's at its accepted position. Sliding-window attention
-keeps every entry and masks by window; mlx-lm's CacheList becomes a RowCacheList of leaf caches.
+A forward writes each row's entries at its own offset, attention masks out everything past a row's
+length, and `commit(counts)` moves each row's length by what it accepted: rejected entries stay past
+it until overwritten, so rollback of attention KV is free. Recurrent layers capture their state after
+every position during a verify (gdn.py, recurrent.py); `commit` keeps each row's accepted one.
 """
 
 from __future__ import annotations
@@ -100,9 +96,6 @@ class RowKVCache:
             return mask[:, None]  # [B, 1, N, n]
         self.rows.mask = mask[:, None]  # RowLengths.mask
         return self.rows.mask
-
-    def is_trimmable(self):
-        return True
 
     # -- batch bookkeeping ----------------------------------------------------------------------
     def ensure_capacity(self, B, keys, values, need):
@@ -197,14 +190,10 @@ class ArraysSurface:
 
 
 class RowStateCache(ArraysSurface):
-    """Recurrent state (conv window, SSM / Gated DeltaNet state) for a batch of rows (one layer).
-
-    Looks like mlx-lm's ArraysCache to the model (`cache[i]`, `advance`, `lengths`), with `size`
-    slots. While `capturing`, the layer's capture (gdn.py for Gated DeltaNet, recurrent.py for
-    conv/SSM layers) records every slot's value after each position of the forward instead of
-    overwriting the state; `commit(counts)` then keeps, per row, the value after its last
-    accepted position (a row with count 0 keeps its state).
-    """
+    """Recurrent state (conv window, SSM / Gated DeltaNet state) for a batch of rows (one layer), with
+    `size` slots. While `capturing`, the layer's capture (gdn.py, recurrent.py) records every slot's
+    value after each position of the forward; `commit(counts)` keeps, per row, the value after its
+    last accepted position (a row with count 0 keeps its state)."""
 
     def __init__(self, lengths: RowLengths, size: int = 2):
         self.rows = lengths
@@ -314,11 +303,8 @@ class CacheRow(NamedTuple):
 
 
 class BatchCache:
-    """All layers' caches for a batch of rows, plus their shared per-row lengths.
-
-    `layers` is what the model reads (one entry per cache of mlx-lm's `make_cache`, a
-    RowCacheList where mlx-lm has a CacheList); `leaves` are the caches themselves, flat.
-    """
+    """All layers' caches for a batch of rows, plus their shared per-row lengths. `layers` is what
+    the model reads (a RowCacheList where mlx-lm has a CacheList); `leaves` are the caches, flat."""
 
     def __init__(self, layer_kinds: Sequence, lengths: Sequence[int] = (), rows: Optional[RowLengths] = None):
         self.rows = RowLengths(lengths) if rows is None else rows
@@ -393,8 +379,7 @@ class BatchCache:
 
     @classmethod
     def gather(cls, refs: Sequence[CacheRow], reserve: int = 0) -> "BatchCache":
-        """A new batch cache of the rows `refs`, with room for one more token each, or for `reserve`
-        entries a row."""
+        """A new batch cache of the rows `refs`, with room for one more token each, or `reserve`."""
         out = cls(refs[0].cache.kinds, [0] * len(refs))
         reserve = max([reserve] + [int(src.rows.host[row]) + 1 for src, row in refs])
         out.put_rows(range(len(refs)), refs, reserve)
@@ -426,14 +411,10 @@ class BatchCache:
 
 
 def layer_kinds(model) -> List:
-    """Each cache's kind, from the model's own cache layout (mlx-lm's `make_cache`).
-
-    KVCache -> "kv"; RotatingKVCache (sliding-window attention) -> "kv" too: every entry is
-    kept and the model's window mask (`make_mask(window_size=...)`) hides what falls out of the
-    window, so rollback stays an index move; ArraysCache of n slots -> "state<n>"; CacheList ->
-    a tuple. Any other cache class is refused, naming the architecture: running it could give
-    wrong text without an error.
-    """
+    """Each cache's kind, from mlx-lm's `make_cache`: KVCache and RotatingKVCache -> "kv" (every entry
+    is kept and the window mask hides what falls out, so rollback stays an index move); ArraysCache of
+    n slots -> "state<n>"; CacheList -> a tuple. Any other cache class is refused: it could give
+    wrong text without an error."""
     if not hasattr(model, "make_cache"):
         return ["kv"] * len(model.layers)
     return [_kind(c, model) for c in model.make_cache()]

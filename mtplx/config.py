@@ -55,8 +55,7 @@ class SpeculativeConfig:
     # each round's depth, plain decoding (0) included, from the rows' acceptance and the measured costs
     adaptive_depth: bool = setting(boolean, True)
     ngram_size: int = setting(integer(1), 3)  # longest suffix matched by prompt lookup
-    # method mtp: a round drafts the row's own continuation (prompt lookup) instead of the head where
-    # a suffix of at least this many tokens recurs with depth tokens after it; 0: off
+    # method mtp: a row drafts by prompt lookup where a suffix of at least this many tokens recurs; 0: off
     mtp_lookup: int = setting(integer(0, 16), 3)
     # longest compiled verify; None: MTPLX_COMPILED_VERIFY_MAX_LEN, else max(8, depth + 1)
     verify_max_len: Optional[int] = setting(optional(integer(1)), None)

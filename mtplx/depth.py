@@ -1,40 +1,15 @@
-"""Adaptive draft depth: a cost model per (width, depth) of the engine's draft method decides every
-round between drafting depths and plain decoding (depth 0), from measured round costs and each row's
-running acceptance.
+"""Adaptive draft depth: every round, a cost model per (width, depth) picks a drafting depth or plain
+decoding (depth 0): the depth that finishes the work left soonest, from measured round costs, each row's
+running acceptance and the builds its programs still need.
 
-Tokens. A round that drafts k tokens emits 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens for a row whose
-draft j passes with chance a_j once draft j-1 has. Every row keeps decayed counts of its drafts that
-reached and passed each position (`RowAcceptance`); its a_j are those counts with PRIOR_WEIGHT
-pseudo-counts of the pool's a_j (an EMA over every greedy row; an MTP head starts from the acceptance
-its training run recorded, mtp_head.json). A round's tokens are its rows' sum, each row capped by the
-tokens it may still emit: a row that drafts well counts for what it earns, one that does not for
-about one token, so a batch whose good rows leave falls back to plain decoding by itself.
+A round drafting k emits 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens for a row whose draft j passes with
+chance a_j once draft j-1 has; each row counts up to the tokens it may still emit, so a batch whose good
+rows leave falls back to plain decoding by itself. A width's first rounds decode plainly, then at the
+deepest depth, until each is timed; then it now and then tries a neighbouring depth.
 
-Costs. A round's cost depends on the device, the model, the width and the depth (on a GPU a verify of
-4 tokens can cost what one of 1 does; on a CPU about four times as much: `CPU_SLOPE`). Per (width
-bucket, depth) the controller keeps the median of the last MEDIAN_OF timed rounds (the engine decides
-which rounds are timed: rounds.py, `Rounds._priced`; the others come as None), from a calibration
-profile's cost curve (calibrate.py) or the nearest measured width's before it has its own, and
-extrapolates depths it has not timed.
-
-The choice: the depth that finishes the work left soonest, counting the seconds its programs still
-need to build at this width (`build_seconds` a program, the mean of the builds measured in this
-process: counters.first_call_seconds; `programs` of them for a drafting depth, one for plain) and,
-from plain decoding, the drafter's catching up (an MTP head left behind by rounds at depth 0), beside
-the tokens left over its tokens per second. A width's first rounds decode plainly until one is timed
-(what drafting must beat, and what a build costs here), the next draft the deepest depth until one is
-timed (what drafting costs here); then now and then a neighbouring depth is tried (from the deepest
-depth plain decoding, from plain decoding the deepest depth), each width bucket on its own count,
-where its build costs less than 1/TRY_PAYBACK of the seconds left. A batch's last rows (nothing left
-to admit) keep the best depth without tries (`explore` off).
-
-Sampled rows. A sampled row's text depends on its own seed and settings alone, never on timing or on
-its batch mates, so its depth (`sampled_depth`) comes from its own counts with the drafter's recorded
-prior (not the pool) and fixed costs (a calibration profile's curve at the job's max_batch, else
-`slope` a drafted token: the device's; never timed), as they were PLAN_LAG rounds before the round (a
-round is planned at most that far ahead of the last one read), and is kept on the row until a round
-uses it. The round drafts at least its rows' deepest sampled depth; greedy rows draft that deep too
-where the cost model picks less (it costs them nothing).
+A sampled row's text depends on its seed and settings alone, never on timing or its batch mates, so its
+depth (`sampled_depth`) comes from its own counts, the drafter's fixed prior and fixed costs, as they
+were PLAN_LAG rounds before (a round is planned at most that far ahead of the last one read).
 """
 
 from __future__ import annotations
@@ -49,10 +24,8 @@ import numpy as np
 EXPLORE_EVERY = 16  # rounds between tries of a neighbouring depth, at first;
 EXPLORE_MOST = 64  # doubling up to this while the tries leave the best depth where it was
 TRY_ROUNDS = 2  # rounds a neighbour try lasts (its last one is followed by another depth: untimed)
-# A width's first rounds decode plainly until a plain round is timed (the first builds and measures a
-# build; a round is timed only where the round queued after it drafts as deep and nothing was built
-# meanwhile), then draft the deepest depth until one of those is timed: both ends measured, the cost per
-# drafted token is this device's from then on. At most FIRST_MOST rounds each.
+# A width's first rounds: plain until one is timed, then the deepest depth until one is timed (both
+# ends measured: this device's cost per drafted token), at most FIRST_MOST rounds each
 FIRST_MOST = 6
 UNTRIED_SLOPE = 0.15  # assumed extra cost per drafted token on a GPU before it is measured (optimistic)
 CPU_SLOPE = 1.0  # on a CPU a round's cost follows the tokens it computes: a drafted token costs a verified one
@@ -184,9 +157,6 @@ class DepthController:
 
     def pool(self) -> np.ndarray:
         return np.array([self.position_acceptance(j) for j in range(1, self.max_depth + 1)])
-
-    def expected_tokens(self, k: int) -> float:
-        return float(tokens_by_depth(self.pool())[k])
 
     def _build(self, shape: Optional[int], k: int, cost: Sequence[float], lag: int = 0) -> float:
         """Seconds depth k costs before its first round at this program width: its programs' builds

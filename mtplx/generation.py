@@ -1,12 +1,7 @@
 """The generation engine: chunked prefill, prefix reuse, and continuous speculative batching.
 
-`Engine` loads what a run needs and holds its collaborators, as nano-vllm's engine does: the
-scheduler (scheduler.py: rows in their slots, the request stream, memory admission, narrowing,
-tokens into text), the prefiller (prefill.py: prompts in chunk spans, shared prefixes copied, not
-recomputed) and the rounds (rounds.py: draft K tokens, drafting/ -> verify [pending, d1..dK] in one
-forward, graphbank.py -> accept per row, sampling.py -> commit each row's own count, cache.py ->
-emit, one round queued ahead of the one read; K = 0 is plain decoding through the same loop).
-`generate` alternates admission and rounds: rows join as others finish (continuous batching).
+`Engine` loads what a run needs and holds its collaborators (the scheduler, the prefiller, the rounds:
+docs/architecture.md); `generate` alternates admission and rounds, rows joining as others finish.
 """
 
 from __future__ import annotations
@@ -71,10 +66,8 @@ class Engine:
     def __init__(self, bundle: ModelBundle, spec: Optional[SpeculativeConfig] = None,
                  schedule: Optional[ScheduleConfig] = None, drafter: Optional[Drafter] = None):
         """`drafter`: a draft source of one's own (any `Drafter`) in place of the one `spec.method` names."""
-        # Progress hook: on_progress("prefill", n) after each prefill span (n prompt tokens),
-        # on_progress("decode", n) after each decode round (n tokens generated over all rows), and
-        # on_progress("build", 1) as a compiled program's first call starts (it builds: on a GPU host's
-        # first run, its kernels too, seconds each).
+        # Progress hook: ("prefill", n) after each prefill span, ("decode", n) after each round (tokens
+        # over all rows), ("build", 1) as a compiled program's first call starts (it builds)
         self.on_progress: Optional[Callable[[str, int], None]] = None
         self.counters = Counters(on_build=lambda: self._progress("build", 1))
         self.bundle = bundle
@@ -145,8 +138,8 @@ class Engine:
         return (Path(bundle.path) / PASSED_FILE, probe_key(bundle.config, bundle.model)) if ours else None
 
     def _calibration(self, bundle: ModelBundle):
-        """(profile file, profile) from `schedule.calibration` or beside the model; (None, None) when
-        there is none for this device and model. A named profile that does not load is an error."""
+        """(profile file, profile) from `schedule.calibration` or beside the model, else (None, None); a
+        named profile that does not load is an error."""
         named = self.schedule.calibration
         path = Path(named) if named else profile_path(bundle.path)
         profile = load_profile(path, bundle.config)
@@ -203,11 +196,9 @@ class Engine:
 
     def prefill_bytes(self, rows) -> int:
         """Bytes the prefill of `rows` holds beside the batch until they are placed: each row's caches
-        (the target's and the drafter's; a group's rows as long as its longest) twice (a cache grows
-        by copies, and is copied into the batch's), the hidden states its drafter reads, the prefix
-        snapshot a row with a shared prefix keeps, and the scratch of the largest forward over them (a
-        span of the trunk's, or of the drafter's own, over the entries before it: the drafter's model
-        is taken to be no larger than the trunk)."""
+        (the target's and the drafter's, as long as the longest row) twice (a cache grows by copies), the
+        hidden states its drafter reads, a shared prefix's snapshot, and the scratch of the largest
+        forward over them (the drafter's model is taken to be no larger than the trunk)."""
         if not rows:
             return 0
         n = max(len(r.req.prompt_tokens) for r in rows)
@@ -226,9 +217,8 @@ class Engine:
 
     @property
     def ahead_tokens(self) -> int:
-        """How far past its last token a row's cache can reach with rounds queued one ahead: a
-        finished row is still in the round queued before it was read, and that round's
-        verify writes past it (bounded by the host's upper-bound lengths, RowLengths)."""
+        """How far past its last token a row's cache can reach with rounds queued one ahead (a finished
+        row is still in the round queued before it was read, whose verify writes past it)."""
         return 2 * (self.spec.depth + 1) if self.drafter is not None and self.drafter.device_side else 0
 
     # -- generation ----------------------------------------------------------------------------------
@@ -275,9 +265,8 @@ class Engine:
             self.bank.reserve = sched.reach
             if self.drafter is not None:
                 self.drafter.reserve(sched.reach)
-        # Behind a round in flight (a full batch: every free slot is a vacated one) the first tokens are
-        # not read here: the round the rows join is queued from them on the device first, and they are
-        # read after it (Rounds.join), so the device does not wait for the host between the two.
+        # Behind a round in flight (a full batch) the first tokens are not read here: the round the rows
+        # join is queued from them first and they are read after it (Rounds.join)
         behind = self.rounds.carried is not None and len(sched.slots) >= self.max_batch
         started = time.perf_counter()
         with self._prefill_stream(behind):
@@ -306,10 +295,8 @@ class Engine:
         return finished_early and not sched.drained
 
     def _prefill_stream(self, behind: bool):
-        """An admission behind a round in flight prefills on a stream of its own, so the device may run
-        it beside the rounds (a launch-bound round leaves most of a GPU idle) and the rounds' stream
-        keeps its own work; its results reach the rounds through MLX's cross-stream dependencies (H200,
-        width 32: 13.1 ms a round against 17.5 on one stream)."""
+        """An admission behind a round in flight prefills on a stream of its own, so the device may run it
+        beside the launch-bound rounds (H200, width 32: 13.1 ms a round against 17.5 on one stream)."""
         if not behind:
             return contextlib.nullcontext()
         if self.side_stream is None:

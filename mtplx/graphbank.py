@@ -1,10 +1,7 @@
-"""CompiledVerifyBank (after MTPLX's): the verify forward as compiled MLX programs, one per shape.
-
-The model runs over a shadow cache whose arrays and per-row lengths are the program's inputs (a Python
-int offset would be frozen at trace time); one program per (width, verify length, capacity bucket).
-Modes: `on` (eager fallback, reason recorded), `parity` (raise `CompiledVerifyParityError` on a
-difference from eager), `parity2` (count them). 6-bit weights verify eagerly (`permanent_eager`);
-`request_max_tokens` is the growth budget past which no capacity bucket is compiled."""
+"""CompiledVerifyBank (after MTPLX's): the verify forward as compiled MLX programs, one per (width,
+verify length, capacity bucket), over a shadow cache whose arrays and per-row lengths are the program's
+inputs (a Python int offset would be frozen at trace time). Modes: docs/architecture.md (parity modes).
+6-bit weights verify eagerly (`permanent_eager`); past `request_max_tokens` no bucket is compiled."""
 
 from __future__ import annotations
 
@@ -98,6 +95,16 @@ def shadow_outputs(cache: BatchCache):
         else:
             out += layer._steps
     return out
+
+
+def mirror(cache: BatchCache, arrays) -> None:
+    """A program's cache outputs (`shadow_outputs`' order) into `cache`."""
+    it = iter(arrays)
+    for layer in cache.leaves:
+        if isinstance(layer, RowKVCache):
+            layer.keys, layer.values = next(it), next(it)
+        else:
+            layer.record_steps([next(it) for _ in layer.cache])
 
 
 class CompiledVerifyBank:
@@ -225,7 +232,7 @@ class CompiledVerifyBank:
                     f"(tolerance {self._tol(out[0]):g}; use compiled_verify: parity2 to count instead of raise)")
             failures = failures | cache_bad
             self.stats["parity_failures"] += int(failures.sum())
-        self._mirror(cache, out[2:])
+        mirror(cache, out[2:])
         self.stats["compiled_calls"] += 1
         hidden = out[1] if out[1].size else None
         return out[0], hidden, True, failures
@@ -249,7 +256,7 @@ class CompiledVerifyBank:
         if out is None:
             self._fallback(self.programs.broken[key])
             return None
-        self._mirror(cache, out[7:])
+        mirror(cache, out[7:])
         self.stats["compiled_calls"] += 1
         return tuple(out[:6]) + ((out[6] if out[6].size else None),)
 
@@ -267,15 +274,6 @@ class CompiledVerifyBank:
             return self.runtime.forward(tokens, cache)
         finally:
             cache.set_capturing(False)
-
-    @staticmethod
-    def _mirror(cache: BatchCache, arrays):
-        it = iter(arrays)
-        for layer in cache.leaves:
-            if isinstance(layer, RowKVCache):
-                layer.keys, layer.values = next(it), next(it)
-            else:
-                layer.record_steps([next(it) for _ in layer.cache])
 
     @staticmethod
     def _tol(logits) -> float:

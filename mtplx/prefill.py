@@ -1,8 +1,6 @@
-"""Prefill: prompt tokens into cache, in chunk spans, reusing prefixes shared with earlier rows.
-
-The first row of a shared prefix (`stable_prefix_len`) is prefilled alone and its state kept at the
-edge; later rows copy it and prefill their suffix. Other rows prefill together in padded batches of
-similar length, each row at its own offset, so padding never enters a row's cache."""
+"""Prefill: prompt tokens into cache, in chunk spans, reusing prefixes shared with earlier rows (the
+steps: docs/architecture.md). Rows prefilled together write at their own offsets: padding never enters a
+row's cache."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""What the engine takes in and gives back: one request per (row, sample), one result each.
-
-The pipeline speaks to the engine only through these types, so the engine (plain, speculative,
-batched) can change without touching the dataset machinery.
-"""
+"""What the engine takes in and gives back, one request per (row, sample): all the pipeline sees of it."""
 
 from __future__ import annotations
 
@@ -26,12 +22,8 @@ class SamplingParams:
 
 @dataclass
 class Request:
-    """One generation: a tokenized prompt, its sampler, and its own seed.
-
-    `key` is opaque to the engine (the pipeline uses (id, sample)). `stable_prefix_len` marks
-    where a prompt prefix shared with other rows ends: prefill is split there so the prefix
-    cache can be reused exactly at that edge.
-    """
+    """One generation: a tokenized prompt, its sampler, and its own seed. `key` is opaque to the engine;
+    `stable_prefix_len` ends a prompt prefix shared with other rows (prefill splits there to reuse it)."""
 
     key: Any
     prompt_tokens: List[int]
@@ -67,9 +59,8 @@ class RowStats:
 
 
 def tokens_per_verify(accepted_tokens: int, verify_calls: int) -> Optional[float]:
-    """Tokens committed per drafting verify, (accepted + verifies) / verifies: only verifies that
-    drafted count; None without any. The one definition behind the `tokens_per_verify` column,
-    `status`, `report` and progress."""
+    """Tokens committed per drafting verify, (accepted + verifies) / verifies, None without any: the one
+    definition behind the `tokens_per_verify` column, `status`, `report` and progress."""
     return (accepted_tokens + verify_calls) / verify_calls if verify_calls else None
 
 

@@ -1,20 +1,8 @@
-"""Decode rounds over the batch's rows: plan, launch, land, one round queued ahead of the one read.
-
-- plan: a round's drafted depth per row, its K and uniforms (`Plan`), made when it is queued, or
-  with the round before it for a drafter that drafts ahead (MTP: the head's commit of round r and
-  its drafts for round r+1 are one compiled program, so a round is two programs);
-- launch: queue the round, nothing read: draft, verify [pending, d1..dK] (graphbank.py: with the
-  acceptance, one program), accept per row (sampling.py), commit each row's count (cache.py);
-- land: read it once ([W, 2 + K]: accepted count, next token, drafts), correct the host's lengths,
-  record stats and the depth controller's sample, emit tokens, free finished rows' slots.
-Plain decoding (no drafter) runs the same loop with a lean launch and land, one token a row.
-
-`run` launches round r+1 from round r's device arrays before it reads round r where nothing needs
-the host between rounds (plain decoding, drafters on the device), so building one round's graph
-overlaps running the other; prompt lookup drafts on the host from what it read: a round that drafts
-is read before the next is queued, its rounds at depth 0 are plain rounds queued one ahead (`_queue_next`).
-When a call returns for admission is `_leaves`, whether a round stays in flight across it `_carries`,
-and which rounds' times feed the depth controller `_priced`.
+"""Decode rounds over the batch's rows: plan, launch, land, one round queued ahead of the one read
+(docs/architecture.md). A plan is made when its round is queued, or with the round before it for a
+drafter that drafts ahead (MTP: the head's commit of round r and its drafts for round r+1 are one
+program). Where nothing needs the host between rounds, round r+1 is queued from round r's device
+arrays before round r is read, so building one round's graph overlaps running the other.
 """
 
 from __future__ import annotations
@@ -35,9 +23,7 @@ from .sampling import SamplerBatch, accept_greedy, accept_sampled, sample_from, 
 from .scheduler import Scheduler
 
 # With requests waiting, a call returns for admission once 1/REFILL_AT of its slots are free: an admission
-# costs a GPU tens of ms of launches and graph builds whatever its size (H200, width 32: ~40-80 ms), an idle
-# slot of a wide, launch-bound batch ~nothing (64 / 128 rows at width 32: MTP 1.31x / 1.06x plain at a
-# quarter, 1.25x / 0.88x at an eighth).
+# costs a GPU tens of ms whatever its size (H200, width 32: ~40-80 ms), an idle slot of a wide batch ~nothing.
 REFILL_AT = 4
 
 
@@ -86,7 +72,7 @@ class Rounds:
         self.max_depth = max_depth  # speculative.depth: the deepest round, the uniforms' layout
         self.max_batch = max_batch
         self.one_stream_eager = one_stream_eager  # one-row plain decoding eagerly (calibrated faster)
-        self._const = {}  # small device arrays by value (`_small`, `_zeros`)
+        self._const = {}  # small device arrays by value (`_small`)
         self.reset()
 
     def reset(self) -> None:
@@ -150,14 +136,12 @@ class Rounds:
 
     @property
     def _host(self) -> bool:
-        """A drafter that drafts on the host from what a round read: its rounds that draft are read
-        before the next is queued; its rounds at depth 0 are plain rounds, queued one ahead."""
+        """A drafter that drafts on the host from what a round read (its rounds at depth 0 queue ahead)."""
         return self.drafter is not None and not self.drafter.device_side
 
     def _queue_next(self, sched: Scheduler, sampler: SamplerBatch, after: tuple) -> Optional[Flight]:
         """The round after the one in flight, queued before that one is read: `after` = (its pending
-        tokens, its plan where one was made with it); None where a host drafter drafts it (its drafts
-        need that read: the call ends, and the next one reads before it drafts)."""
+        tokens, its plan if made with it); None where a host drafter drafts it (that needs the read)."""
         plan = after[1]
         if plan is None and self._host:
             plan = self.plan(sched.slots, sched.live, 1, sampler, self._left(sched))
@@ -166,29 +150,24 @@ class Rounds:
         return self.launch(sched, sampler, after[0], 1, plan)
 
     def _leaves(self, sched: Scheduler) -> bool:
-        """The refill rule, after a round that finished rows: whether the call returns. With requests
-        waiting, once 1/REFILL_AT of the slots are free (at least one); drained, only where no row is
-        left or the batch narrows next (else there is no reason to empty the pipeline)."""
+        """Whether the call returns after a round that finished rows: with requests waiting, once
+        1/REFILL_AT of the slots are free; drained, where no row is left or the batch narrows next."""
         live, width = sched.live, len(sched.slots)
         if sched.drained:
             return not live or sched.narrows(live) is not None
         return width - live >= max(1, width // REFILL_AT)
 
     def _carries(self, sched: Scheduler) -> bool:
-        """The carry rule, when a call returns: at full width with requests waiting, the round after the
-        one landed last stays queued across the admission (the admitted rows are placed behind it, the
-        next call goes on from it: the device is not left idle); else the pipeline empties."""
+        """Whether the round after the one landed last stays queued across the admission (at full width
+        with requests waiting: admitted rows are placed behind it, the device is not left idle)."""
         return (self.drafter is not None and self.drafter.device_side and not sched.drained
                 and len(sched.slots) >= self.max_batch)
 
     def _priced(self, current: Flight, queued: Optional[Flight], quiet: bool) -> bool:
-        """The timing rule: whether the time from the read before `current` to its own read is what a
-        round of its depth costs, and so is fed to the depth controller (else it gets None). That time
-        holds the queueing of the round queued in it (`queued`; the round itself where nothing is
-        queued ahead), so only where that one drafts as deep (a cheap round would carry a costly one's
-        queueing); never over a program's build (a compile's time, and on a GPU kernel builds'), a
-        round carried across an admission (the prefill ran meanwhile), or the caller's work with the
-        results it was handed (not `quiet`: a job writes rows and commits shards)."""
+        """Whether the time from the read before `current` to its own read is what a round of its depth
+        costs (fed to the depth controller, else None). That time holds the queueing of `queued`, so
+        only where that one drafts as deep; never over a program's build, a round carried across an
+        admission (the prefill ran meanwhile), or the caller's work with its results (not `quiet`)."""
         return (queued is not None and queued.K == current.K and not current.carried and quiet
                 and self.counters.programs_built == current.built)
 
@@ -206,15 +185,11 @@ class Rounds:
 
     # -- plan ----------------------------------------------------------------------------------------
     def plan(self, slots, n_active: int, ahead: int, sampler: SamplerBatch, left: Optional[float] = None) -> Plan:
-        """A round's depths and uniforms, queued behind `ahead` rounds not read yet (each emits at least
-        one token a row); `left`: the tokens the work left may emit (`_left`). Greedy rows follow the
-        depth controller (their own acceptance, the measured costs), capped by the tokens they can
-        still emit; a sampled row drafts its own depth (`DepthController.sampled_depth`: its own
-        history and fixed costs) and draws a fixed number of uniforms a round (drafts, accepts, next
-        token), both kept on the row (`u_next`, its `accept`) until a round uses them: a sampled row's
-        text depends on its own seed alone, never on when the pipeline last drained (that depends on
-        its batch). K is the uncapped depth, so a job's last rounds keep their shape (no program for a
-        round or two), each row's own depth its limit in acceptance."""
+        """A round's depths and uniforms, queued behind `ahead` rounds not read yet; `left`: the tokens
+        the work left may emit (`_left`). Greedy rows follow the depth controller, capped by the tokens
+        they can still emit; a sampled row drafts its own depth and draws a fixed number of uniforms a
+        round, both kept on the row until a round uses them, so its text depends on its seed alone.
+        K is the uncapped depth: a job's last rounds keep their shape (no program for a round or two)."""
         W, D, ctrl = len(slots), self.max_depth, self.depth
         depths = np.zeros(W, dtype=np.int64)
         greedy, caps, floor, extra = [], [], 0, 0.0
@@ -237,7 +212,7 @@ class Rounds:
                                    floor=floor, extra=extra, left=left, shape=W, lag=self.drafter.lag))
             depths[greedy] = np.minimum(K, caps)
         if sampler.all_greedy:  # greedy rows never read their uniforms
-            u = self._zeros(W, 2 * D + 1)
+            u = self._small(np.zeros((W, 2 * D + 1), dtype=np.float32))
         else:
             draws = np.zeros((W, 2 * D + 1), dtype=np.float32)
             for i, s in enumerate(slots):
@@ -249,10 +224,8 @@ class Rounds:
         return Plan(depths, K, u, u[:, :K])
 
     def _left(self, sched: Scheduler) -> float:
-        """The tokens the work left may emit: the rows in flight's, and while requests wait, as many
-        again as long a row as theirs for each request not taken yet (where the caller says how many
-        its stream holds: `Engine.expected_requests`; else a batch of them: a build is then priced
-        against about two batches' work)."""
+        """The tokens the work left may emit: the rows in flight's, plus a row as long as theirs for each
+        request not taken yet (`Engine.expected_requests`, else a batch of them)."""
         rows = [s for s in sched.slots if s is not None]
         left = sum(max(0, s.max_tokens - len(s.tokens)) for s in rows)
         if not sched.drained and rows:
@@ -264,7 +237,7 @@ class Rounds:
     def launch(self, sched: Scheduler, sampler: SamplerBatch, pending: mx.array, ahead: int,
                plan: Optional[Plan] = None) -> Flight:
         """Queue one round (nothing is read): draft, verify, accept, commit; a drafter that drafts
-        ahead drafts the next round (its `Plan`) in its commit too."""
+        ahead drafts the next round in its commit too."""
         if self.drafter is None:
             return self._launch_plain(sched, sampler, pending)
         slots, cache, D = sched.slots, sched.cache, self.max_depth
@@ -344,17 +317,10 @@ class Rounds:
         return logits, hidden, False, None
 
     def _small(self, values: np.ndarray) -> mx.array:
-        """A round's small per-row array on the device, made once per value: most rounds repeat the
-        last one's, and each new one is a host-to-device copy."""
+        """A small per-row array on the device, made once per value (most rounds repeat the last one's)."""
         key = (values.dtype.str, values.tobytes())
         if key not in self._const:
             self._const[key] = mx.array(values)
-        return self._const[key]
-
-    def _zeros(self, W: int, n: int) -> mx.array:
-        key = (W, n)
-        if key not in self._const:
-            self._const[key] = mx.zeros((W, n), mx.float32)
         return self._const[key]
 
     # -- land ----------------------------------------------------------------------------------------
@@ -365,8 +331,7 @@ class Rounds:
 
     def land(self, sched: Scheduler, flight: Flight, out: np.ndarray, seconds: Optional[float]) -> List[Result]:
         """A round that was read: correct the host lengths, record stats, emit tokens. A slot whose row
-        finished since the round was queued (now idle, or holding a row admitted since) drops what
-        the round made there."""
+        finished since the round was queued drops what the round made there."""
         if self.drafter is None:
             return self._land_plain(sched, flight, out)
         slots, cache = sched.slots, sched.cache
@@ -446,15 +411,14 @@ class Rounds:
 
     # -- admissions behind the round in flight -------------------------------------------------------
     def join(self, sched: Scheduler, firsts: mx.array, placed: list) -> None:
-        """Rows were placed behind the carried round with their first tokens on the device, not read:
-        the device starts placing them (and the drafter's state) while the host queues the round they join."""
+        """Rows were placed behind the carried round, first tokens unread: the device starts placing
+        them while the host queues the round they join."""
         self.joining = (firsts, placed)
         arrays = [a for c in sched.cache.leaves for a in c.state_arrays() if a is not None]
         mx.async_eval(arrays + (self.drafter.state_arrays() if self.drafter is not None else []))
 
     def _land_joined(self, sched: Scheduler) -> List[Result]:
-        """Read and emit the first tokens of the rows placed behind the carried round (the round they
-        join is queued by now): a row that ends at its first token leaves its slot."""
+        """Read and emit the first tokens of the rows placed behind the carried round."""
         (firsts, placed), self.joining = self.joining, None
         got = np.array(firsts).tolist()
         self.progress("decode", sum(1 for f in got if f not in sched.eos))
@@ -470,8 +434,8 @@ class Rounds:
         return finished
 
     def land_carried(self, sched: Scheduler) -> List[Result]:
-        """Read and land the round carried across an admission (before the batch narrows, which needs
-        exact lengths), and the first tokens of rows placed behind it: the pipeline is empty after it."""
+        """Read and land the round carried across an admission and the rows placed behind it (before
+        the batch narrows, which needs exact lengths): the pipeline is empty after it."""
         carried, self.carried = self.carried, None
         if carried is None:
             return []
@@ -482,8 +446,7 @@ class Rounds:
 
 
 def _going(slots) -> bool:
-    """Whether a round after the one in flight has a row to serve: a row emits at least one token a
-    round, so one a token short of its max_tokens ends with the round in flight."""
+    """Whether a round after the one in flight has a row to serve (a round emits at least a token a row)."""
     return any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
 
 

@@ -1,9 +1,4 @@
-"""Each row's committed length in a batch cache, on the host and on the device.
-
-The batch cache (cache.py) lets every row keep its own length; `RowLengths` is that length, kept
-twice: on the host (exact once the rounds queued ahead are read, what scheduling and admission use)
-and on the device (what RoPE positions, cache writes and attention read inside a round).
-"""
+"""Each row's committed length in a batch cache (cache.py), on the host and on the device."""
 
 from __future__ import annotations
 
@@ -17,11 +12,10 @@ from .kernels.device import padded
 
 
 class RowLengths:
-    """Per-row committed lengths, kept on the host (for scheduling) and on the device (for rope).
-
-    `shared` is the one length every row has (always so at width 1), else None; None too while rounds
-    queued ahead (rounds.py) have advanced the device lengths by counts the host has not seen: the host
-    lengths are then upper bounds, good for sizing the cache, until `correct` or `settle`."""
+    """Per-row committed lengths, on the host (scheduling, admission) and on the device (RoPE positions,
+    cache writes, attention). While rounds queued ahead have advanced the device lengths by counts the
+    host has not read, the host lengths are upper bounds (good for sizing caches) until `correct` or
+    `settle`. `shared` is the one length every row has where the host's are exact, else None."""
 
     # The plain per-row causal mask RowKVCache.make_mask last built (no window): the layers of one
     # forward share it, and rows_attention.py recognizes it by identity as "keys 0..length + i".
@@ -43,10 +37,9 @@ class RowLengths:
         self.shared = int(self.host[0]) if exact else None
 
     def positions(self, L: int) -> mx.array:
-        """[B, 1, L, 1]: where a forward of L tokens writes each row's entries (its length + 0..L-1).
-        Built once per forward and shared by its layers (per layer it would be two more kernels a
-        layer, an arange and an add: compile does not merge them across layers). From `resident()`: at one
-        row the [1, 1, 1, 1] positions would otherwise sit in MLX's managed small-array pool."""
+        """[B, 1, L, 1]: where a forward of L tokens writes each row's entries (its length + 0..L-1), built
+        once per forward from `resident()` and shared by its layers (compile does not merge kernels across
+        layers)."""
         c = self._positions
         if c is None or c[0] is not self.device or c[1] != L:
             self.resident()
@@ -77,9 +70,8 @@ class RowLengths:
         self._share()
 
     def expect(self, rounds: int):
-        """`rounds` more (or, negative, fewer) rounds whose counts are not read and not advanced
-        yet: a drafter that puts off committing a round (drafting/mtp.py: MtpDrafter.behind) is
-        corrected for it when the engine reads it, before or after it advances by it."""
+        """`rounds` more (or, negative, fewer) rounds whose counts are not read and not advanced yet (a
+        round MtpDrafter put off is corrected when the engine reads it, before or after it advances)."""
         self.unread += rounds
         self._share()
 

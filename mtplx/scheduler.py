@@ -1,18 +1,12 @@
-"""The rows in flight: slots, the request stream, memory admission, a drained batch's tail.
+"""The rows in flight: slots, the request stream, memory admission, a drained batch's tail, and
+tokens into text (docs/architecture.md).
 
-`Scheduler` holds, for one `Engine.generate` call, the batch's slots (a `Row` each, None where
-idle), their cache and the drafter's state of them, and the stream of requests. It decides which
-requests join (free slots, the memory budget), where they go, and when a drained batch (no request
-waits) narrows; and it turns tokens into rows' text and results (`emit`, `finish`). The engine
-(generation.py) prefills what it admits; the rounds (rounds.py) decode what it holds.
-
-Memory: the batch is a rectangle, every slot sized to the longest context a row admitted into it
-can reach (its `reach`): the caches' compiled programs are keyed by capacity, so a batch runs at one.
-Admission counts that rectangle (`Memory`: width x one slot's bytes at the batch's reach), what the
-rows being admitted hold until they are placed, the prefix store, and, where the batch changes shape,
-the old rectangle beside the new one while it is copied. A row that does not fit waits: for an idle
-slot where the batch can hold it, else the batch drains and is rebuilt around it (`rebuild`), which
-is also how a batch whose reach outlived its longest row gets its width back.
+Memory: the batch is a rectangle, every slot sized to the longest context a row admitted into it can
+reach (its `reach`): programs are keyed by capacity, so a batch runs at one. Admission counts that
+rectangle, the rows being admitted until they are placed, the prefix store, and the old rectangle
+beside the new one while it is copied. A row that does not fit waits for an idle slot where the batch
+can hold it, else the batch drains and is rebuilt around it (`rebuild`), which is also how a batch
+whose reach outlived its longest row gets its width back.
 """
 
 from __future__ import annotations
@@ -66,9 +60,8 @@ def format_bytes(n: float) -> str:
 
 def tail_keeps_width() -> int:
     """The width a drained batch keeps. On a GPU a round of up to 32 rows costs about what one row's
-    does (SmolLM2 on the H200: a plain round 4.5 ms at 1 row, 6.1 ms at 32), and every narrower
-    width compiles verify and draft programs of its own for a job's last few rounds; on a CPU a
-    round's cost follows its width."""
+    does (SmolLM2, H200: 4.5 ms at 1 row, 6.1 ms at 32) and a narrower width builds programs of its
+    own; on a CPU a round's cost follows its width."""
     return 32 if mx.default_device().type == mx.DeviceType.gpu else 1
 
 
@@ -173,11 +166,10 @@ class Scheduler:
                 and self.peak((0, 0), (width + 1, needed), [row]) <= budget)
 
     def select(self):
-        """Rows for the free slots while they fit the memory budget beside the rows in flight (a
-        generator: yields the results of requests that cannot run). Returns (rows, free slots: idle
-        ones, then those that widen the batch up to max_batch), or (None, None) where nothing is in
-        flight and the batch (or the prefix store) stands in the next row's way: the caller lands the
-        round in flight, frees them (`release`) and selects again."""
+        """Rows for the free slots while they fit the memory budget (a generator: yields the results of
+        requests that cannot run). Returns (rows, free slots: idle ones, then those that widen the
+        batch), or (None, None) where the old batch or the prefix store is in the next row's way: the
+        caller lands the round in flight, frees them (`release`) and selects again."""
         free = [i for i, s in enumerate(self.slots) if s is None] + list(range(len(self.slots), self.max_batch))
         rows: List[Row] = []
         if self.rebuild:  # the batch drains for a rebuild
@@ -210,10 +202,9 @@ class Scheduler:
         return rows, free
 
     def place(self, slots: Sequence[int], rows: Sequence[Row], prefilled: Sequence[tuple], reserve: int = 0) -> None:
-        """Rows with what their prefill gave (cache, drafter state, first token) into `slots`: idle
-        ones filled with one gather per prefill group; slots past the batch's width widen it (one copy
-        of the batch: only while it ramps up). `reserve`: the entries a row's cache holds, made room
-        for at once (no copy when the rounds reach them)."""
+        """Rows with what their prefill gave (cache, drafter state, first token) into `slots`: idle ones
+        with one gather per prefill group, slots past the batch's width widening it (one copy).
+        `reserve`: the entries a row's cache holds, made room for at once."""
         width = len(self.slots)
         fills = [(s, row, got) for s, row, got in zip(slots, rows, prefilled) if s < width]
         grow = [(row, got) for s, row, got in zip(slots, rows, prefilled) if s >= width]

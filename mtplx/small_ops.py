@@ -1,9 +1,6 @@
 """The small index arrays of a round as fewer device kernels (a one-stream round is host-bound: each
-kernel costs the host ~5-7 us on the H200, whatever it computes).
-
-In a compiled program `mx.arange(n)` is a kernel at every call and `mx.concatenate` / `mx.stack` of a
-few columns a copy kernel a part. Here a range is a constant made once (captured: no kernel), and a few
-[W] columns become [W, n] as a chain of selects over it, which compile fuses into one kernel.
+kernel costs the host ~5-7 us on the H200). A range is a constant made once (captured: no kernel), and
+a few [W] columns become [W, n] as a chain of selects over it, which compile fuses into one kernel.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The draft source's interface: every method and attribute the engine uses, nothing else.
 
-A drafter keeps per-slot state that mirrors the engine's batch slots: a row's is built after its
-prompt is prefilled (`prefill_row`, or `prefill_rows` for a group) and moves with it (`extend`,
-`write`, `take`, `vacate`). Each round the engine asks for K drafts per row (`propose`) and tells
-the drafter what was kept: `commit` with host arrays where it drafts on the host, `advance` with
-device arrays it never reads where it drafts on the device (`device_side`), so the engine can queue
-the next round before it reads this one (rounds.py); its host lengths are then upper bounds until
-the engine `correct`s them or they `settle`.
-
-A new draft method is one subclass and one line in `drafting.DRAFTERS`.
+A drafter keeps per-slot state mirroring the batch's slots, built after a row's prefill and moved with
+it. Each round the engine asks for K drafts per row (`propose`) and tells it what was kept: `commit`
+with host arrays, or, where it drafts on the device (`device_side`), `advance` with device arrays it
+never reads, so the next round queues before this one is read. A new draft method is one subclass and
+one line in `drafting.DRAFTERS`.
 """
 
 from __future__ import annotations
@@ -45,8 +41,8 @@ class Drafter:
         raise NotImplementedError
 
     def prefill_rows(self, prompts, hiddens, firsts, prefixes) -> Optional[List[object]]:
-        """`prefill_row` for a group the trunk prefilled together (`firsts`: a device array, not read),
-        or None where this drafter prefills row by row, with each first token on the host."""
+        """`prefill_row` for a group the trunk prefilled together (`firsts`: a device array, not read), or
+        None where this drafter prefills row by row."""
         return None
 
     def snapshot(self, state: object, length: int, hidden_at_edge: Optional[mx.array]) -> object:
@@ -72,16 +68,14 @@ class Drafter:
         """These slots' rows finished: later rounds attend over none of their entries."""
 
     def reserve(self, entries: int) -> None:
-        """Caches grown from now on hold `entries` per row at once (the longest context a row in flight
-        can reach), so a batch's programs have one capacity."""
+        """Caches grown from now on hold `entries` per row at once, so a batch's programs have one capacity."""
 
     def state_arrays(self) -> List[mx.array]:
         """The arrays of the rows' state, queued for evaluation with the batch's cache."""
         return []
 
     def slot_bytes(self, reach: int) -> int:
-        """Bytes one slot's state holds where the batch's rows reach `reach` tokens of context (caches
-        in their capacity buckets): memory admission counts it beside the target's cache."""
+        """Bytes one slot's state holds where the batch's rows reach `reach` tokens (for memory admission)."""
         return 0
 
     # -- rounds --------------------------------------------------------------------------------------
@@ -115,8 +109,7 @@ class Drafter:
         return 0
 
     def fuse_kernels(self, compiled: bool) -> Dict[str, int]:
-        """The trunk's CUDA decode paths for the drafter's own modules (`compiled`: decode steps are
-        compiled); what was installed, by name."""
+        """The trunk's CUDA decode paths for the drafter's own modules; what was installed, by name."""
         return {}
 
 
@@ -210,10 +203,3 @@ class DraftBank:
             return None
         self.stats["compiled_calls"] += 1
         return out
-
-    @staticmethod
-    def mirror(cache: BatchCache, arrays) -> None:
-        """The program's cache arrays into `cache` (keys, values of each layer in turn)."""
-        it = iter(arrays)
-        for layer in cache.layers:
-            layer.keys, layer.values = next(it), next(it)

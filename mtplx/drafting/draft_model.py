@@ -16,7 +16,7 @@ from .. import small_ops
 from ..cache import BatchCache, RowStateCache
 from ..config import SpeculativeConfig
 from ..gdn import install_capture
-from ..graphbank import Programs, shadow_cache, shadow_outputs
+from ..graphbank import Programs, mirror, shadow_cache, shadow_outputs
 from ..models.loading import ModelBundle
 from ..recurrent import install_stepping
 from ..sampling import SamplerBatch, sample_from, shaped_probs
@@ -92,7 +92,7 @@ class DraftChainBank(DraftBank):
                         sampler.top_k, cache.rows.device, *arrays)
         if out is None:
             return None
-        self.mirror(cache, out[2:])
+        mirror(cache, out[2:])
         return out[0], (out[1] if out[1].size else None)
 
 

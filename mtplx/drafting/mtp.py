@@ -33,14 +33,11 @@ HEAD_BEHIND = 64  # rounds without drafts the MTP head may fall behind by before
 
 
 class MtpDrafter(CachedDrafter):
-    """A round without drafts followed by another (adaptive depth at 0) is not committed: the head
-    falls behind by it (`behind`, at most HEAD_BEHIND rounds) and catches up with the next round it
-    commits, or before rows move, a call ends or it proposes (`_catch_up`), so a round at depth 0
-    costs what a plain decoding round does. The catch-up runs the commit programs over depth + 1
-    rounds a call (`_commit_behind`): shapes adaptive depth has built, whatever its length; where
-    none is built yet (adaptive depth at 0 since the start) it runs the same ops eagerly, so a run
-    that never drafts builds no head program (on a GPU host's first run, seconds each). A call whose
-    rows are all done does not catch up (`settle(done=True)`)."""
+    """A round without drafts followed by another is not committed: the head falls behind by it
+    (`behind`, at most HEAD_BEHIND rounds) and catches up with the next round it commits, or before rows
+    move, a call ends or it proposes (`_catch_up`), so a round at depth 0 costs what a plain round does.
+    The catch-up runs the commit programs adaptive depth has built (depth + 1 rounds a call), else the
+    same ops eagerly: a run that never drafts builds no head program."""
 
     name = "mtp"
     needs_hidden = True
@@ -112,10 +109,9 @@ class MtpDrafter(CachedDrafter):
 
     def prefill_rows(self, prompts: Sequence[Sequence[int]], hiddens: Sequence[mx.array], firsts,
                      prefixes: Optional[Sequence[Optional[tuple]]] = None) -> List[tuple]:
-        """`prefill_row` for a group at once: the rows right-padded to the longest, one head forward and
-        one eval per chunk (the last evaluated with the round the rows join). Each row writes its own
-        span at its own offset, so padding never enters its entries; a row with a restored prefix
-        starts from its snapshot. `firsts`: ints, or a [B] device array (placed in the grid unread)."""
+        """`prefill_row` for a group at once, right-padded to the longest: one head forward and one eval
+        per chunk. Each row writes at its own offset, so padding never enters its entries. `firsts`:
+        ints, or a [B] device array (placed in the grid unread)."""
         B = len(prompts)
         prefixes = list(prefixes) if prefixes is not None else [None] * B
         hiddens = list(hiddens)
@@ -210,9 +206,8 @@ class MtpDrafter(CachedDrafter):
         """(lookup, history) with room for `extra` more tokens per row, or None without lookup."""
         if self.lookup is None:
             return None
-        # The head cache and the history (one token longer) grow to one capacity together: the
-        # head's programs are keyed by both, and a round where only one had crossed a bucket
-        # would compile a program of its own.
+        # The head cache and the history (one token longer) grow to one capacity together: the head's
+        # programs are keyed by both (one crossing a bucket alone would compile a program of its own)
         layers = [c for c in self.cache.leaves if isinstance(c, RowKVCache) and c.keys is not None]
         most = max(self.cache.rows.max, self.bank.reserve if self.bank is not None else 0)  # (the bank grows to its reserve)
         self._history_room(max([self.lookup.lead + most + 1 + extra] + [c.keys.shape[2] for c in layers]))
@@ -284,17 +279,21 @@ class MtpDrafter(CachedDrafter):
             out += (self.lookup.append(self.history, self.cache.rows.device, committed, extra=1),)
         return out
 
-    def _commit_through(self, verify_in, n, nxt, hidden, plan, lookup, built_only=False):
-        """The commit's outputs: its program where one serves (`built_only`: one built already), else
-        the eager ops."""
+    def _commit_through(self, verify_in, n, nxt, hidden, counts, most, plan, lookup, exact=False, built_only=False):
+        """Commit by its program where one serves (`built_only`: one built already), else by the eager
+        ops, and advance the head's cache by `counts`; returns the commit's outputs."""
         out = None if self.bank is None else self.bank.commit(self.cache, hidden, verify_in, n, nxt, plan, lookup,
                                                               built_only)
-        return out if out is not None else self._commit_eager(verify_in, n, nxt, hidden, lookup)
+        out = out if out is not None else self._commit_eager(verify_in, n, nxt, hidden, lookup)
+        self.cache.advance(counts, most, exact)
+        self.extra = list(out[:2])
+        if lookup is not None:
+            self.history = out[2]
+        return out
 
     def _commit_behind(self, behind) -> None:
-        """Commit the rounds left behind (each one verified token, all kept) through the commit
-        program, `catch_up_len` rounds a call: the verified lengths adaptive depth builds anyway,
-        so a catch-up meets no new shape, whatever its length."""
+        """Commit the rounds left behind (each one verified token, all kept), `catch_up_len` rounds a
+        call: the verified lengths adaptive depth builds anyway, so a catch-up meets no new shape."""
         for at in range(0, len(behind), self.catch_up_len):
             part = behind[at : at + self.catch_up_len]
             verify_in, hidden = self._padded(mx.concatenate([b[0] for b in part], axis=1),
@@ -303,17 +302,12 @@ class MtpDrafter(CachedDrafter):
             counts = sum((b[4] for b in part[1:]), part[0][4])
             most = sum((b[5] for b in part[1:]), part[0][5])
             self.cache.rows.expect(-1)  # (one of its rounds is counted again by the advance below)
-            lookup = self._lookup_arg(len(part))
-            out = self._commit_through(verify_in, n, nxt, hidden, None, lookup, built_only=True)
-            self.cache.advance(counts, most)
-            self.extra = list(out[:2])
-            if self.lookup is not None:
-                self.history = out[2]
+            self._commit_through(verify_in, n, nxt, hidden, counts, most, None, self._lookup_arg(len(part)),
+                                 built_only=True)
 
     def _padded(self, verify_in, hidden):
-        """A commit's verified tokens and hidden states padded to `catch_up_len`: a commit of rounds that
-        drafted nothing runs in the deepest round's program (the padding sits past each row's kept
-        tokens, where a rejected draft's entries sit: written, never attended, overwritten later)."""
+        """A commit's verified tokens and hidden states padded to `catch_up_len`, so it runs in the deepest
+        round's program (the padding sits past each row's kept tokens, like a rejected draft's)."""
         pad = self.catch_up_len - verify_in.shape[1]
         if pad <= 0 or self.bank is None:
             return verify_in, hidden
@@ -328,11 +322,7 @@ class MtpDrafter(CachedDrafter):
         if verify_in.shape[1] == 1:  # a round that drafted nothing
             verify_in, hidden = self._padded(verify_in, hidden)
         lookup = self._lookup_arg(verify_in.shape[1] + (following[0] if following else 0))
-        out = self._commit_through(verify_in, n, nxt, hidden, plan, lookup)
-        self.cache.advance(counts, most, exact)
-        self.extra = list(out[:2])
-        if lookup is not None:
-            self.history = out[2]
+        out = self._commit_through(verify_in, n, nxt, hidden, counts, most, plan, lookup, exact)
         if plan is not None:
             K, sampler, u = following
             drafted = out[2 + (lookup is not None):] or self._propose_eager(K, sampler, u)
@@ -342,13 +332,11 @@ class MtpDrafter(CachedDrafter):
 
 
 class LookupFallback:
-    """Prompt lookup inside MTP drafting (`speculative.mtp_lookup`), on the device: each round, a row
-    whose context (prompt + output, `MtpDrafter.history`) has a suffix of at least `min_match` tokens
-    seen before, followed there by at least the round's depth of tokens, drafts that continuation
-    (mtp_bank.lookup_drafts: what NgramDrafter.match finds on the host); the others draft with the
-    head. The choice is made from the context before the round and a lookup draft's q is the point
-    mass on it, so the output stays exact; nothing is read, so rounds stay one ahead. A row's history
-    is its context after `lead` columns of -1 (`context`): the match pads nothing per round."""
+    """Prompt lookup inside MTP drafting (`speculative.mtp_lookup`), on the device: a row whose context
+    (`MtpDrafter.history`) has a suffix of at least `min_match` tokens seen before, followed there by the
+    round's depth of tokens, drafts that continuation (mtp_bank.lookup_drafts); the others draft with
+    the head. A lookup draft's q is the point mass on it, so the output stays exact; nothing is read.
+    A row's history is its context after `lead` columns of -1 (`context`)."""
 
     FOLD_EVERY = 256  # rounds whose choices wait before they are added up (`record`)
 

@@ -1,16 +1,11 @@
 """MTP drafting made cheap: a drafting vocabulary and compiled draft programs, over the eager ops.
 
-A round of MTP drafting runs the head K-1 times (each step feeds back its own hidden state and
-draft) and, after the verify, once more over the verified tokens (the commit): eagerly a chain of
-small kernels per step, most of each the projection to the vocabulary. So:
-- `DraftVocab` (as FR-Spec does): the head drafts only among the most frequent tokens of its
-  training data (`mtp_draft_vocab.npy` beside the head), its projection a dense slice of the output
-  rows for those ids; q is zero outside the set, which acceptance handles exactly.
-- `CompiledDraftBank`: the proposal, and the commit with the next round's proposal, as compiled
-  programs over a shadow of the head's KV cache, keyed like the verify bank by (batch width, depth,
-  capacity bucket) plus the sampler's shape flags.
-The ops in between are what both paths run (MtpDrafter's eager path is the reference the programs
-must match); the device prompt lookup (`lookup_drafts`, mtp.LookupFallback) runs inside them too.
+- `DraftVocab` (as FR-Spec does): the head drafts only among the most frequent tokens of its training
+  data (`mtp_draft_vocab.npy` beside the head); q is zero outside the set, which acceptance handles exactly.
+- `CompiledDraftBank`: the proposal, and the commit with the next round's proposal, as compiled programs
+  over a shadow of the head's KV cache, keyed like the verify bank plus the sampler's shape flags.
+The ops in between are what both paths run (MtpDrafter's eager path is the reference the programs must
+match); the device prompt lookup (`lookup_drafts`, mtp.LookupFallback) runs inside them too.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ import numpy as np
 
 from .. import small_ops
 from ..cache import BatchCache
-from ..graphbank import Programs, shadow_cache, shadow_outputs
+from ..graphbank import Programs, mirror, shadow_cache, shadow_outputs
 from ..models.mtp import MTPHead, text_model
 from ..kernels.device import padded
 from ..sampling import SamplerBatch, sample_from, shaped_probs
@@ -52,8 +47,7 @@ class DraftVocab:
             self.weight_t = rows.T.astype(dtype)  # the D x V product (most of a CPU engine's setup)
             self.bias = mx.zeros((self.ids.shape[0],), dtype)
         else:
-            # Rows of the head's output projection for these ids, read off by projecting basis
-            # vectors (works for tied, untied and quantized heads alike; a bias cancels out).
+            # read off by projecting basis vectors (any head; a bias cancels out)
             zero = head.logits(mx.zeros((1, D), dtype))[:, self.ids]
             cols = []
             for s in range(0, D, chunk):
@@ -72,9 +66,7 @@ class DraftVocab:
 
     def step_table(self, head: MTPHead) -> Optional[tuple]:
         """([S, D]: each drafting token's `embedding_share` of the head's fc, fc's hidden-state half
-        [D, D]), built once; None where the head's fc cannot be split, or a head of several modules.
-        A draft step then reads one row instead of running the embedding, its norm, the
-        concatenation and the embedding's half of fc (`draft_step`)."""
+        [D, D]), built once, so a draft step reads one row (`draft_step`); None where fc cannot be split."""
         if not hasattr(self, "_table"):
             share = head.embedding_share(self.ids) if type(head) is MTPHead else None
             self._table = None if share is None else (share, head.hidden_half())
@@ -83,9 +75,8 @@ class DraftVocab:
         return self._table
 
     def as_vector_product(self) -> None:
-        """Keep weight_t as the transpose of an [S, D] row-major array: on CUDA MLX then takes its matrix-
-        vector kernel for a one-row projection (a draft step's, the commit's first logits), where a [D, S]
-        row-major weight_t is a cuBLAS GEMM even at one row (a captured child graph each; kernels.fusion.head_gemv)."""
+        """Keep weight_t as the transpose of an [S, D] row-major array: on CUDA a one-row projection then
+        takes MLX's matrix-vector kernel, not a cuBLAS GEMM (kernels.fusion.head_gemv)."""
         self.weight_t = mx.contiguous(self.weight_t.T).T
         mx.eval(self.weight_t)
 
@@ -102,10 +93,8 @@ class DraftVocab:
 
 
 def plain_rows(head: MTPHead, ids: mx.array) -> Optional[mx.array]:
-    """The rows for `ids` of the matrix W the head's logits are h @ W.T with, where W is a weight
-    without a bias: its own projection or the trunk's lm_head (nn.Linear), or the trunk's tied
-    embedding (nn.Embedding), or either quantized (its rows dequantized: the trunk's own embedding
-    lookup, not quantized matmuls of basis vectors); None otherwise (biased, several depths)."""
+    """The rows for `ids` of W where the head's logits are h @ W.T and W has no bias (its projection,
+    the trunk's lm_head or tied embedding, quantized or not: rows dequantized); None otherwise."""
     if type(head) is not MTPHead:
         return None
     if "head" in head:
@@ -158,10 +147,8 @@ def project(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, step: int =
 
 
 def pick(logits: mx.array, sampler: SamplerBatch, u: mx.array):
-    """One draft per row from [W, S] head logits, as its index in the drafting vocabulary [W] (the
-    token id without one), with its q over that vocabulary [W, S] (None when all rows are greedy,
-    where acceptance needs no q). `stack_drafts` maps the round's indices and q to token ids and to
-    the whole vocabulary once, not per step."""
+    """One draft per row from [W, S] head logits, as its index in the drafting vocabulary [W], with its
+    q over that vocabulary (None when all rows are greedy); `stack_drafts` maps them to token ids."""
     if sampler.all_greedy:  # argmax's uint32 index as it is: the gathers after it read it (no cast kernel)
         return mx.argmax(logits, axis=-1), None
     q = shaped_probs(logits[:, None], sampler)[:, 0]
@@ -169,10 +156,8 @@ def pick(logits: mx.array, sampler: SamplerBatch, u: mx.array):
 
 
 def draft_step(head: MTPHead, vocab: Optional[DraftVocab], h: mx.array, idx: mx.array, caches, step: int) -> mx.array:
-    """The head's hidden state [W, D] after the draft of index `idx` [W] (`pick`), one step of the
-    draft chain: with the vocabulary's step table the token's part of fc is a row of it
-    (DraftVocab.step_table), else the head runs over the token as it does at a commit. Eager and
-    compiled drafting both take this step, so their drafts agree."""
+    """The head's hidden state [W, D] after the draft of index `idx` [W]: one step of the draft chain
+    (through DraftVocab.step_table where there is one), what eager and compiled drafting both run."""
     table = None if vocab is None else vocab.step_table(head)
     if table is None:
         tok = idx if vocab is None else vocab.ids[idx]
@@ -236,11 +221,9 @@ class CompiledDraftBank(DraftBank):
     def commit(self, cache: BatchCache, hidden, verify_in, n, next_tokens, following=None, lookup=None,
                built_only: bool = False):
         """The head over the verified tokens, its cache mirrored: (first logits, head hidden) at each
-        row's accepted position, or None where this shape runs eagerly. With `lookup` the committed
-        tokens are written into the history, and the result then ends with the new history. With
-        `following` = (counts, K, sampler, u) the program drafts the next round's K tokens too, from the
-        head's state after this commit; the result then ends with (drafts, q or None, lookup rows or None).
-        `built_only`: None where the program is not built yet (the caller runs it eagerly, builds nothing)."""
+        row's accepted position, or None where this shape runs eagerly; + the new history with `lookup`;
+        + (drafts, q or None, lookup rows or None) of the next round with `following` = (counts, K,
+        sampler, u). `built_only`: None where the program is not built yet (nothing is built)."""
         K1 = verify_in.shape[1]
         K = following[1] if following is not None else 0
         arrays = self.ready(cache, K1 + K)
@@ -286,7 +269,7 @@ class CompiledDraftBank(DraftBank):
         out = self.call(key, build, *args)
         if out is None:
             return None
-        self.mirror(cache, out[2 : 2 + n_arrays])
+        mirror(cache, out[2 : 2 + n_arrays])
         rest = out[2 + n_arrays:]
         return (out[0], out[1]) + tuple(rest[:1] if lookup is not None else ()) + (
             _unpacked(rest[1 if lookup is not None else 0:]) if following is not None else ())
@@ -310,10 +293,8 @@ def draft_chain(head: MTPHead, vocab: Optional[DraftVocab], kinds, first, h, s: 
 
 
 def _step_rows(lengths: mx.array, K: int) -> list:
-    """The K-1 draft steps' (row lengths, resident lengths or None): `lengths` + 0, 1, ... On CUDA at one
-    or two rows (kernels.device.padded) one padded copy of `lengths`, each step's lengths a view of that
-    copy plus its offset (a pad a step would be a fill and a concatenation of two copies); the first step
-    `lengths` itself, with no addition of 0."""
+    """The K-1 draft steps' (row lengths, resident lengths or None): `lengths` + 0, 1, ...; on CUDA at
+    one or two rows (kernels.device.padded) views of one padded copy of `lengths` plus each offset."""
     base = padded(lengths)
     if base is None:
         return [(lengths if j == 0 else lengths + j, None) for j in range(K - 1)]

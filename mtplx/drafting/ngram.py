@@ -1,9 +1,7 @@
 """Prompt lookup: match the last n tokens earlier in the row's prompt + output, propose what followed.
 
-It drafts on the host from the tokens it has read: a round that drafts is not queued ahead (rounds.py);
-at depth 0 (adaptive depth: drafting does not pay) it drafts nothing and its rounds are plain ones,
-queued one ahead, its history fed from each read (`commit`).
-MTP's prompt-lookup fallback matches on the device instead (mtp.LookupFallback)."""
+It drafts on the host from the tokens it has read, so a round that drafts is not queued ahead; its
+rounds at depth 0 are plain ones, queued one ahead (rounds.py). MTP's fallback matches on the device."""
 
 from __future__ import annotations
 
