@@ -71,8 +71,7 @@ def generated_source(name: str, input_names: Sequence[str], output_names: Sequen
         lines.append(f"    const {_CTYPES[dtype]}* {n},\n")
         if ndim > 0:
             lines += [f"    const __grid_constant__ {t} {n}_{s},\n" for t, s in _SHAPE_INFO if f"{n}_{s}" in source]
-    for i, (n, dtype) in enumerate(zip(output_names, output_dtypes)):
-        lines.append(f"    {_CTYPES[dtype]}* {n}" + (",\n" if i < len(output_names) - 1 else ") {\n"))
+    lines.append(",\n".join(f"    {_CTYPES[dtype]}* {n}" for n, dtype in zip(output_names, output_dtypes)) + ") {\n")
     for n, v in template:
         if isinstance(v, bool):
             lines.append(f"  constexpr bool {n} = {'true' if v else 'false'};\n")
@@ -127,17 +126,6 @@ def prepare_cache_dir() -> Optional[str]:
 def entry_path(directory: Path, module: str) -> Path:
     parts = [module[i:i + _MAX_FILE_NAME] for i in range(0, len(module), _MAX_FILE_NAME)] or [""]
     return directory.joinpath(*parts[:-1], parts[-1] + ".ptx")
-
-
-def write_entry(path: Path, kernel: str, mangled: str, binary: bytes, root: Path, key: str) -> None:
-    """The kernel-name file, the binary, then the record, each renamed into place (MLX never reads half)."""
-    files = {path.with_suffix(".txt"): f"{kernel}\t{mangled}\n".encode(), path: binary}
-    files[_record(root, key)] = _sums(files, root).encode()
-    for target, data in files.items():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
 
 
 def record_key(source: str) -> str:
@@ -276,13 +264,19 @@ def compiler() -> Tuple[_Nvrtc, List[str], Dict[str, bytes]]:
             + [f"--include-path={d}" for d in include_dirs()], mlx_device_headers())
 
 
-def build(func: str, source: str, root: Path, key: str) -> Path:
+def build(func: str, source: str, path: Path, root: Path, key: str) -> None:
+    """Compile; write the kernel-name file, the binary, then the record, each renamed into place (MLX
+    never reads half)."""
     nvrtc, options, headers = compiler()
     kernel = "mlx::core::cu::" + func
     binary, mangled = nvrtc.compile(source, kernel, options, headers)
-    path = entry_path(root, entry_name(func, source))
-    write_entry(path, kernel, mangled, binary, root, key)
-    return path
+    files = {path.with_suffix(".txt"): f"{kernel}\t{mangled}\n".encode(), path: binary}
+    files[_record(root, key)] = _sums(files, root).encode()
+    for target, data in files.items():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
 
 
 class CachedKernel:
@@ -318,12 +312,12 @@ class CachedKernel:
                 raise RuntimeError("not on CUDA")
             func, source = generated_source(self.name, self.input_names, self.output_names, self.source, self.header,
                                             arrays, output_dtypes, list(template))
-            record = record_key(source)
-            if trusted(private_dir, record, entry_path(private_dir, entry_name(func, source))):
+            record, path = record_key(source), entry_path(private_dir, entry_name(func, source))
+            if trusted(private_dir, record, path):
                 stats["found"] += 1
                 return
             t0 = time.perf_counter()
-            build(func, source, private_dir, record)
+            build(func, source, path, private_dir, record)
             stats["built"] += 1
             stats["build_s"] += time.perf_counter() - t0
         except Exception as e:  # MLX compiles it at its first call
