@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -230,7 +231,6 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
     permuted = {".self_attn.q_proj.": config["num_attention_heads"],
                 ".self_attn.k_proj.": config["num_key_value_heads"]}
     quant: Dict[str, object] = {}
-    bits_seen: Dict[int, int] = {}
     types: Dict[str, int] = {}
     shard: Dict[str, mx.array] = {}
     shard_keys: List[List[str]] = []  # the keys of each shard written so far
@@ -267,9 +267,7 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
             add(f"{module}.weight", w, False)
             add(f"{module}.scales", s, True)
             add(f"{module}.biases", b, True)
-            bits = _EXACT_QUANT[qtype]
-            quant[module] = {"group_size": _GROUP, "bits": bits, "mode": "affine"}
-            bits_seen[bits] = bits_seen.get(bits, 0) + 1
+            quant[module] = {"group_size": _GROUP, "bits": _EXACT_QUANT[qtype], "mode": "affine"}
             continue
         w = np.asarray(t.data) if qtype in ("F32", "F16") else gguf.quants.dequantize(t.data, t.tensor_type)
         w = w.reshape(shape).astype(np.float32)
@@ -289,10 +287,10 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
         index["weight_map"].update(dict.fromkeys(keys, name))
     if n > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    if not any(v for v in quant.values()):
+    bits = Counter(q["bits"] for q in quant.values() if q)
+    if not bits:
         return None, types
-    top_bits = max(bits_seen, key=bits_seen.get)
-    return {"group_size": _GROUP, "bits": top_bits, "mode": "affine", **quant}, types
+    return {"group_size": _GROUP, "bits": bits.most_common(1)[0][0], "mode": "affine", **quant}, types
 
 
 # How text is split before BPE, by `tokenizer.ggml.pre`
@@ -390,8 +388,7 @@ def _merges_from_scores(vocab: Dict[str, int], scores) -> List[Tuple[str, str]]:
 
 
 def _write_tokenizer(meta: dict, config: dict, out: Path) -> None:
-    tok = build_tokenizer(meta)
-    tok.save(str(out / "tokenizer.json"))
+    build_tokenizer(meta).save(str(out / "tokenizer.json"))
     tokens = meta["tokenizer.ggml.tokens"]
 
     def token(key):
@@ -408,8 +405,8 @@ def _write_tokenizer(meta: dict, config: dict, out: Path) -> None:
     if meta.get("tokenizer.chat_template"):
         tok_config["chat_template"] = meta["tokenizer.chat_template"]
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    special_map = {k: v for k, v in tok_config.items()
-                   if k in ("bos_token", "eos_token", "unk_token", "pad_token") and v is not None}
+    special_map = {k: tok_config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                   if tok_config[k] is not None}
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
     if "eos_token_id" in config:
         gen = {k: config[k] for k in ("eos_token_id", "bos_token_id") if k in config}
