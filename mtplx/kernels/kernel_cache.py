@@ -207,13 +207,8 @@ class _Nvrtc:
 def _package_dirs(sub: str) -> List[Path]:
     """<site>/nvidia/<cu13|cuda_runtime|cuda_nvrtc>/<sub> directories on sys.path and beside MLX."""
     roots = [Path(p) for p in sys.path if p] + [Path(mx.__file__).parent.parent]
-    out = []
-    for r in roots:
-        for pkg in ("cu13", "cu12", "cuda_runtime", "cuda_nvrtc"):
-            d = r / "nvidia" / pkg / sub
-            if d.is_dir() and d not in out:
-                out.append(d)
-    return out
+    dirs = (r / "nvidia" / pkg / sub for r in roots for pkg in ("cu13", "cu12", "cuda_runtime", "cuda_nvrtc"))
+    return list(dict.fromkeys(d for d in dirs if d.is_dir()))
 
 
 def include_dirs() -> List[Path]:
