@@ -318,9 +318,9 @@ def build_tokenizer(meta: dict):
         vocab.setdefault(tok, i)  # the first id of a repeated token wins
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None else None
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
 
     if kind == "gpt2":  # byte-level BPE: GPT-2, Llama 3, Qwen2, SmolLM
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         pre = meta.get("tokenizer.ggml.pre", "default")
         tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama3")))
         if pre in _SPLITS:
@@ -333,16 +333,12 @@ def build_tokenizer(meta: dict):
             tok.normalizer = normalizers.NFC()
         tok.decoder = decoders.ByteLevel()
     elif kind == "llama":  # sentencepiece BPE with byte fallback: Llama 2, TinyLlama, Gemma
-        merges = meta.get("tokenizer.ggml.merges")
-        if merges:
-            merges = [tuple(m.split(" ", 1)) for m in merges]
-        else:  # Gemma's scores do not follow its merge order; the order of its tokens does
+        if not merges:  # Gemma's scores do not follow its merge order; the order of its tokens does
             merges = _merges_from_scores(vocab, None if gemma else meta.get("tokenizer.ggml.scores"))
         tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
-        prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
         norm = [normalizers.Replace(" ", _SPACE)]
         dec = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-        if prefix:
+        if meta.get("tokenizer.ggml.add_space_prefix", True):
             norm.insert(0, normalizers.Prepend(_SPACE))
             dec.append(decoders.Strip(" ", 1, 0))
         tok.normalizer = normalizers.Sequence(norm)
