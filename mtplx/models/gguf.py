@@ -231,7 +231,7 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
     permuted = {".self_attn.q_proj.": config["num_attention_heads"],
                 ".self_attn.k_proj.": config["num_key_value_heads"]}
     quant: Dict[str, object] = {}
-    types: Dict[str, int] = {}
+    types = Counter(t.tensor_type.name for t in reader.tensors)
     shard: Dict[str, mx.array] = {}
     shard_keys: List[List[str]] = []  # the keys of each shard written so far
     size = 0
@@ -254,7 +254,6 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
     for t in reader.tensors:
         hf = _hf_name(t.name, arch)
         qtype = t.tensor_type.name
-        types[qtype] = types.get(qtype, 0) + 1
         if hf is None:
             continue
         shape = tuple(int(s) for s in reversed(t.shape))  # numpy order: (out, in)
