@@ -219,9 +219,9 @@ def _pack_bits(q: np.ndarray, bits: int, rows: int, cols: int) -> np.ndarray:
     return words.astype(np.uint32).reshape(rows, cols * bits // 32)
 
 
-def _is_quantizable(hf: str, rows: int, cols: int) -> bool:
+def _is_quantizable(hf: str, shape: Tuple[int, ...]) -> bool:
     linear = hf.rsplit(".", 2)[-2].endswith("_proj") or hf.startswith(("lm_head.", "model.embed_tokens."))
-    return hf.endswith(".weight") and linear and cols % _GROUP == 0
+    return hf.endswith(".weight") and linear and len(shape) == 2 and shape[1] % _GROUP == 0
 
 
 def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str):
@@ -259,7 +259,7 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
         shape = tuple(int(s) for s in reversed(t.shape))  # numpy order: (out, in)
         permute_heads = next((n for part, n in permuted.items() if part in hf), None) if arch == "llama" else None
         module = hf.rsplit(".", 1)[0]
-        if not dequantize and qtype in _EXACT_QUANT and len(shape) == 2 and _is_quantizable(hf, *shape):
+        if not dequantize and qtype in _EXACT_QUANT and _is_quantizable(hf, shape):
             w, s, b = _pack_exact(t.data, qtype, *shape)
             if permute_heads:
                 w, s, b = (_unpermute_rows(x, permute_heads) for x in (w, s, b))
@@ -275,7 +275,7 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
         if arch == "gemma3" and hf.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; mlx-lm adds the 1 itself
         add(hf, w, True)
-        if not dequantize and len(shape) == 2 and _is_quantizable(hf, *shape):
+        if not dequantize and _is_quantizable(hf, shape):
             quant[module] = False
     flush()
     n = len(shard_keys)
@@ -413,9 +413,8 @@ def _publish(tmp: Path, out_dir: Path) -> None:
     with contextlib.suppress(OSError):
         return os.rename(tmp, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = sorted(tmp.iterdir(), key=lambda p: p.name == "config.json")
     for old in out_dir.glob("model*.safetensors*"):
         if not (tmp / old.name).exists():
             old.unlink()
-    for f in files:
+    for f in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
         os.replace(f, out_dir / f.name)
