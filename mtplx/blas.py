@@ -52,10 +52,9 @@ def use_openblas() -> BlasInfo:
     for path in found + [p for p in SYSTEM_OPENBLAS if os.path.exists(p)]:
         try:
             lib = _open(path)
+            return BlasInfo(lib._name, _config(lib))
         except OSError as e:
             errors.append(f"{path}: {e}")
-            continue
-        return BlasInfo(lib._name, _config(lib))
     return BlasInfo(None, "; ".join(errors) or "no OpenBLAS installed")
 
 
