@@ -113,8 +113,7 @@ class FastTokenizer:
             normalizer = spec.get("normalizer")
             plain = normalizer is None or normalizer.get("type") == "NFC"
             added = any("\n" in t.get("content", "") for t in spec.get("added_tokens", []))
-            probe = "a\nb: 1\n"
-            bare, full = self.encode(probe, add_special_tokens=False), self.encode(probe, add_special_tokens=True)
+            bare, full = (self.encode("a\nb: 1\n", add_special_tokens=special) for special in (False, True))
             front_only = full[len(full) - len(bare):] == bare
             self._line_split = (local and plain and not added and front_only
                                 and (spec.get("model") or {}).get("type") == "BPE")
