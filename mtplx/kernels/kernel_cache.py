@@ -128,13 +128,11 @@ def entry_path(directory: Path, module: str) -> Path:
     return directory.joinpath(*parts[:-1], parts[-1] + ".ptx")
 
 
-def record_key(source: str) -> str:
+def record_path(root: Path, source: str) -> Path:
+    """The file of sums of `source`'s entry, named by the hash of all its build reads."""
     nvrtc, options, headers = compiler()
     texts = [source, repr(nvrtc.version), *options, *headers]
-    return hashlib.sha256(b"\0".join([t.encode() for t in texts] + list(headers.values()))).hexdigest()
-
-
-def _record(root: Path, key: str) -> Path:
+    key = hashlib.sha256(b"\0".join([t.encode() for t in texts] + list(headers.values()))).hexdigest()
     return root / "mtplx-records" / f"{key}.sha256"
 
 
@@ -142,10 +140,10 @@ def _sums(files: Dict[Path, bytes], root: Path) -> str:
     return "".join(sorted(f"{hashlib.sha256(data).hexdigest()}  {p.relative_to(root)}\n" for p, data in files.items()))
 
 
-def trusted(root: Path, key: str, path: Path) -> bool:
+def trusted(root: Path, record: Path, path: Path) -> bool:
     try:
         files = {p: p.read_bytes() for p in (path, path.with_suffix(".txt"))}
-        return _record(root, key).read_text() == _sums(files, root)
+        return record.read_text() == _sums(files, root)
     except OSError:
         return False
 
@@ -259,14 +257,14 @@ def compiler() -> Tuple[_Nvrtc, List[str], Dict[str, bytes]]:
             + [f"--include-path={d}" for d in include_dirs()], mlx_device_headers())
 
 
-def build(func: str, source: str, path: Path, root: Path, key: str) -> None:
+def build(func: str, source: str, path: Path, root: Path, record: Path) -> None:
     """Compile; write the kernel-name file, the binary, then the record, each renamed into place (MLX
     never reads half)."""
     nvrtc, options, headers = compiler()
     kernel = "mlx::core::cu::" + func
     binary, mangled = nvrtc.compile(source, kernel, options, headers)
     files = {path.with_suffix(".txt"): f"{kernel}\t{mangled}\n".encode(), path: binary}
-    files[_record(root, key)] = _sums(files, root).encode()
+    files[record] = _sums(files, root).encode()
     for target, data in files.items():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -307,7 +305,7 @@ class CachedKernel:
                 raise RuntimeError("not on CUDA")
             func, source = generated_source(self.name, self.input_names, self.output_names, self.source, self.header,
                                             arrays, output_dtypes, list(template))
-            record, path = record_key(source), entry_path(private_dir, entry_name(func, source))
+            record, path = record_path(private_dir, source), entry_path(private_dir, entry_name(func, source))
             if trusted(private_dir, record, path):
                 stats["found"] += 1
                 return
