@@ -118,10 +118,8 @@ _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 
 
 def auto_or_bytes(v):
-    if isinstance(v, str) and v != "auto":
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", v.lower())
-        if m:
-            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
+    if isinstance(v, str) and (m := re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", v.lower())):
+        return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
     try:
         return auto_or_int(v)
     except Bad:
