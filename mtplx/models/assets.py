@@ -186,6 +186,7 @@ def fetch(name: str, cache: Optional[os.PathLike] = None, progress: bool = True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as tmp:
         raw = Path(tmp) / asset.filename
         ends = _download_and_assemble(asset, Path(tmp), raw, progress)
+        out = raw
         if asset.kind == "dataset":
             data = raw.read_bytes()
             rows = _NORMALIZERS[name]({member: data[start:end] for (_, _, member), start, end
@@ -197,8 +198,6 @@ def fetch(name: str, cache: Optional[os.PathLike] = None, progress: bool = True)
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
                 f.flush()
                 os.fsync(f.fileno())
-        else:
-            out = raw
         os.replace(out, dest)
     return dest
 
