@@ -47,13 +47,14 @@ def use_openblas() -> BlasInfo:
                         "call mtplx.process.prepare_process() before anything imports mlx.core")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     errors: List[str] = []
-    for path in _pip_openblas() + [p for p in SYSTEM_OPENBLAS if os.path.exists(p)]:
+    wheel = _package_dir(PIP_PACKAGE.replace("-", "_"))
+    found = sorted(glob.glob(os.path.join(wheel, "libopenblas*.so*"))) if wheel else []
+    for path in found + [p for p in SYSTEM_OPENBLAS if os.path.exists(p)]:
         try:
             lib = _open(path)
+            return BlasInfo(lib._name, _config(lib))
         except OSError as e:
             errors.append(f"{path}: {e}")
-            continue
-        return BlasInfo(lib._name, _config(lib))
     return BlasInfo(None, "; ".join(errors) or "no OpenBLAS installed")
 
 
@@ -90,11 +91,6 @@ def _package_dir(name: str) -> Optional[str]:
     except (ImportError, ValueError):
         return None
     return list(spec.submodule_search_locations)[0] if spec is not None and spec.submodule_search_locations else None
-
-
-def _pip_openblas() -> List[str]:
-    where = _package_dir(PIP_PACKAGE.replace("-", "_"))
-    return sorted(glob.glob(os.path.join(where, "libopenblas*.so*"))) if where else []
 
 
 def _open(path: str) -> ctypes.CDLL:

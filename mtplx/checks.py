@@ -33,25 +33,23 @@ def checks_of(cls) -> Dict[str, Check]:
     return {f.name: f.metadata["check"] for f in fields(cls)}
 
 
-def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Check:
-    form = "an integer" + (f" in {lo}..{hi}" if None not in (lo, hi) else f" >= {lo}" if lo is not None else "")
+def integer(lo: int, hi: Optional[int] = None) -> Check:
+    form = f"an integer in {lo}..{hi}" if hi is not None else f"an integer >= {lo}"
 
     def check(v):
-        if (isinstance(v, bool) or not isinstance(v, numbers.Integral) or (lo is not None and v < lo)
-                or (hi is not None and v > hi)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo or (hi is not None and v > hi):
             raise Bad(form)
         return int(v)
 
     return check
 
 
-def number(lo: Optional[float] = None, hi: Optional[float] = None, lo_open: bool = False) -> Check:
-    bounds = ([f"{'>' if lo_open else '>='} {lo}"] if lo is not None else []) + ([f"<= {hi}"] if hi is not None else [])
-    form = " ".join(["a number", " and ".join(bounds)]).strip()
+def number(lo: float, hi: Optional[float] = None, lo_open: bool = False) -> Check:
+    form = f"a number {'>' if lo_open else '>='} {lo}" + (f" and <= {hi}" if hi is not None else "")
 
     def check(v):
         if (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v
-                or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi)):
+                or (v <= lo if lo_open else v < lo) or (hi is not None and v > hi)):
             raise Bad(form)
         return float(v)
 
@@ -120,10 +118,8 @@ _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 
 
 def auto_or_bytes(v):
-    if isinstance(v, str) and v != "auto":
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", v.lower())
-        if m:
-            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
+    if isinstance(v, str) and (m := re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", v.lower())):
+        return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
     try:
         return auto_or_int(v)
     except Bad:

@@ -71,8 +71,7 @@ def generated_source(name: str, input_names: Sequence[str], output_names: Sequen
         lines.append(f"    const {_CTYPES[dtype]}* {n},\n")
         if ndim > 0:
             lines += [f"    const __grid_constant__ {t} {n}_{s},\n" for t, s in _SHAPE_INFO if f"{n}_{s}" in source]
-    for i, (n, dtype) in enumerate(zip(output_names, output_dtypes)):
-        lines.append(f"    {_CTYPES[dtype]}* {n}" + (",\n" if i < len(output_names) - 1 else ") {\n"))
+    lines.append(",\n".join(f"    {_CTYPES[dtype]}* {n}" for n, dtype in zip(output_names, output_dtypes)) + ") {\n")
     for n, v in template:
         if isinstance(v, bool):
             lines.append(f"  constexpr bool {n} = {'true' if v else 'false'};\n")
@@ -129,24 +128,11 @@ def entry_path(directory: Path, module: str) -> Path:
     return directory.joinpath(*parts[:-1], parts[-1] + ".ptx")
 
 
-def write_entry(path: Path, kernel: str, mangled: str, binary: bytes, root: Path, key: str) -> None:
-    """The kernel-name file, the binary, then the record, each renamed into place (MLX never reads half)."""
-    files = {path.with_suffix(".txt"): f"{kernel}\t{mangled}\n".encode(), path: binary}
-    files[_record(root, key)] = _sums(files, root).encode()
-    for target, data in files.items():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
-
-
-def record_key(source: str) -> str:
+def record_path(root: Path, source: str) -> Path:
+    """The file of sums of `source`'s entry, named by the hash of all its build reads."""
     nvrtc, options, headers = compiler()
     texts = [source, repr(nvrtc.version), *options, *headers]
-    return hashlib.sha256(b"\0".join([t.encode() for t in texts] + list(headers.values()))).hexdigest()
-
-
-def _record(root: Path, key: str) -> Path:
+    key = hashlib.sha256(b"\0".join([t.encode() for t in texts] + list(headers.values()))).hexdigest()
     return root / "mtplx-records" / f"{key}.sha256"
 
 
@@ -154,10 +140,10 @@ def _sums(files: Dict[Path, bytes], root: Path) -> str:
     return "".join(sorted(f"{hashlib.sha256(data).hexdigest()}  {p.relative_to(root)}\n" for p, data in files.items()))
 
 
-def trusted(root: Path, key: str, path: Path) -> bool:
+def trusted(root: Path, record: Path, path: Path) -> bool:
     try:
         files = {p: p.read_bytes() for p in (path, path.with_suffix(".txt"))}
-        return _record(root, key).read_text() == _sums(files, root)
+        return record.read_text() == _sums(files, root)
     except OSError:
         return False
 
@@ -219,13 +205,8 @@ class _Nvrtc:
 def _package_dirs(sub: str) -> List[Path]:
     """<site>/nvidia/<cu13|cuda_runtime|cuda_nvrtc>/<sub> directories on sys.path and beside MLX."""
     roots = [Path(p) for p in sys.path if p] + [Path(mx.__file__).parent.parent]
-    out = []
-    for r in roots:
-        for pkg in ("cu13", "cu12", "cuda_runtime", "cuda_nvrtc"):
-            d = r / "nvidia" / pkg / sub
-            if d.is_dir() and d not in out:
-                out.append(d)
-    return out
+    dirs = (r / "nvidia" / pkg / sub for r in roots for pkg in ("cu13", "cu12", "cuda_runtime", "cuda_nvrtc"))
+    return list(dict.fromkeys(d for d in dirs if d.is_dir()))
 
 
 def include_dirs() -> List[Path]:
@@ -276,13 +257,19 @@ def compiler() -> Tuple[_Nvrtc, List[str], Dict[str, bytes]]:
             + [f"--include-path={d}" for d in include_dirs()], mlx_device_headers())
 
 
-def build(func: str, source: str, root: Path, key: str) -> Path:
+def build(func: str, source: str, path: Path, root: Path, record: Path) -> None:
+    """Compile; write the kernel-name file, the binary, then the record, each renamed into place (MLX
+    never reads half)."""
     nvrtc, options, headers = compiler()
     kernel = "mlx::core::cu::" + func
     binary, mangled = nvrtc.compile(source, kernel, options, headers)
-    path = entry_path(root, entry_name(func, source))
-    write_entry(path, kernel, mangled, binary, root, key)
-    return path
+    files = {path.with_suffix(".txt"): f"{kernel}\t{mangled}\n".encode(), path: binary}
+    files[record] = _sums(files, root).encode()
+    for target, data in files.items():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
 
 
 class CachedKernel:
@@ -318,12 +305,12 @@ class CachedKernel:
                 raise RuntimeError("not on CUDA")
             func, source = generated_source(self.name, self.input_names, self.output_names, self.source, self.header,
                                             arrays, output_dtypes, list(template))
-            record = record_key(source)
-            if trusted(private_dir, record, entry_path(private_dir, entry_name(func, source))):
+            record, path = record_path(private_dir, source), entry_path(private_dir, entry_name(func, source))
+            if trusted(private_dir, record, path):
                 stats["found"] += 1
                 return
             t0 = time.perf_counter()
-            build(func, source, private_dir, record)
+            build(func, source, path, private_dir, record)
             stats["built"] += 1
             stats["build_s"] += time.perf_counter() - t0
         except Exception as e:  # MLX compiles it at its first call

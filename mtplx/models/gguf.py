@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -218,9 +219,9 @@ def _pack_bits(q: np.ndarray, bits: int, rows: int, cols: int) -> np.ndarray:
     return words.astype(np.uint32).reshape(rows, cols * bits // 32)
 
 
-def _is_quantizable(hf: str, rows: int, cols: int) -> bool:
+def _is_quantizable(hf: str, shape: Tuple[int, ...]) -> bool:
     linear = hf.rsplit(".", 2)[-2].endswith("_proj") or hf.startswith(("lm_head.", "model.embed_tokens."))
-    return hf.endswith(".weight") and linear and cols % _GROUP == 0
+    return hf.endswith(".weight") and linear and len(shape) == 2 and shape[1] % _GROUP == 0
 
 
 def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str):
@@ -230,8 +231,7 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
     permuted = {".self_attn.q_proj.": config["num_attention_heads"],
                 ".self_attn.k_proj.": config["num_key_value_heads"]}
     quant: Dict[str, object] = {}
-    bits_seen: Dict[int, int] = {}
-    types: Dict[str, int] = {}
+    types = Counter(t.tensor_type.name for t in reader.tensors)
     shard: Dict[str, mx.array] = {}
     shard_keys: List[List[str]] = []  # the keys of each shard written so far
     size = 0
@@ -254,22 +254,19 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
     for t in reader.tensors:
         hf = _hf_name(t.name, arch)
         qtype = t.tensor_type.name
-        types[qtype] = types.get(qtype, 0) + 1
         if hf is None:
             continue
         shape = tuple(int(s) for s in reversed(t.shape))  # numpy order: (out, in)
         permute_heads = next((n for part, n in permuted.items() if part in hf), None) if arch == "llama" else None
         module = hf.rsplit(".", 1)[0]
-        if not dequantize and qtype in _EXACT_QUANT and len(shape) == 2 and _is_quantizable(hf, *shape):
+        if not dequantize and qtype in _EXACT_QUANT and _is_quantizable(hf, shape):
             w, s, b = _pack_exact(t.data, qtype, *shape)
             if permute_heads:
                 w, s, b = (_unpermute_rows(x, permute_heads) for x in (w, s, b))
             add(f"{module}.weight", w, False)
             add(f"{module}.scales", s, True)
             add(f"{module}.biases", b, True)
-            bits = _EXACT_QUANT[qtype]
-            quant[module] = {"group_size": _GROUP, "bits": bits, "mode": "affine"}
-            bits_seen[bits] = bits_seen.get(bits, 0) + 1
+            quant[module] = {"group_size": _GROUP, "bits": _EXACT_QUANT[qtype], "mode": "affine"}
             continue
         w = np.asarray(t.data) if qtype in ("F32", "F16") else gguf.quants.dequantize(t.data, t.tensor_type)
         w = w.reshape(shape).astype(np.float32)
@@ -278,7 +275,7 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
         if arch == "gemma3" and hf.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scale; mlx-lm adds the 1 itself
         add(hf, w, True)
-        if not dequantize and len(shape) == 2 and _is_quantizable(hf, *shape):
+        if not dequantize and _is_quantizable(hf, shape):
             quant[module] = False
     flush()
     n = len(shard_keys)
@@ -289,10 +286,10 @@ def _write_weights(reader, arch, config, out: Path, dequantize: bool, dtype: str
         index["weight_map"].update(dict.fromkeys(keys, name))
     if n > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    if not any(v for v in quant.values()):
+    bits = Counter(q["bits"] for q in quant.values() if q)
+    if not bits:
         return None, types
-    top_bits = max(bits_seen, key=bits_seen.get)
-    return {"group_size": _GROUP, "bits": top_bits, "mode": "affine", **quant}, types
+    return {"group_size": _GROUP, "bits": bits.most_common(1)[0][0], "mode": "affine", **quant}, types
 
 
 # How text is split before BPE, by `tokenizer.ggml.pre`
@@ -320,9 +317,9 @@ def build_tokenizer(meta: dict):
         vocab.setdefault(tok, i)  # the first id of a repeated token wins
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None else None
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
 
     if kind == "gpt2":  # byte-level BPE: GPT-2, Llama 3, Qwen2, SmolLM
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         pre = meta.get("tokenizer.ggml.pre", "default")
         tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=pre in ("llama-bpe", "llama3")))
         if pre in _SPLITS:
@@ -335,16 +332,12 @@ def build_tokenizer(meta: dict):
             tok.normalizer = normalizers.NFC()
         tok.decoder = decoders.ByteLevel()
     elif kind == "llama":  # sentencepiece BPE with byte fallback: Llama 2, TinyLlama, Gemma
-        merges = meta.get("tokenizer.ggml.merges")
-        if merges:
-            merges = [tuple(m.split(" ", 1)) for m in merges]
-        else:  # Gemma's scores do not follow its merge order; the order of its tokens does
+        if not merges:  # Gemma's scores do not follow its merge order; the order of its tokens does
             merges = _merges_from_scores(vocab, None if gemma else meta.get("tokenizer.ggml.scores"))
         tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
-        prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
         norm = [normalizers.Replace(" ", _SPACE)]
         dec = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-        if prefix:
+        if meta.get("tokenizer.ggml.add_space_prefix", True):
             norm.insert(0, normalizers.Prepend(_SPACE))
             dec.append(decoders.Strip(" ", 1, 0))
         tok.normalizer = normalizers.Sequence(norm)
@@ -390,8 +383,7 @@ def _merges_from_scores(vocab: Dict[str, int], scores) -> List[Tuple[str, str]]:
 
 
 def _write_tokenizer(meta: dict, config: dict, out: Path) -> None:
-    tok = build_tokenizer(meta)
-    tok.save(str(out / "tokenizer.json"))
+    build_tokenizer(meta).save(str(out / "tokenizer.json"))
     tokens = meta["tokenizer.ggml.tokens"]
 
     def token(key):
@@ -408,8 +400,8 @@ def _write_tokenizer(meta: dict, config: dict, out: Path) -> None:
     if meta.get("tokenizer.chat_template"):
         tok_config["chat_template"] = meta["tokenizer.chat_template"]
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    special_map = {k: v for k, v in tok_config.items()
-                   if k in ("bos_token", "eos_token", "unk_token", "pad_token") and v is not None}
+    special_map = {k: tok_config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                   if tok_config[k] is not None}
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
     if "eos_token_id" in config:
         gen = {k: config[k] for k in ("eos_token_id", "bos_token_id") if k in config}
@@ -421,9 +413,8 @@ def _publish(tmp: Path, out_dir: Path) -> None:
     with contextlib.suppress(OSError):
         return os.rename(tmp, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = sorted(tmp.iterdir(), key=lambda p: p.name == "config.json")
     for old in out_dir.glob("model*.safetensors*"):
         if not (tmp / old.name).exists():
             old.unlink()
-    for f in files:
+    for f in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
         os.replace(f, out_dir / f.name)

@@ -16,7 +16,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -103,12 +103,8 @@ def _untag_float(obj: dict):
 def load_config(model_path: Path) -> dict:
     """config.json, with generation_config.json's eos_token_id (mlx-lm's rule)."""
     config = json.loads((model_path / "config.json").read_text(encoding="utf-8"), object_hook=_untag_float)
-    gen = model_path / "generation_config.json"
-    if gen.exists():
-        try:
-            eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-        except ValueError:
-            eos = None
+    with contextlib.suppress(FileNotFoundError, ValueError):  # none, or not JSON: config.json's stands
+        eos = json.loads((model_path / "generation_config.json").read_text(encoding="utf-8")).get("eos_token_id")
         if eos:
             config["eos_token_id"] = eos
     return config
@@ -183,13 +179,11 @@ def resolve_model_path(path: str | os.PathLike, gguf_mode: str = "auto") -> Path
         raise ValueError(f"model.gguf_mode must be one of {', '.join(GGUF_MODES)}, not {gguf_mode!r}")
     from .assets import resolve_asset  # known names such as smollm2-135m-instruct
     p = Path(resolve_asset(str(path), kind="model"))
-    gguf_file = None
     if p.is_file() and p.suffix == ".gguf":
         gguf_file = p
-    elif p.is_dir() and not (p / "config.json").exists():
-        found = sorted(p.glob("*.gguf"))
-        if found:
-            gguf_file = found[0]
+    else:  # a directory holding a .gguf and no config.json
+        found = sorted(p.glob("*.gguf")) if p.is_dir() and not (p / "config.json").exists() else []
+        gguf_file = found[0] if found else None
     if gguf_file is None:
         if not p.exists():
             raise FileNotFoundError(f"model path {str(path)!r} does not exist: give an mlx-lm model directory, "
@@ -219,25 +213,16 @@ def tensor_index(model_path: Path) -> Dict[str, Tuple[str, tuple]]:
     return index
 
 
-def load_mtp_weights(model_path: Path, config: dict, index: Optional[Dict[str, Tuple[str, tuple]]] = None):
-    index = tensor_index(model_path) if index is None else index
-    files = sorted({f for k, (f, _) in index.items() if is_mtp_key(k, config)})
-    return {k: v for name in files for k, v in mx.load(str(Path(model_path) / name)).items() if is_mtp_key(k, config)}
-
-
 def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = False,
          gguf_mode: str = "auto", tokenizer=None) -> ModelBundle:
     """`tokenizer`: one already loaded from this model (`load_tokenizer_only`)."""
     prepare_process()
-    phases = {}
-    t = time.perf_counter()
+    t0 = time.perf_counter()
     model_path = resolve_model_path(path, gguf_mode)
     config = load_config(model_path)
-    phases["config"] = time.perf_counter() - t
-    t = time.perf_counter()
+    t1 = time.perf_counter()
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_path, config)
-    phases["tokenizer"] = time.perf_counter() - t
-    t = time.perf_counter()
+    t2 = time.perf_counter()
     model = None
     if _plain_checkpoint(model_path, config):
         with contextlib.suppress(_NotPlain):
@@ -247,8 +232,9 @@ def load(path: str | os.PathLike, trust_remote_code: bool = False, lazy: bool = 
         model, config = load_model(model_path, lazy=lazy, get_model_classes=_classes_without_mtp,
                                    trust_remote_code=trust_remote_code)
     index = tensor_index(model_path)
-    mtp = load_mtp_weights(model_path, config, index)
-    phases["weights"] = time.perf_counter() - t
+    files = sorted({f for k, (f, _) in index.items() if is_mtp_key(k, config)})
+    mtp = {k: v for name in files for k, v in mx.load(str(model_path / name)).items() if is_mtp_key(k, config)}
+    phases = {"config": t1 - t0, "tokenizer": t2 - t1, "weights": time.perf_counter() - t2}
     return ModelBundle(model=model, tokenizer=tokenizer, config=config, path=model_path, mtp_weights=mtp,
                        shapes={k: shape for k, (_, shape) in index.items()}, phases=phases, gguf_mode=gguf_mode)
 

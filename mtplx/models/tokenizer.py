@@ -105,7 +105,6 @@ class FastTokenizer:
     def _splits_at_lines(self) -> bool:
         """Whether every piece ends at a line start (BPE, line-local pre-tokenizers, NFC at most)."""
         if self._line_split is None:
-            self._line_split = False
             spec = json.loads(self._backend.to_str())
             pre = spec.get("pre_tokenizer") or {}
             steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
@@ -114,8 +113,7 @@ class FastTokenizer:
             normalizer = spec.get("normalizer")
             plain = normalizer is None or normalizer.get("type") == "NFC"
             added = any("\n" in t.get("content", "") for t in spec.get("added_tokens", []))
-            probe = "a\nb: 1\n"
-            bare, full = self.encode(probe, add_special_tokens=False), self.encode(probe, add_special_tokens=True)
+            bare, full = (self.encode("a\nb: 1\n", add_special_tokens=special) for special in (False, True))
             front_only = full[len(full) - len(bare):] == bare
             self._line_split = (local and plain and not added and front_only
                                 and (spec.get("model") or {}).get("type") == "BPE")
@@ -154,21 +152,17 @@ def _chat_template(model_path: Path, config: dict):
 
 
 def _prefix_space_agrees(tok_file: Path, want: bool) -> bool:
-    found = []
-
-    def scan(node):
+    found, nodes = [], [json.loads(tok_file.read_text(encoding="utf-8")).get("pre_tokenizer")]
+    while nodes:
+        node = nodes.pop()
         if isinstance(node, dict):
             if "add_prefix_space" in node:
                 found.append(bool(node["add_prefix_space"]))
             if "prepend_scheme" in node:
                 found.append(node["prepend_scheme"] != "never")
-            for v in node.values():
-                scan(v)
+            nodes.extend(node.values())
         elif isinstance(node, list):
-            for v in node:
-                scan(v)
-
-    scan(json.loads(tok_file.read_text(encoding="utf-8")).get("pre_tokenizer"))
+            nodes.extend(node)
     return bool(found) and all(f == want for f in found)
 
 
