@@ -63,13 +63,12 @@ def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int, project
     return out
 
 
-def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32, batch_size: int = 8,
-               vocab: Optional[Sequence[int]] = None) -> List[np.ndarray]:
+def depth_hits(head: MTPHead, feats: Features, depths: int, vocab: Optional[Sequence[int]] = None) -> List[np.ndarray]:
     """Per sequence [depths, L-2] int8: 1 where the depth-k draft from base i (argmax among `vocab`) is
     the trunk's greedy token, 0 where not, -1 where unscored."""
     out: List[Optional[np.ndarray]] = [None] * len(feats.tokens)
-    for batch in _batches(feats, batch_size):
-        hidden, tok, tgt, m, g, _ = _batch(feats, batch, compute_dtype)
+    for batch in _batches(feats):
+        hidden, tok, tgt, m, g, _ = _batch(feats, batch, mx.float32)
         ref = g if g is not None else tgt
         grid = np.full((len(batch), depths, tok.shape[1]), -1, dtype=np.int8)
         for k, (logits, _, mk, _) in enumerate(_unrolled(head, hidden, tok, tgt, m, depths)):
@@ -81,7 +80,7 @@ def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.flo
     return out
 
 
-def _batches(feats: Features, batch_size: int):
+def _batches(feats: Features, batch_size: int = 8):
     idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
     return [idx[s : s + batch_size] for s in range(0, len(idx), batch_size)]
 
@@ -102,10 +101,9 @@ def _rates(hits: Sequence[np.ndarray], depths: int) -> List[float]:
     return [float(h / c) if c else 0.0 for h, c in zip(n_hit, counts)]
 
 
-def depth_report(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
-                 vocab: Optional[Sequence[int]] = None) -> dict:
+def depth_report(head: MTPHead, feats: Features, depths: int, vocab: Optional[Sequence[int]] = None) -> dict:
     """Acceptance by depth; tokens per verify from their product and replayed as the engine's rounds."""
-    hits = depth_hits(head, feats, depths, compute_dtype, vocab=vocab)
+    hits = depth_hits(head, feats, depths, vocab)
     by_depth = _rates(hits, depths)
     ks = range(1, depths + 1)
     return {"acceptance_by_depth": by_depth,
@@ -140,12 +138,11 @@ def tokens_per_verify(by_depth: Sequence[float], depth: int) -> float:
     return total
 
 
-def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_size: int = 8,
-             vocab: Optional[Sequence[int]] = None) -> Tuple[float, float]:
+def evaluate(head: MTPHead, feats: Features, vocab: Optional[Sequence[int]] = None) -> Tuple[float, float]:
     """(mean cross-entropy against x_{t+2}, acceptance against the trunk's greedy token)."""
     total_loss = total_hit = total_n = 0.0
-    for batch in _batches(feats, batch_size):
-        hidden, tok, tgt, m, g, _ = _batch(feats, batch, compute_dtype)
+    for batch in _batches(feats):
+        hidden, tok, tgt, m, g, _ = _batch(feats, batch, mx.float32)
         _, logits = head(hidden, tok, mask=_causal(head, tok.shape[1]))
         ce = nn.losses.cross_entropy(logits.astype(mx.float32), tgt, reduction="none")
         ref = g if g is not None else tgt
