@@ -29,8 +29,8 @@ from .head_prompts import check_heldout
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
 from ..process import prepare_process
-from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint,  # noqa: F401 (CLI's)
-                         checkpoint_step, resumable_state, save_sidecar, sidecar_meta)
+from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint, checkpoint_step,
+                         resumable_state, save_sidecar, sidecar_meta)
 from ..drafting.mtp_bank import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
 from ..models.mtp import MTPHead, has_trunk_split, project_logits, trunk_probe, trunk_signature
 
@@ -343,7 +343,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     interrupted = None
     fitting = (cfg.fit_steps and cfg.max_seconds is not None and "planned_steps" not in (state or {})
                and cfg.steps > step + FIT_PROBE[1])
-    probe = (step + FIT_PROBE[0], step + FIT_PROBE[1], None)
+    probe_from, probe_to, probe_start = step + FIT_PROBE[0], step + FIT_PROBE[1], 0.0
     try:
         while step < total:
             if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:
@@ -352,21 +352,20 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
             idx = rng.choice(len(train_idx), size=min(cfg.batch_size, len(train_idx)), replace=False)
             loss = (first_step if step == resumed_from else train_step)(sorted(int(i) for i in idx))
             step += 1
-            if fitting and step == probe[0]:
-                probe = (probe[0], probe[1], time.monotonic())
-            elif fitting and step == probe[1]:
+            if fitting and step == probe_from:
+                probe_start = time.monotonic()
+            elif fitting and step == probe_to:
                 fitting = False
-                total = _fit(cfg, step, (time.monotonic() - probe[2]) / (probe[1] - probe[0]), eval_seconds,
-                             cfg.max_seconds - (time.monotonic() - started))
+                per_step = (time.monotonic() - probe_start) / (probe_to - probe_from)
+                total = _fit(cfg, step, per_step, eval_seconds, cfg.max_seconds - (time.monotonic() - started))
                 plan["lr"] = _schedule(replace(cfg, steps=total))
                 header["planned_steps"] = total
                 bar.total = total
-                log(f"--fit-steps: {(time.monotonic() - probe[2]) / (probe[1] - probe[0]):.3f} s a step; the schedule "
-                    f"now spans {total} steps (of at most {cfg.steps})")
+                log(f"--fit-steps: {per_step:.3f} s a step; the schedule now spans {total} steps "
+                    f"(of at most {cfg.steps})")
             lv = loss.item()
             train_loss = lv if train_loss is None else 0.95 * train_loss + 0.05 * lv  # a moving average
-            metrics = {"loss": lv, "lr": float(opt.learning_rate.item() if isinstance(opt.learning_rate, mx.array)
-                                               else opt.learning_rate)}
+            metrics = {"loss": lv, "lr": float(opt.learning_rate)}
             if step % cfg.eval_every == 0 or step == total:
                 last_eval = held_out(step)
                 hl, ha = last_eval["heldout_loss"], last_eval["heldout_acceptance"]
@@ -397,11 +396,10 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     meta = sidecar_meta(cfg, tdata, step, header, train_loss, initial, last_eval, held_report, other_meta,
                          mixed["dtype"], vocab, train_f, held_f, started)
     save_sidecar(bundle, head, out, meta)
-    remove = Path(out) / DRAFT_VOCAB_FILE
     if vocab is not None:
         save_draft_vocab(out, vocab)
-    elif remove.exists():
-        remove.unlink()
+    else:  # an earlier run's: this head drafts over the whole vocabulary
+        (out / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     log(f"held-out loss {initial['heldout_loss']:.4f} -> {last_eval['heldout_loss']:.4f}, acceptance "
         f"{initial['heldout_acceptance']:.3f} -> {last_eval['heldout_acceptance']:.3f}; wrote {out}")
     return TrainResult(out_dir=str(out), steps=step, train_loss=train_loss, heldout_loss=last_eval["heldout_loss"],
@@ -426,8 +424,7 @@ def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx
     return vocab, draft, mx.array(index)
 
 
-def _heldout_sets(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read=None,
-                  log=None) -> List[tuple]:
+def _heldout_sets(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read, log) -> List[tuple]:
     """(TrainData, Features) of each `heldout_data` set, self-distilled once and kept by key."""
     ocfg = replace(cfg, sample=cfg.heldout_rows, max_rows=cfg.heldout_rows, samples_per_prompt=0, prompts=())
     sets: Dict[str, TrainData] = {}
@@ -443,12 +440,12 @@ def _heldout_sets(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, 
     rows = [(name, p) for name, _, _, d in todo if isinstance(d, ReadData) for p in d.prompts]
     if rows:
         news = [d.max_new_tokens for _, _, _, d in todo if isinstance(d, ReadData) for _ in d.prompts]
-        (log or (lambda m: None))(f"self-distilling {len(rows)} rows of {len(todo)} held-out set(s)")
+        log(f"self-distilling {len(rows)} rows of {len(todo)} held-out set(s)")
         both = self_distill(bundle, [p for _, p in rows], news, cfg.gen_batch, cfg.seq_len, quiet, seed=cfg.seed)
     for name, key, path, d in todo:
         if isinstance(d, ReadData) and d.prompts:
             mine = [i for i, g in enumerate(both.groups) if rows[g][0] == name]
-            sets[name] = TrainData([both.sequences[i] for i in mine], d.source, [both.starts[i] for i in mine])
+            sets[name] = both.subset(mine, d.source)
         else:
             sets[name] = build_data(bundle, d, ocfg, quiet, log)
         sets[name].clip(cfg.seq_len)
