@@ -71,6 +71,7 @@ class TrainData:
     def save(self, path: Path, key: Optional[dict] = None):
         lens = np.array([len(s) for s in self.sequences], dtype=np.int64)
         flat = np.array([t for s in self.sequences for t in s], dtype=np.int32)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, tokens=flat, lengths=lens, starts=np.array(self.starts, dtype=np.int64),
                  heldout=np.array(self.heldout, dtype=np.int64), source=np.array(self.source),
@@ -87,13 +88,12 @@ class TrainData:
         groups = [int(g) for g in z["groups"]] if "groups" in z.files else None
         return cls(seqs, str(z["source"]), [int(i) for i in z["starts"]], [int(i) for i in z["heldout"]], rows, groups)
 
-    def extend(self, other: "TrainData") -> "TrainData":
+    def extend(self, other: "TrainData"):
         base = max(self.groups, default=-1) + 1
         self.sequences += other.sequences
         self.starts += other.starts
         self.groups += [base + g for g in other.groups]
         self.source = f"{self.source} + {other.source}"
-        return self
 
     @staticmethod
     def stored_key(path: Path) -> Optional[dict]:
@@ -217,8 +217,7 @@ class ReadData:
 
 
 def is_job_or_table(path: str) -> bool:
-    low = str(path).lower()
-    return low.endswith((".yaml", ".yml")) or any(low.endswith(suf) for suf in TABLE_FORMATS)
+    return str(path).lower().endswith((".yaml", ".yml", *TABLE_FORMATS))
 
 
 def is_dataset_name(name: str) -> bool:
