@@ -76,11 +76,9 @@ def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1, teacher
                 ce = -(mx.softmax(t_logits, axis=-1) * logp).sum(axis=-1)
             else:
                 ce = -mx.take_along_axis(logp, mx.argmax(t_logits, axis=-1)[..., None], axis=-1)[..., 0]
-        level = (ce * m).sum() / mx.maximum(m.sum(), 1.0)
         if hidden_weight and t is not None:
-            err = mx.square(h.astype(mx.float32) - t.astype(mx.float32)).mean(axis=-1)
-            level = level + hidden_weight * (err * m).sum() / mx.maximum(m.sum(), 1.0)
-        total = total + level
+            ce = ce + hidden_weight * mx.square(h.astype(mx.float32) - t.astype(mx.float32)).mean(axis=-1)
+        total = total + (ce * m).sum() / mx.maximum(m.sum(), 1.0)
     return total / len(levels)
 
 
@@ -113,19 +111,15 @@ def _value_and_grad(head: nn.Module, loss_fn, dtype):
 
 
 def _dense_params(module: nn.Module) -> Dict[str, mx.array]:
-    out, quantized = {}, []
+    """`module`'s parameters in float32, a quantized layer's weight dequantized (its scales and biases dropped)."""
+    out, packing = {}, set()
     for name, mod in module.named_modules():
         if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             prefix = f"{name}." if name else ""
-            quantized.append(prefix)
-            w = mx.dequantize(mod.weight, mod.scales, mod.get("biases"), mod.group_size, mod.bits,
-                              **({"mode": mod.mode} if hasattr(mod, "mode") else {}))
-            out[prefix + "weight"] = w
-            if "bias" in mod:
-                out[prefix + "bias"] = mod.bias
-    for k, v in tree_flatten(module.parameters()):
-        if not any(k.startswith(q) and k.count(".") == q.count(".") for q in quantized):
-            out[k] = v
+            packing |= {prefix + "scales", prefix + "biases"}
+            out[prefix + "weight"] = mx.dequantize(mod.weight, mod.scales, mod.get("biases"), mod.group_size, mod.bits,
+                                                   mode=mod.mode)
+    out.update((k, v) for k, v in tree_flatten(module.parameters()) if k not in packing and k not in out)
     return {k: v.astype(mx.float32) for k, v in out.items()}
 
 
@@ -215,7 +209,6 @@ def _training_data(bundle: ModelBundle, data, cfg: TrainConfig, ck: Path, state:
         tdata.extend(extra)
     if cfg.text:  # training only: the held-out split stays the data's own
         tdata.extend(text_data(bundle, cfg.text, cfg.text_tokens, cfg.seq_len, cfg.seed).clip(cfg.seq_len))
-    ck.mkdir(parents=True, exist_ok=True)
     tdata.save(data_file, dkey)
     log(f"data: {len(tdata.sequences)} sequences, {sum(map(len, tdata.sequences)):,} tokens "
         f"({time.monotonic() - started:.0f}s)")
@@ -259,8 +252,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         raise TrainHeadError("no training sequences left after holding some out: give more data")
 
     store_dtype, step_dtype = _dtypes(cfg)
-    train_f = trunk_features(mdl, [tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
-                             store_dtype, False, desc="trunk (train)", quiet=quiet)
+    train = tdata.subset(train_idx, tdata.source)
+    train_f = trunk_features(mdl, train.sequences, train.starts, store_dtype, False, desc="trunk (train)", quiet=quiet)
     held_f = trunk_features(mdl, [tdata.sequences[i] for i in tdata.heldout], [tdata.starts[i] for i in tdata.heldout],
                             store_dtype, True, desc="trunk (held-out)", quiet=quiet)
     others = _heldout_sets(bundle, cfg, ck, store_dtype, quiet, read, log)
@@ -275,7 +268,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
             "(--max-rows, a larger job) helps more than more steps")
 
     head = _init_head(mdl, cfg)
-    vocab, draft, index = _draft_vocab(bundle, head, tdata, train_idx, cfg)
+    vocab, draft, index = _draft_vocab(bundle, head, train, cfg)
     _causal(head, 2)  # settle the mask kind outside any gradient transform
     # the schedule spans cfg.steps, or what --fit-steps planned (kept in the checkpoint)
     total = int((state or {}).get("planned_steps") or cfg.steps)
@@ -393,31 +386,29 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     held_report = depth_report(head, held_f, depths, vocab=vocab)
     other_meta = [{"data": other.source, "sequences": len(other.sequences), "positions": other_f.positions,
                    **depth_report(head, other_f, depths, vocab=vocab)} for other, other_f in others]
-    meta = sidecar_meta(cfg, tdata, step, header, train_loss, initial, last_eval, held_report, other_meta,
-                         mixed["dtype"], vocab, train_f, held_f, started)
-    save_sidecar(bundle, head, out, meta)
+    res = TrainResult(out_dir=str(out), steps=step, train_loss=train_loss, heldout_loss=last_eval["heldout_loss"],
+                      heldout_acceptance=last_eval["heldout_acceptance"], initial_heldout_loss=initial["heldout_loss"],
+                      initial_heldout_acceptance=initial["heldout_acceptance"], sequences=len(tdata.sequences),
+                      train_tokens=train_f.positions, heldout_tokens=held_f.positions, resumed_from=resumed_from,
+                      seconds=time.monotonic() - started, history=history, heldout_other=other_meta,
+                      acceptance_by_depth=held_report["acceptance_by_depth"])
+    save_sidecar(bundle, head, out, sidecar_meta(cfg, tdata, res, header, held_report, mixed["dtype"], vocab))
     if vocab is not None:
         save_draft_vocab(out, vocab)
     else:  # an earlier run's: this head drafts over the whole vocabulary
         (out / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     log(f"held-out loss {initial['heldout_loss']:.4f} -> {last_eval['heldout_loss']:.4f}, acceptance "
         f"{initial['heldout_acceptance']:.3f} -> {last_eval['heldout_acceptance']:.3f}; wrote {out}")
-    return TrainResult(out_dir=str(out), steps=step, train_loss=train_loss, heldout_loss=last_eval["heldout_loss"],
-                       heldout_acceptance=last_eval["heldout_acceptance"], initial_heldout_loss=initial["heldout_loss"],
-                       initial_heldout_acceptance=initial["heldout_acceptance"], sequences=len(tdata.sequences),
-                       train_tokens=train_f.positions, heldout_tokens=held_f.positions, resumed_from=resumed_from,
-                       seconds=time.monotonic() - started, history=history, heldout_other=other_meta,
-                       acceptance_by_depth=held_report["acceptance_by_depth"])
+    return res
 
 
-def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx, cfg: TrainConfig):
+def _draft_vocab(bundle: ModelBundle, head: MTPHead, train: TrainData, cfg: TrainConfig):
     """(ids, DraftVocab, index: id -> place or -1) of the drafting vocabulary, or (None, None, None)."""
     V = int(head.logits(mx.zeros((1, head.fc.weight.shape[0]))).shape[-1])
     if not 0 < cfg.draft_vocab < V:
         return None, None, None
     eos = list(getattr(bundle.tokenizer, "eos_token_ids", None) or [])
-    vocab = frequent_tokens([tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
-                            cfg.draft_vocab, V, eos)
+    vocab = frequent_tokens(train.sequences, train.starts, cfg.draft_vocab, V, eos)
     draft = DraftVocab(head, vocab, V)
     index = np.full(V, -1, dtype=np.int32)
     index[np.array(draft.ids)] = np.arange(draft.size, dtype=np.int32)
@@ -448,8 +439,6 @@ def _heldout_sets(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, 
             sets[name] = both.subset(mine, d.source)
         else:
             sets[name] = build_data(bundle, d, ocfg, quiet, log)
-        sets[name].clip(cfg.seq_len)
-        ck.mkdir(parents=True, exist_ok=True)
-        sets[name].save(path, key)
+        sets[name].clip(cfg.seq_len).save(path, key)
     return [(sets[name], trunk_features(bundle.model, sets[name].sequences, sets[name].starts, store_dtype, True,
                                         desc=f"trunk (held-out {name})", quiet=quiet)) for name in cfg.heldout_data]
