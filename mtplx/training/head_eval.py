@@ -39,8 +39,7 @@ def _causal(head: MTPHead, L: int):
     """The mask for L positions: "causal" where the block takes it, else an array."""
     if getattr(head, "_array_mask", None) is None:
         try:
-            D = head.fc.weight.shape[0]
-            mx.eval(head.layers[0](mx.zeros((1, 2, D)), "causal", None))
+            mx.eval(head.layers[0](mx.zeros((1, 2, head.fc.weight.shape[0])), "causal", None))
             head._array_mask = False
         except (TypeError, ValueError):
             head._array_mask = True
@@ -93,18 +92,11 @@ def _among(logits: mx.array, vocab: Optional[Sequence[int]]) -> mx.array:
     return mx.where(mx.array(keep), logits, -mx.inf)
 
 
-def _rates(hits: Sequence[np.ndarray], depths: int) -> List[float]:
-    n_hit, counts = np.zeros(depths), np.zeros(depths)
-    for grid in hits:
-        n_hit += (grid == 1).sum(axis=1)
-        counts += (grid >= 0).sum(axis=1)
-    return [float(h / c) if c else 0.0 for h, c in zip(n_hit, counts)]
-
-
 def depth_report(head: MTPHead, feats: Features, depths: int, vocab: Optional[Sequence[int]] = None) -> dict:
     """Acceptance by depth; tokens per verify from their product and replayed as the engine's rounds."""
     hits = depth_hits(head, feats, depths, vocab)
-    by_depth = _rates(hits, depths)
+    grid = np.concatenate([np.zeros((depths, 0), dtype=np.int8), *hits], axis=1)  # all sequences' positions
+    by_depth = [float(h / n) if n else 0.0 for h, n in zip((grid == 1).sum(axis=1), (grid >= 0).sum(axis=1))]
     ks = range(1, depths + 1)
     return {"acceptance_by_depth": by_depth,
             "tokens_per_verify": {str(k): tokens_per_verify(by_depth, k) for k in ks},
@@ -140,16 +132,14 @@ def tokens_per_verify(by_depth: Sequence[float], depth: int) -> float:
 
 def evaluate(head: MTPHead, feats: Features, vocab: Optional[Sequence[int]] = None) -> Tuple[float, float]:
     """(mean cross-entropy against x_{t+2}, acceptance against the trunk's greedy token)."""
-    total_loss = total_hit = total_n = 0.0
+    totals = mx.zeros(3)  # loss, hits, scored positions
     for batch in _batches(feats):
         hidden, tok, tgt, m, g, _ = _batch(feats, batch, mx.float32)
         _, logits = head(hidden, tok, mask=_causal(head, tok.shape[1]))
         ce = nn.losses.cross_entropy(logits.astype(mx.float32), tgt, reduction="none")
         ref = g if g is not None else tgt
         hit = (mx.argmax(_among(logits, vocab), axis=-1) == ref).astype(mx.float32)
-        l, h, n = (ce * m).sum(), (hit * m).sum(), m.sum()
-        mx.eval(l, h, n)
-        total_loss += l.item()
-        total_hit += h.item()
-        total_n += n.item()
-    return (total_loss / total_n, total_hit / total_n) if total_n else (float("nan"), 0.0)
+        totals = totals + mx.stack([(ce * m).sum(), (hit * m).sum(), m.sum()])
+        mx.eval(totals)
+    loss, hits, n = totals.tolist()
+    return (loss / n, hits / n) if n else (float("nan"), 0.0)
