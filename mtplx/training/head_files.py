@@ -49,9 +49,8 @@ def save_sidecar(bundle: ModelBundle, head: MTPHead, out_dir: Union[str, os.Path
     out.mkdir(parents=True, exist_ok=True)
     N = int(bundle.config["num_hidden_layers"])
     trunk_float = bundle.model.model.embed_tokens(mx.array([0])).dtype  # not a quantized weight's uint32
-    weights = nextn_weights(head, N, trunk_float)
     tmp = out / (SIDECAR_WEIGHTS + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "layout": "nextn"})
+    mx.save_safetensors(str(tmp), nextn_weights(head, N, trunk_float), metadata={"format": "mlx", "layout": "nextn"})
     os.replace(tmp, out / SIDECAR_WEIGHTS)
     full = {"trunk": trunk_signature(bundle.config), "num_hidden_layers": N, "layout": "nextn",
             "depth_layers": len(head.layers), **meta, "trunk_probe": trunk_probe(bundle)}
