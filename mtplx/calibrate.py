@@ -115,9 +115,8 @@ def calibrate(engine, widths: Sequence[int] = DEFAULT_WIDTHS, depth: Optional[in
     skipped = [w for w in widths if w not in fits]
     verify: Dict[str, list] = {}
     for w in fits:
-        verify[str(w)] = _time_width(engine, w, depth + 1, context, repeats, rng)
+        costs = verify[str(w)] = _time_width(engine, w, depth + 1, context, repeats, rng)
         if log:
-            costs = verify[str(w)]
             log(f"width {w}: {w / costs[0]:.1f} tok/s plain; verify ms by length "
                 + " ".join(f"{1000 * c:.2f}" for c in costs))
     single = one_stream(engine, context, repeats=repeats, seed=seed) if 1 in fits else None

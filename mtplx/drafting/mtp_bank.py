@@ -65,12 +65,12 @@ class DraftVocab:
         return int(self.ids.shape[0])
 
     def step_table(self, head: MTPHead) -> Optional[tuple]:
-        """([S, D]: each drafting token's `embedding_share` of the head's fc, fc's hidden-state half
-        [D, D]), built once, so a draft step reads one row (`draft_step`); None where fc cannot be split."""
+        """([S, D]: each drafting token's share of the head's fc output, fc's hidden-state half [D, D]:
+        `MTPHead.fc_split`), built once, so a draft step reads one row (`draft_step`); None where fc cannot
+        be split."""
         if not hasattr(self, "_table"):
-            share = head.embedding_share(self.ids) if type(head) is MTPHead else None
-            self._table = None if share is None else (share, head.hidden_half())
-            if share is not None:
+            self._table = head.fc_split(self.ids) if type(head) is MTPHead else None
+            if self._table is not None:
                 mx.eval(*self._table)
         return self._table
 

@@ -105,9 +105,7 @@ class MTPHead(nn.Module):
             if caches and caches[0] is not None:
                 pos = _leaves(caches[0])[0].rows.device[:, None] + pos
             e = mx.where((pos == 0)[..., None], mx.zeros_like(e), e)
-        if e.dtype != self.norm_embedding.weight.dtype:  # a bfloat16 head trained over a float16 trunk
-            e = e.astype(self.norm_embedding.weight.dtype)
-        e = self.norm_embedding(e)
+        e = self.norm_embedding(e.astype(self.norm_embedding.weight.dtype))  # a bfloat16 head over a float16 trunk
         parts = [self.norm_hidden(hidden), e] if self.hidden_first else [e, self.norm_hidden(hidden)]
         return self._blocks(self.fc(mx.concatenate(parts, axis=-1)), caches, mask)
 
@@ -119,28 +117,20 @@ class MTPHead(nn.Module):
             x = layer(x, mask, c)
         return self.norm(x)
 
-    def _fc_halves(self):
-        """fc's weight as (embedding columns, hidden columns); None for a quantized or biased fc."""
-        if not isinstance(self.fc, nn.Linear) or "bias" in self.fc:  # (fusion.RowsLinear is one)
+    def fc_split(self, tokens: mx.array) -> Optional[Tuple[mx.array, mx.array]]:
+        """fc split in two (DraftVocab.step_table): the tokens' embeddings' share of its output, and its
+        hidden-state half [D, D]; None for a quantized or biased fc (fusion.RowsLinear is one)."""
+        if not isinstance(self.fc, nn.Linear) or "bias" in self.fc:
             return None
         D = self.fc.weight.shape[1] // 2
         w = self.fc.weight
-        return (w[:, D:], w[:, :D]) if self.hidden_first else (w[:, :D], w[:, D:])
-
-    def embedding_share(self, tokens: mx.array) -> Optional[mx.array]:
-        """The tokens' embeddings' share of fc's output (DraftVocab.step_table's rows), or None."""
-        halves = self._fc_halves()
-        if halves is None:
-            return None
-        return self.norm_embedding(self.embed(tokens).astype(self.norm_embedding.weight.dtype)) @ halves[0].T
+        w_embed, w_hidden = (w[:, D:], w[:, :D]) if self.hidden_first else (w[:, :D], w[:, D:])
+        share = self.norm_embedding(self.embed(tokens).astype(self.norm_embedding.weight.dtype)) @ w_embed.T
+        return share, mx.contiguous(w_hidden)
 
     def hidden_after(self, hidden: mx.array, share: mx.array, w_hidden: mx.array, caches=None, mask=None) -> mx.array:
-        """`hidden(hidden, tokens, ...)` from the tokens' `embedding_share`; `w_hidden`: `hidden_half()`."""
+        """`hidden(hidden, tokens, ...)` from the tokens' share and fc's hidden-state half (`fc_split`)."""
         return self._blocks(share + self.norm_hidden(hidden) @ w_hidden.T, caches, mask)
-
-    def hidden_half(self) -> Optional[mx.array]:
-        halves = self._fc_halves()
-        return None if halves is None else mx.contiguous(halves[1])
 
 
 class _ShiftedRows:
@@ -339,10 +329,9 @@ def load_head(bundle: ModelBundle, sidecar: Optional[str] = None) -> MTPHead:
         raise ValueError(f"MTP head was trained for a different trunk (same shape, other weights: its embedding "
                          f"fingerprint does not match {bundle.path}); train one for this model with "
                          "`mtplx-batch train-head`")
-    weights = mx.load(str(path / SIDECAR_WEIGHTS))
     config = dict(bundle.config, num_hidden_layers=meta["num_hidden_layers"],
                   mtp_sidecar_blocks=meta.get("depth_layers", 1))
-    return build_head(bundle, weights, config)
+    return build_head(bundle, mx.load(str(path / SIDECAR_WEIGHTS)), config)
 
 
 def trunk_signature(config: dict) -> dict:

@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -71,6 +71,7 @@ class TrainData:
     def save(self, path: Path, key: Optional[dict] = None):
         lens = np.array([len(s) for s in self.sequences], dtype=np.int64)
         flat = np.array([t for s in self.sequences for t in s], dtype=np.int32)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, tokens=flat, lengths=lens, starts=np.array(self.starts, dtype=np.int64),
                  heldout=np.array(self.heldout, dtype=np.int64), source=np.array(self.source),
@@ -87,13 +88,12 @@ class TrainData:
         groups = [int(g) for g in z["groups"]] if "groups" in z.files else None
         return cls(seqs, str(z["source"]), [int(i) for i in z["starts"]], [int(i) for i in z["heldout"]], rows, groups)
 
-    def extend(self, other: "TrainData") -> "TrainData":
+    def extend(self, other: "TrainData"):
         base = max(self.groups, default=-1) + 1
         self.sequences += other.sequences
         self.starts += other.starts
         self.groups += [base + g for g in other.groups]
         self.source = f"{self.source} + {other.source}"
-        return self
 
     @staticmethod
     def stored_key(path: Path) -> Optional[dict]:
@@ -101,6 +101,10 @@ class TrainData:
             return json.loads(str(np.load(path)["key"]))
         except (OSError, KeyError, ValueError):
             return None
+
+    def subset(self, idx: Sequence[int], source: str) -> "TrainData":
+        return TrainData([self.sequences[i] for i in idx], source, [self.starts[i] for i in idx],
+                         groups=[self.groups[i] for i in idx])
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -151,9 +155,7 @@ def self_distill(bundle: ModelBundle, prompts: Sequence[Sequence[int]], max_new_
     news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     reqs, groups = [], []
     for i, p in enumerate(prompts):
-        p = list(p)
-        if seq_len is not None and len(p) > seq_len - 2:
-            p = p[: max(1, seq_len - 2)]
+        p = list(p) if seq_len is None else list(p)[: max(1, seq_len - 2)]  # room for two generated tokens
         for j in range(1 + max(counts[i], 0)):
             params = SamplingParams(max_tokens=news[i], temperature=temperature if j else 0.0)
             reqs.append(Request(key=len(reqs), prompt_tokens=p, params=params, seed=seed * 1_000_003 + i * 101 + j))
@@ -215,8 +217,7 @@ class ReadData:
 
 
 def is_job_or_table(path: str) -> bool:
-    low = str(path).lower()
-    return low.endswith((".yaml", ".yml")) or any(low.endswith(suf) for suf in TABLE_FORMATS)
+    return str(path).lower().endswith((".yaml", ".yml", *TABLE_FORMATS))
 
 
 def is_dataset_name(name: str) -> bool:
@@ -225,11 +226,9 @@ def is_dataset_name(name: str) -> bool:
 
 
 def build_data(bundle: ModelBundle, data, cfg: TrainConfig, quiet: bool = True, log=None, deadline=None) -> TrainData:
-    """Training sequences from ReadData, a text file, a list of texts or of token-id lists, or TrainData."""
+    """Training sequences from ReadData, a text file, or a list of texts or of token-id lists."""
     tok = bundle.tokenizer
     limit = cfg.max_rows
-    if isinstance(data, TrainData):
-        return TrainData(list(data.sequences), data.source, list(data.starts)).clip(cfg.seq_len, limit)
     if isinstance(data, ReadData):
         return _read_data(bundle, data, cfg, quiet, log, deadline)
     if isinstance(data, (list, tuple)):
@@ -257,44 +256,38 @@ def _read_data(bundle: ModelBundle, data: ReadData, cfg: TrainConfig, quiet: boo
     """The rows' prompts self-distilled before `cfg.prompts`' (returned as `extra`), or their texts."""
     if not data.prompts:
         return TrainData(_windows(bundle.tokenizer, data.texts, cfg.seq_len), data.source).clip(cfg.seq_len)
-    general, kinds = _general(bundle, cfg)
+    general, general_source = _general(bundle, cfg)
     n = len(data.prompts)
     if log is not None:
         log(f"self-distilling {n} rows x {1 + cfg.samples_per_prompt} continuations"
-            + (f" + {len(general)} general prompts x {1 + cfg.general_samples} ({_general_source(cfg, kinds)})" if general else "")
+            + (f" + {len(general)} general prompts x {1 + cfg.general_samples} ({general_source})" if general else "")
             + f", {data.max_new_tokens} tokens each, {cfg.gen_batch} rows at a time")
     both = self_distill(bundle, list(data.prompts) + general, data.max_new_tokens, cfg.gen_batch, cfg.seq_len, quiet,
                         [cfg.samples_per_prompt] * n + [cfg.general_samples] * len(general), cfg.temperature, cfg.seed,
                         cfg.data_seconds, log, deadline)
-    out = _subset(both, [i for i, g in enumerate(both.groups) if g < n], data.source)
+    out = both.subset([i for i, g in enumerate(both.groups) if g < n], data.source)
     out.rows = data.rows
     if general:
-        out.extra = _subset(both, [i for i, g in enumerate(both.groups) if g >= n], _general_source(cfg, kinds))
+        out.extra = both.subset([i for i, g in enumerate(both.groups) if g >= n], general_source)
     return out.clip(cfg.seq_len)
 
 
-def _general(bundle: ModelBundle, cfg: TrainConfig):
-    # a prompt takes at most half a training sequence
-    return general_prompts(bundle.tokenizer, cfg.prompts, cfg.seed, max_tokens=cfg.seq_len // 2)
+def _general(bundle: ModelBundle, cfg: TrainConfig) -> Tuple[List[List[int]], str]:
+    """The --prompts prompts, each at most half a training sequence, and the source that names them."""
+    prompts, kinds = general_prompts(bundle.tokenizer, cfg.prompts, cfg.seed, max_tokens=cfg.seq_len // 2)
+    names = [spec.split(":")[0] for spec in cfg.prompts]
+    return prompts, "prompts:" + ",".join(f"{k}:{kinds.count(k)}" for k in names)
 
 
-def _general_source(cfg: TrainConfig, kinds) -> str:
-    return "prompts:" + ",".join(f"{spec.split(':')[0]}:{kinds.count(spec.split(':')[0])}" for spec in cfg.prompts)
-
-
-def general_data(bundle: ModelBundle, cfg: TrainConfig, quiet: bool = True, log=None, deadline=None) -> Optional["TrainData"]:
-    general, kinds = _general(bundle, cfg)
+def general_data(bundle: ModelBundle, cfg: TrainConfig, quiet: bool = True, log=None,
+                 deadline=None) -> Optional[TrainData]:
+    general, source = _general(bundle, cfg)
     if not general:
         return None
     out = self_distill(bundle, general, cfg.max_new_tokens or 256, cfg.gen_batch, cfg.seq_len, quiet,
                        cfg.general_samples, cfg.temperature, cfg.seed, cfg.data_seconds, log, deadline)
-    out.source = _general_source(cfg, kinds)
+    out.source = source
     return out.clip(cfg.seq_len)
-
-
-def _subset(data: TrainData, idx: Sequence[int], source: str) -> TrainData:
-    return TrainData([data.sequences[i] for i in idx], source, [data.starts[i] for i in idx],
-                     groups=[data.groups[i] for i in idx])
 
 
 @dataclass
@@ -319,10 +312,9 @@ def padded_length(n: int) -> int:
 
 
 def trunk_features(model, sequences: Sequence[Sequence[int]], starts: Sequence[int], store_dtype, want_greedy: bool,
-                   batch_tokens: Optional[int] = None, desc: str = "trunk", quiet: bool = True) -> Features:
+                   desc: str = "trunk", quiet: bool = True) -> Features:
     """The frozen trunk once over `sequences`, in right-padded batches of similar length."""
-    if batch_tokens is None:
-        batch_tokens = 16384 if mx.default_device() == mx.gpu else 4096
+    batch_tokens = 16384 if mx.default_device() == mx.gpu else 4096
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     hidden: List[Optional[mx.array]] = [None] * len(sequences)
     greedy: List[Optional[np.ndarray]] = [None] * len(sequences)

@@ -39,8 +39,7 @@ def _causal(head: MTPHead, L: int):
     """The mask for L positions: "causal" where the block takes it, else an array."""
     if getattr(head, "_array_mask", None) is None:
         try:
-            D = head.fc.weight.shape[0]
-            mx.eval(head.layers[0](mx.zeros((1, 2, D)), "causal", None))
+            mx.eval(head.layers[0](mx.zeros((1, 2, head.fc.weight.shape[0])), "causal", None))
             head._array_mask = False
         except (TypeError, ValueError):
             head._array_mask = True
@@ -63,13 +62,12 @@ def _unrolled(head: MTPHead, hidden, tokens, targets, mask, depths: int, project
     return out
 
 
-def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32, batch_size: int = 8,
-               vocab: Optional[Sequence[int]] = None) -> List[np.ndarray]:
+def depth_hits(head: MTPHead, feats: Features, depths: int, vocab: Optional[Sequence[int]] = None) -> List[np.ndarray]:
     """Per sequence [depths, L-2] int8: 1 where the depth-k draft from base i (argmax among `vocab`) is
     the trunk's greedy token, 0 where not, -1 where unscored."""
     out: List[Optional[np.ndarray]] = [None] * len(feats.tokens)
-    for batch in _batches(feats, batch_size):
-        hidden, tok, tgt, m, g, _ = _batch(feats, batch, compute_dtype)
+    for batch in _batches(feats):
+        hidden, tok, tgt, m, g, _ = _batch(feats, batch, mx.float32)
         ref = g if g is not None else tgt
         grid = np.full((len(batch), depths, tok.shape[1]), -1, dtype=np.int8)
         for k, (logits, _, mk, _) in enumerate(_unrolled(head, hidden, tok, tgt, m, depths)):
@@ -81,7 +79,7 @@ def depth_hits(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.flo
     return out
 
 
-def _batches(feats: Features, batch_size: int):
+def _batches(feats: Features, batch_size: int = 8):
     idx = sorted(range(len(feats.tokens)), key=lambda i: len(feats.tokens[i]))
     return [idx[s : s + batch_size] for s in range(0, len(idx), batch_size)]
 
@@ -94,19 +92,11 @@ def _among(logits: mx.array, vocab: Optional[Sequence[int]]) -> mx.array:
     return mx.where(mx.array(keep), logits, -mx.inf)
 
 
-def _rates(hits: Sequence[np.ndarray], depths: int) -> List[float]:
-    n_hit, counts = np.zeros(depths), np.zeros(depths)
-    for grid in hits:
-        n_hit += (grid == 1).sum(axis=1)
-        counts += (grid >= 0).sum(axis=1)
-    return [float(h / c) if c else 0.0 for h, c in zip(n_hit, counts)]
-
-
-def depth_report(head: MTPHead, feats: Features, depths: int, compute_dtype=mx.float32,
-                 vocab: Optional[Sequence[int]] = None) -> dict:
+def depth_report(head: MTPHead, feats: Features, depths: int, vocab: Optional[Sequence[int]] = None) -> dict:
     """Acceptance by depth; tokens per verify from their product and replayed as the engine's rounds."""
-    hits = depth_hits(head, feats, depths, compute_dtype, vocab=vocab)
-    by_depth = _rates(hits, depths)
+    hits = depth_hits(head, feats, depths, vocab)
+    grid = np.concatenate([np.zeros((depths, 0), dtype=np.int8), *hits], axis=1)  # all sequences' positions
+    by_depth = [float(h / n) if n else 0.0 for h, n in zip((grid == 1).sum(axis=1), (grid >= 0).sum(axis=1))]
     ks = range(1, depths + 1)
     return {"acceptance_by_depth": by_depth,
             "tokens_per_verify": {str(k): tokens_per_verify(by_depth, k) for k in ks},
@@ -140,19 +130,16 @@ def tokens_per_verify(by_depth: Sequence[float], depth: int) -> float:
     return total
 
 
-def evaluate(head: MTPHead, feats: Features, compute_dtype=mx.float32, batch_size: int = 8,
-             vocab: Optional[Sequence[int]] = None) -> Tuple[float, float]:
+def evaluate(head: MTPHead, feats: Features, vocab: Optional[Sequence[int]] = None) -> Tuple[float, float]:
     """(mean cross-entropy against x_{t+2}, acceptance against the trunk's greedy token)."""
-    total_loss = total_hit = total_n = 0.0
-    for batch in _batches(feats, batch_size):
-        hidden, tok, tgt, m, g, _ = _batch(feats, batch, compute_dtype)
+    totals = mx.zeros(3)  # loss, hits, scored positions
+    for batch in _batches(feats):
+        hidden, tok, tgt, m, g, _ = _batch(feats, batch, mx.float32)
         _, logits = head(hidden, tok, mask=_causal(head, tok.shape[1]))
         ce = nn.losses.cross_entropy(logits.astype(mx.float32), tgt, reduction="none")
         ref = g if g is not None else tgt
         hit = (mx.argmax(_among(logits, vocab), axis=-1) == ref).astype(mx.float32)
-        l, h, n = (ce * m).sum(), (hit * m).sum(), m.sum()
-        mx.eval(l, h, n)
-        total_loss += l.item()
-        total_hit += h.item()
-        total_n += n.item()
-    return (total_loss / total_n, total_hit / total_n) if total_n else (float("nan"), 0.0)
+        totals = totals + mx.stack([(ce * m).sum(), (hit * m).sum(), m.sum()])
+        mx.eval(totals)
+    loss, hits, n = totals.tolist()
+    return (loss / n, hits / n) if n else (float("nan"), 0.0)

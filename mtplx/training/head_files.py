@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List, Optional, Union
@@ -50,9 +49,8 @@ def save_sidecar(bundle: ModelBundle, head: MTPHead, out_dir: Union[str, os.Path
     out.mkdir(parents=True, exist_ok=True)
     N = int(bundle.config["num_hidden_layers"])
     trunk_float = bundle.model.model.embed_tokens(mx.array([0])).dtype  # not a quantized weight's uint32
-    weights = nextn_weights(head, N, trunk_float)
     tmp = out / (SIDECAR_WEIGHTS + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "layout": "nextn"})
+    mx.save_safetensors(str(tmp), nextn_weights(head, N, trunk_float), metadata={"format": "mlx", "layout": "nextn"})
     os.replace(tmp, out / SIDECAR_WEIGHTS)
     full = {"trunk": trunk_signature(bundle.config), "num_hidden_layers": N, "layout": "nextn",
             "depth_layers": len(head.layers), **meta, "trunk_probe": trunk_probe(bundle)}
@@ -112,20 +110,16 @@ def resumable_state(state_dir: Optional[Path], ck: Path, cfg, header: dict) -> O
     return state
 
 
-def sidecar_meta(cfg, tdata, step: int, header: dict, train_loss, initial: dict,
-                  last_eval: dict, held_report: dict, other_meta, train_dtype, vocab, train_f, held_f,
-                  started: float) -> dict:
-    return {"steps": step, "planned_steps": header.get("planned_steps"), "train_loss": train_loss,
-            "heldout_loss": last_eval["heldout_loss"], "heldout_acceptance": last_eval["heldout_acceptance"],
-            "initial_heldout_loss": initial["heldout_loss"],
-            "initial_heldout_acceptance": initial["heldout_acceptance"],
-            "heldout_acceptance_by_depth": held_report["acceptance_by_depth"],
+def sidecar_meta(cfg, tdata, res, header: dict, held_report: dict, train_dtype, vocab) -> dict:
+    """The sidecar's metadata: the run's TrainResult `res`, its data and its settings."""
+    same = ("steps", "train_loss", "heldout_loss", "heldout_acceptance", "initial_heldout_loss",
+            "initial_heldout_acceptance", "heldout_other", "sequences")
+    return {**{k: getattr(res, k) for k in same}, "planned_steps": header.get("planned_steps"),
+            "heldout_acceptance_by_depth": res.acceptance_by_depth,
             "heldout_tokens_per_verify": held_report["tokens_per_verify"],
             "heldout_replayed_tokens_per_verify": held_report["replayed_tokens_per_verify"],
-            "heldout_other": other_meta,
             "train_dtype": str(train_dtype).split(".")[-1],  # what the training steps computed in
             "draft_vocab": None if vocab is None else len(vocab),
             "data": tdata.source, "data_digest": tdata.digest(), "sample_rows": tdata.rows,
-            "sequences": len(tdata.sequences), "heldout_sequences": len(tdata.heldout),
-            "train_positions": train_f.positions, "heldout_positions": held_f.positions,
-            "seconds": round(time.monotonic() - started, 1), "config": asdict(cfg)}
+            "heldout_sequences": len(tdata.heldout), "train_positions": res.train_tokens,
+            "heldout_positions": res.heldout_tokens, "seconds": round(res.seconds, 1), "config": asdict(cfg)}

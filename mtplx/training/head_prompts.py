@@ -97,10 +97,7 @@ def _stdlib(kind: str, seed: int) -> Iterator[str]:
         found = list(_functions(files[int(k)]))
         for j in rng.permutation(len(found))[:PER_FILE]:
             code, doc = found[int(j)]
-            if kind == "stdlib-code":
-                yield code
-            else:
-                yield CHAT_ASKS[int(rng.integers(len(CHAT_ASKS)))].format(doc=_cut(doc))
+            yield code if kind == "stdlib-code" else CHAT_ASKS[int(rng.integers(len(CHAT_ASKS)))].format(doc=_cut(doc))
 
 
 def dataset_prompts(kind: str, seed: int) -> Iterator[Prompt]:
@@ -152,14 +149,9 @@ def general_prompts(tokenizer, specs: Sequence[str], seed: int,
     per_kind = []
     for spec in specs:
         kind, n = parse_spec(spec)
-        taken: List[List[int]] = []
-        for p in prompts_of(kind, seed):
-            (ids,) = render(tokenizer, [p])
-            if max_tokens is None or len(ids) <= max_tokens:
-                taken.append(ids)
-                if len(taken) == n:
-                    break
-        per_kind.append((kind, taken))
+        fits = (ids for (ids,) in (render(tokenizer, [p]) for p in prompts_of(kind, seed))
+                if max_tokens is None or len(ids) <= max_tokens)
+        per_kind.append((kind, list(islice(fits, n))))
     pairs = [(prompts[i], kind) for i in range(max((len(p) for _, p in per_kind), default=0))
              for kind, prompts in per_kind if i < len(prompts)]
     return [t for t, _ in pairs], [k for _, k in pairs]

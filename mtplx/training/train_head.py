@@ -29,8 +29,8 @@ from .head_prompts import check_heldout
 from .head_eval import _batch, _causal, _unrolled, depth_report, evaluate
 from ..models.loading import ModelBundle, load
 from ..process import prepare_process
-from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint,  # noqa: F401 (CLI's)
-                         checkpoint_step, resumable_state, save_sidecar, sidecar_meta)
+from .head_files import (CHECKPOINT_DIR, DATA_FILE, _ckpt_state_dir, _save_checkpoint, checkpoint_step,
+                         resumable_state, save_sidecar, sidecar_meta)
 from ..drafting.mtp_bank import DRAFT_VOCAB_FILE, DraftVocab, frequent_tokens, save_draft_vocab
 from ..models.mtp import MTPHead, has_trunk_split, project_logits, trunk_probe, trunk_signature
 
@@ -76,11 +76,9 @@ def _loss(head: MTPHead, hidden, tokens, targets, mask, depths: int = 1, teacher
                 ce = -(mx.softmax(t_logits, axis=-1) * logp).sum(axis=-1)
             else:
                 ce = -mx.take_along_axis(logp, mx.argmax(t_logits, axis=-1)[..., None], axis=-1)[..., 0]
-        level = (ce * m).sum() / mx.maximum(m.sum(), 1.0)
         if hidden_weight and t is not None:
-            err = mx.square(h.astype(mx.float32) - t.astype(mx.float32)).mean(axis=-1)
-            level = level + hidden_weight * (err * m).sum() / mx.maximum(m.sum(), 1.0)
-        total = total + level
+            ce = ce + hidden_weight * mx.square(h.astype(mx.float32) - t.astype(mx.float32)).mean(axis=-1)
+        total = total + (ce * m).sum() / mx.maximum(m.sum(), 1.0)
     return total / len(levels)
 
 
@@ -113,19 +111,15 @@ def _value_and_grad(head: nn.Module, loss_fn, dtype):
 
 
 def _dense_params(module: nn.Module) -> Dict[str, mx.array]:
-    out, quantized = {}, []
+    """`module`'s parameters in float32, a quantized layer's weight dequantized (its scales and biases dropped)."""
+    out, packing = {}, set()
     for name, mod in module.named_modules():
         if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             prefix = f"{name}." if name else ""
-            quantized.append(prefix)
-            w = mx.dequantize(mod.weight, mod.scales, mod.get("biases"), mod.group_size, mod.bits,
-                              **({"mode": mod.mode} if hasattr(mod, "mode") else {}))
-            out[prefix + "weight"] = w
-            if "bias" in mod:
-                out[prefix + "bias"] = mod.bias
-    for k, v in tree_flatten(module.parameters()):
-        if not any(k.startswith(q) and k.count(".") == q.count(".") for q in quantized):
-            out[k] = v
+            packing |= {prefix + "scales", prefix + "biases"}
+            out[prefix + "weight"] = mx.dequantize(mod.weight, mod.scales, mod.get("biases"), mod.group_size, mod.bits,
+                                                   mode=mod.mode)
+    out.update((k, v) for k, v in tree_flatten(module.parameters()) if k not in packing and k not in out)
     return {k: v.astype(mx.float32) for k, v in out.items()}
 
 
@@ -215,7 +209,6 @@ def _training_data(bundle: ModelBundle, data, cfg: TrainConfig, ck: Path, state:
         tdata.extend(extra)
     if cfg.text:  # training only: the held-out split stays the data's own
         tdata.extend(text_data(bundle, cfg.text, cfg.text_tokens, cfg.seq_len, cfg.seed).clip(cfg.seq_len))
-    ck.mkdir(parents=True, exist_ok=True)
     tdata.save(data_file, dkey)
     log(f"data: {len(tdata.sequences)} sequences, {sum(map(len, tdata.sequences)):,} tokens "
         f"({time.monotonic() - started:.0f}s)")
@@ -259,8 +252,8 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
         raise TrainHeadError("no training sequences left after holding some out: give more data")
 
     store_dtype, step_dtype = _dtypes(cfg)
-    train_f = trunk_features(mdl, [tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
-                             store_dtype, False, desc="trunk (train)", quiet=quiet)
+    train = tdata.subset(train_idx, tdata.source)
+    train_f = trunk_features(mdl, train.sequences, train.starts, store_dtype, False, desc="trunk (train)", quiet=quiet)
     held_f = trunk_features(mdl, [tdata.sequences[i] for i in tdata.heldout], [tdata.starts[i] for i in tdata.heldout],
                             store_dtype, True, desc="trunk (held-out)", quiet=quiet)
     others = _heldout_sets(bundle, cfg, ck, store_dtype, quiet, read, log)
@@ -275,7 +268,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
             "(--max-rows, a larger job) helps more than more steps")
 
     head = _init_head(mdl, cfg)
-    vocab, draft, index = _draft_vocab(bundle, head, tdata, train_idx, cfg)
+    vocab, draft, index = _draft_vocab(bundle, head, train, cfg)
     _causal(head, 2)  # settle the mask kind outside any gradient transform
     # the schedule spans cfg.steps, or what --fit-steps planned (kept in the checkpoint)
     total = int((state or {}).get("planned_steps") or cfg.steps)
@@ -343,7 +336,7 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     interrupted = None
     fitting = (cfg.fit_steps and cfg.max_seconds is not None and "planned_steps" not in (state or {})
                and cfg.steps > step + FIT_PROBE[1])
-    probe = (step + FIT_PROBE[0], step + FIT_PROBE[1], None)
+    probe_from, probe_to, probe_start = step + FIT_PROBE[0], step + FIT_PROBE[1], 0.0
     try:
         while step < total:
             if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:
@@ -352,21 +345,20 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
             idx = rng.choice(len(train_idx), size=min(cfg.batch_size, len(train_idx)), replace=False)
             loss = (first_step if step == resumed_from else train_step)(sorted(int(i) for i in idx))
             step += 1
-            if fitting and step == probe[0]:
-                probe = (probe[0], probe[1], time.monotonic())
-            elif fitting and step == probe[1]:
+            if fitting and step == probe_from:
+                probe_start = time.monotonic()
+            elif fitting and step == probe_to:
                 fitting = False
-                total = _fit(cfg, step, (time.monotonic() - probe[2]) / (probe[1] - probe[0]), eval_seconds,
-                             cfg.max_seconds - (time.monotonic() - started))
+                per_step = (time.monotonic() - probe_start) / (probe_to - probe_from)
+                total = _fit(cfg, step, per_step, eval_seconds, cfg.max_seconds - (time.monotonic() - started))
                 plan["lr"] = _schedule(replace(cfg, steps=total))
                 header["planned_steps"] = total
                 bar.total = total
-                log(f"--fit-steps: {(time.monotonic() - probe[2]) / (probe[1] - probe[0]):.3f} s a step; the schedule "
-                    f"now spans {total} steps (of at most {cfg.steps})")
+                log(f"--fit-steps: {per_step:.3f} s a step; the schedule now spans {total} steps "
+                    f"(of at most {cfg.steps})")
             lv = loss.item()
             train_loss = lv if train_loss is None else 0.95 * train_loss + 0.05 * lv  # a moving average
-            metrics = {"loss": lv, "lr": float(opt.learning_rate.item() if isinstance(opt.learning_rate, mx.array)
-                                               else opt.learning_rate)}
+            metrics = {"loss": lv, "lr": float(opt.learning_rate)}
             if step % cfg.eval_every == 0 or step == total:
                 last_eval = held_out(step)
                 hl, ha = last_eval["heldout_loss"], last_eval["heldout_acceptance"]
@@ -394,40 +386,36 @@ def train_head(model, data, out_dir, config: Optional[TrainConfig] = None, *, re
     held_report = depth_report(head, held_f, depths, vocab=vocab)
     other_meta = [{"data": other.source, "sequences": len(other.sequences), "positions": other_f.positions,
                    **depth_report(head, other_f, depths, vocab=vocab)} for other, other_f in others]
-    meta = sidecar_meta(cfg, tdata, step, header, train_loss, initial, last_eval, held_report, other_meta,
-                         mixed["dtype"], vocab, train_f, held_f, started)
-    save_sidecar(bundle, head, out, meta)
-    remove = Path(out) / DRAFT_VOCAB_FILE
+    res = TrainResult(out_dir=str(out), steps=step, train_loss=train_loss, heldout_loss=last_eval["heldout_loss"],
+                      heldout_acceptance=last_eval["heldout_acceptance"], initial_heldout_loss=initial["heldout_loss"],
+                      initial_heldout_acceptance=initial["heldout_acceptance"], sequences=len(tdata.sequences),
+                      train_tokens=train_f.positions, heldout_tokens=held_f.positions, resumed_from=resumed_from,
+                      seconds=time.monotonic() - started, history=history, heldout_other=other_meta,
+                      acceptance_by_depth=held_report["acceptance_by_depth"])
+    save_sidecar(bundle, head, out, sidecar_meta(cfg, tdata, res, header, held_report, mixed["dtype"], vocab))
     if vocab is not None:
         save_draft_vocab(out, vocab)
-    elif remove.exists():
-        remove.unlink()
+    else:  # an earlier run's: this head drafts over the whole vocabulary
+        (out / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     log(f"held-out loss {initial['heldout_loss']:.4f} -> {last_eval['heldout_loss']:.4f}, acceptance "
         f"{initial['heldout_acceptance']:.3f} -> {last_eval['heldout_acceptance']:.3f}; wrote {out}")
-    return TrainResult(out_dir=str(out), steps=step, train_loss=train_loss, heldout_loss=last_eval["heldout_loss"],
-                       heldout_acceptance=last_eval["heldout_acceptance"], initial_heldout_loss=initial["heldout_loss"],
-                       initial_heldout_acceptance=initial["heldout_acceptance"], sequences=len(tdata.sequences),
-                       train_tokens=train_f.positions, heldout_tokens=held_f.positions, resumed_from=resumed_from,
-                       seconds=time.monotonic() - started, history=history, heldout_other=other_meta,
-                       acceptance_by_depth=held_report["acceptance_by_depth"])
+    return res
 
 
-def _draft_vocab(bundle: ModelBundle, head: MTPHead, tdata: TrainData, train_idx, cfg: TrainConfig):
+def _draft_vocab(bundle: ModelBundle, head: MTPHead, train: TrainData, cfg: TrainConfig):
     """(ids, DraftVocab, index: id -> place or -1) of the drafting vocabulary, or (None, None, None)."""
     V = int(head.logits(mx.zeros((1, head.fc.weight.shape[0]))).shape[-1])
     if not 0 < cfg.draft_vocab < V:
         return None, None, None
     eos = list(getattr(bundle.tokenizer, "eos_token_ids", None) or [])
-    vocab = frequent_tokens([tdata.sequences[i] for i in train_idx], [tdata.starts[i] for i in train_idx],
-                            cfg.draft_vocab, V, eos)
+    vocab = frequent_tokens(train.sequences, train.starts, cfg.draft_vocab, V, eos)
     draft = DraftVocab(head, vocab, V)
     index = np.full(V, -1, dtype=np.int32)
     index[np.array(draft.ids)] = np.arange(draft.size, dtype=np.int32)
     return vocab, draft, mx.array(index)
 
 
-def _heldout_sets(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read=None,
-                  log=None) -> List[tuple]:
+def _heldout_sets(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, quiet: bool, read, log) -> List[tuple]:
     """(TrainData, Features) of each `heldout_data` set, self-distilled once and kept by key."""
     ocfg = replace(cfg, sample=cfg.heldout_rows, max_rows=cfg.heldout_rows, samples_per_prompt=0, prompts=())
     sets: Dict[str, TrainData] = {}
@@ -443,16 +431,14 @@ def _heldout_sets(bundle: ModelBundle, cfg: TrainConfig, ck: Path, store_dtype, 
     rows = [(name, p) for name, _, _, d in todo if isinstance(d, ReadData) for p in d.prompts]
     if rows:
         news = [d.max_new_tokens for _, _, _, d in todo if isinstance(d, ReadData) for _ in d.prompts]
-        (log or (lambda m: None))(f"self-distilling {len(rows)} rows of {len(todo)} held-out set(s)")
+        log(f"self-distilling {len(rows)} rows of {len(todo)} held-out set(s)")
         both = self_distill(bundle, [p for _, p in rows], news, cfg.gen_batch, cfg.seq_len, quiet, seed=cfg.seed)
     for name, key, path, d in todo:
         if isinstance(d, ReadData) and d.prompts:
             mine = [i for i, g in enumerate(both.groups) if rows[g][0] == name]
-            sets[name] = TrainData([both.sequences[i] for i in mine], d.source, [both.starts[i] for i in mine])
+            sets[name] = both.subset(mine, d.source)
         else:
             sets[name] = build_data(bundle, d, ocfg, quiet, log)
-        sets[name].clip(cfg.seq_len)
-        ck.mkdir(parents=True, exist_ok=True)
-        sets[name].save(path, key)
+        sets[name].clip(cfg.seq_len).save(path, key)
     return [(sets[name], trunk_features(bundle.model, sets[name].sequences, sets[name].starts, store_dtype, True,
                                         desc=f"trunk (held-out {name})", quiet=quiet)) for name in cfg.heldout_data]
