@@ -50,8 +50,8 @@ class Arch:
         self.refs = [reference_tokens(self.bundle.model, p, m, eos) for p, (_, m) in zip(self.prompts, PROMPTS)]
 
     def run(self, method, width, compiled, draft_model=None):
-        spec = SpeculativeConfig(method=method, depth=3, compiled_verify=compiled,
-                                 draft_model=str(draft_model) if draft_model else None)
+        spec = SpeculativeConfig(method=method, depth=3, compiled_verify=compiled, adaptive_depth=False,
+                                 draft_model=str(draft_model) if draft_model else None)  # every round drafts
         eng = Engine(self.bundle, spec, ScheduleConfig(max_batch=width))
         reqs = [Request(key=i, prompt_tokens=list(p), params=SamplingParams(max_tokens=m))
                 for i, (p, (_, m)) in enumerate(zip(self.prompts, PROMPTS))]
