@@ -179,9 +179,11 @@ def read_manifest(run_dir: str) -> Dict:
 def record_file(manifest: Dict, entry: Optional[Dict] = None) -> str:
     """The file that holds `entry`'s record (None: every shard's, where they are all in one)."""
     listed = manifest.get(LISTED, 0)
-    if entry is None:
-        return MANIFEST if listed == len(manifest["shards"]) else COMMITS if not listed else f"{MANIFEST} and {COMMITS}"
-    return MANIFEST if any(e is entry for e in manifest["shards"][:listed]) else COMMITS
+    if entry is not None:
+        return MANIFEST if any(e is entry for e in manifest["shards"][:listed]) else COMMITS
+    if listed == len(manifest["shards"]):
+        return MANIFEST
+    return f"{MANIFEST} and {COMMITS}" if listed else COMMITS
 
 
 def counters() -> Tuple[str, ...]:
