@@ -47,8 +47,7 @@ def use_openblas() -> BlasInfo:
                         "call mtplx.process.prepare_process() before anything imports mlx.core")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     errors: List[str] = []
-    wheel = _package_dir(PIP_PACKAGE.replace("-", "_"))
-    found = sorted(glob.glob(os.path.join(wheel, "libopenblas*.so*"))) if wheel else []
+    found = _package_files(PIP_PACKAGE.replace("-", "_"), "libopenblas*.so*")
     for path in found + [p for p in SYSTEM_OPENBLAS if os.path.exists(p)]:
         try:
             lib = _open(path)
@@ -85,12 +84,16 @@ def _mapped_openblas() -> Optional[str]:
     return None
 
 
-def _package_dir(name: str) -> Optional[str]:
+def _package_files(name: str, pattern: str) -> List[str]:
+    """The files matching `pattern` in any directory of the top-level package `name`, found without
+    importing it. `mlx` is a namespace package: a folder named mlx on sys.path (a kernel cache in
+    /tmp, a checkout) is one of its directories too."""
     try:
-        spec = importlib.util.find_spec(name)  # finds a top-level package without importing it
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
-        return None
-    return list(spec.submodule_search_locations)[0] if spec is not None and spec.submodule_search_locations else None
+        return []
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    return sorted(os.path.normpath(p) for d in dirs for p in glob.glob(os.path.join(d, pattern)))
 
 
 def _open(path: str) -> ctypes.CDLL:
@@ -104,8 +107,7 @@ def _open(path: str) -> ctypes.CDLL:
 
 def _link_dir(openblas: str) -> str:
     """A directory of links to `openblas` and mlx-cpu's libgfortran, as the wheel's RPATH asks."""
-    mlx = _package_dir("mlx")
-    bundled = sorted(glob.glob(os.path.join(os.path.dirname(mlx), "mlx_cpu.libs", "*.so*"))) if mlx else []
+    bundled = _package_files("mlx", os.path.join(os.pardir, "mlx_cpu.libs", "*.so*"))
     gfortran = [p for p in bundled if os.path.basename(p).startswith("libgfortran")]
     if not gfortran:
         raise OSError(f"{openblas} needs libgfortran.so.5, which neither the system nor mlx-cpu has "
