@@ -96,7 +96,7 @@ def peer_input(job_file: str, overrides) -> dict:
 
 def tokens_per_verify(run_dir: Path):
     """(accepted + verifies) / verifies over the run's committed rows; '' when nothing was verified."""
-    from pipelines.io.checkpoint import read_manifest
+    from pipelines.io.records import read_manifest
 
     accepted = verifies = 0
     for shard in read_manifest(str(run_dir))["shards"]:

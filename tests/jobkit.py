@@ -70,7 +70,7 @@ def flip_column_byte(path, column: str) -> None:
 
 def records(run_dir) -> List[Dict[str, Any]]:
     """The committed shards' records (manifest.json's and commits.jsonl's, through the reader every command uses)."""
-    from pipelines.io.checkpoint import read_manifest
+    from pipelines.io.records import read_manifest
 
     return read_manifest(str(run_dir))["shards"]
 

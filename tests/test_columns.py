@@ -3,6 +3,7 @@ row, the names a keep_column may not take, the manifest's per-shard sums and tot
 columns `report` reads all come from it."""
 
 import pipelines.io.checkpoint as checkpoint
+import pipelines.io.records as records
 import pipelines.io.columns as columns
 import pipelines.io.sink as sink
 import pipelines.job.columns as table
@@ -22,13 +23,13 @@ def test_every_place_reads_the_one_list(tmp_path, monkeypatch):
     extra = table.Column("extra_stat", "int64", summed=True)
     monkeypatch.setattr(columns, "COLUMNS", table.COLUMNS + (extra,))
     monkeypatch.setattr(sink, "SUMMED_COLUMNS", table.SUMMED_COLUMNS + ("extra_stat",))
-    monkeypatch.setattr(checkpoint, "SUMMED_COLUMNS", table.SUMMED_COLUMNS + ("extra_stat",))
+    monkeypatch.setattr(records, "SUMMED_COLUMNS", table.SUMMED_COLUMNS + ("extra_stat",))
     run = checkpoint.RunDir.prepare(str(tmp_path / "run"), "name: x\n", {"p": "1"}, log=lambda m: None)
     w = sink.ShardWriter(run, columns.output_schema(), 2)
     for i in range(2):
         w.add({**dict.fromkeys(names + ["extra_stat"]), "row": i, "sample": 0, "id": str(i), "finish_reason": "stop", "extra_stat": 5})
     w.flush()
-    manifest = checkpoint.read_manifest(str(tmp_path / "run"))
+    manifest = records.read_manifest(str(tmp_path / "run"))
     assert manifest["shards"][0]["extra_stat"] == 10
-    assert checkpoint.totals(manifest)["extra_stat"] == 10
+    assert records.totals(manifest)["extra_stat"] == 10
     run.close()

@@ -15,7 +15,7 @@ from pipelines.cli.progress import Bars
 from pipelines.cli.report_plots import throughput_intervals
 from pipelines.execution.progress import Progress
 from pipelines.execution.session import run_job
-from pipelines.io.checkpoint import PROGRESS_FILE
+from pipelines.io.records import PROGRESS_FILE
 from pipelines.io.run_stats import collect, read_progress
 
 

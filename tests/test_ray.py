@@ -132,7 +132,7 @@ def test_the_reader_hands_the_actors_a_batch_at_a_time(tmp_path, llama, ray_addr
     whole output was one block, so one actor task ran every row, whatever executor.concurrency
     said, and its rows came back only at its end. The job's blocks are about a batch each."""
     from pipelines.execution.ray_executor import ray_data_context, actor_batch_rows, build_dataset
-    from pipelines.io.checkpoint import CommittedKeys
+    from pipelines.io.records import CommittedKeys
 
     data = write_parquet(tmp_path / "in.parquet", sample_rows(64))
     job = build_job(job_dict(llama, data, tmp_path / "run", executor="ray", generation={"max_tokens": 4},

@@ -10,7 +10,9 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from pipelines.io.checkpoint import CommittedKeys, RunDir, read_manifest, totals, verify_shards
+from pipelines.io.checkpoint import RunDir
+
+from pipelines.io.records import CommittedKeys, read_manifest, totals, verify_shards
 from pipelines.errors import JobError
 from pipelines.job.fingerprint import fingerprint, sha256_file
 from pipelines.io.columns import OUTPUT_COLUMNS, output_schema

@@ -213,7 +213,7 @@ def resume(run_dir: str, quiet: bool, log_json: bool, log_every: float):
       mtplx-batch resume runs/eval
       mtplx-batch resume runs/eval --log-json --log-every 60 2>>runs/eval.log   # from cron
     """
-    from ..io.checkpoint import JOB_FILE
+    from ..io.records import JOB_FILE
     from ..job.config import load_job
 
     path = os.path.join(run_dir, JOB_FILE)

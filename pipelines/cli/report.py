@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..io.checkpoint import PROGRESS_FILE
+from ..io.records import PROGRESS_FILE
 from ..io.run_stats import TOP_SLOW, RunStats, collect
 from .report_plots import PLOTS, pyplot
 

@@ -6,7 +6,7 @@ from typing import Dict, Optional
 
 from mtplx.request import tokens_per_verify
 
-from ..io.checkpoint import check_unread, planned_outputs, read_manifest, totals
+from ..io.records import check_unread, planned_outputs, read_manifest, totals
 from ..io.figures import acceptance_rate, eta_seconds, per_second
 
 

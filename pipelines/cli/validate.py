@@ -11,7 +11,9 @@ from typing import List, Optional, Tuple
 
 import os
 
-from ..io.checkpoint import check_run_dir, totals, verify_shards
+from ..io.checkpoint import check_run_dir
+
+from ..io.records import totals, verify_shards
 from ..job.config import JobConfig
 from ..errors import JobError
 from ..job.fingerprint import fingerprint_parts

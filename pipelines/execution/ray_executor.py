@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import JobError, RunError
-from ..io.checkpoint import CommittedKeys
+from ..io.records import CommittedKeys
 from ..io.job_input import open_job
 from ..job.config import ExecutorConfig, JobConfig
 from .opening import load_tokenizer, model_max_context

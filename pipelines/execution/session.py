@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from ..errors import RunError
-from ..io.checkpoint import PROGRESS_FILE, CommittedKeys, RunDir, totals
+from ..io.checkpoint import RunDir
+from ..io.records import PROGRESS_FILE, CommittedKeys, totals
 from ..io.columns import output_schema
 from ..io.figures import per_second
 from ..io.job_input import Prepared, open_job

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import JobError
-from .checkpoint import planned_outputs, read_manifest, verify_shards
+from .records import planned_outputs, read_manifest, verify_shards
 from .run_stats import collect, error_kind, read_job
 
 FORMATS = ("openai-batch", "jsonl", "hf")

@@ -31,7 +31,7 @@ from mtplx.request import tokens_per_verify
 
 from ..errors import JobError
 from ..job.columns import REPORT_COLUMNS
-from .checkpoint import JOB_FILE, PROGRESS_FILE, Committed, planned_outputs, read_manifest, verify_shards
+from .records import JOB_FILE, PROGRESS_FILE, Committed, planned_outputs, read_manifest, verify_shards
 from .figures import acceptance_rate, per_second
 
 TOP_SLOW = 20  # the slowest rows kept
