@@ -178,8 +178,8 @@ def test_hybrid_draft_model_rolls_back_after_a_partial_accept(tiny_model):
 
 @pytest.mark.parametrize("target", ["qwen3_next", "llama"])
 def test_hybrid_draft_model_prefix_sharing_snapshots_at_the_edge(tiny_model, target):
-    """Rows sharing a stable prefix start the draft model from the leader's state at the prefix
-    edge, not after the leader's whole prompt. The draft is the hybrid qwen3_next itself: its
+    """Rows sharing a stable prefix start the draft model from the first row's state at the prefix
+    edge, not after the first row's whole prompt. The draft is the hybrid qwen3_next itself: its
     drafts are the target's own greedy tokens when its state is right, so every draft of every
     row is accepted (with a state from past the edge, followers' drafts would mostly be rejected).
     The recurrent state cannot be cut back to the edge afterwards: asking for it is an error."""

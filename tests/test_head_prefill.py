@@ -96,7 +96,7 @@ def test_batched_head_prefill_of_restored_prefix_rows_equals_prefill_row(tiny_mo
     d.chunk = 8  # suffixes span head chunks
     rng = np.random.default_rng(6)
     shared = rng.integers(5, 200, 20).tolist()
-    eng.prefiller.run(_prefix_rows(eng, shared, [[7, 8]]), d)  # the leader: stores the prefix
+    eng.prefiller.run(_prefix_rows(eng, shared, [[7, 8]]), d)  # the group's first row: stores the prefix
     rows = _prefix_rows(eng, shared, [rng.integers(5, 200, int(n)).tolist() for n in (3, 11, 1, 17)])
     rows.append(eng.scheduler.new_row(Request(key=9, prompt_tokens=rng.integers(5, 200, 14).tolist(),
                                      params=SamplingParams(max_tokens=6)))[0])  # no prefix
@@ -127,7 +127,7 @@ def test_rows_sharing_a_restored_prefix_prefill_the_head_together(tiny_model, tm
     N = 8
     rng = np.random.default_rng(7)
     shared = rng.integers(5, 200, 24).tolist()
-    prompts = [shared + rng.integers(5, 200, 4).tolist() for _ in range(N)]  # one length group after the leader
+    prompts = [shared + rng.integers(5, 200, 4).tolist() for _ in range(N)]  # one length group after the first row
     forwards = []
     hidden = eng.drafter.head.hidden
     eng.drafter.head.hidden = lambda h, *a, **k: (forwards.append(h.shape[0]), hidden(h, *a, **k))[1]
@@ -138,8 +138,8 @@ def test_rows_sharing_a_restored_prefix_prefill_the_head_together(tiny_model, tm
     for i, p in enumerate(prompts):
         assert out[i] == reference_tokens(bundle.model, p, 6, eng.eos)
     assert eng.counters.cached_prompt_tokens == (N - 1) * len(shared)
-    assert (N - 1) in forwards, forwards  # the seven rows after the leader, in one head forward
-    # the leader: its two trunk spans (split at the edge) and its head chunk; the group: one trunk and one head chunk
+    assert (N - 1) in forwards, forwards  # the seven rows after the first, in one head forward
+    # the first row: its two trunk spans (split at the edge) and its head chunk; the group: one trunk and one head chunk
     assert len(calls) <= 5 < 2 + 1 + 1 + (N - 1), calls
 
 
