@@ -26,7 +26,8 @@ from . import kernels
 from .graphbank import CompiledVerifyBank
 from .models.loading import ModelBundle, cache_dir, context_length, load
 from .models.mtp import has_trunk_split, project_logits, trunk_hidden
-from .prefill import MIN_PREFIX_TOKENS, Prefiller, PrefixStore, activation_bytes, _iter_prefill_chunk_spans, _prefill_chunk_size, _split_spans_at  # noqa: F401 (the seed's names live here too)
+from .prefill import (MIN_PREFIX_TOKENS, Prefiller, activation_bytes, _iter_prefill_chunk_spans,  # noqa: F401
+                      _prefill_chunk_size, _split_spans_at)  # (the seed's names live here too)
 from .request import Request, Result
 from .rounds import Rounds
 from .scheduler import Memory, Scheduler
@@ -253,7 +254,7 @@ class Engine:
         if rows is None:  # nothing in flight, and the batch or the prefix store is in the next row's way
             yield from self.rounds.land_carried(sched)
             sched.release()
-            self.prefiller.store = PrefixStore(self.prefiller.store.size)
+            self.prefiller.store.clear()
             return True
         if not rows:
             return False

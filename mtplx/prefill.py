@@ -92,6 +92,9 @@ class PrefixStore:
     def values(self):
         return list(self._items.values())
 
+    def clear(self) -> None:
+        self._items.clear()
+
 
 PADDING_WASTE = 0.25  # a padded prefill batch spends at most this fraction more than its real tokens
 GPU_PADDING_WASTE = 3.0  # a GPU group costs its launches whatever its padding (128 rows: 14.6 ms a round, 17.5)
